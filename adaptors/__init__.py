@@ -1,0 +1,1 @@
+"""MindSpeed-style adaptors, installed as ``mcore.adaptors.*`` (``import mcore.adaptors.npu``)."""

@@ -1,0 +1,213 @@
+"""Process groups: initialize torch.distributed through the backend and build every parallel group.
+
+:func:`initialize_parallel` returns a frozen :class:`ProcessGroups` that is passed explicitly to
+layers, DDP, the optimizer and the schedules; there are no module-level group globals. With one
+process and no launcher it returns :meth:`ProcessGroups.single`, whose groups are all of size 1, and
+every collective in mcore is then a no-op.
+
+Launchers: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+Slurm ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_ADDR`` and
+``MASTER_PORT`` must be exported by the batch script, as in Megatron's Slurm examples).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from mcore.backend import DeviceBackend, current_backend
+from mcore.config.fields import ConfigError
+from mcore.config.parallel import ParallelConfig
+from mcore.distributed.topology import Topology
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str
+
+    @classmethod
+    def from_environ(cls, environ=None) -> LaunchEnv:
+        env = os.environ if environ is None else environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            return cls(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                       "slurm")
+        return cls(0, 1, 0, "none")
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """Every parallel group of this rank, plus the topology it came from.
+
+    ``tp``/``pp``/``dp``/``cp`` are the groups along one axis; ``mp`` spans tp x pp (one model
+    replica: gradient norms are reduced over it); ``dp_cp`` spans dp x cp (gradients are averaged
+    over it); ``embedding`` joins the first and last pipeline stage (tied embedding gradients).
+    A group is ``None`` when the job is a single process.
+    """
+
+    topology: Topology
+    tp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    mp: dist.ProcessGroup | None = None
+    dp_cp: dist.ProcessGroup | None = None
+    embedding: dist.ProcessGroup | None = None
+    world: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = field(default=(0,))
+    embedding_ranks: tuple[int, ...] = field(default=(0,))
+
+    @classmethod
+    def single(cls) -> ProcessGroups:
+        """The groups of a one-process job (every size is 1, every collective a no-op)."""
+        return cls(topology=Topology.create(1, 0))
+
+    # sizes and ranks along each axis
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.topology.coordinate("tp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topology.coordinate("pp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.coordinate("dp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.topology.cp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around, as interleaving needs)."""
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def next_stage_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def last_rank(self) -> int:
+        """The global rank that logs: the last pipeline stage of the last data-parallel replica."""
+        return self.world_size - 1
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int, timeout: timedelta, options) -> dist.ProcessGroup | None:
+    """Create every group along one axis (all ranks must create all groups, in the same order)."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=options)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def initialize_parallel(config: ParallelConfig, backend: DeviceBackend | None = None,
+                        init_method: str = "env://") -> ProcessGroups:
+    """Initialize torch.distributed (if the launcher started several processes) and build the groups.
+
+    Args:
+        config: the layout (tp, pp, cp sizes, rank order, timeout).
+        backend: the device backend; its ``dist_backend`` names the torch.distributed backend and its
+            plugins may supply process-group options (``mcore_process_group_options``).
+        init_method: torch.distributed rendezvous (``env://`` reads MASTER_ADDR/MASTER_PORT).
+
+    Raises:
+        ConfigError: the layout does not tile the world size (the message names every factor).
+    """
+    from mcore.plugins.manager import plugin_manager
+
+    backend = backend or current_backend()
+    launch = LaunchEnv.from_environ()
+    world_size = dist.get_world_size() if dist.is_initialized() else launch.world_size
+    rank = dist.get_rank() if dist.is_initialized() else launch.rank
+    topology = Topology.create(world_size, rank, tp=config.tensor_model_parallel_size,
+                               pp=config.pipeline_model_parallel_size, cp=config.context_parallel_size,
+                               order=config.parallel_order)
+    if world_size == 1 and not dist.is_initialized():
+        return ProcessGroups(topology=topology)
+
+    local_rank = config.local_rank if config.local_rank is not None else launch.local_rank
+    backend.set_device(local_rank)
+    timeout = timedelta(minutes=config.distributed_timeout_minutes)
+    pm = plugin_manager()
+
+    def options(axis: str):
+        return pm.hook.mcore_process_group_options(backend=backend, axis=axis)
+
+    if not dist.is_initialized():
+        if launch.launcher == "slurm" and "MASTER_ADDR" not in os.environ:
+            raise ConfigError("running under Slurm with several tasks needs MASTER_ADDR and MASTER_PORT "
+                              "exported by the batch script")
+        dist.init_process_group(backend=backend.dist_backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout, pg_options=options("world"))
+    elif dist.get_backend() != backend.dist_backend:
+        raise ConfigError(f"torch.distributed is already initialized with {dist.get_backend()!r}, but "
+                          f"backend {backend.name!r} needs {backend.dist_backend!r}")
+
+    def build(axes: str, axis_name: str):
+        return _new_groups(topology.groups(axes), rank, timeout, options(axis_name))
+
+    embedding_lists = topology.embedding_groups()
+    return ProcessGroups(
+        topology=topology,
+        tp=build("tp", "tp"),
+        pp=build("pp", "pp"),
+        dp=build("dp", "dp"),
+        cp=build("cp", "cp"),
+        mp=build("tp-pp", "mp"),
+        dp_cp=build("cp-dp", "dp"),
+        embedding=_new_groups(embedding_lists, rank, timeout, options("embedding")),
+        world=dist.group.WORLD,
+        pp_ranks=tuple(topology.group_of("pp")),
+        embedding_ranks=tuple(next(g for g in embedding_lists if topology.group_of("pp")[0] in g)),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down torch.distributed and tell plugins the run is over."""
+    from mcore.plugins.manager import plugin_manager
+
+    plugin_manager().hook.mcore_on_shutdown(backend=current_backend())
+    if dist.is_initialized():
+        dist.destroy_process_group()

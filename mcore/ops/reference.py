@@ -1,0 +1,165 @@
+"""Pure-PyTorch reference for every op in the table: the definition that fused kernels must match.
+
+Shape legend: ``b`` batch, ``s`` sequence (``sq`` queries, ``sk`` keys), ``n`` attention heads,
+``g`` key/value heads (query groups), ``d`` head dim, ``h`` hidden, ``V`` vocabulary.
+
+Precision: reductions (norm statistics, softmax, log-sum-exp) are computed in fp32 whatever the input
+dtype, and results are returned in the input dtype, as Megatron's fused kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight + bias``; stats in fp32."""
+    y = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
+    return y.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``; the statistic in fp32."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return y.to(x.dtype) * weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, non-interleaved ("rotate half") convention.
+
+    Args:
+        x: ``[..., d]`` (mcore passes ``[s, b, n, d]``).
+        freqs: angles ``theta_{pos, i}`` of shape broadcastable to ``x[..., :r]`` where ``r`` is the
+            rotary dim (``r <= d``, even; ``freqs[..., i] == freqs[..., i + r/2]``). Channels past ``r``
+            pass through unchanged (``--rotary-percent`` < 1).
+
+    Returns ``x_rot * cos + rotate_half(x_rot) * sin`` on the first ``r`` channels, where
+    ``rotate_half([a, b]) = [-b, a]``; computed in fp32, returned in ``x.dtype``.
+    """
+    rot_dim = freqs.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    cos, sin = freqs.float().cos(), freqs.float().sin()
+    out = (x_rot.float() * cos + _rotate_half(x_rot.float()) * sin).to(x.dtype)
+    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    """``gelu(x + bias)``; ``approximate="tanh"`` is GPT-2's ``gelu_new``, ``"none"`` the exact erf form."""
+    if bias is not None:
+        x = x + bias
+    return F.gelu(x, approximate=approximate)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused ``[..., 2f]`` input: ``silu(x[..., :f]) * x[..., f:]`` (gate first, then up)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
+                     training: bool) -> torch.Tensor:
+    """``residual + dropout(x + bias)``."""
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=p, training=training)
+
+
+def scaled_masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``softmax(scale * scores)`` over the last dim in fp32, with ``mask`` (bool, True = masked out)."""
+    x = scores.float() * scale
+    if mask is not None:
+        x = x.masked_fill(mask, torch.finfo(torch.float32).min)
+    return torch.softmax(x, dim=-1).to(scores.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, dropout_p: float = 0.0,
+              scale: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention with causal/padding masks, an additive bias and grouped KV heads.
+
+    Args:
+        q: ``[b, n, sq, d]``.
+        k, v: ``[b, g, sk, d]`` with ``n % g == 0``; kv head ``j`` serves query heads
+            ``j*n/g .. (j+1)*n/g - 1`` (grouped-query attention; ``g == 1`` is multi-query).
+        causal: query ``i`` sees keys ``j <= i + (sk - sq)`` (aligned at the end, so a KV cache works).
+        mask: bool, broadcastable to ``[b, n, sq, sk]``, True = masked out (Megatron's convention).
+        bias: float, broadcastable to ``[b, n, sq, sk]``, added to the scaled scores (ALiBi).
+        dropout_p: attention-probability dropout (uses the current RNG: fork the TP tracker outside).
+        scale: score scale, default ``1/sqrt(d)``.
+
+    Returns ``[b, n, sq, d]`` in ``q.dtype``; scores and softmax in fp32.
+    """
+    n, g = q.shape[1], k.shape[1]
+    if n != g:
+        k = k.repeat_interleave(n // g, dim=1)
+        v = v.repeat_interleave(n // g, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    sq, sk = q.shape[-2], k.shape[-2]
+    fill = torch.finfo(torch.float32).min
+    if causal:
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        scores = scores.masked_fill(future, fill)
+    if mask is not None:
+        scores = scores.masked_fill(mask, fill)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token cross-entropy in fp32: ``logits [..., V]``, ``labels [...]`` -> loss ``[...]``."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    loss = F.cross_entropy(flat, labels.reshape(-1), reduction="none", label_smoothing=label_smoothing)
+    return loss.view(labels.shape)
+
+
+@torch.no_grad()
+def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+              exp_avg_sqs: Sequence[torch.Tensor], *, step: int, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float, decoupled_weight_decay: bool = True) -> None:
+    """One Adam/AdamW step, in place on fp32 ``params`` and moment buffers (``step`` counts from 1).
+
+    ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``;
+    ``p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``; weight decay is decoupled
+    (``p *= 1 - lr*wd``, AdamW) or added to the gradient (``g += wd p``, Adam) as PyTorch does.
+    """
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        if weight_decay != 0.0:
+            if decoupled_weight_decay:
+                p.mul_(1.0 - lr * weight_decay)
+            else:
+                g = g.add(p, alpha=weight_decay)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = (v / bias2).sqrt_().add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bias1)
+
+
+REFERENCE_OPS = {
+    "layer_norm": layer_norm,
+    "rms_norm": rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "bias_gelu": bias_gelu,
+    "swiglu": swiglu,
+    "bias_dropout_add": bias_dropout_add,
+    "scaled_masked_softmax": scaled_masked_softmax,
+    "attention": attention,
+    "cross_entropy": cross_entropy,
+    "adam_step": adam_step,
+}

@@ -1,0 +1,120 @@
+"""Run a function in N real processes (gloo on CPU by default): the harness of every distributed test.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes that rendezvous through
+``torch.distributed`` (env:// on a free localhost port), runs ``fn(*args)`` in each, and returns the
+list of per-rank return values. An exception on any rank is re-raised in the caller as
+:class:`DistributedTestError` naming the rank and carrying its traceback; a rank that hangs past
+``timeout`` is killed and reported by number.
+
+``fn`` must be importable by name (a module-level function) because processes are started with the
+``forkserver`` method: a server process imports torch once and forks each rank from it, which is fast
+and safe (no OpenMP or thread state inherited from the test process).
+
+Each rank sets one thread per process (the CI machine has 2 cores) and selects the device backend
+named by ``backend`` (``MCORE_TEST_BACKEND`` overrides it, so the same tests run on a GPU machine with
+``MCORE_TEST_BACKEND=cuda``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_FORKSERVER_PRELOAD = ["torch", "mcore.backend", "mcore.distributed.groups"]
+
+
+class DistributedTestError(AssertionError):
+    """A rank of a distributed test failed, or did not finish in time."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_backend_name(default: str = "cpu") -> str:
+    """The backend tests run on: ``MCORE_TEST_BACKEND`` or ``default``."""
+    return os.environ.get("MCORE_TEST_BACKEND", default)
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend_name, results) -> None:
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    })
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        from mcore.plugins.manager import select_backend
+
+        backend = select_backend(backend_name)
+        backend.set_device(rank)
+        dist.init_process_group(backend.dist_backend, rank=rank, world_size=world_size)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException as err:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args, backend: str | None = None,
+                    timeout: float = 180.0, **kwargs) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    backend_name = backend or test_backend_name()
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_rank_main, args=(fn, args, kwargs, r, world_size, port, backend_name, results),
+                             daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise DistributedTestError(f"ranks {missing} did not finish within {timeout:.0f}s")
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes]
+                if dead and all(not procs[r].is_alive() for r in dead):
+                    # Give the queue a moment: a rank that exited normally may still be flushing.
+                    time.sleep(0.5)
+                    if results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise DistributedTestError(f"ranks {dead} exited without a result (exit codes {codes})")
+                continue
+            outcomes[rank] = (ok, payload)
+            if not ok:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=0 if any(not ok for ok, _ in outcomes.values()) else 5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: payload for r, (ok, payload) in outcomes.items() if not ok}
+    if failures:
+        rank = min(failures)
+        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
