@@ -16,13 +16,18 @@ def report(out=sys.stdout) -> int:
     except PluginError as err:
         print(f"error: {err}", file=out)
         return 1
-    print(f"mcore plugin API {PLUGIN_API_VERSION}; plugins: {', '.join(n for n, _ in pm.list_name_plugin())}",
-          file=out)
+    print(
+        f"mcore plugin API {PLUGIN_API_VERSION}; plugins: {', '.join(n for n, _ in pm.list_name_plugin())}",
+        file=out,
+    )
     for name, backend in sorted(backends.items(), key=lambda kv: -kv[1].priority):
         ok, why = backend.is_available()
         print(f"\nbackend {name} ({'available' if ok else 'unavailable'}: {why})", file=out)
-        print(f"  device type {backend.device_type}, torch.distributed backend {backend.dist_backend}, "
-              f"priority {backend.priority}", file=out)
+        print(
+            f"  device type {backend.device_type}, torch.distributed backend {backend.dist_backend}, "
+            f"priority {backend.priority}",
+            file=out,
+        )
         if not ok:
             continue
         print(f"  capabilities: {', '.join(sorted(backend.capabilities())) or '-'}", file=out)

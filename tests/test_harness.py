@@ -27,8 +27,17 @@ def _groups_tp2_pp2():
     dist.all_reduce(t, group=groups.tp)
     s = torch.tensor([float(groups.rank)])
     dist.all_reduce(s, group=groups.pp)
-    return (groups.tp_rank, groups.pp_rank, groups.dp_rank, t.item(), s.item(), groups.is_first_stage,
-            groups.is_last_stage, groups.next_stage_rank, groups.embedding_ranks)
+    return (
+        groups.tp_rank,
+        groups.pp_rank,
+        groups.dp_rank,
+        t.item(),
+        s.item(),
+        groups.is_first_stage,
+        groups.is_last_stage,
+        groups.next_stage_rank,
+        groups.embedding_ranks,
+    )
 
 
 def test_results_come_back_in_rank_order():

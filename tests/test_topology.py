@@ -45,7 +45,11 @@ def test_invalid_layout_names_every_factor():
     with pytest.raises(ConfigError) as err:
         Topology.create(6, 0, tp=4, pp=1)
     msg = str(err.value)
-    assert "world_size=6" in msg and "tensor_model_parallel_size=4" in msg and "pipeline_model_parallel_size=1" in msg
+    assert (
+        "world_size=6" in msg
+        and "tensor_model_parallel_size=4" in msg
+        and "pipeline_model_parallel_size=1" in msg
+    )
 
 
 def test_parallel_config_validation():

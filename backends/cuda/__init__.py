@@ -15,8 +15,16 @@ from mcore.plugins import hookimpl
 MCORE_PLUGIN_API_VERSION = "1.0"
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU.
-_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
-              "L40S": 362e12, "B200": 2250e12, "GB200": 2500e12}
+_PEAK_BF16 = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "B200": 2250e12,
+    "GB200": 2500e12,
+}
 
 
 class CUDABackend(BackendBase):

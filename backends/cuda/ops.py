@@ -20,8 +20,9 @@ def attention(q, k, v, *, causal=True, mask=None, bias=None, dropout_p=0.0, scal
     gqa = q.shape[1] != k.shape[1]
     sq, sk = q.shape[-2], k.shape[-2]
     if mask is None and bias is None and (not causal or sq == sk):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
     additive = torch.zeros(sq, sk, dtype=q.dtype, device=q.device)
     if bias is not None:
         additive = additive + bias.to(q.dtype)
@@ -31,20 +32,46 @@ def attention(q, k, v, *, causal=True, mask=None, bias=None, dropout_p=0.0, scal
         additive = additive.masked_fill(future, neg_inf)
     if mask is not None:
         additive = additive.masked_fill(mask, neg_inf)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=additive, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
 
 
 @torch.no_grad()
-def adam_step(params: Sequence[torch.Tensor], grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-              weight_decay, decoupled_weight_decay=True):
+def adam_step(
+    params: Sequence[torch.Tensor],
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled_weight_decay=True,
+):
     """The reference ``adam_step`` through torch's fused multi-tensor Adam/AdamW kernel."""
     if not params:
         return
     step_tensor = torch.tensor(float(step), device=params[0].device)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
-    kernel(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], [step_tensor] * len(params),
-           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    kernel(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [],
+        [step_tensor] * len(params),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
 
 
 CUDA_OPS = {"attention": attention, "adam_step": adam_step}

@@ -104,8 +104,10 @@ def explain_unknown_flags(parser: argparse.ArgumentParser, unknown: Sequence[str
             continue
         spelling = token.split("=", 1)[0]
         if spelling in UNSUPPORTED_MEGATRON_FLAGS:
-            problems.append(f"{spelling} is a Megatron-LM flag mcore does not support: "
-                            f"{UNSUPPORTED_MEGATRON_FLAGS[spelling]}")
+            problems.append(
+                f"{spelling} is a Megatron-LM flag mcore does not support: "
+                f"{UNSUPPORTED_MEGATRON_FLAGS[spelling]}"
+            )
             continue
         close = difflib.get_close_matches(spelling, flags, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]}?)" if close else ""
@@ -120,7 +122,7 @@ def namespace_values(namespace: argparse.Namespace, group_name: str) -> dict[str
     values = {}
     for key, value in vars(namespace).items():
         if key.startswith(prefix):
-            values[key[len(prefix):]] = tuple(value) if isinstance(value, list) else value
+            values[key[len(prefix) :]] = tuple(value) if isinstance(value, list) else value
     return values
 
 
@@ -129,8 +131,12 @@ def build_configs(groups: ConfigGroups, namespace: argparse.Namespace) -> dict[s
     return {name: cls(**namespace_values(namespace, name)) for name, cls in groups.items()}
 
 
-def parse_config(groups: ConfigGroups, argv: Sequence[str] | None = None, prog: str | None = None,
-                 extra_args: Sequence[str] = ()) -> dict[str, Any]:
+def parse_config(
+    groups: ConfigGroups,
+    argv: Sequence[str] | None = None,
+    prog: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> dict[str, Any]:
     """Parse ``argv`` into one config object per group; exit 2 with one message on a user mistake.
 
     ``extra_args`` are flags another parser owns (kept out of the unknown-flag check).

@@ -18,18 +18,24 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag(1, "Degree of tensor model parallelism.")
     pipeline_model_parallel_size: int = flag(1, "Degree of pipeline model parallelism (stages).")
     virtual_pipeline_model_parallel_size: int | None = flag(
-        None, "Model chunks per pipeline stage (interleaved 1F1B).")
+        None, "Model chunks per pipeline stage (interleaved 1F1B)."
+    )
     num_layers_per_virtual_pipeline_stage: int | None = flag(
-        None, "Layers in each virtual pipeline chunk; an alternative to "
-        "--virtual-pipeline-model-parallel-size.")
+        None,
+        "Layers in each virtual pipeline chunk; an alternative to --virtual-pipeline-model-parallel-size.",
+    )
     decoder_first_pipeline_num_layers: int | None = flag(
-        None, "Layers on the first pipeline stage when the split is uneven.")
+        None, "Layers on the first pipeline stage when the split is uneven."
+    )
     decoder_last_pipeline_num_layers: int | None = flag(
-        None, "Layers on the last pipeline stage when the split is uneven.")
+        None, "Layers on the last pipeline stage when the split is uneven."
+    )
     context_parallel_size: int = flag(1, "Degree of context parallelism (rank arithmetic only for now).")
     sequence_parallel: bool = flag(False, "Shard activations along the sequence in non-TP regions (TP>1).")
-    parallel_order: str = flag("tp-cp-dp-pp", "Order in which ranks are assigned to parallel axes, "
-                               "fastest-varying first (Megatron's default).")
+    parallel_order: str = flag(
+        "tp-cp-dp-pp",
+        "Order in which ranks are assigned to parallel axes, fastest-varying first (Megatron's default).",
+    )
     device_backend: str = flag("auto", "Device backend: auto, cpu, cuda, npu or an installed plugin's name.")
     distributed_timeout_minutes: float = flag(10.0, "Timeout for collectives before the job fails.")
     local_rank: int | None = flag(None, "Local rank (set by the launcher; torchrun uses LOCAL_RANK).")
@@ -38,30 +44,44 @@ class ParallelConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, f"{name}={value} must be a positive integer")
-        check(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
-              f"--sequence-parallel needs tensor_model_parallel_size > 1 "
-              f"(got tensor_model_parallel_size={self.tensor_model_parallel_size})")
+        check(
+            not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+            f"--sequence-parallel needs tensor_model_parallel_size > 1 "
+            f"(got tensor_model_parallel_size={self.tensor_model_parallel_size})",
+        )
         if self.context_parallel_size > 1:
-            raise ConfigError(f"context_parallel_size={self.context_parallel_size}: context parallelism "
-                              "is not implemented yet; use 1")
-        if (self.virtual_pipeline_model_parallel_size is not None
-                and self.num_layers_per_virtual_pipeline_stage is not None):
-            raise ConfigError("give either --virtual-pipeline-model-parallel-size or "
-                              "--num-layers-per-virtual-pipeline-stage, not both")
+            raise ConfigError(
+                f"context_parallel_size={self.context_parallel_size}: context parallelism "
+                "is not implemented yet; use 1"
+            )
+        if (
+            self.virtual_pipeline_model_parallel_size is not None
+            and self.num_layers_per_virtual_pipeline_stage is not None
+        ):
+            raise ConfigError(
+                "give either --virtual-pipeline-model-parallel-size or "
+                "--num-layers-per-virtual-pipeline-stage, not both"
+            )
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None:
             check(vp >= 1, f"virtual_pipeline_model_parallel_size={vp} must be >= 1")
-            check(vp == 1 or self.pipeline_model_parallel_size > 1,
-                  f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size > 1 "
-                  f"(got {self.pipeline_model_parallel_size})")
+            check(
+                vp == 1 or self.pipeline_model_parallel_size > 1,
+                f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size > 1 "
+                f"(got {self.pipeline_model_parallel_size})",
+            )
         axes = self.parallel_order.split("-")
-        check(sorted(axes) == sorted(["tp", "cp", "dp", "pp"]),
-              f"parallel_order={self.parallel_order!r} must order exactly tp, cp, dp and pp")
+        check(
+            sorted(axes) == sorted(["tp", "cp", "dp", "pp"]),
+            f"parallel_order={self.parallel_order!r} must order exactly tp, cp, dp and pp",
+        )
 
     @property
     def model_parallel_size(self) -> int:
         """Ranks that hold one copy of the model: tp * cp * pp."""
-        return self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+        return (
+            self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+        )
 
     def virtual_stages(self, num_layers: int) -> int:
         """Model chunks per pipeline stage, from either virtual-pipeline flag (1 = no interleaving)."""
@@ -70,9 +90,11 @@ class ParallelConfig:
         if self.num_layers_per_virtual_pipeline_stage is not None:
             per_stage, rem = divmod(num_layers, self.pipeline_model_parallel_size)
             per_chunk = self.num_layers_per_virtual_pipeline_stage
-            check(rem == 0 and per_stage % per_chunk == 0,
-                  f"num_layers={num_layers} over pipeline_model_parallel_size="
-                  f"{self.pipeline_model_parallel_size} gives {num_layers / self.pipeline_model_parallel_size:g} "
-                  f"layers per stage, not a multiple of num_layers_per_virtual_pipeline_stage={per_chunk}")
+            check(
+                rem == 0 and per_stage % per_chunk == 0,
+                f"num_layers={num_layers} over pipeline_model_parallel_size="
+                f"{self.pipeline_model_parallel_size} gives {num_layers / self.pipeline_model_parallel_size:g} "
+                f"layers per stage, not a multiple of num_layers_per_virtual_pipeline_stage={per_chunk}",
+            )
             return per_stage // per_chunk
         return 1

@@ -39,8 +39,9 @@ class LaunchEnv:
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-            return cls(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                       "slurm")
+            return cls(
+                int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm"
+            )
         return cls(0, 1, 0, "none")
 
 
@@ -132,7 +133,9 @@ class ProcessGroups:
         return self.world_size - 1
 
 
-def _new_groups(rank_lists: list[list[int]], rank: int, timeout: timedelta, options) -> dist.ProcessGroup | None:
+def _new_groups(
+    rank_lists: list[list[int]], rank: int, timeout: timedelta, options
+) -> dist.ProcessGroup | None:
     """Create every group along one axis (all ranks must create all groups, in the same order)."""
     mine = None
     for ranks in rank_lists:
@@ -142,8 +145,9 @@ def _new_groups(rank_lists: list[list[int]], rank: int, timeout: timedelta, opti
     return mine
 
 
-def initialize_parallel(config: ParallelConfig, backend: DeviceBackend | None = None,
-                        init_method: str = "env://") -> ProcessGroups:
+def initialize_parallel(
+    config: ParallelConfig, backend: DeviceBackend | None = None, init_method: str = "env://"
+) -> ProcessGroups:
     """Initialize torch.distributed (if the launcher started several processes) and build the groups.
 
     Args:
@@ -161,9 +165,14 @@ def initialize_parallel(config: ParallelConfig, backend: DeviceBackend | None = 
     launch = LaunchEnv.from_environ()
     world_size = dist.get_world_size() if dist.is_initialized() else launch.world_size
     rank = dist.get_rank() if dist.is_initialized() else launch.rank
-    topology = Topology.create(world_size, rank, tp=config.tensor_model_parallel_size,
-                               pp=config.pipeline_model_parallel_size, cp=config.context_parallel_size,
-                               order=config.parallel_order)
+    topology = Topology.create(
+        world_size,
+        rank,
+        tp=config.tensor_model_parallel_size,
+        pp=config.pipeline_model_parallel_size,
+        cp=config.context_parallel_size,
+        order=config.parallel_order,
+    )
     if world_size == 1 and not dist.is_initialized():
         return ProcessGroups(topology=topology)
 
@@ -177,13 +186,23 @@ def initialize_parallel(config: ParallelConfig, backend: DeviceBackend | None = 
 
     if not dist.is_initialized():
         if launch.launcher == "slurm" and "MASTER_ADDR" not in os.environ:
-            raise ConfigError("running under Slurm with several tasks needs MASTER_ADDR and MASTER_PORT "
-                              "exported by the batch script")
-        dist.init_process_group(backend=backend.dist_backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timeout, pg_options=options("world"))
+            raise ConfigError(
+                "running under Slurm with several tasks needs MASTER_ADDR and MASTER_PORT "
+                "exported by the batch script"
+            )
+        dist.init_process_group(
+            backend=backend.dist_backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            pg_options=options("world"),
+        )
     elif dist.get_backend() != backend.dist_backend:
-        raise ConfigError(f"torch.distributed is already initialized with {dist.get_backend()!r}, but "
-                          f"backend {backend.name!r} needs {backend.dist_backend!r}")
+        raise ConfigError(
+            f"torch.distributed is already initialized with {dist.get_backend()!r}, but "
+            f"backend {backend.name!r} needs {backend.dist_backend!r}"
+        )
 
     def build(axes: str, axis_name: str):
         return _new_groups(topology.groups(axes), rank, timeout, options(axis_name))

@@ -74,22 +74,35 @@ class Topology:
     order: str = "tp-cp-dp-pp"
 
     @classmethod
-    def create(cls, world_size: int, rank: int, tp: int = 1, pp: int = 1, cp: int = 1,
-               order: str = "tp-cp-dp-pp") -> Topology:
+    def create(
+        cls, world_size: int, rank: int, tp: int = 1, pp: int = 1, cp: int = 1, order: str = "tp-cp-dp-pp"
+    ) -> Topology:
         """Derive dp from the world size; refuse a layout that does not tile it, naming every factor."""
-        for name, value in (("world_size", world_size), ("tensor_model_parallel_size", tp),
-                            ("pipeline_model_parallel_size", pp), ("context_parallel_size", cp)):
+        for name, value in (
+            ("world_size", world_size),
+            ("tensor_model_parallel_size", tp),
+            ("pipeline_model_parallel_size", pp),
+            ("context_parallel_size", cp),
+        ):
             if value < 1:
                 raise ConfigError(f"{name}={value} must be >= 1")
         model_parallel = tp * cp * pp
         if world_size % model_parallel != 0:
             raise ConfigError(
                 f"world_size={world_size} is not divisible by tensor_model_parallel_size={tp} x "
-                f"context_parallel_size={cp} x pipeline_model_parallel_size={pp} = {model_parallel}")
+                f"context_parallel_size={cp} x pipeline_model_parallel_size={pp} = {model_parallel}"
+            )
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank} is outside world_size={world_size}")
-        return cls(world_size=world_size, rank=rank, tp=tp, cp=cp, dp=world_size // model_parallel, pp=pp,
-                   order=order)
+        return cls(
+            world_size=world_size,
+            rank=rank,
+            tp=tp,
+            cp=cp,
+            dp=world_size // model_parallel,
+            pp=pp,
+            order=order,
+        )
 
     @property
     def sizes(self) -> dict[str, int]:

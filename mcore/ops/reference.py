@@ -66,8 +66,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
-                     training: bool) -> torch.Tensor:
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
     """``residual + dropout(x + bias)``."""
     if bias is not None:
         x = x + bias
@@ -82,9 +83,17 @@ def scaled_masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale
     return torch.softmax(x, dim=-1).to(scores.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, dropout_p: float = 0.0,
-              scale: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Scaled dot-product attention with causal/padding masks, an additive bias and grouped KV heads.
 
     Args:
@@ -128,9 +137,20 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: f
 
 
 @torch.no_grad()
-def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-              exp_avg_sqs: Sequence[torch.Tensor], *, step: int, lr: float, beta1: float, beta2: float,
-              eps: float, weight_decay: float, decoupled_weight_decay: bool = True) -> None:
+def adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool = True,
+) -> None:
     """One Adam/AdamW step, in place on fp32 ``params`` and moment buffers (``step`` counts from 1).
 
     ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``;

@@ -75,12 +75,15 @@ class OpRegistry:
     def override(self, name: str, fn: Callable, provider: str) -> None:
         """Serve op ``name`` with ``fn``. ``provider`` names the plugin, for messages and ``mcore-info``."""
         if name not in OP_NAMES:
-            raise OpConflictError(f"{provider} overrides unknown op {name!r}; known ops: {', '.join(OP_NAMES)}")
+            raise OpConflictError(
+                f"{provider} overrides unknown op {name!r}; known ops: {', '.join(OP_NAMES)}"
+            )
         current = self._entries[name]
         if current.provider not in (REFERENCE, provider):
             raise OpConflictError(
                 f"op {name!r} is overridden by both {current.provider!r} and {provider!r}; "
-                "uninstall or disable one of these plugins")
+                "uninstall or disable one of these plugins"
+            )
         self._entries[name] = OpEntry(fn, provider)
 
     def freeze(self) -> OpTable:

@@ -49,12 +49,16 @@ def check_api_version(plugin_name: str, module: Any) -> None:
     """Refuse a plugin built for another major version of the plugin API."""
     declared = getattr(module, "MCORE_PLUGIN_API_VERSION", None)
     if declared is None:
-        raise PluginError(f"plugin {plugin_name!r} ({getattr(module, '__name__', module)}) does not declare "
-                          f"MCORE_PLUGIN_API_VERSION; mcore's plugin API is {hookspecs.PLUGIN_API_VERSION}")
+        raise PluginError(
+            f"plugin {plugin_name!r} ({getattr(module, '__name__', module)}) does not declare "
+            f"MCORE_PLUGIN_API_VERSION; mcore's plugin API is {hookspecs.PLUGIN_API_VERSION}"
+        )
     if str(declared).split(".")[0] != hookspecs.PLUGIN_API_VERSION.split(".")[0]:
-        raise PluginError(f"plugin {plugin_name!r} was built for mcore plugin API {declared}, but this mcore "
-                          f"provides API {hookspecs.PLUGIN_API_VERSION}; install a version of the plugin "
-                          f"built for API {hookspecs.PLUGIN_API_VERSION.split('.')[0]}.x")
+        raise PluginError(
+            f"plugin {plugin_name!r} was built for mcore plugin API {declared}, but this mcore "
+            f"provides API {hookspecs.PLUGIN_API_VERSION}; install a version of the plugin "
+            f"built for API {hookspecs.PLUGIN_API_VERSION.split('.')[0]}.x"
+        )
 
 
 def new_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
@@ -132,8 +136,9 @@ def resolve_ops(backend: DeviceBackend, pm: pluggy.PluginManager | None = None) 
     backend.ops = registry.freeze()
 
 
-def select_backend(name: str = "auto", pm: pluggy.PluginManager | None = None,
-                   activate: bool = True) -> DeviceBackend:
+def select_backend(
+    name: str = "auto", pm: pluggy.PluginManager | None = None, activate: bool = True
+) -> DeviceBackend:
     """Apply the selection rules, resolve the op table and (by default) make the backend current."""
     pm = pm or plugin_manager()
     backends = installed_backends(pm)
@@ -149,13 +154,15 @@ def select_backend(name: str = "auto", pm: pluggy.PluginManager | None = None,
     if name not in backends:
         raise BackendSelectionError(
             f"--device-backend {name}: no such backend is installed. Installed backends:\n"
-            + describe_backends(backends))
+            + describe_backends(backends)
+        )
     backend = backends[name]
     ok, why = backend.is_available()
     if not ok:
         raise BackendSelectionError(
             f"--device-backend {name}: backend is installed but unavailable ({why}). Installed backends:\n"
-            + describe_backends(backends))
+            + describe_backends(backends)
+        )
     resolve_ops(backend, pm)
     if activate:
         set_current_backend(backend)

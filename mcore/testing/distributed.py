@@ -46,11 +46,17 @@ def test_backend_name(default: str = "cpu") -> str:
 
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend_name, results) -> None:
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     try:
         import torch
         import torch.distributed as dist
@@ -71,17 +77,28 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend_name, results) 
         results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args, backend: str | None = None,
-                    timeout: float = 180.0, **kwargs) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    backend: str | None = None,
+    timeout: float = 180.0,
+    **kwargs,
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORKSERVER_PRELOAD)
     backend_name = backend or test_backend_name()
     results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_rank_main, args=(fn, args, kwargs, r, world_size, port, backend_name, results),
-                             daemon=True)
-             for r in range(world_size)]
+    procs = [
+        context.Process(
+            target=_rank_main,
+            args=(fn, args, kwargs, r, world_size, port, backend_name, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
@@ -101,7 +118,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, backend: str
                     time.sleep(0.5)
                     if results.empty():
                         codes = {r: procs[r].exitcode for r in dead}
-                        raise DistributedTestError(f"ranks {dead} exited without a result (exit codes {codes})")
+                        raise DistributedTestError(
+                            f"ranks {dead} exited without a result (exit codes {codes})"
+                        )
                 continue
             outcomes[rank] = (ok, payload)
             if not ok:
