@@ -120,7 +120,7 @@ def run_distributed(
                         codes = {r: procs[r].exitcode for r in dead}
                         raise DistributedTestError(
                             f"ranks {dead} exited without a result (exit codes {codes})"
-                        )
+                        ) from None
                 continue
             outcomes[rank] = (ok, payload)
             if not ok:
