@@ -32,7 +32,7 @@ class DeviceBackend(Protocol):
     device_type: str
     """torch device type of tensors (``"cpu"``, ``"cuda"``, ``"npu"``)."""
     dist_backend: str
-    """torch.distributed backend name (``"gloo"``, ``"nccl"``, ``"hccl"``)."""
+    """torch.distributed backend name (gloo, or the vendor's collective library)."""
     priority: int
     """``auto`` picks the available backend with the highest priority (accelerators above cpu)."""
     ops: OpTable
