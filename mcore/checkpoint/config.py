@@ -1,0 +1,31 @@
+"""Where and when checkpoints are written and what a load restores (Megatron's flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore.config.fields import check, flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoint saving and loading."""
+
+    save: str | None = flag(None, "Directory to save checkpoints to.")
+    load: str | None = flag(None, "Directory to load a checkpoint from.")
+    save_interval: int | None = flag(None, "Save every this many iterations (and at the end).")
+    ckpt_step: int | None = flag(None, "Load this iteration instead of the latest.")
+    no_load_optim: bool = flag(False, "Do not load the optimizer state.")
+    no_load_rng: bool = flag(False, "Do not load the RNG states.")
+    no_save_optim: bool = flag(False, "Do not save the optimizer state.")
+    no_save_rng: bool = flag(False, "Do not save the RNG states.")
+    finetune: bool = flag(
+        False, "Load weights only and start at iteration 0 (implies no optimizer/RNG load)."
+    )
+    async_save: bool = flag(
+        False, "Write checkpoints in the background; the loop waits only for the device-to-host copy."
+    )
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None:
+            check(self.save_interval >= 1, f"save_interval={self.save_interval} must be >= 1")

@@ -1,0 +1,52 @@
+"""Model FLOPs per iteration (Megatron's formula) and model FLOP utilization.
+
+For a GPT with ``L`` layers, hidden ``h``, sequence ``s``, batch ``B`` (a global batch), vocabulary
+``V``, the classic formula (forward + backward = 3x forward, no recompute counted) is::
+
+    72 * B * s * L * h^2 * (1 + s / (6h) + V / (12 L h))
+
+It assumes an MLP of 4h and full multi-head attention. :func:`gpt_flops` generalizes it the way
+Megatron's ``num_floating_point_operations`` does: query groups shrink the K/V projections, SwiGLU
+has three MLP matrices, and ``ffn_hidden_size`` may differ from 4h. With those at their defaults
+it equals the formula above exactly.
+"""
+
+from __future__ import annotations
+
+
+def gpt_flops(
+    *,
+    batch_size: int,
+    seq_length: int,
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    num_attention_heads: int,
+    num_query_groups: int | None = None,
+    ffn_hidden_size: int | None = None,
+    swiglu: bool = False,
+    kv_channels: int | None = None,
+) -> float:
+    """Training FLOPs of one iteration over ``batch_size`` sequences (forward and backward)."""
+    h, s, L = hidden_size, seq_length, num_layers
+    ffn = ffn_hidden_size or 4 * h
+    groups = num_query_groups or num_attention_heads
+    kv = kv_channels or h // num_attention_heads
+    query_proj = num_attention_heads * kv / h
+    kv_proj = 2 * groups * kv / h
+    gated = 3 / 2 if swiglu else 1.0
+    # Per token and layer, in units of 6*h^2 FLOPs (one h x h matmul: 2*h^2 forward, 4*h^2 backward):
+    # Q, K/V and output projections; QK^T and probs x V (s*h each); MLP up (and gate) and down.
+    per_layer = (
+        (query_proj + kv_proj + query_proj)  # QKV and output projections
+        + 2 * s * query_proj / h  # QK^T and attention x V
+        + 2 * gated * ffn / h  # MLP up (and gate) and down
+    )
+    return 6 * batch_size * s * h * h * (L * per_layer + vocab_size / h)
+
+
+def mfu(
+    flops_per_iteration: float, seconds_per_iteration: float, num_devices: int, peak_flops: float
+) -> float:
+    """Model FLOP utilization: achieved FLOP/s per device over the device's dense peak."""
+    return flops_per_iteration / seconds_per_iteration / num_devices / peak_flops
