@@ -1,0 +1,1 @@
+"""Test utilities for mcore and for third-party backend plugins (the harness and the conformance kit)."""
