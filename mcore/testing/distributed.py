@@ -17,11 +17,14 @@ named by ``backend`` (``MCORE_TEST_BACKEND`` overrides it, so the same tests run
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import multiprocessing
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -45,7 +48,31 @@ def test_backend_name(default: str = "cpu") -> str:
     return os.environ.get("MCORE_TEST_BACKEND", default)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, backend_name, results) -> None:
+def _function_ref(fn: Callable) -> tuple[str, str, str | None]:
+    """Name a module-level function so a fresh process can import it (also from a test file
+    that pytest imported by path, which a plain ``import`` in the child could not find)."""
+    module = sys.modules.get(fn.__module__)
+    return fn.__module__, fn.__qualname__, getattr(module, "__file__", None)
+
+
+def _load_function(ref: tuple[str, str, str | None]) -> Callable:
+    module_name, qualname, path = ref
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        if path is None:
+            raise
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    target = module
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _rank_main(fn_ref, args, kwargs, rank, world_size, port, backend_name, results) -> None:
     os.environ.update(
         {
             "RANK": str(rank),
@@ -64,6 +91,7 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend_name, results) 
         torch.set_num_threads(1)
         from mcore.plugins.manager import select_backend
 
+        fn = _load_function(fn_ref)
         backend = select_backend(backend_name)
         backend.set_device(rank)
         dist.init_process_group(backend.dist_backend, rank=rank, world_size=world_size)
@@ -94,7 +122,7 @@ def run_distributed(
     procs = [
         context.Process(
             target=_rank_main,
-            args=(fn, args, kwargs, r, world_size, port, backend_name, results),
+            args=(_function_ref(fn), args, kwargs, r, world_size, port, backend_name, results),
             daemon=True,
         )
         for r in range(world_size)
