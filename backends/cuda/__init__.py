@@ -1,8 +1,19 @@
 """The CUDA backend: NVIDIA GPUs through torch.cuda, NCCL for torch.distributed, fused ops.
 
-Kernels it serves (see :mod:`mcore.backends.cuda.ops`): attention through torch's scaled-dot-product
-attention (flash / memory-efficient kernels) and the Adam/AdamW step through torch's fused
-multi-tensor kernel. Everything else falls back to the reference ops.
+Kernels it serves (see :mod:`mcore.backends.cuda.ops`, ``python -m mcore.backends`` lists them):
+
+* Triton (when installed): RMSNorm, LayerNorm, rotary embedding, SwiGLU, bias-GeLU,
+  bias-dropout-add and a chunked cross-entropy, forward and backward
+  (:mod:`mcore.backends.cuda.triton_kernels`);
+* attention through flash-attn when installed, else torch's scaled-dot-product attention;
+* the Adam/AdamW step through torch's fused multi-tensor kernel (apex's on request).
+
+``scaled_masked_softmax`` and anything a kernel does not support (CPU tensors, unusual shapes or
+dtype mixes) run the reference ops. Transformer Engine, apex and flash-attn are optional: detected
+(:mod:`mcore.backends.cuda.extensions`), never required. ``compile_layer`` compiles a transformer
+layer with torch.compile (capability ``compile_layers``; :mod:`mcore.backends.cuda.compile`).
+
+Nothing here imports Triton or a kernel at import time: this module loads on every machine.
 """
 
 from __future__ import annotations
@@ -27,6 +38,18 @@ _PEAK_BF16 = {
 }
 
 
+TRITON_CAPABILITIES = (
+    "fused_rms_norm",
+    "fused_layer_norm",
+    "fused_rotary",
+    "fused_swiglu",
+    "fused_bias_gelu",
+    "fused_bias_dropout_add",
+    "fused_cross_entropy",
+)
+"""Capabilities the Triton kernels add (only where Triton is installed)."""
+
+
 class CUDABackend(BackendBase):
     name = "cuda"
     device_type = "cuda"
@@ -41,10 +64,22 @@ class CUDABackend(BackendBase):
         return True, f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
 
     def capabilities(self) -> frozenset[str]:
-        caps = {"fp16", "fp32", "flash_attention", "fused_adam"}
+        from mcore.backends.cuda import extensions
+
+        caps = {"fp16", "fp32", "flash_attention", "fused_adam", "compile_layers"}
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             caps.add("bf16")
+        if extensions.triton_available():
+            caps |= set(TRITON_CAPABILITIES)
+        # Optional libraries found (informational: code asks for the features above, not for these).
+        caps |= {f"lib:{name}" for name, present in extensions.detected().items() if present}
         return frozenset(caps)
+
+    def compile_layer(self, module: torch.nn.Module, **kwargs) -> torch.nn.Module:
+        """Compile one transformer layer in place with torch.compile (capability ``compile_layers``)."""
+        from mcore.backends.cuda.compile import compile_layer
+
+        return compile_layer(module, **kwargs)
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         if not torch.cuda.is_available() or dtype not in (torch.bfloat16, torch.float16):
@@ -65,4 +100,4 @@ def mcore_register_ops(backend, registry):
     from mcore.backends.cuda import ops
 
     for name, fn in ops.CUDA_OPS.items():
-        registry.override(name, fn, provider="cuda")
+        registry.override(name, fn, provider=f"cuda:{ops.PROVIDERS[name]}")

@@ -1,4 +1,16 @@
-"""CUDA implementations of table ops. Each matches :mod:`mcore.ops.reference` (tested on the GPU)."""
+"""CUDA implementations of table ops. Each matches :mod:`mcore.ops.reference` (tested on the GPU).
+
+Every op here is a dispatcher: when the call fits a kernel (CUDA tensors, a supported dtype and
+shape, Triton installed) it runs the kernel, otherwise the reference op, so CPU tensors, odd shapes
+and unusual dtype mixes stay correct. Triton and the kernel modules are imported at the first call
+that uses them, never at import, so this module imports on a machine without Triton or a GPU.
+
+Inside ``torch.compile`` (see :func:`mcore.backends.cuda.compile.compile_layer`) the element-wise and
+normalisation ops trace the reference instead, which Inductor fuses with their neighbours into its
+own Triton kernels; attention, cross-entropy and the optimizer step keep their fused kernels.
+
+``PROVIDERS`` names the implementation behind each op, as ``mcore-info`` shows it.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +20,234 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mcore.ops import reference
+
+from . import extensions
+
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_NORM_WIDTH = 16384
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_INTERPRET = _interpreting()
+
+
+def _on_kernel_device(*tensors: torch.Tensor | None) -> bool:
+    """All given tensors are on one CUDA device (or Triton's interpreter is on) and Triton is there."""
+    if not extensions.triton_available():
+        return False
+    device = None
+    for t in tensors:
+        if t is None:
+            continue
+        if not (t.is_cuda or (_INTERPRET and t.device.type == "cpu")):
+            return False
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            return False
+    return True
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+# --- normalisation --------------------------------------------------------------------------------
+
+
+def _norm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    n = x.shape[-1] if x.dim() else 0
+    return (
+        not _tracing()
+        and x.dtype in _FLOAT
+        and weight.dtype in _FLOAT
+        and x.numel() > 0
+        and 0 < n <= _MAX_NORM_WIDTH
+        and weight.dim() == 1
+        and weight.shape[0] == n
+        and weight.is_contiguous()
+        and (bias is None or (bias.dim() == 1 and bias.shape[0] == n and bias.is_contiguous()))
+        and (bias is None or bias.dtype in _FLOAT)
+        and _on_kernel_device(x, weight, bias)
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference ``rms_norm`` through a Triton kernel (fwd and bwd, weight gradient)."""
+    if _norm_fits(x, weight):
+        from .triton_kernels import norms
+
+        return norms.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The reference ``layer_norm`` through a Triton kernel (fwd and bwd, weight and bias gradients)."""
+    if _norm_fits(x, weight, bias):
+        from .triton_kernels import norms
+
+        return norms.layer_norm(x, weight, bias, eps)
+    return reference.layer_norm(x, weight, bias, eps)
+
+
+# --- rotary ---------------------------------------------------------------------------------------
+
+
+def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The reference ``rotary_embedding`` (rotate-half, partial rotary) through a Triton kernel."""
+    if (
+        not _tracing()
+        and x.dtype in _FLOAT
+        and freqs.dtype in _FLOAT
+        and not freqs.requires_grad
+        and x.dim() >= 1
+        and x.numel() > 0
+        and freqs.dim() >= 1
+        and 0 < freqs.shape[-1] <= x.shape[-1]
+        and freqs.shape[-1] % 2 == 0
+        and x.shape[-1] <= 4096
+        and _on_kernel_device(x, freqs)
+    ):
+        from .triton_kernels import rotary
+
+        k = rotary.split_dims(x.shape, freqs.shape)
+        if k is not None:
+            return rotary.rotary_embedding(x, freqs, k)
+    return reference.rotary_embedding(x, freqs)
+
+
+# --- activations ----------------------------------------------------------------------------------
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """The reference ``swiglu`` (fused ``[gate, up]`` input) through a Triton kernel."""
+    if (
+        not _tracing()
+        and x.dtype in _FLOAT
+        and x.dim() >= 1
+        and x.numel() > 0
+        and x.shape[-1] % 2 == 0
+        and _on_kernel_device(x)
+    ):
+        from .triton_kernels import activations
+
+        return activations.swiglu(x)
+    return reference.swiglu(x)
+
+
+def _bias_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return bias is None or (
+        bias.dim() == 1 and bias.shape[0] == x.shape[-1] and bias.dtype == x.dtype and bias.is_contiguous()
+    )
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    """The reference ``bias_gelu`` (exact erf or tanh form) through a Triton kernel."""
+    if (
+        not _tracing()
+        and approximate in ("none", "tanh")
+        and x.dtype in _FLOAT
+        and x.dim() >= 1
+        and x.numel() > 0
+        and _bias_fits(x, bias)
+        and _on_kernel_device(x, bias)
+    ):
+        from .triton_kernels import activations
+
+        return activations.bias_gelu(x, bias, approximate)
+    return reference.bias_gelu(x, bias, approximate)
+
+
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
+    """The reference ``bias_dropout_add`` through one Triton kernel (mask drawn in-kernel)."""
+    if (
+        not _tracing()
+        and x.dtype in _FLOAT
+        and x.dim() >= 1
+        and x.numel() > 0
+        and x.numel() < 2**31
+        and residual.shape == x.shape
+        and residual.dtype == x.dtype
+        and 0.0 <= p < 1.0
+        and _bias_fits(x, bias)
+        and _on_kernel_device(x, bias, residual)
+    ):
+        from .triton_kernels import activations
+
+        return activations.bias_dropout_add(x, bias, residual, p, training)
+    return reference.bias_dropout_add(x, bias, residual, p, training)
+
+
+# --- cross-entropy --------------------------------------------------------------------------------
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """The reference ``cross_entropy`` chunked over the vocabulary (no fp32 copy of the logits)."""
+    if (
+        logits.dtype in _FLOAT
+        and logits.dim() >= 1
+        and logits.numel() > 0
+        and labels.shape == logits.shape[:-1]
+        and labels.dtype in (torch.int64, torch.int32)
+        and 0.0 <= label_smoothing <= 1.0
+        and _on_kernel_device(logits, labels)
+    ):
+        from .triton_kernels import cross_entropy as ce
+
+        return ce.cross_entropy(logits, labels, label_smoothing)
+    return reference.cross_entropy(logits, labels, label_smoothing)
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+def _flash_attn(q, k, v, causal, dropout_p, scale):
+    """flash-attn (>= 2.1) when installed and the call fits it, else None."""
+    fn = extensions.flash_attn_func()
+    if (
+        fn is None
+        or q.dtype not in (torch.float16, torch.bfloat16)
+        or not (q.dtype == k.dtype == v.dtype)
+        or q.shape[-1] > 256
+        or q.shape[-1] % 8 != 0
+        or q.shape[-2] > k.shape[-2]
+    ):
+        return None
+    out = fn(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=causal,
+    )
+    return out.transpose(1, 2)
+
 
 def attention(q, k, v, *, causal=True, mask=None, bias=None, dropout_p=0.0, scale=None):
-    """The reference ``attention`` through ``F.scaled_dot_product_attention`` (flash when it can).
+    """The reference ``attention`` through flash-attn when installed, else ``F.scaled_dot_product_attention``.
 
     Layout ``[b, n, s, d]``. torch's boolean mask means *attend* (the opposite of Megatron's), and its
     ``is_causal`` aligns the triangle at the top-left, so when queries and keys differ in length,
     or a mask or bias is given, one additive float mask carries causality, mask and bias together.
     """
+    if not q.is_cuda:
+        return reference.attention(
+            q, k, v, causal=causal, mask=mask, bias=bias, dropout_p=dropout_p, scale=scale
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if mask is None and bias is None and not _tracing():
+        out = _flash_attn(q, k, v, causal, dropout_p, scale)
+        if out is not None:
+            return out
     gqa = q.shape[1] != k.shape[1]
     sq, sk = q.shape[-2], k.shape[-2]
     if mask is None and bias is None and (not causal or sq == sk):
@@ -37,6 +268,9 @@ def attention(q, k, v, *, causal=True, mask=None, bias=None, dropout_p=0.0, scal
     )
 
 
+# --- optimizer ------------------------------------------------------------------------------------
+
+
 @torch.no_grad()
 def adam_step(
     params: Sequence[torch.Tensor],
@@ -52,8 +286,25 @@ def adam_step(
     weight_decay,
     decoupled_weight_decay=True,
 ):
-    """The reference ``adam_step`` through torch's fused multi-tensor Adam/AdamW kernel."""
+    """The reference ``adam_step`` through torch's fused multi-tensor Adam/AdamW kernel.
+
+    apex's ``multi_tensor_adam`` serves it instead with ``MCORE_CUDA_ADAM=apex`` (when installed).
+    """
     if not params:
+        return
+    if not all(t.is_cuda for t in params):
+        return reference.adam_step(
+            params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2,
+            eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+        )  # fmt: skip
+    apex = extensions.apex_multi_tensor_adam()
+    if apex is not None:
+        applier, kernel = apex
+        noop = torch.zeros(1, dtype=torch.int, device=params[0].device)
+        applier(
+            kernel, noop, [list(grads), list(params), list(exp_avgs), list(exp_avg_sqs)],
+            lr, beta1, beta2, eps, step, 1 if decoupled_weight_decay else 0, 1, weight_decay,
+        )  # fmt: skip
         return
     step_tensor = torch.tensor(float(step), device=params[0].device)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
@@ -74,4 +325,31 @@ def adam_step(
     )
 
 
-CUDA_OPS = {"attention": attention, "adam_step": adam_step}
+_TRITON_OPS = {
+    "layer_norm": layer_norm,
+    "rms_norm": rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "bias_gelu": bias_gelu,
+    "swiglu": swiglu,
+    "bias_dropout_add": bias_dropout_add,
+    "cross_entropy": cross_entropy,
+}
+
+
+def _build() -> tuple[dict, dict[str, str]]:
+    ops: dict = {"attention": attention, "adam_step": adam_step}
+    providers = {
+        "attention": "flash-attn" if extensions.flash_attn_func() is not None else "torch-sdpa",
+        "adam_step": "apex" if extensions.apex_multi_tensor_adam() is not None else "torch-fused",
+    }
+    if extensions.triton_available():
+        ops.update(_TRITON_OPS)
+        providers.update(dict.fromkeys(_TRITON_OPS, "triton"))
+    return ops, providers
+
+
+CUDA_OPS, PROVIDERS = _build()
+"""The ops this backend overrides (the Triton ones only where Triton is installed) and who serves each."""
+
+ALL_OPS = {**_TRITON_OPS, "attention": attention, "adam_step": adam_step}
+"""Every dispatcher, whatever is installed (tests call them directly: they fall back by themselves)."""

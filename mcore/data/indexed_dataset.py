@@ -147,7 +147,9 @@ class _Index:
                 f"{d1} document indices, which need {needed} bytes, but the file has {size}"
             )
         if d1 < 1:
-            raise DataError(f"{path}: corrupted index: document index count {d1} at byte offset 26 must be >= 1")
+            raise DataError(
+                f"{path}: corrupted index: document index count {d1} at byte offset 26 must be >= 1"
+            )
         # Trailing bytes after the arrays are legal (a multimodal file read as text): ignore them.
         self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         buf = self._mmap
@@ -240,7 +242,10 @@ class IndexedDataset:
         self._index = _Index(ipath, self.multimodal)
         want, have = self._index.bin_bytes, os.path.getsize(bpath)
         if have < want:
-            ends = self._index.sequence_pointers + self._index.sequence_lengths.astype(np.int64) * self.dtype.itemsize
+            ends = (
+                self._index.sequence_pointers
+                + self._index.sequence_lengths.astype(np.int64) * self.dtype.itemsize
+            )
             i = _first_true(ends > have)
             raise DataError(
                 f"{bpath}: the .bin is shorter than its index says: it has {have} bytes, {ipath} needs {want}; "
@@ -367,7 +372,10 @@ def _digest(path: str, size: int) -> str:
             for block in iter(lambda: f.read(_DIGEST_BLOCK), b""):
                 md5.update(block)
         else:
-            for offset in [*np.linspace(0, size - _DIGEST_BLOCK, 64, dtype=np.int64).tolist(), size - _DIGEST_BLOCK]:
+            for offset in [
+                *np.linspace(0, size - _DIGEST_BLOCK, 64, dtype=np.int64).tolist(),
+                size - _DIGEST_BLOCK,
+            ]:
                 f.seek(int(offset))
                 md5.update(f.read(_DIGEST_BLOCK))
     return md5.hexdigest()
@@ -442,10 +450,33 @@ class IndexedDatasetBuilder:
         """
         arr = self._as_tokens(tokens)
         if sum(lengths) != arr.size:
-            raise ValueError(f"sequence lengths {list(lengths)} sum to {sum(lengths)}, not the {arr.size} tokens given")
+            raise ValueError(
+                f"sequence lengths {list(lengths)} sum to {sum(lengths)}, not the {arr.size} tokens given"
+            )
         self._file.write(memoryview(arr).cast("B"))
         self._lengths.extend(lengths)
         self._documents.append(len(self._lengths))
+
+    def add_documents(self, tokens: Any, sequence_lengths: Any, sequences_per_document: Any) -> None:
+        """Append many documents at once (the preprocessing hot path).
+
+        Args:
+            tokens: all their tokens, concatenated.
+            sequence_lengths: length of every sequence, in order.
+            sequences_per_document: how many of those sequences each document has (0: an empty document).
+        """
+        arr = self._as_tokens(tokens)
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        per_doc = np.asarray(sequences_per_document, dtype=np.int64)
+        if int(lengths.sum()) != arr.size or int(per_doc.sum()) != lengths.size:
+            raise ValueError(
+                f"{arr.size} tokens, {lengths.size} sequence lengths summing to {int(lengths.sum())} and "
+                f"{per_doc.size} documents of {int(per_doc.sum())} sequences do not agree"
+            )
+        self._file.write(memoryview(arr).cast("B"))
+        start = len(self._lengths)
+        self._lengths.frombytes(lengths.astype(np.int32).tobytes())
+        self._documents.frombytes((np.cumsum(per_doc) + start).astype(np.int64).tobytes())
 
     def add_index(self, path_prefix: str) -> None:
         """Append every document of another dataset (the merge operation); its dtype must match."""

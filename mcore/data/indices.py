@@ -32,7 +32,9 @@ import numpy as np
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def compute_num_epochs(tokens_per_epoch: int, num_samples: int | None, seq_length: int, extra: int = 1) -> int:
+def compute_num_epochs(
+    tokens_per_epoch: int, num_samples: int | None, seq_length: int, extra: int = 1
+) -> int:
     """The fewest epochs with ``epochs * T >= num_samples * L + x`` (1 when ``num_samples`` is None)."""
     if num_samples is None:
         return 1
@@ -98,7 +100,10 @@ def build_sample_index(
         n = (total - extra) // seq_length
     else:
         # Megatron computes this ceil in float32 (C++ `float`); match it, but never exceed the exact ceil.
-        n = min(int(math.ceil(np.float32(total - extra) / np.float32(seq_length))), -(-(total - extra) // seq_length))
+        n = min(
+            int(math.ceil(np.float32(total - extra) / np.float32(seq_length))),
+            -(-(total - extra) // seq_length),
+        )
     n = max(n, 0)
     index_max = max(len(document_index), int(sequence_lengths.max()) if len(sequence_lengths) else 0)
     dtype = np.int32 if index_max <= _INT32_MAX else np.int64

@@ -94,6 +94,8 @@ def parse_blend(values: Sequence[str], flag: str = "--data-path") -> tuple[list[
     prefixes = values[1::2]
     for weight, prefix in zip(weights, prefixes):
         if not (weight > 0 and np.isfinite(weight)):
-            raise ConfigError(f"{flag}: weight {weight:g} for {prefix!r} must be a positive number "
-                              "(leave the dataset out instead of giving it weight 0)")
+            raise ConfigError(
+                f"{flag}: weight {weight:g} for {prefix!r} must be a positive number "
+                "(leave the dataset out instead of giving it weight 0)"
+            )
     return prefixes, weights

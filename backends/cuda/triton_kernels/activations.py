@@ -1,0 +1,396 @@
+"""Fused element-wise ops in Triton: SwiGLU, bias-GeLU (exact and tanh) and bias-dropout-add.
+
+All views are ``[M, N]`` rows with unit stride on the last dim. Forward kernels tile ``[BLOCK_M,
+BLOCK_N]``. Backward kernels that owe a bias gradient run a persistent grid over row blocks per
+column block and keep fp32 partial sums (``[row_programs, N]``, finished by one ``sum(0)``), so
+``dbias`` costs no extra pass over the gradient.
+
+Rounding follows :mod:`mcore.ops.reference`: ``x + bias`` is rounded to the input dtype before the
+activation (it is a separate torch op there), and SwiGLU rounds ``silu(gate)`` before the product.
+
+Dropout draws its mask in the kernel (Philox, ``tl.rand``) from a seed drawn from torch's current
+device generator, so the TP-aware RNG tracker's forks govern it, and the backward regenerates the
+mask from the seed instead of storing it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2, rows_2d, sm_count, warps_for
+
+# --- SwiGLU ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_fwd_kernel(X, Y, M, F, stride_x, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    rows64 = rows.to(tl.int64)
+    xrow = X + rows64[:, None] * stride_x + cols[None, :]
+    g = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(xrow + F, mask=mask, other=0.0).to(tl.float32)
+    a = (g * tl.sigmoid(g)).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], (a * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    DY, X, DX, M, F, stride_dy, stride_x, stride_dx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    rows64 = rows.to(tl.int64)
+    xrow = X + rows64[:, None] * stride_x + cols[None, :]
+    g = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(xrow + F, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    a = g * sig
+    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+    du = dy * a.to(X.dtype.element_ty).to(tl.float32)
+    dxrow = DX + rows64[:, None] * stride_dx + cols[None, :]
+    tl.store(dxrow, dg.to(DX.dtype.element_ty), mask=mask)
+    tl.store(dxrow + F, du.to(DX.dtype.element_ty), mask=mask)
+
+
+def _tile_config(n: int, config: dict | None, max_n: int = 1024, elements: int = 4096) -> dict:
+    block_n = min(next_pow2(n), max_n)
+    cfg = {"BLOCK_N": block_n, "BLOCK_M": max(1, elements // block_n)}
+    cfg.update(config or {})
+    cfg.setdefault("num_warps", warps_for(cfg["BLOCK_M"] * cfg["BLOCK_N"], hi=8))
+    return cfg
+
+
+def swiglu_fwd(x2: torch.Tensor, config=None) -> torch.Tensor:
+    m, f = x2.shape[0], x2.shape[1] // 2
+    y = torch.empty((m, f), dtype=x2.dtype, device=x2.device)
+    cfg = _tile_config(f, config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(f, cfg["BLOCK_N"]))
+    _swiglu_fwd_kernel[grid](x2, y, m, f, x2.stride(0), y.stride(0), **cfg)
+    return y
+
+
+def swiglu_bwd(dy2: torch.Tensor, x2: torch.Tensor, config=None) -> torch.Tensor:
+    m, f = dy2.shape
+    dx = torch.empty((m, 2 * f), dtype=x2.dtype, device=x2.device)
+    cfg = _tile_config(f, config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(f, cfg["BLOCK_N"]))
+    _swiglu_bwd_kernel[grid](dy2, x2, dx, m, f, dy2.stride(0), x2.stride(0), dx.stride(0), **cfg)
+    return dx
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x2 = rows_2d(x)
+        ctx.save_for_backward(x2)
+        ctx.x_shape = x.shape
+        y = swiglu_fwd(x2)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        return swiglu_bwd(rows_2d(dy), x2).view(ctx.x_shape)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    return SwiGLUFunction.apply(x)
+
+
+# --- bias-GeLU ------------------------------------------------------------------------------------
+
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+
+
+@triton.jit
+def _tanh(u):
+    # tanh through exp: saturates to +-1 for large |u| (exp overflows to inf or underflows to 0).
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _gelu_and_grad(t, TANH: tl.constexpr, NEED_GRAD: tl.constexpr):
+    if TANH:
+        u = _SQRT_2_OVER_PI * (t + 0.044715 * t * t * t)
+        th = _tanh(u)
+        y = 0.5 * t * (1.0 + th)
+        if NEED_GRAD:
+            dy = 0.5 * (1.0 + th) + 0.5 * t * (1.0 - th * th) * _SQRT_2_OVER_PI * (1.0 + 0.134145 * t * t)
+        else:
+            dy = y
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(t * _SQRT1_2))
+        y = t * cdf
+        if NEED_GRAD:
+            dy = cdf + t * _INV_SQRT_2PI * tl.exp(-0.5 * t * t)
+        else:
+            dy = y
+    return y, dy
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    X,
+    B,
+    Y,
+    M,
+    N,
+    stride_x,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < M)[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cmask, other=0.0)
+        x = (x.to(tl.float32) + b.to(tl.float32)[None, :]).to(X.dtype.element_ty)
+    y, _ = _gelu_and_grad(x.to(tl.float32), TANH, False)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    DY,
+    X,
+    B,
+    DX,
+    DB,
+    M,
+    N,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    HAS_BIAS: tl.constexpr,
+    TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_BIAS:
+            x = (x.to(tl.float32) + b[None, :]).to(X.dtype.element_ty)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _, d = _gelu_and_grad(x.to(tl.float32), TANH, True)
+        dx = dy * d
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            db += tl.sum(tl.where(mask, dx, 0.0), axis=0)
+    if HAS_BIAS:
+        tl.store(DB + pid_r * N + cols, db, mask=cmask)
+
+
+def _row_programs(m: int, n_col_blocks: int, block_m: int, device: torch.device, per_sm: int) -> int:
+    return max(1, min(triton.cdiv(m, block_m), triton.cdiv(sm_count(device) * per_sm, n_col_blocks)))
+
+
+def bias_gelu_fwd(x2, bias, tanh: bool, config=None):
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    cfg = _tile_config(n, config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    _bias_gelu_fwd_kernel[grid](
+        x2, x2 if bias is None else bias, y, m, n, x2.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, TANH=tanh, **cfg,
+    )  # fmt: skip
+    return y
+
+
+def bias_gelu_bwd(dy2, x2, bias, tanh: bool, config=None):
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    cfg = _tile_config(n, config)
+    per_sm = cfg.pop("programs_per_sm", 4)
+    n_cb = triton.cdiv(n, cfg["BLOCK_N"])
+    rp = _row_programs(m, n_cb, cfg["BLOCK_M"], x2.device, per_sm)
+    has_bias = bias is not None
+    db = torch.empty((rp, n), dtype=torch.float32, device=x2.device) if has_bias else dx
+    _bias_gelu_bwd_kernel[(rp, n_cb)](
+        dy2, x2, x2 if bias is None else bias, dx, db, m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
+        HAS_BIAS=has_bias, TANH=tanh, **cfg,
+    )  # fmt: skip
+    return dx, (db.sum(0).to(bias.dtype) if has_bias else None)
+
+
+class BiasGeLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, tanh):
+        x2 = rows_2d(x)
+        ctx.save_for_backward(x2, bias)
+        ctx.tanh = tanh
+        ctx.x_shape = x.shape
+        return bias_gelu_fwd(x2, bias, tanh).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, bias = ctx.saved_tensors
+        dx, db = bias_gelu_bwd(rows_2d(dy), x2, bias, ctx.tanh)
+        return dx.view(ctx.x_shape), (db if ctx.needs_input_grad[1] else None), None
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    return BiasGeLUFunction.apply(x, bias, approximate == "tanh")
+
+
+# --- bias-dropout-add -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _bda_fwd_kernel(
+    X,
+    B,
+    R,
+    Y,
+    SEED,
+    M,
+    N,
+    stride_x,
+    stride_r,
+    stride_y,
+    p,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < M)[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cmask, other=0.0)
+        x = (x.to(tl.float32) + b.to(tl.float32)[None, :]).to(X.dtype.element_ty)
+    t = x.to(tl.float32)
+    if DROPOUT:
+        seed = tl.load(SEED)
+        offs = rows[:, None] * N + cols[None, :]
+        keep = tl.rand(seed, offs) >= p
+        t = tl.where(keep, t * scale, 0.0).to(X.dtype.element_ty).to(tl.float32)
+    r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], (r + t).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bda_bwd_kernel(
+    DY,
+    DX,
+    DB,
+    SEED,
+    M,
+    N,
+    stride_dy,
+    stride_dx,
+    p,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    seed = tl.load(SEED)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        offs = rows[:, None] * N + cols[None, :]
+        keep = tl.rand(seed, offs) >= p
+        dx = tl.where(keep & mask, dy * scale, 0.0)
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            db += tl.sum(dx, axis=0)
+    if HAS_BIAS:
+        tl.store(DB + pid_r * N + cols, db, mask=cmask)
+
+
+def bda_fwd(x2, bias, r2, p: float, seed: torch.Tensor | None, config=None):
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    cfg = _tile_config(n, config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    dropout = seed is not None
+    _bda_fwd_kernel[grid](
+        x2, x2 if bias is None else bias, r2, y, seed if dropout else x2, m, n,
+        x2.stride(0), r2.stride(0), y.stride(0), p, 1.0 / (1.0 - p) if dropout else 1.0,
+        HAS_BIAS=bias is not None, DROPOUT=dropout, **cfg,
+    )  # fmt: skip
+    return y
+
+
+def bda_bwd(dy2, has_bias: bool, p: float, seed: torch.Tensor, config=None):
+    m, n = dy2.shape
+    dx = torch.empty((m, n), dtype=dy2.dtype, device=dy2.device)
+    cfg = _tile_config(n, config)
+    per_sm = cfg.pop("programs_per_sm", 4)
+    n_cb = triton.cdiv(n, cfg["BLOCK_N"])
+    rp = _row_programs(m, n_cb, cfg["BLOCK_M"], dy2.device, per_sm)
+    db = torch.empty((rp, n), dtype=torch.float32, device=dy2.device) if has_bias else dx
+    _bda_bwd_kernel[(rp, n_cb)](
+        dy2, dx, db, seed, m, n, dy2.stride(0), dx.stride(0), p, 1.0 / (1.0 - p),
+        HAS_BIAS=has_bias, **cfg,
+    )  # fmt: skip
+    return dx, (db.sum(0) if has_bias else None)
+
+
+class BiasDropoutAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, residual, p, dropout):
+        x2, r2 = rows_2d(x), rows_2d(residual)
+        seed = None
+        if dropout:
+            # Drawn from the current device generator (so RNG-tracker forks apply); stays on device.
+            seed = torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int64)
+        ctx.save_for_backward(seed)
+        ctx.p, ctx.dropout, ctx.x_shape = p, dropout, x.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return bda_fwd(x2, bias, r2, p, seed).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (seed,) = ctx.saved_tensors
+        has_bias = ctx.bias_dtype is not None
+        dy2 = rows_2d(dy)
+        if ctx.dropout:
+            dx, db = bda_bwd(dy2, has_bias, ctx.p, seed)
+            dx = dx.view(ctx.x_shape)
+        else:
+            dx = dy
+            db = dy2.sum(0, dtype=torch.float32) if has_bias else None
+        if db is not None and ctx.needs_input_grad[1]:
+            db = db.to(ctx.bias_dtype)
+        else:
+            db = None
+        return dx, db, dy, None, None
+
+
+def bias_dropout_add(x, bias, residual, p: float, training: bool) -> torch.Tensor:
+    return BiasDropoutAddFunction.apply(x, bias, residual, float(p), bool(training and p > 0.0))

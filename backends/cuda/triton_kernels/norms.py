@@ -1,0 +1,308 @@
+"""Fused RMSNorm and LayerNorm (forward and backward) in Triton.
+
+Layout: ``x [..., N]`` is viewed as ``[M, N]`` rows (unit stride on the last dim, any row stride).
+A forward program normalises ``BLOCK_M`` whole rows (statistics in fp32) and saves ``rstd`` (and the
+mean for LayerNorm) per row, so the backward never recomputes a reduction over ``x`` twice. The
+backward is a persistent grid: each program walks rows with a stride, writes ``dx`` and keeps fp32
+partial sums of ``dweight``/``dbias`` that one small ``sum(0)`` over ``[programs, N]`` finishes.
+
+Rounding follows :mod:`mcore.ops.reference`: RMSNorm rounds the normalised value to ``x.dtype``
+before multiplying by the weight (output dtype ``promote(x, weight)``); LayerNorm rounds once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2, rows_2d, sm_count, warps_for
+
+MAX_N = 16384
+"""The widest row a program keeps in registers; wider rows use the reference op."""
+
+
+@triton.jit
+def _rms_fwd_kernel(
+    X, W, Y, RSTD, M, N, stride_x, stride_y, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    y = n * w[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _rms_bwd_kernel(
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW,
+    M,
+    N,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK_M
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, step):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        n = x * rstd[:, None]
+        dw += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+        g = dy * w[None, :]
+        c = tl.sum(g * n, axis=1) / N
+        dx = (g - n * c[:, None]) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid * N + cols, dw, mask=cmask)
+
+
+@triton.jit
+def _ln_fwd_kernel(
+    X,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    stride_y,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        y += b[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _ln_bwd_kernel(
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW,
+    DB,
+    M,
+    N,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK_M
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, step):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        dw += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            db += tl.sum(dy, axis=0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid * N + cols, dw, mask=cmask)
+    if HAS_BIAS:
+        tl.store(DB + pid * N + cols, db, mask=cmask)
+
+
+def _fwd_config(n: int, config: dict | None) -> dict:
+    block_n = next_pow2(n)
+    cfg = {"BLOCK_M": max(1, min(16, 4096 // block_n))}
+    cfg.update(config or {})
+    cfg.setdefault("num_warps", warps_for(cfg["BLOCK_M"] * block_n))
+    return {"BLOCK_N": block_n, **cfg}
+
+
+def _bwd_config(n: int, config: dict | None) -> dict:
+    block_n = next_pow2(n)
+    cfg = {"BLOCK_M": max(1, min(16, 4096 // block_n)), "programs_per_sm": 4}
+    cfg.update(config or {})
+    cfg.setdefault("num_warps", warps_for(cfg["BLOCK_M"] * block_n))
+    return {"BLOCK_N": block_n, **cfg}
+
+
+def _bwd_programs(m: int, device: torch.device, cfg: dict) -> int:
+    per_sm = cfg.pop("programs_per_sm")
+    return max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(device) * per_sm))
+
+
+def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype, config=None):
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    cfg = _fwd_config(n, config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
+    _rms_fwd_kernel[grid](x2, weight, y, rstd, m, n, x2.stride(0), y.stride(0), eps, **cfg)
+    return y, rstd
+
+
+def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, config=None):
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    cfg = _bwd_config(n, config)
+    programs = _bwd_programs(m, x2.device, cfg)
+    dw = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
+    _rms_bwd_kernel[(programs,)](
+        dy2, x2, weight, rstd, dx, dw, m, n, dy2.stride(0), x2.stride(0), dx.stride(0), **cfg
+    )
+    return dx, dw.sum(0).to(weight.dtype)
+
+
+def layer_norm_fwd(x2, weight, bias, eps: float, config=None):
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    mean = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    cfg = _fwd_config(n, config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
+    _ln_fwd_kernel[grid](
+        x2,
+        weight,
+        weight if bias is None else bias,
+        y,
+        mean,
+        rstd,
+        m,
+        n,
+        x2.stride(0),
+        y.stride(0),
+        eps,
+        HAS_BIAS=bias is not None,
+        **cfg,
+    )
+    return y, mean, rstd
+
+
+def layer_norm_bwd(dy2, x2, weight, has_bias: bool, mean, rstd, config=None):
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    cfg = _bwd_config(n, config)
+    programs = _bwd_programs(m, x2.device, cfg)
+    dw = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
+    db = torch.empty((programs, n), dtype=torch.float32, device=x2.device) if has_bias else dw
+    _ln_bwd_kernel[(programs,)](
+        dy2,
+        x2,
+        weight,
+        mean,
+        rstd,
+        dx,
+        dw,
+        db,
+        m,
+        n,
+        dy2.stride(0),
+        x2.stride(0),
+        dx.stride(0),
+        HAS_BIAS=has_bias,
+        **cfg,
+    )
+    return dx, dw.sum(0), (db.sum(0) if has_bias else None)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2 = rows_2d(x)
+        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+        y, rstd = rms_norm_fwd(x2, weight, eps, out_dtype)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.x_shape = x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(rows_2d(dy), x2, weight, rstd)
+        dx = dx.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return dx, (dw if ctx.needs_input_grad[1] else None), None
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        x2 = rows_2d(x)
+        y, mean, rstd = layer_norm_fwd(x2, weight, bias, eps)
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_bwd(rows_2d(dy), x2, weight, ctx.has_bias, mean, rstd)
+        dx = dx.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = db.to(ctx.bias_dtype) if (db is not None and ctx.needs_input_grad[2]) else None
+        return dx, dw, db, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return LayerNormFunction.apply(x, weight, bias, eps)

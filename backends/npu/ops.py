@@ -1,0 +1,275 @@
+"""CANN fused ops behind mcore's op table: each adapter turns mcore's op contract into torch_npu's.
+
+mcore's contract is :mod:`mcore.ops.reference` (layouts, mask polarity, scale, GQA). torch_npu's is
+``shared/reference/torch_npu-api.md`` §3. The differences each adapter bridges:
+
+========================  ===========================================================================
+op                        conversion
+========================  ===========================================================================
+``rms_norm``              ``npu_rms_norm(x, w, epsilon=eps)[0]`` (the op returns ``(y, rstd)``). The
+                          NPU multiplies by the weight in fp32 before rounding, the reference after:
+                          equal in fp32, one rounding apart in bf16/fp16.
+``rotary_embedding``      mcore passes angles, the op wants ``r1 = cos``, ``r2 = sin`` in x's dtype;
+                          both are computed once per ``freqs`` tensor and reused by every layer. Only
+                          the first ``rot_dim`` channels rotate (``--rotary-percent``); the rest are
+                          concatenated back, as MindSpeed does. ``rotary_mode="half"`` is mcore's
+                          rotate-half convention.
+``swiglu``                ``npu_swiglu(x, dim=-1)``: same gate-first convention, no conversion.
+``scaled_masked_softmax`` ``npu_scaled_masked_softmax`` for fp16 4-D scores whose last two dims are
+                          multiples of 32 in [32, 4096] (MindSpeed's gate); the op fills masked
+                          scores with -10000 where the reference uses the fp32 minimum.
+``attention``             ``npu_fusion_attention`` with layout ``"BNSD"`` (mcore's ``[b, n, s, d]``,
+                          so no transpose), ``head_num`` = query heads (K/V keep their ``g`` heads:
+                          the op does GQA itself), an explicit ``scale`` (the op's default is 1.0, not
+                          1/sqrt(d)) and ``keep_prob = 1 - dropout_p``. Masks: both sides use
+                          True = masked, so nothing is inverted. Pure causal attention sends the
+                          compressed 2048x2048 ``triu`` mask with ``sparse_mode=2`` (sq == sk) or
+                          ``3`` (sq < sk: mcore aligns the causal triangle at the end, the op's
+                          "rightDownCausal"); an explicit mask is expanded to B1SS/BNSS, merged with
+                          the causal triangle, and sent with ``sparse_mode=0`` and
+                          ``next_tockens = sk - sq`` so the band agrees with the mask.
+``adam_step``             ``npu_apply_adam_w`` per parameter, ``beta_power = beta ** (step - 1)``;
+                          Adam with L2 decay (not decoupled) folds ``wd * p`` into the gradient.
+========================  ===========================================================================
+
+Inputs outside what the kernels are documented for (other dtypes, an additive bias/ALiBi, whose
+placement inside the op is unverified, more queries than keys under a causal mask, head dims over 768)
+go to the reference op, so the table is always correct and fast where it can be.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+
+from mcore.ops import reference
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_TOCKENS = 2147483647
+COMPRESSED_MASK_SIZE = 2048
+
+# cos/sin broadcast patterns npu_rotary_mul accepts in "half" mode (1 = full leading dim, 0 = size 1):
+# BNSD -> 11SD, B1SD, BNSD; BSND -> 1S1D, BS1D, BSND; SBND -> S11D, SB1D, SBND (reference §3.2).
+_ROTARY_PATTERNS = {(0, 0, 1), (1, 0, 1), (1, 1, 1), (0, 1, 0), (1, 1, 0), (1, 0, 0)}
+
+
+class _CosSinCache:
+    """cos/sin of the last ``freqs`` tensor seen (every layer rotates q and k with the same one)."""
+
+    def __init__(self) -> None:
+        self._freqs: weakref.ref | None = None
+        self._key: tuple = ()
+        self._value: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (freqs._version, dtype)
+        if (
+            self._freqs is not None
+            and self._freqs() is freqs
+            and self._key == key
+            and self._value is not None
+            and not freqs.requires_grad
+        ):
+            return self._value
+        angles = freqs.float()
+        value = (angles.cos().to(dtype), angles.sin().to(dtype))
+        if not freqs.requires_grad:  # a cached graph would be freed by the first backward
+            self._freqs, self._key, self._value = weakref.ref(freqs), key, value
+        return value
+
+
+_compressed_masks: dict[torch.device, torch.Tensor] = {}
+
+
+def compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    """The 2048x2048 ``triu(ones, 1)`` bool mask sparse modes 2/3/4 require (one per device)."""
+    mask = _compressed_masks.get(device)
+    if mask is None:
+        mask = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device).triu(1)
+        _compressed_masks[device] = mask
+    return mask
+
+
+def _full_mask(mask: torch.Tensor, b: int, n: int, sq: int, sk: int, causal: bool) -> torch.Tensor | None:
+    """mcore's broadcastable bool mask (+ causal triangle) as the op's BNSS/B1SS/11SS, or None."""
+    m = mask if mask.dtype == torch.bool else mask.bool()
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.dim() != 4 or m.shape[0] not in (1, b) or m.shape[1] not in (1, n):
+        return None
+    if m.shape[2] not in (1, sq) or m.shape[3] not in (1, sk):
+        return None
+    m = m.expand(m.shape[0], m.shape[1], sq, sk)
+    if causal:
+        future = torch.ones(sq, sk, dtype=torch.bool, device=m.device).triu(sk - sq + 1)
+        m = m | future
+    return m.contiguous()
+
+
+def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
+    """The op-table overrides torch_npu can serve, bound to ``torch_npu`` (real or simulated)."""
+    ops: dict[str, Callable] = {}
+
+    if hasattr(torch_npu, "npu_rms_norm"):
+
+        def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            """Reference ``rms_norm`` through ``npu_rms_norm`` (mixed dtypes and 1-D go to the reference)."""
+            if (
+                x.dtype not in FLOAT_DTYPES
+                or weight.dtype != x.dtype
+                or weight.dim() != 1
+                or not 2 <= x.dim() <= 8
+            ):
+                return reference.rms_norm(x, weight, eps)
+            return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+        ops["rms_norm"] = rms_norm
+
+    if hasattr(torch_npu, "npu_rotary_mul"):
+        cache = _CosSinCache()
+
+        def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+            """Reference ``rotary_embedding`` through ``npu_rotary_mul`` (rotate-half, 4-D SBND/BSND/BNSD)."""
+            rot_dim = freqs.shape[-1]
+            if (
+                x.dim() != 4
+                or freqs.dim() != 4
+                or x.dtype not in FLOAT_DTYPES
+                or rot_dim % 2
+                or rot_dim >= 896
+                or rot_dim > x.shape[-1]
+                or any(f not in (1, s) for f, s in zip(freqs.shape[:3], x.shape[:3]))
+            ):
+                return reference.rotary_embedding(x, freqs)
+            pattern = tuple(int(f == s and s != 1) for f, s in zip(freqs.shape[:3], x.shape[:3]))
+            if any(pattern) and pattern not in _ROTARY_PATTERNS:
+                return reference.rotary_embedding(x, freqs)
+            cos, sin = cache.get(freqs, x.dtype)
+            if rot_dim == x.shape[-1]:
+                return torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="half")
+            rotated = torch_npu.npu_rotary_mul(x[..., :rot_dim].contiguous(), cos, sin, rotary_mode="half")
+            return torch.cat((rotated, x[..., rot_dim:]), dim=-1)
+
+        ops["rotary_embedding"] = rotary_embedding
+
+    if hasattr(torch_npu, "npu_swiglu"):
+
+        def swiglu(x: torch.Tensor) -> torch.Tensor:
+            """Reference ``swiglu`` (gate first) through ``npu_swiglu``."""
+            if x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2 or not 1 <= x.dim() <= 8:
+                return reference.swiglu(x)
+            return torch_npu.npu_swiglu(x, dim=-1)
+
+        ops["swiglu"] = swiglu
+
+    if hasattr(torch_npu, "npu_scaled_masked_softmax"):
+
+        def scaled_masked_softmax(
+            scores: torch.Tensor, mask: torch.Tensor | None, scale: float
+        ) -> torch.Tensor:
+            """Reference ``scaled_masked_softmax`` through the fused kernel where MindSpeed enables it."""
+            sq, sk = scores.shape[-2:] if scores.dim() >= 2 else (0, 0)
+            usable = (
+                scores.dtype == torch.float16
+                and scores.dim() == 4
+                and all(32 <= s <= 4096 and s % 32 == 0 for s in (sq, sk))
+                and (mask is None or mask.dtype == torch.bool)
+            )
+            if not usable:
+                return reference.scaled_masked_softmax(scores, mask, scale)
+            if mask is None:
+                mask = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=scores.device)
+            return torch_npu.npu_scaled_masked_softmax(scores, mask, scale, False)
+
+        ops["scaled_masked_softmax"] = scaled_masked_softmax
+
+    if hasattr(torch_npu, "npu_fusion_attention"):
+
+        def attention(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            *,
+            causal: bool = True,
+            mask: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None,
+            dropout_p: float = 0.0,
+            scale: float | None = None,
+        ) -> torch.Tensor:
+            """Reference ``attention`` ([b, n, s, d], GQA, True = masked) through ``npu_fusion_attention``."""
+
+            def fallback() -> torch.Tensor:
+                return reference.attention(
+                    q, k, v, causal=causal, mask=mask, bias=bias, dropout_p=dropout_p, scale=scale
+                )
+
+            if (
+                bias is not None
+                or q.dim() != 4
+                or not (q.dtype == k.dtype == v.dtype)
+                or q.dtype not in FLOAT_DTYPES
+                or q.shape[-1] != k.shape[-1]
+                or q.shape[-1] > 768
+                or q.shape[1] % k.shape[1]
+            ):
+                return fallback()
+            b, n, sq, d = q.shape
+            g, sk = k.shape[1], k.shape[2]
+            if causal and sq > sk:  # rows with no visible key: implementation-defined on the NPU
+                return fallback()
+            if n != g and n > 256:  # the op's GQA limit: give it one K/V head per query head
+                k = k.repeat_interleave(n // g, dim=1)
+                v = v.repeat_interleave(n // g, dim=1)
+            kwargs = {
+                "scale": 1.0 / math.sqrt(d) if scale is None else scale,
+                "keep_prob": 1.0 - dropout_p,
+            }
+            if mask is None and not causal:
+                pass  # no atten_mask: the op attends to everything
+            elif mask is None:
+                kwargs["atten_mask"] = compressed_causal_mask(q.device)
+                kwargs["sparse_mode"] = 2 if sq == sk else 3
+            else:
+                full = _full_mask(mask, b, n, sq, sk, causal)
+                if full is None:
+                    return fallback()
+                kwargs.update(atten_mask=full, sparse_mode=0, pre_tockens=MAX_TOCKENS)
+                kwargs["next_tockens"] = sk - sq if causal else MAX_TOCKENS
+            return torch_npu.npu_fusion_attention(q, k, v, n, "BNSD", **kwargs)[0]
+
+        ops["attention"] = attention
+
+    if hasattr(torch_npu, "npu_apply_adam_w"):
+
+        @torch.no_grad()
+        def adam_step(
+            params: Sequence[torch.Tensor],
+            grads: Sequence[torch.Tensor],
+            exp_avgs: Sequence[torch.Tensor],
+            exp_avg_sqs: Sequence[torch.Tensor],
+            *,
+            step: int,
+            lr: float,
+            beta1: float,
+            beta2: float,
+            eps: float,
+            weight_decay: float,
+            decoupled_weight_decay: bool = True,
+        ) -> None:
+            """Reference ``adam_step`` through ``npu_apply_adam_w`` (one call per parameter)."""
+            beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
+            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+                wd = weight_decay
+                if wd and not decoupled_weight_decay:
+                    g, wd = g.add(p, alpha=wd), 0.0
+                torch_npu.npu_apply_adam_w(
+                    beta1_power, beta2_power, lr, wd, beta1, beta2, eps, g, None, False, False, out=(p, m, v)
+                )
+
+        ops["adam_step"] = adam_step
+
+    return ops

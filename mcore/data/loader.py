@@ -1,0 +1,141 @@
+"""Pretraining data loader: Megatron's 'single' sampler, background workers, optional pinned memory.
+
+Batch contract (what the training loop's forward step receives)
+----------------------------------------------------------------
+A batch is a ``dict[str, torch.Tensor]`` on the CPU (pinned if asked), ``b = micro_batch_size``,
+``s = seq_length``:
+
+==================  ==================  =============================================================
+key                 shape / dtype       meaning
+==================  ==================  =============================================================
+``tokens``          [b, s] int64        input ids
+``labels``          [b, s] int64        next-token targets (``tokens`` shifted left by one)
+``loss_mask``       [b, s] float32      1 where the label counts; 0 on EOD inputs with
+                                        ``--eod-mask-loss`` and on padding
+``position_ids``    [b, s] int64        0..s-1, restarting after each EOD with ``--reset-position-ids``
+``attention_mask``  [b, 1, s, s] bool   **only with** ``--reset-attention-mask``: True = masked out
+                                        (Megatron's convention): causal and no attention across
+                                        documents. Absent otherwise: the model builds its causal mask.
+==================  ==================  =============================================================
+
+Sampling (Megatron's ``MegatronPretrainingSampler``): sample ids ``consumed_samples,
+consumed_samples + 1, ...`` are grouped into global micro-batches of ``micro_batch_size *
+data_parallel_size``; data-parallel rank ``r`` takes the slice ``[r * mbs, (r + 1) * mbs)`` of each, and
+an incomplete last group is dropped. Resuming with the checkpoint's ``consumed_samples`` continues with
+exactly the samples an uninterrupted run would have seen next. The datasets are already shuffled, so
+the sampler does not shuffle.
+
+Which ranks load: only ranks whose model chunk consumes the data need a loader (in Megatron, tensor-
+parallel rank 0 of the first and last pipeline stages, which then broadcast within their TP group);
+the others pass ``dataset=None`` and get None. ``num_workers > 0`` prepares batches in background
+processes (persistent across epochs of iteration) so the device never waits on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+
+
+class PretrainingSampler:
+    """Batch sampler yielding this data-parallel rank's sample ids of each global micro-batch.
+
+    Raises:
+        ValueError: non-positive sizes, a rank outside ``[0, data_parallel_size)``, or no samples left.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ) -> None:
+        if total_samples <= 0:
+            raise ValueError(f"the dataset has no samples (total_samples={total_samples})")
+        if not 0 <= consumed_samples < total_samples:
+            raise ValueError(
+                f"consumed_samples={consumed_samples} leaves no samples in a dataset of {total_samples}; "
+                "the run has used all the data it was built for (ask for more samples)"
+            )
+        if micro_batch_size <= 0 or data_parallel_size <= 0:
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} must be positive"
+            )
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank={data_parallel_rank} outside [0, {data_parallel_size})")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.global_micro_batch = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        """Micro-batches this rank will yield."""
+        left = self.total_samples - self.consumed_samples
+        full, rest = divmod(left, self.global_micro_batch)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.data_parallel_rank * self.micro_batch_size
+        stop = start + self.micro_batch_size
+        step = self.global_micro_batch
+        first = self.consumed_samples
+        full_end = first + (self.total_samples - first) // step * step
+        for base in range(first, full_end, step):
+            yield list(range(base + start, base + stop))
+        if not self.drop_last and full_end < self.total_samples:
+            tail = list(range(full_end, self.total_samples))[start:stop]
+            if tail:
+                yield tail
+
+
+def collate_batch(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack per-sample dicts into the batch contract (keys outside it are dropped)."""
+    keys = [k for k in BATCH_KEYS if k in samples[0]]
+    return {k: torch.stack([s[k] for s in samples]) for k in keys}
+
+
+def build_pretraining_data_loader(
+    dataset: torch.utils.data.Dataset | None,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int,
+    pin_memory: bool,
+) -> torch.utils.data.DataLoader | None:
+    """A DataLoader over ``dataset`` resuming after ``consumed_samples`` (None when ``dataset`` is None).
+
+    Args:
+        dataset: a GPT/Blended/Mock dataset, or None on ranks that take no data.
+        consumed_samples: global samples already trained on (from the checkpoint; 0 for a new run).
+        micro_batch_size: samples per micro-batch per rank.
+        data_parallel_rank: this rank's index in its data-parallel group.
+        data_parallel_size: data-parallel group size.
+        num_workers: background worker processes (0: load in the training process).
+        pin_memory: page-lock batches for faster host-to-device copies (pass the backend's answer).
+    """
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(
+        total_samples=len(dataset),
+        consumed_samples=consumed_samples,
+        micro_batch_size=micro_batch_size,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+    )
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_batch,
+        persistent_workers=num_workers > 0,
+    )

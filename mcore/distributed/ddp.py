@@ -1,0 +1,307 @@
+"""Data parallelism: mcore's own DDP wrapper with contiguous gradient buffers and bucketed reduction.
+
+Why not ``torch.nn.parallel.DistributedDataParallel``: gradients must land in buffers whose layout the
+distributed optimizer shards, tied embeddings and sequence-parallel parameters need extra reductions
+over other groups (:mod:`mcore.distributed.finalize`), and the pipeline schedule decides which
+micro-batch is the last one.
+
+How gradients flow::
+
+    backward of each micro-batch:  param.grad --(post-accumulate hook)--> param.main_grad += grad;
+                                   param.grad = None
+    last micro-batch only, with --overlap-grad-reduce: a bucket whose parameters all have their
+        gradient is reduced asynchronously (in bucket order, so every rank issues the same sequence)
+    finish_grad_sync():            reduce the remaining buckets, wait for all; main_grad now holds
+                                   the data-parallel average (with the distributed optimizer: only
+                                   this rank's shard of every bucket does)
+
+The schedule runs all but the last micro-batch inside :meth:`DistributedDataParallel.no_sync`, so
+gradient accumulation costs no communication until the last micro-batch. Gradients are averaged
+over ``groups.dp_cp`` (data x context parallel ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mcore.config.fields import check, flag
+from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
+from mcore.distributed.groups import ProcessGroups
+from mcore.distributed.param_attrs import is_shared_embedding
+
+_DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPConfig:
+    """Data-parallel gradient reduction (the flags of Megatron's DistributedDataParallelConfig)."""
+
+    overlap_grad_reduce: bool = flag(
+        False, "Reduce gradient buckets during the last micro-batch's backward, as soon as each is ready."
+    )
+    ddp_bucket_size: int | None = flag(
+        None,
+        "Elements per gradient bucket (default max(40M, 1M x data-parallel size); "
+        "one bucket per dtype without --overlap-grad-reduce).",
+    )
+    ddp_average_in_collective: bool = flag(
+        False, "Average with the collective's AVG reduction instead of pre-scaling by 1/dp."
+    )
+    check_for_nan_in_loss_and_grad: bool = flag(
+        True,
+        "Check the loss and the local gradients for NaN before reducing them.",
+        name="--no-check-for-nan-in-loss-and-grad",
+    )
+    grad_reduce_in_fp32: bool = flag(
+        False, "Accumulate and reduce gradients in fp32 (set from PrecisionConfig).", cli=False
+    )
+    use_distributed_optimizer: bool = flag(
+        False, "Reduce-scatter gradients into shards (set from OptimizerConfig).", cli=False
+    )
+    overlap_param_gather: bool = flag(
+        False, "Overlap the parameter all-gather with the forward (set from OptimizerConfig).", cli=False
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            self.ddp_bucket_size is None or self.ddp_bucket_size >= 1,
+            f"ddp_bucket_size={self.ddp_bucket_size} must be a positive number of elements",
+        )
+        check(
+            not self.overlap_param_gather or self.use_distributed_optimizer,
+            "overlap_param_gather=True needs use_distributed_optimizer=True",
+        )
+
+    def with_training(self, optimizer, precision) -> DDPConfig:
+        """This config completed from the optimizer and precision configs (the fields without flags).
+
+        fp16 with dynamic loss scaling turns the NaN check off: an overflow may produce NaN gradients,
+        and the loss scaler is what handles it (skip the step, lower the scale).
+        """
+        return dataclasses.replace(
+            self,
+            grad_reduce_in_fp32=precision.grads_in_fp32,
+            use_distributed_optimizer=optimizer.use_distributed_optimizer,
+            overlap_param_gather=optimizer.overlap_param_gather,
+            check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad
+            and not precision.dynamic_loss_scale,
+        )
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` so its gradients accumulate in contiguous buffers reduced over data parallel.
+
+    Args:
+        module: one model chunk (one pipeline stage, or one virtual chunk of it).
+        ddp_config: reduction settings (complete it with :meth:`DDPConfig.with_training`).
+        groups: the process groups; gradients are averaged over ``groups.dp_cp``.
+
+    Parameters with ``requires_grad=False`` are left alone. Parameters of different dtypes get
+    separate buffers. Every trainable parameter gets ``param.main_grad``, a view into its buffer.
+    """
+
+    def __init__(self, module: torch.nn.Module, ddp_config: DDPConfig, groups: ProcessGroups):
+        super().__init__()
+        self.module = module
+        self.ddp_config = ddp_config
+        self.groups = groups
+        dp_size = groups.dp_size * groups.cp_size
+        dp_rank = 0
+        if groups.dp_cp is not None:
+            dp_rank = dist.get_rank(groups.dp_cp)
+        comm = CommSpec(
+            group=groups.dp_cp,
+            size=dp_size,
+            rank=dp_rank,
+            average_in_collective=ddp_config.ddp_average_in_collective,
+            use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        )
+        self.comm = comm
+
+        bucket_size = ddp_config.ddp_bucket_size
+        if bucket_size is None:
+            bucket_size = max(_DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp_size)
+        if not ddp_config.overlap_grad_reduce:
+            bucket_size = None  # nothing to overlap: one collective per buffer
+
+        names = {id(p): n for n, p in module.named_parameters()}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
+        for param in reversed(list(module.parameters())):  # backward order, roughly
+            if not param.requires_grad:
+                continue
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+
+        def own_bucket(param: torch.nn.Parameter) -> bool:
+            return ddp_config.use_distributed_optimizer and is_shared_embedding(param)
+
+        self.buffers = [
+            GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names)
+            for (pdt, gdt), params in by_dtype.items()
+        ]
+        self.buckets: list[Bucket] = [b for buffer in self.buffers for b in buffer.buckets]
+        self._buffer_of: dict[int, GradBuffer] = {
+            id(p): buffer for buffer in self.buffers for p in buffer.params
+        }
+        self._next_bucket = 0
+        self._sync_enabled = True
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._grad_hook)
+            for buffer in self.buffers
+            for param in buffer.params
+        ]
+        if ddp_config.overlap_param_gather:
+            for sub in module.modules():
+                if any(id(p) in self._buffer_of for p in sub.parameters(recurse=False)):
+                    self._hooks.append(sub.register_forward_pre_hook(self._param_gather_hook))
+
+    # ----------------------------------------------------------------------------------------------
+    # forward, and attributes of the wrapped module (set_input_tensor, config, ...)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (keys without a ``module.`` prefix)."""
+        self.finish_param_sync()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would detach parameters from the DDP buffers")
+        self.finish_param_sync()
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ----------------------------------------------------------------------------------------------
+    # gradients
+
+    def _grad_hook(self, param: torch.nn.Parameter) -> None:
+        if param.grad is None:
+            return
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
+            if self._buffer_of[id(param)].bucket_of(param).mark_ready(param):
+                self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Start reductions in bucket order, so every rank issues the same collective sequence."""
+        check_nan = self.ddp_config.check_for_nan_in_loss_and_grad
+        while self._next_bucket < len(self.buckets):
+            bucket = self.buckets[self._next_bucket]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            bucket.start_grad_sync(check_nan)
+            self._next_bucket += 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (every micro-batch but the last)."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def disable_grad_sync(self) -> None:
+        self._sync_enabled = False
+
+    def enable_grad_sync(self) -> None:
+        self._sync_enabled = True
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not yet launched (in bucket order)."""
+        check_nan = self.ddp_config.check_for_nan_in_loss_and_grad
+        for bucket in self.buckets[self._next_bucket :]:
+            bucket.start_grad_sync(check_nan)
+        self._next_bucket = len(self.buckets)
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what is left and wait: afterwards ``main_grad`` holds the data-parallel average.
+
+        With the distributed optimizer only this rank's shard of each bucket is reduced.
+
+        Raises:
+            RuntimeError: a local gradient was NaN before the reduction (``--no-check-for-nan-in-loss-and-grad``
+                turns the check off); the message names the rank and the parameters of the bucket.
+        """
+        self.start_grad_sync()
+        check_nan = self.ddp_config.check_for_nan_in_loss_and_grad
+        for bucket in self.buckets:
+            bucket.finish_grad_sync(check_nan)
+        flagged = [b for b in self.buckets if b.nan_flag is not None]
+        if flagged and bool(torch.stack([b.nan_flag for b in flagged]).any()):
+            bad = [b for b in flagged if bool(b.nan_flag)]
+            names = [b.buffer.name_of(p) for b in bad for p in b.params]
+            raise RuntimeError(
+                f"NaN in the local gradients on rank {self.groups.rank} before the data-parallel "
+                f"reduction, in a bucket holding {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+            )
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every gradient buffer and reset the buckets (call before each step's first forward)."""
+        for param in self.module.parameters():
+            param.grad = None
+        for buffer in self.buffers:
+            buffer.reset()
+        self._next_bucket = 0
+
+    # ----------------------------------------------------------------------------------------------
+    # parameters (distributed optimizer)
+
+    def start_param_sync(self) -> None:
+        """Launch the all-gather of updated parameter shards, first-needed bucket first."""
+        for bucket in reversed(self.buckets):
+            bucket.start_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait until every parameter holds its updated value (before eval, saving, or reading weights)."""
+        for bucket in reversed(self.buckets):
+            bucket.finish_param_sync()
+
+    def _param_gather_hook(self, module: torch.nn.Module, args) -> None:
+        for param in module.parameters(recurse=False):
+            buffer = self._buffer_of.get(id(param))
+            if buffer is not None:
+                buffer.bucket_of(param).finish_param_sync()
+
+    def broadcast_params(self) -> None:
+        """Copy data-parallel rank 0's parameters to every rank (mcore's initialization does not need it)."""
+        if not self.comm.active:
+            return
+        src = dist.get_global_rank(self.comm.group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.comm.group)
+
+    # ----------------------------------------------------------------------------------------------
+    # for the optimizer
+
+    def buffer_of(self, param: torch.nn.Parameter) -> GradBuffer | None:
+        """The buffer holding ``param``'s gradient (None for frozen parameters)."""
+        return self._buffer_of.get(id(param))
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(buffer.grad_bytes for buffer in self.buffers)
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a :class:`DistributedDataParallel` (or the module itself)."""
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model

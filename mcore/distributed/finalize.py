@@ -1,0 +1,103 @@
+"""After the backward passes of a step: make every gradient the one the optimizer must apply.
+
+:func:`finalize_model_grads` is the ``finalize_grads_func`` the pipeline schedule calls once, after
+the last backward. In order (as in Megatron):
+
+1. data parallel: each chunk's :meth:`~mcore.distributed.ddp.DistributedDataParallel.finish_grad_sync`
+   (all-reduce, or reduce-scatter with the distributed optimizer);
+2. sequence parallel: parameters replicated over tensor-parallel ranks whose gradients are partial
+   under sequence parallelism (norm weights, row-parallel biases) are all-reduced over ``groups.tp``;
+3. pipeline parallel: the tied word embedding (first stage) and its copy as the output layer (last
+   stage) are all-reduced over ``groups.embedding`` so both copies take the same step.
+
+The data-parallel reduction comes first because with ``--overlap-grad-reduce`` it has already been
+launched during backward; the later sums are linear, so the order does not change the result. With
+the distributed optimizer only this rank's shard of a gradient is data-parallel reduced; the later
+all-reduces run over whole gradients, and the shards line up on every rank they span (the tied
+embedding has a bucket of its own), so the owned shard ends up exact.
+
+How parameters are marked (``shard_layout`` of mcore layers, or Megatron-style attributes) is in
+:mod:`mcore.distributed.param_attrs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
+from mcore.distributed.groups import ProcessGroups
+from mcore.distributed.param_attrs import is_sequence_parallel, is_shared_embedding
+from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
+
+
+def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+def _allreduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    """Sum ``grads`` over ``group`` with one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
+    """All-reduce over tp the gradients of parameters whose gradient is partial under sequence parallelism."""
+    if groups.tp_size == 1 or groups.tp is None:
+        return
+    params = [
+        param
+        for chunk in model_chunks
+        for param in chunk.parameters()
+        if param.requires_grad and is_sequence_parallel(param)
+    ]
+    all_reduce_sequence_parallel_grads(params, groups.tp)
+
+
+def shared_embedding_params(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """This rank's copies of the tied word embedding (marked ``shared_embedding``)."""
+    found = []
+    for chunk in model_chunks:
+        module = unwrap_model(chunk)
+        for param in module.parameters():
+            if param.requires_grad and is_shared_embedding(param) and all(param is not f for f in found):
+                found.append(param)
+    return found
+
+
+def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
+    """Sum the tied word embedding's gradient over its first- and last-stage copies (pp > 1).
+
+    Every rank of ``groups.embedding`` must hold a copy marked ``shared_embedding``: models built
+    with untied output weights mark none, and then nothing happens on either stage.
+    """
+    if groups.pp_size == 1 or groups.embedding is None:
+        return
+    grads = [g for p in shared_embedding_params(model_chunks) if (g := _grad_of(p)) is not None]
+    if grads:
+        _allreduce_coalesced(grads, groups.embedding)
+
+
+def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
+    """Finish the data-parallel reduction, then the sequence-parallel and tied-embedding reductions.
+
+    Args:
+        model_chunks: this rank's model chunks (usually :class:`DistributedDataParallel` wrappers).
+        groups: the process groups.
+    """
+    for chunk in model_chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.finish_grad_sync()
+    allreduce_sequence_parallel_grads(model_chunks, groups)
+    allreduce_embedding_grads(model_chunks, groups)

@@ -1,0 +1,256 @@
+"""Contiguous gradient buffers cut into buckets, and the collectives that reduce them.
+
+Layout of one buffer (all parameters of one (param dtype, grad dtype) pair, in the reverse order of
+``module.parameters()``, which is roughly the order in which backward produces their gradients)::
+
+    grad_data:  | bucket 0                  | bucket 1          | ...
+                | p9 | p8 | p7 ...| padding | p3 | p2 | p1 ... |
+    param.main_grad = grad_data[start:end].view(param.shape)
+
+With the distributed optimizer every bucket is padded to a multiple of the data-parallel size and
+split into ``dp`` equal shards; data-parallel rank ``r`` owns shard ``r`` of every bucket. A
+parameter may straddle shards: each rank owns the (possibly empty) contiguous piece of it that falls
+in its shard (see :meth:`GradBuffer.local_range`). Gradients are reduce-scattered, so after the sync
+only the owned shard holds the averaged gradient. Parameters then live in ``param_data``, a buffer of
+the same layout in the parameter dtype (``param.data`` is a view into it), so that updated shards
+are all-gathered with one collective per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch 2.10 renamed the tensor-in/tensor-out collectives; the signatures are the same.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_DISTOPT_BUCKET_ALIGN = 128
+"""Distributed-optimizer buckets end on a multiple of lcm(dp, 128) elements, as in Megatron."""
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """How gradients are reduced across the data-parallel group."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    average_in_collective: bool
+    use_distributed_optimizer: bool
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1 and dist.is_available() and dist.is_initialized()
+
+
+class Bucket:
+    """A contiguous range of a buffer whose gradients are reduced by one collective."""
+
+    def __init__(
+        self, buffer: GradBuffer, index: int, start: int, end: int, params: list[torch.nn.Parameter]
+    ):
+        self.buffer = buffer
+        self.index = index
+        self.start = start
+        self.end = end
+        self.params = params
+        self.grad_data = buffer.grad_data[start:end]
+        self.param_data = buffer.param_data[start:end] if buffer.param_data is not None else None
+        self.ready: set[int] = set()
+        self.grad_handle = None
+        self.grad_started = False
+        self.param_handle = None
+        self.nan_flag: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_range(self, dp_rank: int) -> tuple[int, int]:
+        """Buffer indices of the shard of this bucket owned by ``dp_rank`` (distributed optimizer)."""
+        size = self.numel // self.buffer.comm.size
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+    def _local_view(self, data: torch.Tensor) -> torch.Tensor:
+        size = self.numel // self.buffer.comm.size
+        r = self.buffer.comm.rank
+        return data[r * size : (r + 1) * size]
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.grad_handle = None
+        self.grad_started = False
+        self.nan_flag = None
+
+    def mark_ready(self, param: torch.nn.Parameter) -> bool:
+        """Record that ``param``'s gradient is complete; return True when the whole bucket is."""
+        if self.grad_started:
+            raise RuntimeError(
+                f"a gradient of {self.buffer.name_of(param)} arrived after its bucket's reduction started: "
+                "a parameter was used again after the last micro-batch's backward reached it "
+                "(turn off --overlap-grad-reduce, or run that backward inside no_sync())"
+            )
+        self.ready.add(id(param))
+        return len(self.ready) == len(self.params)
+
+    def start_grad_sync(self, check_for_nan: bool) -> None:
+        """Launch the (asynchronous) all-reduce or reduce-scatter of this bucket's gradients."""
+        if self.grad_started:
+            return
+        self.grad_started = True
+        self.finish_param_sync()  # the all-gather of the last step must not race the gradient reduce
+        if check_for_nan:
+            self.nan_flag = torch.isnan(self.grad_data).any()
+        comm = self.buffer.comm
+        if not comm.active:
+            return
+        op = dist.ReduceOp.SUM
+        if comm.average_in_collective:
+            op = dist.ReduceOp.AVG
+        else:
+            self.grad_data.mul_(1.0 / comm.size)
+        if comm.use_distributed_optimizer:
+            self.grad_handle = _reduce_scatter(
+                self._local_view(self.grad_data), self.grad_data, op=op, group=comm.group, async_op=True
+            )
+        else:
+            self.grad_handle = dist.all_reduce(self.grad_data, op=op, group=comm.group, async_op=True)
+
+    def finish_grad_sync(self, check_for_nan: bool) -> None:
+        self.start_grad_sync(check_for_nan)
+        if self.grad_handle is not None:
+            self.grad_handle.wait()
+            self.grad_handle = None
+
+    def start_param_sync(self) -> None:
+        """Launch the all-gather of updated parameter shards (distributed optimizer only)."""
+        comm = self.buffer.comm
+        if self.param_data is None or not comm.active or self.param_handle is not None:
+            return
+        self.param_handle = _all_gather(
+            self.param_data, self._local_view(self.param_data), group=comm.group, async_op=True
+        )
+
+    def finish_param_sync(self) -> None:
+        if self.param_handle is not None:
+            self.param_handle.wait()
+            self.param_handle = None
+
+
+class GradBuffer:
+    """The gradient buffer (and, for the distributed optimizer, parameter buffer) of one dtype pair.
+
+    Args:
+        params: the parameters, in buffer order (reverse of ``module.parameters()``).
+        param_dtype: their dtype.
+        grad_dtype: the dtype gradients accumulate and are reduced in.
+        bucket_size: elements per bucket (a bucket closes once it holds at least this many);
+            ``None`` puts everything in one bucket.
+        comm: the data-parallel group and how to reduce over it.
+        needs_own_bucket: parameters for which this is true get a bucket of their own (the tied
+            word embedding under the distributed optimizer, so that its shards line up on the first
+            and last pipeline stage).
+        names: parameter names for messages.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        bucket_size: int | None,
+        comm: CommSpec,
+        needs_own_bucket: Callable[[torch.nn.Parameter], bool] = lambda p: False,
+        names: dict[int, str] | None = None,
+    ):
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.comm = comm
+        self.params = list(params)
+        self._names = names or {}
+        device = self.params[0].device
+
+        # Lay out parameters and bucket boundaries.
+        self.index: dict[int, tuple[int, int, int]] = {}  # id(param) -> (start, end, bucket index)
+        bucket_bounds: list[tuple[int, int, list[torch.nn.Parameter]]] = []
+        offset, bucket_start, members = 0, 0, []
+
+        def close_bucket() -> None:
+            nonlocal offset, bucket_start, members
+            if not members:
+                return
+            end = self._pad_bucket_end(offset)
+            bucket_bounds.append((bucket_start, end, members))
+            offset = bucket_start = end
+            members = []
+
+        for param in self.params:
+            own = needs_own_bucket(param)
+            if own:
+                close_bucket()
+            self.index[id(param)] = (offset, offset + param.numel(), len(bucket_bounds))
+            offset += param.numel()
+            members.append(param)
+            if own or (bucket_size is not None and offset - bucket_start >= bucket_size):
+                close_bucket()
+        close_bucket()
+        self.numel = offset
+
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if comm.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        for param in self.params:
+            start, end, _ = self.index[id(param)]
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+        self.buckets = [Bucket(self, i, s, e, m) for i, (s, e, m) in enumerate(bucket_bounds)]
+
+    def _pad_bucket_end(self, end: int) -> int:
+        if not self.comm.use_distributed_optimizer:
+            return end
+        align = math.lcm(self.comm.size, _DISTOPT_BUCKET_ALIGN)
+        return -(-end // align) * align
+
+    def name_of(self, param: torch.nn.Parameter) -> str:
+        return self._names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
+        return self.buckets[self.index[id(param)][2]]
+
+    def buffer_range(self, param: torch.nn.Parameter) -> tuple[int, int]:
+        """``[start, end)`` of ``param`` in this buffer."""
+        start, end, _ = self.index[id(param)]
+        return start, end
+
+    def local_range(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
+        """The piece of ``param`` (flattened ``[start, end)``) this data-parallel rank owns, or None.
+
+        Without the distributed optimizer every rank owns all of every parameter.
+        """
+        start, end, bucket_index = self.index[id(param)]
+        if not self.comm.use_distributed_optimizer:
+            return 0, end - start
+        lo, hi = self.buckets[bucket_index].shard_range(self.comm.rank)
+        lo, hi = max(lo, start), min(hi, end)
+        if lo >= hi:
+            return None
+        return lo - start, hi - start
+
+    def reset(self) -> None:
+        """Zero the gradients and forget which buckets were reduced."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.grad_data.numel() * self.grad_data.element_size()

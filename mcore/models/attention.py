@@ -1,0 +1,163 @@
+"""Self-attention: fused QKV projection, RoPE or ALiBi, grouped-query core attention, output projection.
+
+Shapes (``p`` TP ranks): ``n`` query heads, ``g`` query groups (key/value heads), ``r = n/g``,
+``d = kv_channels``; locally ``n_p = n/p`` and ``g_p = g/p`` (whole groups per rank).
+
+``linear_qkv`` (column-parallel) holds the logical weight ``[(n + 2g) d, h]`` in Megatron's
+per-group packed layout: ``g`` blocks of ``(r + 2) d`` rows, block ``j`` = the ``r`` query heads
+``j r .. j r + r - 1``, then key head ``j``, then value head ``j``. Rank ``t`` holds the contiguous
+rows of groups ``t g_p .. (t+1) g_p - 1``, i.e. the same layout with ``g_p`` groups, so its output
+``[s, b, (n_p + 2 g_p) d]`` views as ``[s, b, g_p, (r + 2) d]`` and splits into Q, K, V.
+With ``g = n`` (no GQA) this is GPT-2's per-head ``[q, k, v]`` layout (Megatron checkpoint version 2+).
+
+``linear_proj`` (row-parallel) is ``[h, n d]``: rank ``t`` holds the columns of its heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore.backend import get_ops
+from mcore.models.config import ModelConfig
+from mcore.models.context import BuildContext
+from mcore.models.positions import alibi_bias, alibi_slopes
+from mcore.models.spec import build_module
+from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mcore.tensor_parallel.random import get_rng_tracker
+from mcore.tensor_parallel.recompute import checkpoint
+from mcore.tensor_parallel.sharding import init_method_normal, scaled_init_method_normal
+
+
+class CoreAttention(torch.nn.Module):
+    """``softmax(Q K^T / sqrt(d) + bias, causal, mask) V`` with attention dropout, via the op table.
+
+    The softmax is computed in fp32 by the op. Dropout acts on probabilities of this rank's heads, so
+    it draws from the TP RNG stream (different on every TP rank, Megatron's convention).
+    """
+
+    def __init__(self, config: ModelConfig, ctx: BuildContext, layer_number: int = 1):
+        super().__init__()
+        self.dropout = config.attention_dropout
+        self.scale = 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``query [s, b, n_p, d]``, ``key``/``value [s, b, g_p, d]`` -> ``[s, b, n_p d]``.
+
+        ``attention_mask``: bool, broadcastable to ``[b, n_p, s, s]``, True = masked (in addition to the
+        causal mask). ``attention_bias``: additive, ``[1, n_p, s, s]`` (ALiBi).
+        """
+        s, b, n, d = query.shape
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        p = self.dropout if self.training else 0.0
+        rng = get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext()
+        with rng:
+            out = get_ops().attention(
+                q, k, v, causal=True, mask=attention_mask, bias=attention_bias, dropout_p=p, scale=self.scale
+            )
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """Which classes build the three parts of :class:`SelfAttention`."""
+
+    linear_qkv: Any = ColumnParallelLinear
+    core_attention: Any = CoreAttention
+    linear_proj: Any = RowParallelLinear
+
+
+class SelfAttention(torch.nn.Module):
+    """Multi-head / grouped-query / multi-query causal self-attention, split over TP by query groups.
+
+    Parameters: ``linear_qkv.weight [(n_p + 2 g_p) d, h]`` (+ ``.bias`` with bias or
+    ``--add-qkv-bias``), ``linear_proj.weight [h, n_p d]`` (+ replicated ``.bias``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: BuildContext,
+        layer_number: int = 1,
+        submodules: SelfAttentionSubmodules | None = None,
+    ):
+        super().__init__()
+        submodules = submodules or SelfAttentionSubmodules()
+        n, g, d, h = (
+            config.num_attention_heads,
+            config.num_query_groups,
+            config.kv_channels,
+            config.hidden_size,
+        )
+        self.heads_per_group = n // g
+        self.num_heads = n // ctx.tp_size
+        self.num_groups = g // ctx.tp_size
+        self.head_dim = d
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.linear_qkv = build_module(
+            submodules.linear_qkv,
+            h,
+            (n + 2 * g) * d,
+            tp_group=ctx.tp_group,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False,
+            sequence_parallel=ctx.sequence_parallel,
+            init_method=init_method_normal(config.init_method_std),
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+        self.core_attention = build_module(submodules.core_attention, config, ctx, layer_number=layer_number)
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            n * d,
+            h,
+            tp_group=ctx.tp_group,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            sequence_parallel=ctx.sequence_parallel,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+        if config.position_embedding_type == "alibi":
+            first = ctx.tp_rank * self.num_heads
+            slopes = alibi_slopes(n)[first : first + self.num_heads]
+            self.register_buffer("alibi_slopes", torch.tensor(slopes, device=ctx.device), persistent=False)
+        else:
+            self.alibi_slopes = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_freqs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, h]`` (``[s/p, b, h]`` with SP) -> (output of the same shape, the un-added proj bias)."""
+        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, (n_p + 2 g_p) d]
+        s, b = qkv.shape[:2]
+        r, d = self.heads_per_group, self.head_dim
+        qkv = qkv.view(s, b, self.num_groups, (r + 2) * d)
+        query, key, value = torch.split(qkv, [r * d, d, d], dim=-1)
+        query = query.reshape(s, b, self.num_heads, d)
+        if rotary_freqs is not None:
+            ops = get_ops()
+            query = ops.rotary_embedding(query, rotary_freqs)
+            key = ops.rotary_embedding(key, rotary_freqs)
+        bias = None if self.alibi_slopes is None else alibi_bias(self.alibi_slopes, s, s)
+        if self.recompute_core_attention and self.training:
+            context = checkpoint(self.core_attention, query, key, value, attention_mask, bias)
+        else:
+            context = self.core_attention(query, key, value, attention_mask, bias)
+        return self.linear_proj(context)

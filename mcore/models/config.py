@@ -1,0 +1,270 @@
+"""The GPT model family's configuration (Megatron-LM's model flags) and its checks against the layout.
+
+``ModelConfig`` resolves Megatron's derived defaults in ``__post_init__`` (``ffn_hidden_size``,
+``kv_channels``, ``num_query_groups``, ``max_position_embeddings``), so a constructed config holds
+concrete numbers. Note for ``dataclasses.replace``: derived fields keep their resolved values;
+pass them again (or ``None``) when changing the sizes they derive from.
+
+The vocabulary size is not a model flag: the tokenizer owns ``--vocab-size``; the model takes the
+padded size from :func:`padded_vocab_size`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mcore.config.fields import ConfigError, check, flag
+from mcore.config.parallel import ParallelConfig
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
+    """Megatron's padded vocabulary: ``ceil(V / m) * m`` with ``m = divisible_by * tp``.
+
+    GPT-2's 50257 gives 50304 at TP=1, 50432 at TP=2, 50688 at TP=4, 51200 at TP=8.
+    """
+    check(vocab_size >= 1, f"vocab_size={vocab_size} must be positive")
+    check(
+        make_vocab_size_divisible_by >= 1,
+        f"make_vocab_size_divisible_by={make_vocab_size_divisible_by} must be positive",
+    )
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """GPT-style decoder: sizes, positions, attention, MLP, norms, initialization, dropout, recompute."""
+
+    # sizes
+    num_layers: int | None = flag(None, "Number of transformer layers.")
+    hidden_size: int | None = flag(None, "Transformer hidden size h.")
+    ffn_hidden_size: int | None = flag(
+        None, "MLP hidden size (default 4h; with --swiglu int(8h/3 / 64) * 64, as Megatron)."
+    )
+    num_attention_heads: int | None = flag(None, "Number of attention (query) heads.")
+    kv_channels: int | None = flag(None, "Head dim (default hidden_size / num_attention_heads).")
+    group_query_attention: bool = flag(False, "Use grouped-query attention (--num-query-groups KV heads).")
+    num_query_groups: int | None = flag(
+        None, "Key/value heads with --group-query-attention (default 1: multi-query)."
+    )
+    seq_length: int | None = flag(None, "Training sequence length.")
+    max_position_embeddings: int | None = flag(
+        None, "Rows of the learned position table / longest sequence (default --seq-length)."
+    )
+
+    # positions
+    position_embedding_type: str = flag(
+        "learned_absolute", "Position encoding.", choices=POSITION_EMBEDDING_TYPES
+    )
+    rotary_base: float = flag(10000.0, "RoPE base theta.")
+    rotary_percent: float = flag(1.0, "Fraction of the head dim that RoPE rotates.")
+
+    # layers
+    normalization: str = flag("LayerNorm", "Norm layer.", choices=NORMALIZATIONS)
+    norm_epsilon: float = flag(1e-5, "Epsilon of the norm layers.", aliases=("--layernorm-epsilon",))
+    swiglu: bool = flag(False, "SwiGLU MLP (gated SiLU) instead of GeLU.")
+    openai_gelu: bool = flag(False, "GeLU with the tanh approximation (GPT-2's gelu_new).")
+    disable_bias_linear: bool = flag(False, "No biases in the linear layers.")
+    add_qkv_bias: bool = flag(False, "Bias on the QKV projection even with --disable-bias-linear.")
+    untie_embeddings_and_output_weights: bool = flag(
+        False, "Separate output-layer weight instead of the word-embedding table."
+    )
+    apply_residual_connection_post_layernorm: bool = flag(
+        False, "Residual taken after the norm (BERT-style) instead of before."
+    )
+    fp32_residual_connection: bool = flag(False, "Keep the residual stream in fp32.")
+    apply_query_key_layer_scaling: bool = flag(
+        False, "Accepted for Megatron scripts; no effect (the attention softmax is always fp32)."
+    )
+    make_vocab_size_divisible_by: int = flag(
+        128, "Pad the vocabulary to a multiple of this times the TP size."
+    )
+
+    # initialization and dropout
+    init_method_std: float = flag(0.02, "Std of the normal init; output projections use std/sqrt(2L).")
+    use_cpu_initialization: bool = flag(
+        False, "Accepted for Megatron scripts; no effect (init never depends on the layout)."
+    )
+    hidden_dropout: float = flag(0.1, "Dropout on the embedding and residual branches.")
+    attention_dropout: float = flag(0.1, "Dropout on the attention probabilities.")
+
+    # activation recomputation
+    recompute_granularity: str | None = flag(
+        None,
+        "Recompute activations: full layers or the core attention only.",
+        choices=RECOMPUTE_GRANULARITIES,
+    )
+    recompute_method: str | None = flag(
+        None,
+        "Full recompute: uniform (chunks of N layers) or block (first N layers).",
+        choices=RECOMPUTE_METHODS,
+    )
+    recompute_num_layers: int | None = flag(None, "N for --recompute-method (per pipeline stage/chunk).")
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            flag_ = "--" + name.replace("_", "-")
+            check(value is not None, f"{name} must be given ({flag_})")
+            check(isinstance(value, int) and value >= 1, f"{name}={value} must be a positive integer")
+        h, n = self.hidden_size, self.num_attention_heads
+        check(
+            self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+            f"position_embedding_type={self.position_embedding_type!r} is unknown; "
+            f"choose one of {', '.join(POSITION_EMBEDDING_TYPES)}",
+        )
+        check(
+            self.normalization in NORMALIZATIONS,
+            f"normalization={self.normalization!r} is unknown; choose one of {', '.join(NORMALIZATIONS)}",
+        )
+
+        if self.ffn_hidden_size is None:
+            self._set("ffn_hidden_size", int((4 * h * 2 / 3) / 64) * 64 if self.swiglu else 4 * h)
+        check(self.ffn_hidden_size >= 1, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
+
+        if self.kv_channels is None:
+            check(
+                h % n == 0,
+                f"hidden_size={h} is not divisible by num_attention_heads={n}; give --kv-channels",
+            )
+            self._set("kv_channels", h // n)
+        check(self.kv_channels >= 1, f"kv_channels={self.kv_channels} must be positive")
+
+        if not self.group_query_attention:
+            check(
+                self.num_query_groups in (None, n),
+                f"num_query_groups={self.num_query_groups} needs --group-query-attention",
+            )
+            self._set("num_query_groups", n)
+        elif self.num_query_groups is None:
+            self._set("num_query_groups", 1)
+        g = self.num_query_groups
+        check(g >= 1, f"num_query_groups={g} must be positive")
+        check(n % g == 0, f"num_attention_heads={n} is not divisible by num_query_groups={g}")
+
+        if self.max_position_embeddings is None:
+            self._set("max_position_embeddings", self.seq_length)
+        if self.position_embedding_type == "learned_absolute":
+            check(
+                self.max_position_embeddings is not None,
+                "learned_absolute positions need --max-position-embeddings (or --seq-length)",
+            )
+        if self.seq_length is not None and self.max_position_embeddings is not None:
+            check(
+                self.seq_length <= self.max_position_embeddings,
+                f"seq_length={self.seq_length} exceeds max_position_embeddings={self.max_position_embeddings}",
+            )
+
+        check(0.0 < self.rotary_percent <= 1.0, f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if self.position_embedding_type == "rope":
+            rot = self.kv_channels * self.rotary_percent
+            check(
+                rot == int(rot) and int(rot) % 2 == 0,
+                f"kv_channels={self.kv_channels} x rotary_percent={self.rotary_percent} = {rot:g} "
+                "must be an even integer (the rotated channels come in pairs)",
+            )
+            check(self.rotary_base > 0, f"rotary_base={self.rotary_base} must be positive")
+        check(self.norm_epsilon > 0, f"norm_epsilon={self.norm_epsilon} must be positive")
+        check(self.init_method_std > 0, f"init_method_std={self.init_method_std} must be positive")
+        check(
+            self.make_vocab_size_divisible_by >= 1,
+            f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be positive",
+        )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            check(0.0 <= value < 1.0, f"{name}={value} must be in [0, 1)")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        gran, method, num = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        check(
+            gran in (None, *RECOMPUTE_GRANULARITIES),
+            f"recompute_granularity={gran!r} is unknown; choose full or selective",
+        )
+        check(
+            method in (None, *RECOMPUTE_METHODS),
+            f"recompute_method={method!r} is unknown; choose uniform or block",
+        )
+        if gran == "full":
+            check(
+                method is not None,
+                "recompute_granularity='full' needs --recompute-method uniform or block",
+            )
+            check(
+                num is not None and num >= 1,
+                f"recompute_granularity='full' needs --recompute-num-layers >= 1 (got {num})",
+            )
+        else:
+            check(
+                method is None,
+                f"recompute_method={method!r} applies only to recompute_granularity='full' (got {gran!r})",
+            )
+            check(
+                num is None,
+                f"recompute_num_layers={num} applies only to recompute_granularity='full' (got {gran!r})",
+            )
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+
+    # derived views
+    @property
+    def add_bias_linear(self) -> bool:
+        """Biases on every linear layer (Megatron's ``add_bias_linear``)."""
+        return not self.disable_bias_linear
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        """The output layer multiplies by the word-embedding table."""
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates."""
+        return int(self.kv_channels * self.rotary_percent)
+
+
+def validate_model_parallel(config: ModelConfig, parallel: ParallelConfig) -> None:
+    """Check that the model splits over the layout; raise :class:`ConfigError` naming the values."""
+    check_tensor_parallel(config, parallel.tensor_model_parallel_size, parallel.sequence_parallel)
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """The TP part of :func:`validate_model_parallel` (the model calls it with its group's size)."""
+    check(
+        config.num_attention_heads % tp == 0,
+        f"num_attention_heads={config.num_attention_heads} is not divisible by tensor_model_parallel_size={tp}",
+    )
+    check(
+        config.num_query_groups % tp == 0,
+        f"num_query_groups={config.num_query_groups} is not divisible by tensor_model_parallel_size={tp}",
+    )
+    check(
+        config.ffn_hidden_size % tp == 0,
+        f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}",
+    )
+    if sequence_parallel:
+        check(tp > 1, f"--sequence-parallel needs tensor_model_parallel_size > 1 (got {tp})")
+        if config.seq_length is not None:
+            check(
+                config.seq_length % tp == 0,
+                f"seq_length={config.seq_length} is not divisible by tensor_model_parallel_size={tp} "
+                "(sequence parallelism splits the sequence)",
+            )
+
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "check_tensor_parallel",
+    "padded_vocab_size",
+    "validate_model_parallel",
+]

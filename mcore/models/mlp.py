@@ -1,0 +1,89 @@
+"""The MLP: ``linear_fc2(act(linear_fc1(x)))`` with GeLU or SwiGLU, split over TP by hidden features.
+
+Parameters (``F`` = ffn_hidden_size, ``p`` TP ranks):
+
+* ``linear_fc1.weight``: logical ``[F, h]`` (GeLU) or ``[2F, h]`` = ``[gate; up]`` (SwiGLU).
+  Column-parallel; for SwiGLU each rank holds ``[gate_t; up_t]`` (``[2F/p, h]``), its own rows of
+  both halves (``num_stacked=2`` in its :class:`~mcore.tensor_parallel.sharding.ShardSpec`), so the
+  activation ``silu(gate_t) * up_t`` is local. ``.bias`` follows the same layout.
+* ``linear_fc2.weight``: logical ``[h, F]``, row-parallel (rank ``t`` holds columns
+  ``[t F/p, (t+1) F/p)``); ``.bias`` ``[h]`` replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore.backend import get_ops
+from mcore.models.config import ModelConfig
+from mcore.models.context import BuildContext
+from mcore.models.spec import build_module
+from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mcore.tensor_parallel.sharding import init_method_normal, scaled_init_method_normal
+
+
+@dataclass
+class MLPSubmodules:
+    """Which classes build the two projections of :class:`MLP`."""
+
+    linear_fc1: Any = ColumnParallelLinear
+    linear_fc2: Any = RowParallelLinear
+
+
+class MLP(torch.nn.Module):
+    """``h -> F -> h`` with GeLU (exact, or tanh with ``--openai-gelu``) or SwiGLU (``--swiglu``)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: BuildContext,
+        layer_number: int = 1,
+        submodules: MLPSubmodules | None = None,
+    ):
+        super().__init__()
+        submodules = submodules or MLPSubmodules()
+        self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        stacked = 2 if config.swiglu else 1
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1,
+            config.hidden_size,
+            stacked * config.ffn_hidden_size,
+            tp_group=ctx.tp_group,
+            bias=config.add_bias_linear,
+            gather_output=False,
+            skip_bias_add=True,
+            sequence_parallel=ctx.sequence_parallel,
+            init_method=init_method_normal(config.init_method_std),
+            num_stacked=stacked,
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2,
+            config.ffn_hidden_size,
+            config.hidden_size,
+            tp_group=ctx.tp_group,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            sequence_parallel=ctx.sequence_parallel,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, h]`` (``[s/p, b, h]`` with SP) -> (output of the same shape, the un-added fc2 bias)."""
+        ops = get_ops()
+        intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, F/p] or [s, b, 2F/p]
+        if self.swiglu:
+            if bias is not None:
+                intermediate = intermediate + bias
+            intermediate = ops.swiglu(intermediate)
+        else:
+            intermediate = ops.bias_gelu(intermediate, bias, self.gelu_approximate)
+        return self.linear_fc2(intermediate)

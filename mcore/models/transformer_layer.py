@@ -1,0 +1,175 @@
+"""A pre-norm transformer layer and the block (stack of layers + final norm) with recomputation.
+
+Hidden states are ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism). Each layer::
+
+    x = x + dropout(attention(norm_1(x)) + proj_bias)
+    x = x + dropout(mlp(norm_2(x)) + fc2_bias)
+
+(``--apply-residual-connection-post-layernorm`` takes the residual after each norm instead.)
+
+Parameter names inside a layer: ``input_layernorm.{weight,bias}``, ``self_attention.*``
+(:mod:`mcore.models.attention`), ``pre_mlp_layernorm.{weight,bias}``, ``mlp.*``
+(:mod:`mcore.models.mlp`). In the block: ``layers.{i}.*`` with ``i`` local to this chunk, and
+``final_layernorm.*`` on the last chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore.backend import get_ops
+from mcore.models.attention import SelfAttention
+from mcore.models.config import ModelConfig
+from mcore.models.context import BuildContext
+from mcore.models.mlp import MLP
+from mcore.models.norms import Norm
+from mcore.models.spec import ModuleSpec, build_module
+from mcore.tensor_parallel.random import get_rng_tracker
+from mcore.tensor_parallel.recompute import checkpoint
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    """Specs of the four parts of a :class:`TransformerLayer`."""
+
+    input_layernorm: Any = field(default_factory=lambda: ModuleSpec(Norm))
+    self_attention: Any = field(default_factory=lambda: ModuleSpec(SelfAttention))
+    pre_mlp_layernorm: Any = field(default_factory=lambda: ModuleSpec(Norm))
+    mlp: Any = field(default_factory=lambda: ModuleSpec(MLP))
+
+
+class TransformerLayer(torch.nn.Module):
+    """Norm, self-attention, residual; norm, MLP, residual.
+
+    Args:
+        config, ctx: what to build and how it is split.
+        layer_number: 1-based global index of the layer in the whole model (Megatron's convention).
+        submodules: the part specs (default: :class:`TransformerLayerSubmodules`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: BuildContext,
+        layer_number: int = 1,
+        submodules: TransformerLayerSubmodules | None = None,
+    ):
+        super().__init__()
+        submodules = submodules or TransformerLayerSubmodules()
+        self.layer_number = layer_number
+        self.sequence_parallel = ctx.sequence_parallel
+        self.hidden_dropout = config.hidden_dropout
+        self.residual_post_norm = config.apply_residual_connection_post_layernorm
+        self.fp32_residual = config.fp32_residual_connection
+        self.params_dtype = ctx.params_dtype
+        self.input_layernorm = build_module(submodules.input_layernorm, config, ctx)
+        self.self_attention = build_module(submodules.self_attention, config, ctx, layer_number=layer_number)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, ctx)
+        self.mlp = build_module(submodules.mlp, config, ctx, layer_number=layer_number)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_freqs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        normed = self._norm(self.input_layernorm, hidden_states)
+        residual = normed if self.residual_post_norm else hidden_states
+        attention_out, attention_bias = self.self_attention(normed, attention_mask, rotary_freqs)
+        hidden_states = self._bias_dropout_add(attention_out, attention_bias, residual)
+
+        normed = self._norm(self.pre_mlp_layernorm, hidden_states)
+        residual = normed if self.residual_post_norm else hidden_states
+        mlp_out, mlp_bias = self.mlp(normed)
+        return self._bias_dropout_add(mlp_out, mlp_bias, residual)
+
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = norm(x)
+        # With an fp32 residual stream the branches still compute in the parameter dtype.
+        return out.to(self.params_dtype) if self.fp32_residual else out
+
+    def _bias_dropout_add(self, x, bias, residual) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
+        # Sequence shards differ per TP rank, so their dropout masks must too (the TP RNG stream);
+        # replicated activations use the default stream, identical on every TP rank.
+        rng = get_rng_tracker().fork() if self.sequence_parallel and p > 0.0 else contextlib.nullcontext()
+        with rng:
+            return get_ops().bias_dropout_add(x, bias, residual, p, self.training)
+
+
+class TransformerBlock(torch.nn.Module):
+    """``num_layers`` consecutive layers (global numbers ``layer_offset+1 ..``) and the final norm.
+
+    Activation recomputation (``--recompute-granularity full``):
+
+    * ``uniform``: the layers are cut into chunks of ``recompute_num_layers``; only each chunk's
+      input is kept and the chunk is recomputed in backward;
+    * ``block``: the first ``recompute_num_layers`` layers of this chunk are recomputed one by one,
+      the rest keep their activations.
+
+    ``selective`` recomputes only the core attention (inside :class:`SelfAttention`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: BuildContext,
+        layer_spec: ModuleSpec,
+        *,
+        num_layers: int,
+        layer_offset: int = 0,
+        post_process: bool = True,
+    ):
+        super().__init__()
+        self.recompute_method = config.recompute_method if config.recompute_granularity == "full" else None
+        self.recompute_num_layers = config.recompute_num_layers
+        self.fp32_residual = config.fp32_residual_connection
+        self.params_dtype = ctx.params_dtype
+        self.layers = torch.nn.ModuleList(
+            build_module(layer_spec, config, ctx, layer_number=layer_offset + i + 1)
+            for i in range(num_layers)
+        )
+        self.final_layernorm = Norm(config, ctx) if post_process else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_freqs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.recompute_method is not None and self.training and torch.is_grad_enabled():
+            hidden_states = self._recomputed_forward(hidden_states, attention_mask, rotary_freqs)
+        else:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, attention_mask, rotary_freqs)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+            if self.fp32_residual:
+                hidden_states = hidden_states.to(self.params_dtype)
+        return hidden_states
+
+    def _recomputed_forward(self, hidden_states, attention_mask, rotary_freqs) -> torch.Tensor:
+        n, k = len(self.layers), self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            for start in range(0, n, k):
+                run = self._run_layers(start, min(start + k, n))
+                hidden_states = checkpoint(run, hidden_states, attention_mask, rotary_freqs)
+            return hidden_states
+        for i, layer in enumerate(self.layers):  # block
+            if i < k:
+                hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_freqs)
+            else:
+                hidden_states = layer(hidden_states, attention_mask, rotary_freqs)
+        return hidden_states
+
+    def _run_layers(self, start: int, end: int):
+        def run(hidden_states, attention_mask, rotary_freqs):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, attention_mask, rotary_freqs)
+            return hidden_states
+
+        return run

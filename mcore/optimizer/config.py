@@ -1,0 +1,108 @@
+"""Optimizer and mixed-precision settings, with Megatron-LM's flags.
+
+The learning rate and its schedule (``--lr``, ``--min-lr``, ``--lr-decay-style``, weight-decay
+increments) belong to the scheduler's config: the scheduler writes ``param_group["lr"]`` and
+``param_group["weight_decay"]`` into :attr:`mcore.optimizer.MegatronOptimizer.param_groups` before
+every step, as it would for a ``torch.optim`` optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore.config.fields import ConfigError, check, flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Optimizer: Adam (AdamW, as in Megatron) or SGD, clipping, and the distributed optimizer."""
+
+    optimizer: str = flag(
+        "adam", "Optimizer: adam (AdamW: decoupled weight decay) or sgd.", choices=("adam", "sgd")
+    )
+    weight_decay: float = flag(0.01, "Weight decay (not applied to biases and other 1-D parameters).")
+    adam_beta1: float = flag(0.9, "Adam beta1: decay of the first-moment estimate.")
+    adam_beta2: float = flag(0.999, "Adam beta2: decay of the second-moment estimate.")
+    adam_eps: float = flag(1e-8, "Adam epsilon added to the denominator.")
+    sgd_momentum: float = flag(0.9, "SGD momentum.")
+    clip_grad: float = flag(1.0, "Clip gradients to this global L2 norm (0 turns clipping off).")
+    use_distributed_optimizer: bool = flag(
+        False, "Shard fp32 master weights and optimizer state over data-parallel ranks (ZeRO-1)."
+    )
+    overlap_param_gather: bool = flag(
+        False, "Overlap the all-gather of updated parameters with the next forward (distributed optimizer)."
+    )
+    decoupled_weight_decay: bool = flag(
+        True, "Adam applies weight decay decoupled from the gradient (AdamW), as Megatron does.", cli=False
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            check(0.0 <= value < 1.0, f"{name}={value} must be in [0, 1)")
+        check(self.adam_eps > 0.0, f"adam_eps={self.adam_eps} must be > 0")
+        check(self.weight_decay >= 0.0, f"weight_decay={self.weight_decay} must be >= 0")
+        check(0.0 <= self.sgd_momentum < 1.0, f"sgd_momentum={self.sgd_momentum} must be in [0, 1)")
+        check(self.clip_grad >= 0.0, f"clip_grad={self.clip_grad} must be >= 0 (0 turns clipping off)")
+        check(
+            not self.overlap_param_gather or self.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer "
+            f"(got use_distributed_optimizer={self.use_distributed_optimizer})",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Mixed precision: bf16 or fp16 parameters with fp32 master weights, and fp16 loss scaling."""
+
+    fp16: bool = flag(False, "Train with fp16 parameters, fp32 master weights and loss scaling.")
+    bf16: bool = flag(False, "Train with bf16 parameters and fp32 master weights.")
+    loss_scale: float | None = flag(
+        None, "Static loss scale (a power of 2 helps); without it, fp16 uses dynamic loss scaling."
+    )
+    initial_loss_scale: float = flag(2.0**32, "Initial dynamic loss scale.")
+    min_loss_scale: float = flag(1.0, "Minimum dynamic loss scale.")
+    loss_scale_window: int = flag(1000, "Steps without overflow before the dynamic loss scale doubles.")
+    hysteresis: int = flag(2, "Overflowing steps tolerated before the dynamic loss scale halves.")
+    accumulate_allreduce_grads_in_fp32: bool = flag(
+        False, "Accumulate and all-reduce gradients in fp32 (always on with --bf16, as in Megatron)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.fp16 and self.bf16:
+            raise ConfigError("--fp16 and --bf16 are mutually exclusive (got fp16=True and bf16=True)")
+        if self.loss_scale is not None:
+            check(self.loss_scale > 0.0, f"loss_scale={self.loss_scale} must be > 0")
+            check(
+                self.fp16 or self.bf16,
+                f"--loss-scale {self.loss_scale} needs --fp16 or --bf16 (fp32 training is not loss-scaled)",
+            )
+        check(self.initial_loss_scale > 0.0, f"initial_loss_scale={self.initial_loss_scale} must be > 0")
+        check(self.min_loss_scale > 0.0, f"min_loss_scale={self.min_loss_scale} must be > 0")
+        check(
+            self.min_loss_scale <= self.initial_loss_scale,
+            f"min_loss_scale={self.min_loss_scale} must be <= initial_loss_scale={self.initial_loss_scale}",
+        )
+        check(self.loss_scale_window >= 1, f"loss_scale_window={self.loss_scale_window} must be >= 1")
+        check(self.hysteresis >= 1, f"hysteresis={self.hysteresis} must be >= 1")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype of model parameters: bf16, fp16 or fp32."""
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16:
+            return torch.float16
+        return torch.float32
+
+    @property
+    def grads_in_fp32(self) -> bool:
+        """Whether gradients accumulate and reduce in fp32 (bf16 forces it, as Megatron does)."""
+        return self.accumulate_allreduce_grads_in_fp32 or self.bf16 or not self.fp16
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """fp16 without ``--loss-scale`` scales the loss dynamically."""
+        return self.fp16 and self.loss_scale is None

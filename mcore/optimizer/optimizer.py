@@ -1,0 +1,476 @@
+"""The optimizer: fp32 master weights, loss scaling, global-norm clipping, Adam/SGD, sharded or not.
+
+One class serves every configuration. It works on *main parameters*: for every trainable model
+parameter, the contiguous piece of it this rank updates, as a flat fp32 tensor.
+
+==========================  ===============================  =====================================
+                            replicated (default)             distributed (--use-distributed-optimizer)
+==========================  ===============================  =====================================
+piece of each parameter     all of it                        the part in this dp rank's bucket shard
+fp32 params                 main = view of the model param   main = view of the model param
+bf16/fp16 params            main = fp32 copy, copied back    main = fp32 copy of the piece, copied back
+gradient                    ``param.main_grad`` (all-reduced) this rank's reduce-scattered shard
+Adam moments                full size                        piece size (1/dp of the total)
+after the step              nothing                          all-gather the parameter buckets
+gradient norm reduced over  ``groups.mp`` (tp x pp)           all ranks
+==========================  ===============================  =====================================
+
+``step()``:
+
+1. gradients to fp32 main gradients (views when the buffer is fp32 already);
+2. with a loss scaler: unscale, check for inf/NaN; if any rank overflowed, every rank skips the step
+   and the scaler lowers the scale (``(False, None, None)`` is returned);
+3. the global gradient norm, and clipping to ``--clip-grad``;
+4. the update (``get_ops().adam_step``, the backend's fused kernel, or SGD with momentum);
+5. fp32 masters copied back into bf16/fp16 parameters; with the distributed optimizer, updated shards
+   all-gathered (asynchronously with ``--overlap-param-gather``: each module's forward pre-hook waits
+   for the buckets of its own parameters).
+
+State dict layout (per-parameter, so the checkpoint can reshard it)::
+
+    {"format": "mcore.optimizer/1", "optimizer": "adam" | "sgd", "distributed": bool,
+     "param_groups": [{"lr", "weight_decay", "wd_mult", "lr_mult", "params": [key, ...]}, ...],
+     "state": {key: {"range": (start, end),     # flattened piece of the (tp-local) parameter held here
+                     "shape": (...),            # the (tp-local) parameter's shape
+                     "step": int,                               # adam
+                     "exp_avg": fp32[end-start], "exp_avg_sq": fp32[end-start],   # adam
+                     "momentum_buffer": fp32[end-start],        # sgd
+                     "main_param": fp32[end-start]}},           # bf16/fp16 parameters only
+     "grad_scaler": {...} | None}
+
+``key`` is the parameter's name in its (unwrapped) model chunk, prefixed with ``model{i}.`` when a
+rank has several chunks (virtual pipeline). With the distributed optimizer, parameters whose piece
+on this rank is empty have no entry. :meth:`MegatronOptimizer.load_state_dict` accepts, for each key,
+any saved range that contains this rank's range (a replicated or gathered state loads into any
+data-parallel size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore.backend import get_ops
+from mcore.config.fields import ConfigError
+from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
+from mcore.distributed.groups import ProcessGroups
+from mcore.optimizer.clip_grads import clip_grads_, counts_in_grad_norm, global_grad_norm, unscale_and_check_
+from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
+from mcore.optimizer.grad_scaler import build_grad_scaler
+
+STATE_FORMAT = "mcore.optimizer/1"
+
+
+@dataclass
+class MainParam:
+    """The piece ``[start, end)`` of one (flattened) model parameter that this rank updates."""
+
+    key: str
+    model_param: torch.nn.Parameter
+    start: int
+    end: int
+    main: torch.Tensor
+    """fp32, 1-D: a view of the model parameter (fp32 params) or an fp32 copy (bf16/fp16)."""
+    grad_view: Callable[[], torch.Tensor | None]
+    """The piece's gradient in the buffer's dtype (a 1-D view), or None when there is none."""
+    owns_copy: bool
+    counts_in_norm: bool
+    group: int
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def model_view(self) -> torch.Tensor:
+        return self.model_param.data.view(-1)[self.start : self.end]
+
+
+def default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: biases and every 1-D parameter (norm weights) get no weight decay."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+class MegatronOptimizer:
+    """Mixed-precision, optionally sharded Adam/SGD over all of a rank's model chunks.
+
+    Build it with :func:`mcore.optimizer.build_optimizer`. ``param_groups`` is a list of dicts with
+    ``params`` (model parameters), ``lr``, ``weight_decay``, ``wd_mult`` and ``lr_mult``; the LR
+    scheduler writes ``lr`` (and ``weight_decay = wd * wd_mult``) before each step.
+    """
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        precision: PrecisionConfig,
+        model_chunks: Sequence[torch.nn.Module],
+        groups: ProcessGroups,
+        *,
+        lr: float = 0.0,
+        no_weight_decay: Callable[[str, torch.nn.Parameter], bool] = default_no_weight_decay,
+    ):
+        self.config = config
+        self.precision = precision
+        self.model_chunks = list(model_chunks)
+        self.groups = groups
+        self.distributed = config.use_distributed_optimizer
+        self.grad_scaler = build_grad_scaler(precision)
+        self._check_chunks()
+
+        tp_rank = groups.tp_rank
+        named = []
+        for i, chunk in enumerate(self.model_chunks):
+            prefix = f"model{i}." if len(self.model_chunks) > 1 else ""
+            for name, param in unwrap_model(chunk).named_parameters():
+                if param.requires_grad:
+                    named.append((prefix + name, name, param, chunk))
+
+        decay = [(k, p) for k, n, p, _ in named if not no_weight_decay(n, p)]
+        no_decay = [(k, p) for k, n, p, _ in named if no_weight_decay(n, p)]
+        self.param_groups: list[dict[str, Any]] = []
+        group_of: dict[int, int] = {}
+        for members, wd_mult in ((decay, 1.0), (no_decay, 0.0)):
+            if not members:
+                continue
+            for _, p in members:
+                group_of[id(p)] = len(self.param_groups)
+            self.param_groups.append(
+                {
+                    "params": [p for _, p in members],
+                    "lr": lr,
+                    "weight_decay": config.weight_decay * wd_mult,
+                    "wd_mult": wd_mult,
+                    "lr_mult": 1.0,
+                }
+            )
+
+        self.main_params: list[MainParam] = []
+        for key, _, param, chunk in named:
+            entry = self._make_main_param(key, param, chunk, group_of[id(param)], tp_rank)
+            if entry is not None:
+                self.main_params.append(entry)
+        self._init_state()
+        device = next((p.model_param.device for p in self.main_params), None)
+        self._device = device or torch.device("cpu")
+
+    # ----------------------------------------------------------------------------------------------
+    # construction
+
+    def _check_chunks(self) -> None:
+        for i, chunk in enumerate(self.model_chunks):
+            ddp = chunk if isinstance(chunk, DistributedDataParallel) else None
+            chunk_distributed = ddp is not None and ddp.ddp_config.use_distributed_optimizer
+            if chunk_distributed != self.distributed:
+                raise ConfigError(
+                    f"model chunk {i} has use_distributed_optimizer={chunk_distributed} but the optimizer "
+                    f"has use_distributed_optimizer={self.distributed}: wrap chunks with "
+                    "DistributedDataParallel(module, ddp_config.with_training(optimizer_config, precision_config), groups)"
+                )
+
+    def _make_main_param(
+        self, key: str, param: torch.nn.Parameter, chunk: torch.nn.Module, group: int, tp_rank: int
+    ) -> MainParam | None:
+        buffer = chunk.buffer_of(param) if isinstance(chunk, DistributedDataParallel) else None
+        if buffer is not None:
+            local = buffer.local_range(param)
+            if local is None:
+                return None
+            start, end = local
+            offset = buffer.buffer_range(param)[0]
+            grad_data = buffer.grad_data
+
+            def grad_view(lo=offset + start, hi=offset + end):
+                return grad_data[lo:hi]
+        else:
+            start, end = 0, param.numel()
+
+            def grad_view(p=param):
+                return None if p.grad is None else p.grad.view(-1)
+
+        view = param.data.view(-1)[start:end]
+        owns_copy = param.dtype != torch.float32
+        main = view.detach().float().clone() if owns_copy else view
+        return MainParam(
+            key=key,
+            model_param=param,
+            start=start,
+            end=end,
+            main=main,
+            grad_view=grad_view,
+            owns_copy=owns_copy,
+            counts_in_norm=counts_in_grad_norm(param, tp_rank),
+            group=group,
+        )
+
+    def _init_state(self) -> None:
+        for entry in self.main_params:
+            if self.config.optimizer == "adam":
+                entry.state = {
+                    "step": 0,
+                    "exp_avg": torch.zeros_like(entry.main),
+                    "exp_avg_sq": torch.zeros_like(entry.main),
+                }
+            else:
+                entry.state = {"momentum_buffer": torch.zeros_like(entry.main)}
+
+    # ----------------------------------------------------------------------------------------------
+    # loss scaling
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``: the schedule's ``grad_scale_func``."""
+        if self.grad_scaler is None:
+            return loss
+        return loss * self.grad_scaler.scale
+
+    # ----------------------------------------------------------------------------------------------
+    # the step
+
+    def _norm_group(self):
+        return self.groups.world if self.distributed else self.groups.mp
+
+    def _main_grads(self) -> list[torch.Tensor | None]:
+        grads = []
+        for entry in self.main_params:
+            grad = entry.grad_view()
+            if grad is not None and grad.dtype != torch.float32:
+                grad = grad.float()
+            grads.append(grad)
+        return grads
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, None]:
+        """Apply one update. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+        ``update_successful`` is False when the loss scaler found inf/NaN gradients on any rank (the
+        step is skipped everywhere); ``grad_norm`` is the global norm before clipping, or None when
+        clipping is off or the step was skipped; ``num_zeros_in_grad`` is not computed (None).
+        """
+        self.finish_param_sync()
+        grads = self._main_grads()
+        present = [(e, g) for e, g in zip(self.main_params, grads) if g is not None]
+        grad_list = [g for _, g in present]
+
+        if self.grad_scaler is not None:
+            found_inf = unscale_and_check_(
+                grad_list, self.grad_scaler.inv_scale, self.groups.world, self._device
+            )
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+
+        grad_norm = None
+        if self.config.clip_grad > 0.0:
+            counted = [g for e, g in present if e.counts_in_norm]
+            grad_norm = global_grad_norm(counted, self._norm_group(), self._device)
+            clip_grads_(grad_list, self.config.clip_grad, grad_norm)
+
+        if self.config.optimizer == "adam":
+            self._adam(present)
+        else:
+            self._sgd(present)
+
+        for entry, _ in present:
+            if entry.owns_copy:
+                entry.model_view().copy_(entry.main)
+        if self.distributed:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+            if not self.config.overlap_param_gather:
+                self.finish_param_sync()
+        return True, grad_norm, None
+
+    def _adam(self, present: list[tuple[MainParam, torch.Tensor]]) -> None:
+        cfg = self.config
+        batches: dict[tuple[int, int], list[tuple[MainParam, torch.Tensor]]] = {}
+        for entry, grad in present:
+            entry.state["step"] += 1
+            batches.setdefault((entry.group, entry.state["step"]), []).append((entry, grad))
+        for (group_index, step), members in batches.items():
+            group = self.param_groups[group_index]
+            get_ops().adam_step(
+                [e.main for e, _ in members],
+                [g for _, g in members],
+                [e.state["exp_avg"] for e, _ in members],
+                [e.state["exp_avg_sq"] for e, _ in members],
+                step=step,
+                lr=group["lr"],
+                beta1=cfg.adam_beta1,
+                beta2=cfg.adam_beta2,
+                eps=cfg.adam_eps,
+                weight_decay=group["weight_decay"],
+                decoupled_weight_decay=cfg.decoupled_weight_decay,
+            )
+
+    def _sgd(self, present: list[tuple[MainParam, torch.Tensor]]) -> None:
+        """torch.optim.SGD's update (coupled weight decay, no dampening, no Nesterov)."""
+        momentum = self.config.sgd_momentum
+        for group_index, group in enumerate(self.param_groups):
+            members = [(e, g) for e, g in present if e.group == group_index]
+            if not members:
+                continue
+            params = [e.main for e, _ in members]
+            grads = [g for _, g in members]
+            if group["weight_decay"] != 0.0:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            if momentum != 0.0:
+                bufs = [e.state["momentum_buffer"] for e, _ in members]
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, grads)
+                grads = bufs
+            torch._foreach_add_(params, grads, alpha=-group["lr"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients of every model chunk (DDP buffers included)."""
+        for chunk in self.model_chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.zero_grad_buffer()
+            else:
+                chunk.zero_grad(set_to_none=set_to_none)
+
+    def finish_param_sync(self) -> None:
+        """Wait for outstanding parameter all-gathers (distributed optimizer with overlap)."""
+        if self.distributed:
+            for chunk in self.model_chunks:
+                chunk.finish_param_sync()
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 masters from the model parameters (after the model's weights were loaded)."""
+        self.finish_param_sync()
+        for entry in self.main_params:
+            if entry.owns_copy:
+                entry.main.copy_(entry.model_view())
+
+    # ----------------------------------------------------------------------------------------------
+    # state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-parameter state (layout in the module docstring); tensors are this rank's pieces."""
+        self.finish_param_sync()
+        names = self._all_keys()
+        state = {}
+        for entry in self.main_params:
+            item: dict[str, Any] = {
+                "range": (entry.start, entry.end),
+                "shape": tuple(entry.model_param.shape),
+            }
+            for name, value in entry.state.items():
+                item[name] = value.clone() if isinstance(value, torch.Tensor) else value
+            if entry.owns_copy:
+                item["main_param"] = entry.main.clone()
+            state[entry.key] = item
+        return {
+            "format": STATE_FORMAT,
+            "optimizer": self.config.optimizer,
+            "distributed": self.distributed,
+            "param_groups": [
+                {
+                    **{k: v for k, v in group.items() if k != "params"},
+                    "params": [names[id(p)] for p in group["params"]],
+                }
+                for group in self.param_groups
+            ],
+            "state": state,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+
+    def _all_keys(self) -> dict[int, str]:
+        names = {}
+        for i, chunk in enumerate(self.model_chunks):
+            prefix = f"model{i}." if len(self.model_chunks) > 1 else ""
+            for name, param in unwrap_model(chunk).named_parameters():
+                names[id(param)] = prefix + name
+        return names
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict` at this or another data-parallel layout.
+
+        Raises:
+            ValueError: the state is of another format or optimizer, or misses a parameter, or holds
+                a piece of a parameter that does not cover the piece this rank updates.
+        """
+        if state_dict.get("format") != STATE_FORMAT:
+            raise ValueError(f"optimizer state format {state_dict.get('format')!r} is not {STATE_FORMAT!r}")
+        if state_dict["optimizer"] != self.config.optimizer:
+            raise ValueError(
+                f"optimizer state is for --optimizer {state_dict['optimizer']}, "
+                f"this run uses --optimizer {self.config.optimizer}"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(saved_groups)} parameter groups, this model has {len(self.param_groups)}"
+            )
+        for group, saved in zip(self.param_groups, saved_groups):
+            for name in ("lr", "weight_decay", "wd_mult", "lr_mult"):
+                group[name] = saved[name]
+        saved_state = state_dict["state"]
+        for entry in self.main_params:
+            if entry.key not in saved_state:
+                raise ValueError(f"optimizer state has no entry for parameter {entry.key}")
+            item = saved_state[entry.key]
+            lo, hi = item["range"]
+            if tuple(item["shape"]) != tuple(entry.model_param.shape) or not (
+                lo <= entry.start and entry.end <= hi
+            ):
+                raise ValueError(
+                    f"optimizer state for {entry.key} holds [{lo}, {hi}) of shape {tuple(item['shape'])}, "
+                    f"but this rank updates [{entry.start}, {entry.end}) of shape "
+                    f"{tuple(entry.model_param.shape)}: gather the data-parallel shards first"
+                )
+            piece = slice(entry.start - lo, entry.end - lo)
+            for name, value in entry.state.items():
+                if isinstance(value, torch.Tensor):
+                    value.copy_(item[name][piece])
+                else:
+                    entry.state[name] = item[name]
+            if "main_param" in item:
+                entry.main.copy_(item["main_param"][piece])  # for fp32 params: the model param itself
+        self.finish_param_sync()
+        if self.distributed:  # parameters whose masters changed must reach every data-parallel rank
+            for entry in self.main_params:
+                if entry.owns_copy:
+                    entry.model_view().copy_(entry.main)
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+                chunk.finish_param_sync()
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    # ----------------------------------------------------------------------------------------------
+    # memory
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (moments and fp32 masters)."""
+        seen: set[int] = set()
+        params = grads = 0
+        for chunk in self.model_chunks:
+            for p in unwrap_model(chunk).parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                params += p.numel() * p.element_size()
+                if not isinstance(chunk, DistributedDataParallel) and p.grad is not None:
+                    grads += p.grad.numel() * p.grad.element_size()
+            if isinstance(chunk, DistributedDataParallel):
+                grads += chunk.grad_bytes
+        state = 0
+        for entry in self.main_params:
+            for value in entry.state.values():
+                if isinstance(value, torch.Tensor):
+                    state += value.numel() * value.element_size()
+            if entry.owns_copy:
+                state += entry.main.numel() * entry.main.element_size()
+        return {"params": params, "grads": grads, "optimizer_state": state}
+
+
+def format_memory_report(report: dict[str, int]) -> str:
+    """``params 12.3 MiB | grads 24.6 MiB | optimizer state 49.2 MiB`` for the log."""
+    mib = 1024.0 * 1024.0
+    return (
+        f"params {report['params'] / mib:.1f} MiB | grads {report['grads'] / mib:.1f} MiB | "
+        f"optimizer state {report['optimizer_state'] / mib:.1f} MiB"
+    )

@@ -1,0 +1,144 @@
+"""Point-to-point exchange of activations and gradients between adjacent pipeline stages.
+
+Shapes are known in advance, ``[s, b, h]`` with ``s = seq_length / tp`` under sequence parallelism,
+so there is no per-micro-batch shape handshake. Each lock-step tick of
+:func:`mcore.pipeline.tables.pipeline_timeline` is one batched exchange
+(``torch.distributed.batch_isend_irecv``): the sends and receives of that tick are posted together
+and waited together, which keeps both gloo and collective libraries that serialize point-to-point
+kernels per pair of ranks free of deadlock.
+
+Every wait has a deadline. A peer that died or stopped answering ends the step with a
+:class:`PipelineCommunicationError` that names the stage and the global rank, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mcore.pipeline.tables import FORWARD, Transfer
+
+
+class PipelineCommunicationError(RuntimeError):
+    """A neighbouring pipeline stage did not send or receive in time (it died, hung, or disagrees)."""
+
+
+@dataclass
+class PipelineStats:
+    """Timing of one or more schedule runs (filled by the schedules when passed as ``stats=``)."""
+
+    total_s: float = 0.0
+    """Wall time inside the schedule."""
+    wait_s: float = 0.0
+    """Wall time spent waiting for point-to-point exchanges (the bubble, plus transfer time)."""
+    exchanges: int = 0
+    """Batched exchanges waited on."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Measured share of the step spent waiting on neighbours: ``wait_s / total_s``."""
+        return self.wait_s / self.total_s if self.total_s > 0 else 0.0
+
+
+class StageCommunicator:
+    """Sends and receives ``[s, b, h]`` tensors between this rank and its pipeline neighbours.
+
+    Args:
+        groups: the job's process groups (``pp``, ``pp_ranks``, ``pp_rank``).
+        shape: the tensor shape every stage exchanges, ``(s, b, h)``.
+        dtype: the dtype of activations and gradients on the wire.
+        device: where receive buffers live (the backend's device for this rank).
+        timeout_s: deadline of each exchange; ``None`` waits as long as the process group allows.
+        stats: accumulates wait time when given.
+    """
+
+    def __init__(
+        self,
+        groups,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        timeout_s: float | None = None,
+        stats: PipelineStats | None = None,
+    ) -> None:
+        self.groups = groups
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self.device = device
+        self.timeout_s = timeout_s
+        self.stats = stats
+
+    def _describe(self, pp_rank: int) -> str:
+        return f"stage {pp_rank} (global rank {self.groups.pp_ranks[pp_rank]})"
+
+    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+        """Refuse to send a tensor the receiver does not expect (it would hang or corrupt the stream)."""
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+            raise PipelineCommunicationError(
+                f"{self._describe(self.groups.pp_rank)} produced {what} of shape {tuple(tensor.shape)} and "
+                f"dtype {tensor.dtype}, but the schedule exchanges shape {self.shape} (seq_length[/tp], "
+                f"micro_batch_size, hidden_size) and dtype {self.dtype}"
+            )
+
+    def exchange(
+        self, sends: Sequence[tuple[Transfer, torch.Tensor]], recvs: Sequence[Transfer]
+    ) -> list[torch.Tensor]:
+        """Post ``sends`` and ``recvs`` as one batch, wait for all, return the received tensors.
+
+        Received activations come back with ``requires_grad=True`` (they are the next stage's
+        inputs); received gradients without.
+        """
+        if not sends and not recvs:
+            return []
+        pp_ranks = self.groups.pp_ranks
+        ops, described = [], []
+        for transfer, tensor in sends:
+            what = "activation" if transfer.kind == FORWARD else "gradient"
+            self.check_tensor(tensor, what)
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), pp_ranks[transfer.dst], self.groups.pp))
+            described.append(
+                f"{self._describe(transfer.dst)} did not receive the {what} of micro-batch "
+                f"{transfer.microbatch} from {self._describe(self.groups.pp_rank)}"
+            )
+        buffers = []
+        for transfer in recvs:
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            buffers.append(buffer)
+            what = "activation" if transfer.kind == FORWARD else "gradient"
+            ops.append(dist.P2POp(dist.irecv, buffer, pp_ranks[transfer.src], self.groups.pp))
+            described.append(
+                f"{self._describe(transfer.src)} did not send the {what} of micro-batch "
+                f"{transfer.microbatch} to {self._describe(self.groups.pp_rank)}"
+            )
+        start = time.perf_counter()
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:
+            raise self._error(described, err) from err
+        timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        for work, description in zip(works, described):
+            try:
+                ok = work.wait(timeout) if timeout is not None else work.wait()
+            except RuntimeError as err:
+                raise self._error([description], err) from err
+            if ok is False:
+                raise self._error([description], None)
+        if self.stats is not None:
+            self.stats.wait_s += time.perf_counter() - start
+            self.stats.exchanges += 1
+        for transfer, buffer in zip(recvs, buffers):
+            if transfer.kind == FORWARD:
+                buffer.requires_grad_(True)
+        return buffers
+
+    def _error(self, described: list[str], cause: BaseException | None) -> PipelineCommunicationError:
+        limit = f"within {self.timeout_s:g} s" if self.timeout_s is not None else "before the process group gave up"
+        reason = f" ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})" if cause else ""
+        return PipelineCommunicationError(
+            f"{'; '.join(described)} {limit}: that rank died, hangs, or runs a different schedule{reason}"
+        )

@@ -1,0 +1,445 @@
+"""Which schedule runs a training step: no pipelining, 1F1B, or interleaved 1F1B.
+
+:func:`get_forward_backward_func` is the one selector; its docstring is the contract between the
+training loop, the user's ``forward_step_func`` and the schedules. The order of forwards and
+backwards and every send and receive come from the pure tables of :mod:`mcore.pipeline.tables`;
+this module only executes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mcore.backend import current_backend
+from mcore.config.fields import ConfigError, check
+from mcore.pipeline.p2p import PipelineStats, StageCommunicator
+from mcore.pipeline.tables import BACKWARD, FORWARD, Op, check_model_chunks, pipeline_timeline
+
+ForwardBackwardFunc = Callable[..., list[dict[str, Any]]]
+
+
+def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> ForwardBackwardFunc:
+    """Return the schedule for ``pp_size`` pipeline stages with ``vp_size`` model chunks per stage.
+
+    ``pp_size == 1`` gives :func:`forward_backward_no_pipelining` (gradient accumulation over
+    micro-batches); ``vp_size == 1`` gives :func:`forward_backward_pipelining_without_interleaving`
+    (1F1B, PipeDream-Flush); ``vp_size > 1`` gives
+    :func:`forward_backward_pipelining_with_interleaving` (Megatron's interleaved 1F1B).
+
+    Every schedule has the same keyword-only signature::
+
+        forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                         micro_batch_size, hidden_size, groups, sequence_parallel=False,
+                         dtype=torch.float32, forward_only=False, grad_scale_func=None,
+                         no_sync_func=None, finalize_grads_func=None, timeout_s=None,
+                         stats=None) -> list[dict]
+
+    Args:
+        forward_step_func: ``forward_step_func(data_iterator, model_chunk) -> (output_tensor,
+            loss_func)``. The schedule calls it once per micro-batch and model chunk, micro-batches
+            in order for each chunk, so each chunk's iterator advances ``num_microbatches`` times
+            per call (stages that need no data still call ``next`` or ignore the iterator, as they
+            like). Before the call, a chunk that is not the first virtual stage gets its input
+            through ``model_chunk.set_input_tensor(tensor)`` (found through ``.module`` wrappers);
+            ``output_tensor`` is then the chunk's hidden states ``[s, b, h]``. On the last virtual
+            stage, ``output_tensor`` is whatever the model returns (per-token loss ``[b, s]``) and
+            ``loss_func(output_tensor) -> (loss, logs)`` where ``loss`` is the scalar mean loss of the
+            micro-batch and ``logs`` a ``dict[str, Tensor]`` for logging. ``loss_func`` is ignored
+            elsewhere.
+        data_iterator: an iterator, or a list with one iterator per model chunk.
+        model: a module, or a list of model chunks (virtual stages, chunk 0 first).
+        num_microbatches: micro-batches in this step (per data-parallel rank).
+        seq_length, micro_batch_size, hidden_size: the activation shape exchanged between stages,
+            ``[seq_length / tp if sequence_parallel else seq_length, micro_batch_size, hidden_size]``
+            (fixed in advance: no shape handshakes).
+        groups: the job's :class:`~mcore.distributed.groups.ProcessGroups`.
+        sequence_parallel: activations between stages are sharded along the sequence over TP.
+        dtype: dtype of activations and gradients on the wire (the model's compute dtype).
+        forward_only: evaluation: same schedule, no backward, run under ``torch.no_grad()``.
+        grad_scale_func: ``grad_scale_func(loss) -> scaled_loss`` (fp16 loss scaling, Megatron's
+            convention); applied to ``loss / num_microbatches`` before its backward.
+        no_sync_func: a context-manager factory (DDP's ``no_sync``), or a list of them, one per
+            chunk. The schedule holds it open during the backwards and leaves it just before the
+            last backward of this rank (of each chunk, for a list), so gradient reduction happens
+            once per step.
+        finalize_grads_func: ``finalize_grads_func(model_chunks)``, called once after all
+            backwards (DDP grad sync, tied-embedding and sequence-parallel norm all-reduces).
+        timeout_s: deadline of each point-to-point exchange; a neighbour that misses it ends the
+            step with :class:`~mcore.pipeline.p2p.PipelineCommunicationError` naming its rank.
+        stats: a :class:`~mcore.pipeline.p2p.PipelineStats` that accumulates time and p2p waits
+            (the measured bubble).
+
+    Returns:
+        On the last pipeline stage, the ``logs`` dict of every micro-batch, in order; elsewhere ``[]``.
+        Each micro-batch's loss was divided by ``num_microbatches`` before backward, so gradients
+        are those of the mean loss over the step's micro-batches.
+
+    Raises:
+        ConfigError: sizes that cannot be scheduled (checked before any communication).
+    """
+    check(pp_size >= 1, f"pipeline_model_parallel_size={pp_size} must be >= 1")
+    check(vp_size >= 1, f"virtual_pipeline_model_parallel_size={vp_size} must be >= 1")
+    if pp_size == 1:
+        check(
+            vp_size == 1,
+            f"virtual_pipeline_model_parallel_size={vp_size} needs pipeline_model_parallel_size > 1",
+        )
+        return forward_backward_no_pipelining
+    if vp_size == 1:
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_pipelining_with_interleaving
+
+
+# ---------------------------------------------------------------------------------------------
+# one forward and one backward of one micro-batch on one chunk
+
+
+def _as_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _iterator_for(data_iterator: Iterator | Sequence[Iterator] | None, chunk: int) -> Any:
+    if isinstance(data_iterator, (list, tuple)):
+        return data_iterator[chunk]
+    return data_iterator
+
+
+def _set_input_tensor(model_chunk: nn.Module, tensor: torch.Tensor) -> None:
+    module = model_chunk
+    while not hasattr(module, "set_input_tensor"):
+        inner = getattr(module, "module", None)
+        if inner is None:
+            raise TypeError(
+                f"{type(model_chunk).__name__} has no set_input_tensor(); a model chunk after the first "
+                "pipeline stage must take its input through set_input_tensor(tensor)"
+            )
+        module = inner
+    module.set_input_tensor(tensor)
+
+
+def _forward_step(
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model_chunk: nn.Module,
+    input_tensor: torch.Tensor | None,
+    is_last_stage: bool,
+    num_microbatches: int,
+    logs: list[dict[str, Any]],
+) -> torch.Tensor:
+    """Run one micro-batch through one chunk; on the last stage return ``loss / num_microbatches``."""
+    if input_tensor is not None:
+        _set_input_tensor(model_chunk, input_tensor)
+    output_tensor, loss_func = forward_step_func(data_iterator, model_chunk)
+    if not is_last_stage:
+        return output_tensor
+    loss, log = loss_func(output_tensor)
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_func must return the scalar mean loss of the micro-batch, got shape {tuple(loss.shape)}"
+        )
+    logs.append(log)
+    return loss.reshape(()) / num_microbatches
+
+
+def _backward_step(
+    input_tensor: torch.Tensor | None,
+    output_tensor: torch.Tensor,
+    output_tensor_grad: torch.Tensor | None,
+    grad_scale_func: Callable | None,
+) -> torch.Tensor | None:
+    """Backpropagate one micro-batch through one chunk; return the gradient of its input."""
+    if output_tensor_grad is None and grad_scale_func is not None:
+        output_tensor = grad_scale_func(output_tensor)
+    torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    return input_tensor.grad if input_tensor is not None else None
+
+
+class _GradSyncControl:
+    """Holds DDP's ``no_sync`` open until the last backward of the step (per chunk for a list)."""
+
+    def __init__(self, no_sync_func: Callable | Sequence[Callable] | None, num_chunks: int) -> None:
+        if no_sync_func is None:
+            self.funcs: dict[int | None, Callable] = {}
+        elif callable(no_sync_func):
+            self.funcs = {None: no_sync_func}
+        else:
+            funcs = list(no_sync_func)
+            if len(funcs) != num_chunks:
+                raise ConfigError(f"no_sync_func has {len(funcs)} entries for {num_chunks} model chunk(s)")
+            self.funcs = dict(enumerate(funcs))
+        self.stacks: dict[int | None, contextlib.ExitStack] = {}
+
+    def __enter__(self) -> _GradSyncControl:
+        for key, func in self.funcs.items():
+            stack = contextlib.ExitStack()
+            stack.enter_context(func())
+            self.stacks[key] = stack
+        return self
+
+    def before_backward(self, chunk: int, last_of_chunk: bool, last_overall: bool) -> None:
+        for key in (chunk, None):
+            if key in self.stacks and (last_of_chunk if key is not None else last_overall):
+                self.stacks.pop(key).close()
+
+    def __exit__(self, *exc_info) -> None:
+        for stack in self.stacks.values():
+            stack.__exit__(*exc_info)
+        self.stacks.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedules
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator | Sequence[Iterator] | None,
+    model: nn.Module | Sequence[nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    groups,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    forward_only: bool = False,
+    grad_scale_func: Callable | None = None,
+    no_sync_func: Callable | Sequence[Callable] | None = None,
+    finalize_grads_func: Callable | None = None,
+    timeout_s: float | None = None,
+    stats: PipelineStats | None = None,
+) -> list[dict[str, Any]]:
+    """One stage: forward and backward each micro-batch in turn, accumulating gradients.
+
+    See :func:`get_forward_backward_func` for the contract. ``seq_length``, ``micro_batch_size``,
+    ``hidden_size``, ``sequence_parallel``, ``dtype`` and ``timeout_s`` are accepted for a uniform
+    signature and unused (nothing is exchanged).
+    """
+    chunks = _as_chunks(model)
+    check_model_chunks(len(chunks), 1)
+    check(num_microbatches >= 1, f"num_microbatches={num_microbatches} must be >= 1")
+    start = time.perf_counter()
+    logs: list[dict[str, Any]] = []
+    iterator = _iterator_for(data_iterator, 0)
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    sync = _GradSyncControl(None if forward_only else no_sync_func, 1)
+    with grad_mode, sync:
+        for i in range(num_microbatches):
+            output = _forward_step(forward_step_func, iterator, chunks[0], None, True, num_microbatches, logs)
+            if not forward_only:
+                last = i == num_microbatches - 1
+                sync.before_backward(0, last, last)
+                _backward_step(None, output, None, grad_scale_func)
+    if not forward_only and finalize_grads_func is not None:
+        finalize_grads_func(chunks)
+    if stats is not None:
+        stats.total_s += time.perf_counter() - start
+    return logs
+
+
+def _run_pipeline(
+    *,
+    vp_size: int,
+    forward_step_func: Callable,
+    data_iterator: Iterator | Sequence[Iterator] | None,
+    model: nn.Module | Sequence[nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    groups,
+    sequence_parallel: bool,
+    dtype: torch.dtype,
+    forward_only: bool,
+    grad_scale_func: Callable | None,
+    no_sync_func: Callable | Sequence[Callable] | None,
+    finalize_grads_func: Callable | None,
+    timeout_s: float | None,
+    stats: PipelineStats | None,
+) -> list[dict[str, Any]]:
+    """Execute this rank's part of :func:`~mcore.pipeline.tables.pipeline_timeline`."""
+    chunks = _as_chunks(model)
+    check_model_chunks(len(chunks), vp_size)
+    p, r, m = groups.pp_size, groups.pp_rank, num_microbatches
+    # Computing the plan checks the sizes (ConfigError) before anything is exchanged.
+    program = pipeline_timeline(p, vp_size, m, forward_only)[r]
+    tp = groups.tp_size
+    if sequence_parallel:
+        check(
+            seq_length % tp == 0,
+            f"seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp} "
+            "(sequence parallelism shards activations along the sequence)",
+        )
+    shape = (seq_length // tp if sequence_parallel else seq_length, micro_batch_size, hidden_size)
+    from mcore.distributed.groups import LaunchEnv
+
+    device = current_backend().device(LaunchEnv.from_environ().local_rank)
+    start = time.perf_counter()
+    comm = StageCommunicator(groups, shape, dtype, device, timeout_s, stats)
+
+    last_stage = p * vp_size - 1
+    received: dict[tuple[str, int, int], torch.Tensor] = {}
+    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    logs: list[dict[str, Any]] = []
+    backwards = [t.op for t in program if t.op is not None and t.op.kind == BACKWARD]
+    last_backward = backwards[-1] if backwards else None
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    sync = _GradSyncControl(None if forward_only else no_sync_func, len(chunks))
+    with grad_mode, sync:
+        for tick in program:
+            outgoing: list[tuple[Any, torch.Tensor]] = []
+            if tick.op is not None:
+                result = _run_op(
+                    tick.op, r, p, m, last_stage, chunks, data_iterator, forward_step_func,
+                    grad_scale_func, received, saved, logs, sync, last_backward, forward_only,
+                )  # fmt: skip
+                outgoing = [(transfer, result.detach()) for transfer in tick.sends]
+            tensors = comm.exchange(outgoing, tick.recvs)
+            for transfer, tensor in zip(tick.recvs, tensors):
+                received[(transfer.kind, transfer.chunk, transfer.microbatch)] = tensor
+    if received or saved:
+        raise RuntimeError(f"pipeline step ended with unused tensors: {sorted(received)} {sorted(saved)}")
+    if not forward_only and finalize_grads_func is not None:
+        finalize_grads_func(chunks)
+    if stats is not None:
+        stats.total_s += time.perf_counter() - start
+    return logs
+
+
+def _run_op(
+    op: Op,
+    rank: int,
+    p: int,
+    m: int,
+    last_stage: int,
+    chunks: list[nn.Module],
+    data_iterator: Any,
+    forward_step_func: Callable,
+    grad_scale_func: Callable | None,
+    received: dict,
+    saved: dict,
+    logs: list,
+    sync: _GradSyncControl,
+    last_backward: Op | None,
+    forward_only: bool,
+) -> torch.Tensor | None:
+    """Run one forward or backward; return what goes to the neighbour (or None)."""
+    stage = op.chunk * p + rank
+    key = (op.chunk, op.microbatch)
+    if op.kind == FORWARD:
+        input_tensor = received.pop((FORWARD, *key)) if stage > 0 else None
+        output = _forward_step(
+            forward_step_func,
+            _iterator_for(data_iterator, op.chunk),
+            chunks[op.chunk],
+            input_tensor,
+            stage == last_stage,
+            m,
+            logs,
+        )
+        if not forward_only:
+            saved[key] = (input_tensor, output)
+        return output if stage < last_stage else None
+    input_tensor, output = saved.pop(key)
+    output_grad = received.pop((BACKWARD, *key)) if stage < last_stage else None
+    sync.before_backward(op.chunk, op.microbatch == m - 1, op == last_backward)
+    return _backward_step(input_tensor, output, output_grad, grad_scale_func)
+
+
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator | Sequence[Iterator] | None,
+    model: nn.Module | Sequence[nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    groups,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    forward_only: bool = False,
+    grad_scale_func: Callable | None = None,
+    no_sync_func: Callable | Sequence[Callable] | None = None,
+    finalize_grads_func: Callable | None = None,
+    timeout_s: float | None = None,
+    stats: PipelineStats | None = None,
+) -> list[dict[str, Any]]:
+    """1F1B (PipeDream-Flush): warm-up forwards, one forward one backward, cool-down backwards.
+
+    Rank ``r`` of ``p`` keeps at most ``p - r`` micro-batches' activations alive. See
+    :func:`get_forward_backward_func` for the contract; ``model`` is one module (or a list of one).
+    """
+    return _run_pipeline(
+        vp_size=1,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        hidden_size=hidden_size,
+        groups=groups,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        forward_only=forward_only,
+        grad_scale_func=grad_scale_func,
+        no_sync_func=no_sync_func,
+        finalize_grads_func=finalize_grads_func,
+        timeout_s=timeout_s,
+        stats=stats,
+    )
+
+
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator | Sequence[Iterator] | None,
+    model: nn.Module | Sequence[nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    groups,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    forward_only: bool = False,
+    grad_scale_func: Callable | None = None,
+    no_sync_func: Callable | Sequence[Callable] | None = None,
+    finalize_grads_func: Callable | None = None,
+    timeout_s: float | None = None,
+    stats: PipelineStats | None = None,
+) -> list[dict[str, Any]]:
+    """Interleaved 1F1B: each rank holds ``v`` model chunks; the bubble shrinks to ``(p-1)/(v*m)``.
+
+    See :func:`get_forward_backward_func` for the contract. ``model`` is the list of this rank's
+    chunks (chunk ``c`` is virtual stage ``c * p + pp_rank``; ``v = len(model)``) and
+    ``num_microbatches`` must be a multiple of ``p``.
+    """
+    chunks = _as_chunks(model)
+    return _run_pipeline(
+        vp_size=len(chunks),
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        hidden_size=hidden_size,
+        groups=groups,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        forward_only=forward_only,
+        grad_scale_func=grad_scale_func,
+        no_sync_func=no_sync_func,
+        finalize_grads_func=finalize_grads_func,
+        timeout_s=timeout_s,
+        stats=stats,
+    )

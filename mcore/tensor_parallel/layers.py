@@ -1,0 +1,263 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Notation: ``p`` TP ranks, ``t`` this rank. Weights use ``torch.nn.Linear``'s layout ``[out, in]``,
+so ``Y = X A`` with ``A = W^T``. Parameters are created uninitialized with a
+:class:`~mcore.tensor_parallel.sharding.ParamLayout` attached; the model fills them from the logical
+tensors (:func:`~mcore.tensor_parallel.sharding.initialize_parameters`), so values do not depend on
+``p``. Every layer returns ``(output, bias)`` as Megatron's do: ``bias`` is the not-yet-added bias when
+``skip_bias_add=True`` (so it can be fused into the next op), else ``None``.
+
+Sequence parallelism: activations outside the TP regions are ``[s/p, b, h]``. A column-parallel layer
+all-gathers its input along ``s`` (gradient: reduce-scatter) and a row-parallel layer reduce-scatters
+its output along ``s`` instead of all-reducing it (gradient: all-gather). See
+:mod:`mcore.tensor_parallel.mappings`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mcore.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from mcore.tensor_parallel.sharding import ZEROS, InitMethod, NormalInit, ParamLayout, make_parameter
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split by columns over the TP ranks.
+
+    ``A = [A_1, ..., A_p]``, ``b = [b_1, ..., b_p]``: rank ``t`` computes ``Y_t = X A_t + b_t``, its
+    ``1/p`` of the output features, from the full input ``X``. Its weight is ``[out/p, in]`` (rows
+    ``[t*out/p, (t+1)*out/p)`` of the logical ``[out, in]`` weight, or the ``num_stacked`` analogue).
+
+    Args:
+        input_size, output_size: the logical (unsplit) sizes.
+        tp_group: the tensor-parallel group (``groups.tp``); ``None`` for one process.
+        bias: add a bias (split like the output).
+        gather_output: all-gather ``Y`` so every rank returns the full ``[..., out]``; otherwise
+            ``[..., out/p]``.
+        skip_bias_add: return the bias instead of adding it.
+        sequence_parallel: the input is ``[s/p, b, in]``; all-gather it along ``s`` first.
+        init_method: init of the logical weight (default ``N(0, 0.02^2)``).
+        num_stacked: the logical weight is that many sub-matrices stacked along the output dim, each
+            split over TP (2 for SwiGLU's ``[gate; up]``).
+        vocab_padded: the output dim is the padded vocabulary (the output layer).
+        skip_weight_param_allocation: create no weight; ``forward`` receives it (tied output layer).
+        params_dtype, device: dtype and device of the parameters.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group=None,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        init_method: InitMethod | None = None,
+        num_stacked: int = 1,
+        vocab_padded: bool = False,
+        skip_weight_param_allocation: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence_parallel")
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        weight_layout = ParamLayout(
+            (output_size, input_size),
+            partition_dim=0,
+            num_stacked=num_stacked,
+            vocab_padded=vocab_padded,
+            init=init_method or NormalInit(0.02),
+        )
+        self.output_size_per_partition = weight_layout.local_shape(self.tp_size)[0]
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = make_parameter(weight_layout, self.tp_size, dtype=params_dtype, device=device)
+        if bias:
+            layout = ParamLayout((output_size,), partition_dim=0, num_stacked=num_stacked, init=ZEROS)
+            self.bias = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [..., in]`` (``[s/p, b, in]`` with SP) -> ``([..., out/p] or [..., out], bias)``."""
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("this ColumnParallelLinear has no weight of its own: pass weight=")
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} given, expected "
+                f"{(self.output_size_per_partition, self.input_size)}"
+            )
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, weight, None if self.skip_bias_add else self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.tp_group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size} (local {self.output_size_per_partition}), "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split by rows over the TP ranks.
+
+    ``A = [A_1; ...; A_p]`` and ``X = [X_1, ..., X_p]`` (split along its last dim):
+    ``Y = sum_t X_t A_t + b``. Rank ``t`` holds the weight columns ``[t*in/p, (t+1)*in/p)`` of the
+    logical ``[out, in]`` weight, computes ``X_t A_t`` and the partial results are all-reduced (or
+    reduce-scattered along the sequence with SP). The bias is replicated and added once, after the
+    reduction.
+
+    Args:
+        input_size, output_size: the logical sizes.
+        tp_group: the tensor-parallel group.
+        bias: add a (replicated) bias.
+        input_is_parallel: the input is already split (``[..., in/p]``, the output of a
+            column-parallel layer); otherwise it is ``[..., in]`` and gets scattered.
+        skip_bias_add: return the bias instead of adding it.
+        sequence_parallel: reduce-scatter the output to ``[s/p, b, out]`` (needs input_is_parallel).
+        init_method: init of the logical weight (Megatron uses the scaled init for output layers).
+        params_dtype, device: dtype and device of the parameters.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group=None,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        init_method: InitMethod | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        layout = ParamLayout((output_size, input_size), partition_dim=1, init=init_method or NormalInit(0.02))
+        self.weight = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
+        self.input_size_per_partition = self.weight.shape[1]
+        if bias:
+            layout = ParamLayout((output_size,), sequence_parallel=sequence_parallel, init=ZEROS)
+            self.bias = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [..., in/p]`` (or ``[..., in]``) -> ``([..., out]`` (``[s/p, b, out]`` with SP), bias)."""
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return y, self.bias if self.skip_bias_add else None
+        return y + self.bias, None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size} (local {self.input_size_per_partition}), out={self.output_size}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """An embedding table split by vocabulary rows over the TP ranks.
+
+    Rank ``t`` holds rows ``[t*V/p, (t+1)*V/p)`` of the logical ``[V, h]`` table (``V`` is the padded
+    vocabulary, a multiple of ``p``). Each rank looks up the ids it owns, writes zeros for the others,
+    and the partial results are summed over TP: ``E[ids] = sum_t E_t[ids]``.
+
+    Args:
+        num_embeddings: the (padded) vocabulary size ``V``.
+        embedding_dim: ``h``.
+        tp_group: the tensor-parallel group.
+        init_method: init of the logical table.
+        reduce_scatter_embeddings: return ``[s/p, b, h]`` (reduce-scatter along the sequence, for
+            sequence parallelism) instead of ``[b, s, h]``.
+        params_dtype, device: dtype and device of the table.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group=None,
+        init_method: InitMethod | None = None,
+        reduce_scatter_embeddings: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        layout = ParamLayout(
+            (num_embeddings, embedding_dim),
+            partition_dim=0,
+            vocab_padded=True,
+            init=init_method or NormalInit(0.02),
+        )
+        self.weight = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
+        per_rank = self.weight.shape[0]
+        self.vocab_start_index = group_rank(tp_group) * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [b, s]`` -> ``[b, s, h]`` (or ``[s/p, b, h]`` with ``reduce_scatter_embeddings``)."""
+        if self.tp_size > 1:
+            outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+            local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+            partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            partial = F.embedding(ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1), self.tp_group)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (local rows "
+            f"[{self.vocab_start_index}, {self.vocab_end_index}))"
+        )

@@ -1,0 +1,97 @@
+"""A small model, a deterministic global batch, and a Megatron-style training step for DDP tests.
+
+Every data-parallel layout sees the same global batch of ``GLOBAL_BATCH`` samples per step: rank ``r``
+of ``dp`` takes samples ``[r * n / dp, (r + 1) * n / dp)`` in micro-batches of ``MICRO_BATCH``, and
+each micro-batch loss is divided by the number of micro-batches (as Megatron's schedule does), so
+every layout computes the gradient of the same global mean loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
+from mcore.distributed.finalize import finalize_model_grads
+from mcore.optimizer import OptimizerConfig, PrecisionConfig, build_optimizer
+
+IN, OUT = 6, 4
+GLOBAL_BATCH, MICRO_BATCH = 8, 2
+
+
+def make_model(hidden: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(IN, hidden),
+        nn.LayerNorm(hidden),
+        nn.GELU(),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, OUT),
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model.to(dtype)
+
+
+def global_batch(step: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(GLOBAL_BATCH, IN, generator=gen)
+    y = torch.randn(GLOBAL_BATCH, OUT, generator=gen)
+    return x.to(dtype), y
+
+
+def build(groups, *, distopt=False, overlap=False, overlap_param_gather=False, bucket=None, fp16=False,
+          bf16=False, optimizer="adam", clip_grad=0.5, hidden=16, lr=0.01, **precision):
+    opt_cfg = OptimizerConfig(
+        optimizer=optimizer,
+        weight_decay=0.1,
+        clip_grad=clip_grad,
+        use_distributed_optimizer=distopt,
+        overlap_param_gather=overlap_param_gather,
+    )
+    prec = PrecisionConfig(fp16=fp16, bf16=bf16, **precision)
+    ddp_cfg = DDPConfig(overlap_grad_reduce=overlap, ddp_bucket_size=bucket).with_training(opt_cfg, prec)
+    model = DistributedDataParallel(make_model(hidden, dtype=prec.params_dtype), ddp_cfg, groups)
+    return model, build_optimizer(opt_cfg, prec, [model], groups, lr=lr)
+
+
+def train(model, optimizer, groups, steps: int, inject_inf_at: tuple[int, int] | None = None):
+    """Train ``steps`` steps; return per-step ``(global loss, update_successful, grad_norm, scale)``.
+
+    ``inject_inf_at=(step, dp_rank)`` writes an inf into one gradient on that rank at that step.
+    """
+    dp, rank = groups.dp_size, groups.dp_rank
+    per_rank = GLOBAL_BATCH // dp
+    num_micro = per_rank // MICRO_BATCH
+    dtype = next(model.parameters()).dtype
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = global_batch(step, dtype)
+        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        total = torch.zeros(())
+        for i in range(num_micro):
+            sync = contextlib.nullcontext() if i == num_micro - 1 else model.no_sync()
+            with sync:
+                sl = slice(i * MICRO_BATCH, (i + 1) * MICRO_BATCH)
+                loss = nn.functional.mse_loss(model(x[sl]).float(), y[sl]) / num_micro
+                optimizer.scale_loss(loss).backward()
+            total += loss.detach()
+        finalize_model_grads([model], groups)
+        if inject_inf_at is not None and inject_inf_at == (step, rank):
+            next(model.parameters()).main_grad.view(-1)[0] = float("inf")
+        scale = optimizer.loss_scale
+        ok, norm, _ = optimizer.step()
+        if dist.is_initialized() and dp > 1:
+            dist.all_reduce(total, group=groups.dp)
+        history.append((total.item() / dp, ok, norm, scale))
+    return history
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
