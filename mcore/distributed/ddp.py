@@ -47,8 +47,8 @@ class DDPConfig:
     )
     ddp_bucket_size: int | None = flag(
         None,
-        "Elements per gradient bucket (default max(40M, 1M x data-parallel size); "
-        "one bucket per dtype without --overlap-grad-reduce).",
+        "Elements per gradient bucket (default: max(40M, 1M x data-parallel size) with "
+        "--overlap-grad-reduce, else one bucket per dtype).",
     )
     ddp_average_in_collective: bool = flag(
         False, "Average with the collective's AVG reduction instead of pre-scaling by 1/dp."
@@ -125,10 +125,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.comm = comm
 
         bucket_size = ddp_config.ddp_bucket_size
-        if bucket_size is None:
+        if bucket_size is None and ddp_config.overlap_grad_reduce:
             bucket_size = max(_DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp_size)
-        if not ddp_config.overlap_grad_reduce:
-            bucket_size = None  # nothing to overlap: one collective per buffer
+        # else: an explicit size, or nothing to overlap and one collective per buffer (None)
 
         names = {id(p): n for n, p in module.named_parameters()}
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}

@@ -12,8 +12,9 @@ time only: the training hot path calls the selected :class:`mcore.backend.Device
 and its op table directly, never ``pm.hook``.
 
 Lifecycle: discovery (``mcore_backends``), op registration once a backend is selected
-(``mcore_register_ops``), configuration (``mcore_configure``), process-group creation
-(``mcore_process_group_options``), and shutdown (``mcore_on_shutdown``).
+(``mcore_register_ops``), activation of the selected backend (``mcore_backend_activated``),
+configuration (``mcore_configure``), process-group creation (``mcore_process_group_options``), and
+shutdown (``mcore_on_shutdown``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import Any
 import pluggy
 
 PROJECT = "mcore"
-PLUGIN_API_VERSION = "1.0"
-"""The plugin API version. A plugin built for another major version is refused."""
+PLUGIN_API_VERSION = "1.1"
+"""The plugin API version. A plugin built for another major version is refused.
+
+1.1 added ``mcore_backend_activated``; plugins declaring 1.0 keep working."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -41,6 +44,26 @@ def mcore_backends() -> list[Any]:
     Returns: a list (possibly empty) of backend objects. Constructing one must be cheap and must
     not touch the device: availability is asked later through ``is_available()``.
     Not firstresult: the lists of all plugins are concatenated. Two backends with one name is an error.
+    """
+
+
+# --- selection ---------------------------------------------------------------------------------
+
+
+@hookspec
+def mcore_backend_activated(backend: Any) -> None:
+    """A backend became this process's current backend.
+
+    Fires: in :func:`mcore.plugins.manager.select_backend` (``activate=True``), after the backend's
+    op table is resolved and it is made current, before process groups or models are built; again
+    whenever a later ``select_backend`` call makes a backend current. Listing backends
+    (``python -m mcore.backends``) does not fire it.
+    Args:
+        backend: the backend now current; a plugin acts only for a backend it serves.
+    Use: the place where selecting a backend by name (``--device-backend npu``) does what importing
+    its adaptor does (``import mcore.adaptors.npu`` applies its patch table). Implementations must
+    be idempotent.
+    Returns: nothing. Not firstresult.
     """
 
 

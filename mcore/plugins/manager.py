@@ -166,4 +166,5 @@ def select_backend(
     resolve_ops(backend, pm)
     if activate:
         set_current_backend(backend)
+        pm.hook.mcore_backend_activated(backend=backend)
     return backend

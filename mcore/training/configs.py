@@ -58,8 +58,9 @@ class RunConfig:
         return RunConfig({**self._groups, **groups})
 
 
-def parse_run_config(argv: Sequence[str] | None = None, extra_groups: Mapping[str, type] | None = None,
-                     prog: str | None = None) -> RunConfig:
+def parse_run_config(
+    argv: Sequence[str] | None = None, extra_groups: Mapping[str, type] | None = None, prog: str | None = None
+) -> RunConfig:
     """Parse Megatron's flags into a :class:`RunConfig` (exit 2 with one message on a mistake)."""
     groups = {**CONFIG_GROUPS, **(extra_groups or {})}
     return RunConfig(parse_config(groups, argv, prog=prog))

@@ -22,19 +22,33 @@ IN, OUT = 6, 4
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
 
 
+class Toy(nn.Module):
+    """Linear, LayerNorm, GELU, Linear, Tanh, Linear; plus a frozen and an unused parameter."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(IN, hidden),
+            nn.LayerNorm(hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, OUT),
+        )
+        self.frozen = nn.Parameter(torch.ones(OUT), requires_grad=False)
+        self.unused = nn.Parameter(torch.ones(3, 3))
+
+    def forward(self, x):
+        return self.net(x) * self.frozen
+
+
 def make_model(hidden: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(
-        nn.Linear(IN, hidden),
-        nn.LayerNorm(hidden),
-        nn.GELU(),
-        nn.Linear(hidden, hidden),
-        nn.Tanh(),
-        nn.Linear(hidden, OUT),
-    )
+    model = Toy(hidden)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     return model.to(dtype)
 
 
@@ -82,6 +96,8 @@ def train(model, optimizer, groups, steps: int, inject_inf_at: tuple[int, int] |
                 loss = nn.functional.mse_loss(model(x[sl]).float(), y[sl]) / num_micro
                 optimizer.scale_loss(loss).backward()
             total += loss.detach()
+        if isinstance(model, DistributedDataParallel):  # which reductions started during backward
+            model.started_in_backward = [b.grad_started for b in model.buckets]
         finalize_model_grads([model], groups)
         if inject_inf_at is not None and inject_inf_at == (step, rank):
             next(model.parameters()).main_grad.view(-1)[0] = float("inf")

@@ -172,6 +172,7 @@ def _bias_gelu_bwd_kernel(
     DB,
     M,
     N,
+    NPROG,
     stride_dy,
     stride_x,
     stride_dx,
@@ -186,7 +187,7 @@ def _bias_gelu_bwd_kernel(
     if HAS_BIAS:
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+    for start in range(pid_r * BLOCK_M, M, NPROG * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -229,7 +230,7 @@ def bias_gelu_bwd(dy2, x2, bias, tanh: bool, config=None):
     has_bias = bias is not None
     db = torch.empty((rp, n), dtype=torch.float32, device=x2.device) if has_bias else dx
     _bias_gelu_bwd_kernel[(rp, n_cb)](
-        dy2, x2, x2 if bias is None else bias, dx, db, m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
+        dy2, x2, x2 if bias is None else bias, dx, db, m, n, rp, dy2.stride(0), x2.stride(0), dx.stride(0),
         HAS_BIAS=has_bias, TANH=tanh, **cfg,
     )  # fmt: skip
     return dx, (db.sum(0).to(bias.dtype) if has_bias else None)
@@ -304,6 +305,7 @@ def _bda_bwd_kernel(
     SEED,
     M,
     N,
+    NPROG,
     stride_dy,
     stride_dx,
     p,
@@ -317,7 +319,7 @@ def _bda_bwd_kernel(
     cmask = cols < N
     seed = tl.load(SEED)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+    for start in range(pid_r * BLOCK_M, M, NPROG * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -355,7 +357,7 @@ def bda_bwd(dy2, has_bias: bool, p: float, seed: torch.Tensor, config=None):
     rp = _row_programs(m, n_cb, cfg["BLOCK_M"], dy2.device, per_sm)
     db = torch.empty((rp, n), dtype=torch.float32, device=dy2.device) if has_bias else dx
     _bda_bwd_kernel[(rp, n_cb)](
-        dy2, dx, db, seed, m, n, dy2.stride(0), dx.stride(0), p, 1.0 / (1.0 - p),
+        dy2, dx, db, seed, m, n, rp, dy2.stride(0), dx.stride(0), p, 1.0 / (1.0 - p),
         HAS_BIAS=has_bias, **cfg,
     )  # fmt: skip
     return dx, (db.sum(0) if has_bias else None)

@@ -51,6 +51,7 @@ def _rms_bwd_kernel(
     DW,
     M,
     N,
+    NPROG,
     stride_dy,
     stride_x,
     stride_dx,
@@ -58,7 +59,7 @@ def _rms_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK_M
+    step = NPROG * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -129,6 +130,7 @@ def _ln_bwd_kernel(
     DB,
     M,
     N,
+    NPROG,
     stride_dy,
     stride_x,
     stride_dx,
@@ -137,7 +139,7 @@ def _ln_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK_M
+    step = NPROG * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -204,7 +206,7 @@ def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd
     programs = _bwd_programs(m, x2.device, cfg)
     dw = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     _rms_bwd_kernel[(programs,)](
-        dy2, x2, weight, rstd, dx, dw, m, n, dy2.stride(0), x2.stride(0), dx.stride(0), **cfg
+        dy2, x2, weight, rstd, dx, dw, m, n, programs, dy2.stride(0), x2.stride(0), dx.stride(0), **cfg
     )
     return dx, dw.sum(0).to(weight.dtype)
 
@@ -252,6 +254,7 @@ def layer_norm_bwd(dy2, x2, weight, has_bias: bool, mean, rstd, config=None):
         db,
         m,
         n,
+        programs,
         dy2.stride(0),
         x2.stride(0),
         dx.stride(0),

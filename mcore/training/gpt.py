@@ -1,0 +1,69 @@
+"""The GPT pieces ``pretrain`` needs: a model provider and a forward step (Megatron's pretrain_gpt.py).
+
+``examples/pretrain_gpt.py`` wires them into :func:`mcore.training.pretrain.pretrain`; BERT/T5 or
+custom losses supply their own pair.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mcore.distributed.groups import ProcessGroups
+from mcore.models.gpt import GPTModel
+from mcore.training.configs import RunConfig
+
+
+def model_provider(
+    cfg: RunConfig,
+    groups: ProcessGroups,
+    vocab_size: int,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_offset: int = 0,
+    num_layers: int | None = None,
+) -> GPTModel:
+    """One GPT chunk: layers ``[layer_offset, layer_offset + num_layers)`` of the model."""
+    return GPTModel(
+        cfg.model,
+        groups,
+        vocab_size,
+        pre_process=pre_process,
+        post_process=post_process,
+        layer_offset=layer_offset,
+        num_layers=num_layers,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        params_dtype=cfg.precision.params_dtype,
+        seed=cfg.training.seed,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the tokens the mask keeps (``loss_mask`` [b, s], ``output_tensor`` [b, s])."""
+    losses = output_tensor.float()
+    mask = loss_mask.to(losses.device, torch.float32)
+    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def forward_step(data_iterator, model: torch.nn.Module):
+    """One micro-batch: read it (on stages that take data), run the chunk, return the loss closure.
+
+    The batch contract is :mod:`mcore.data.loader`'s: ``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids`` [b, s] and, with ``--reset-attention-mask``, ``attention_mask`` [b, 1, s, s].
+    """
+    batch = next(data_iterator) if data_iterator is not None else None
+    if batch is None:
+        return model(None), functools.partial(loss_func, torch.ones(1))
+    device = _model_device(model)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+    )
+    return output, functools.partial(loss_func, batch["loss_mask"])

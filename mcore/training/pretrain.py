@@ -1,0 +1,555 @@
+"""``pretrain()``: Megatron's training entry point on mcore's parts.
+
+The caller supplies three functions, as with Megatron-LM's ``pretrain``:
+
+* ``model_provider(cfg, groups, vocab_size, *, pre_process, post_process, layer_offset, num_layers)
+  -> Module`` builds one model chunk (``vocab_size`` is the padded vocabulary);
+* ``datasets_provider(cfg, tokenizer, train_valid_test_num_samples) -> (train, valid, test)``;
+* ``forward_step(data_iterator, model) -> (output_tensor, loss_func)`` runs one micro-batch (the
+  contract of :func:`mcore.pipeline.schedules.get_forward_backward_func`).
+
+Order of one run: parse flags -> select the device backend -> process groups -> seeds -> tokenizer
+and padded vocabulary -> model chunks (layout-independent init) -> DDP -> optimizer -> LR schedule
+-> load checkpoint -> data loaders -> train loop (evaluate, save, exit checks) -> final evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore.backend import DeviceBackend
+from mcore.config.fields import ConfigError
+from mcore.data.builder import build_train_valid_test_datasets
+from mcore.data.errors import DataError
+from mcore.data.loader import build_pretraining_data_loader
+from mcore.data.tokenizers import build_tokenizer
+from mcore.distributed.ddp import DistributedDataParallel
+from mcore.distributed.finalize import finalize_model_grads
+from mcore.distributed.groups import ProcessGroups, initialize_parallel
+from mcore.models.config import padded_vocab_size, validate_model_parallel
+from mcore.optimizer import build_optimizer, format_memory_report
+from mcore.pipeline.layout import build_model_chunks
+from mcore.pipeline.schedules import get_forward_backward_func
+from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
+from mcore.tensor_parallel.random import model_parallel_seed
+from mcore.training.configs import RunConfig, parse_run_config
+from mcore.training.flops import gpt_flops
+from mcore.training.lr_scheduler import LRScheduler
+from mcore.training.metrics import MetricsWriter, Timer, format_train_line
+from mcore.training.microbatches import MicroBatchCalculator
+from mcore.training.signals import SignalHandler
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Progress that a checkpoint saves and a resume restores."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    floating_point_operations_so_far: float = 0.0
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`pretrain` returns (the tests compare runs through it)."""
+
+    state: TrainState
+    train_losses: list[float]
+    valid_loss: float | None
+    test_loss: float | None
+    exit_reason: str
+
+
+def print_rank_last(groups: ProcessGroups, message: str) -> None:
+    if groups.rank == groups.last_rank:
+        print(message, flush=True)
+
+
+def print_rank_0(groups: ProcessGroups, message: str) -> None:
+    if groups.rank == 0:
+        print(message, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# set-up
+
+
+def setup_backend(cfg: RunConfig) -> DeviceBackend:
+    """Select ``--device-backend`` and let plugins check the configuration."""
+    backend = select_backend(cfg.parallel.device_backend)
+    plugin_manager().hook.mcore_configure(backend=backend, configs=cfg.as_dict())
+    return backend
+
+
+def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) -> RunConfig:
+    """Cross-group validation and derived defaults, before any communication."""
+    model, training = cfg.model, cfg.training
+    validate_model_parallel(model, cfg.parallel)
+    if training.train_iters is None and training.train_samples is None and not training.skip_train:
+        raise ConfigError("give --train-iters or --train-samples")
+    tp, pp, cp = (
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_size,
+        cfg.parallel.context_parallel_size,
+    )
+    if world_size % (tp * pp * cp) != 0:
+        raise ConfigError(
+            f"world_size={world_size} is not divisible by tensor_model_parallel_size={tp} x "
+            f"pipeline_model_parallel_size={pp} x context_parallel_size={cp}"
+        )
+    dp = world_size // (tp * pp * cp)
+    if training.global_batch_size is None:
+        training = dataclasses.replace(training, global_batch_size=training.micro_batch_size * dp)
+    precision = cfg.precision
+    if precision.bf16 and "bf16" not in backend.capabilities():
+        raise ConfigError(f"--bf16: backend {backend.name!r} does not support bf16")
+    if precision.fp16 and "fp16" not in backend.capabilities():
+        raise ConfigError(f"--fp16: backend {backend.name!r} does not support fp16")
+    if cfg.scheduler.lr is None and not training.skip_train:
+        raise ConfigError("--lr is required")
+    return cfg.replace(training=training)
+
+
+def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable, vocab_size: int):
+    """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
+    provider = functools.partial(model_provider, cfg, groups, vocab_size)
+    chunks = build_model_chunks(provider, groups, cfg.parallel, cfg.model.num_layers)
+    ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
+    return [DistributedDataParallel(chunk, ddp_config, groups) for chunk in chunks]
+
+
+def train_valid_test_num_samples(cfg: RunConfig) -> tuple[int, int, int]:
+    """Samples each split must provide (Megatron's formula)."""
+    t = cfg.training
+    if t.train_samples is not None:
+        train = t.train_samples
+        iters = math.ceil(train / t.global_batch_size)
+    else:
+        iters = t.train_iters or 0
+        train = iters * t.global_batch_size
+    evals = (iters // t.eval_interval + 1) * t.eval_iters
+    return train, evals * t.global_batch_size, t.eval_iters * t.global_batch_size
+
+
+def build_data_iterators(
+    cfg: RunConfig,
+    groups: ProcessGroups,
+    tokenizer,
+    datasets_provider: Callable,
+    state: TrainState,
+    backend: DeviceBackend,
+    num_chunks: int,
+):
+    """Per split: whether it exists (known on every rank) and, on the ranks that take data (first and
+    last pipeline stage), one iterator per model chunk (each chunk reads the same micro-batches)."""
+    datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
+    exists = tuple(ds is not None for ds in datasets)
+    if not (groups.is_first_stage or groups.is_last_stage):
+        return exists, (None, None, None)
+    pin = backend.device_type != "cpu"
+    mbs = cfg.training.micro_batch_size
+    iterators = []
+    for ds, consumed in zip(datasets, (state.consumed_train_samples, state.consumed_valid_samples, 0)):
+        if ds is None:
+            iterators.append(None)
+            continue
+        per_chunk = [
+            _cycle(
+                build_pretraining_data_loader(
+                    ds, consumed, mbs, groups.dp_rank, groups.dp_size, cfg.data.num_workers, pin
+                )
+            )
+            for _ in range(num_chunks)
+        ]
+        iterators.append(per_chunk if num_chunks > 1 else per_chunk[0])
+    return exists, tuple(iterators)
+
+
+def _cycle(loader) -> Iterator:
+    """Iterate a loader forever (validation restarts after its samples run out, as in Megatron)."""
+    while True:
+        yield from loader
+
+
+def gpt_datasets_provider(cfg: RunConfig, tokenizer, num_samples: Sequence[int]):
+    """The default datasets provider: Megatron's GPT datasets from ``--data-path`` (or ``--mock-data``)."""
+    return build_train_valid_test_datasets(
+        cfg.data, tokenizer, cfg.model.seq_length, cfg.training.seed, num_samples
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# one step
+
+
+class Trainer:
+    """Runs training and evaluation steps over this rank's model chunks."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        groups: ProcessGroups,
+        backend: DeviceBackend,
+        model: list,
+        optimizer,
+        scheduler: LRScheduler,
+        forward_step: Callable,
+        batches: MicroBatchCalculator,
+    ):
+        self.cfg, self.groups, self.backend = cfg, groups, backend
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.forward_step = forward_step
+        self.batches = batches
+        vp = len(model)
+        self.schedule = get_forward_backward_func(groups.pp_size, vp)
+        self.dtype = cfg.precision.params_dtype
+        self.device = backend.device(groups.rank)
+
+    def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
+        return self.schedule(
+            forward_step_func=self.forward_step,
+            data_iterator=data_iterator,
+            model=self.model,
+            num_microbatches=self.batches.num_microbatches,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            hidden_size=self.cfg.model.hidden_size,
+            groups=self.groups,
+            sequence_parallel=self.cfg.parallel.sequence_parallel,
+            dtype=self.dtype,
+            forward_only=forward_only,
+            grad_scale_func=None if forward_only else self.optimizer.scale_loss,
+            no_sync_func=None if forward_only else [chunk.no_sync for chunk in self.model],
+            finalize_grads_func=None
+            if forward_only
+            else functools.partial(finalize_model_grads, groups=self.groups),
+            timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
+        )
+
+    def _average_logs(self, logs: list[dict]) -> dict[str, float]:
+        """Mean of each logged value over micro-batches and data-parallel ranks (on the last stage)."""
+        if not logs:
+            return {}
+        keys = sorted(logs[0])
+        values = torch.stack(
+            [torch.stack([log[k].detach().float().reshape(()) for k in keys]) for log in logs]
+        )
+        mean = values.mean(0).to(self.device)
+        if self.groups.dp is not None and self.groups.dp_size > 1:
+            dist.all_reduce(mean, group=self.groups.dp)
+            mean /= self.groups.dp_size
+        return {k: float(v) for k, v in zip(keys, mean.tolist())}
+
+    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None]:
+        for chunk in self.model:
+            chunk.train()
+        self.optimizer.zero_grad()
+        logs = self._run_schedule(data_iterator, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(self.batches.current_global_batch_size)
+        return self._average_logs(logs), ok, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, data_iterator, iters: int) -> dict[str, float]:
+        for chunk in self.model:
+            chunk.eval()
+        totals: dict[str, float] = {}
+        for _ in range(iters):
+            for key, value in self._average_logs(
+                self._run_schedule(data_iterator, forward_only=True)
+            ).items():
+                totals[key] = totals.get(key, 0.0) + value / iters
+        for chunk in self.model:
+            chunk.train()
+        return totals
+
+
+# --------------------------------------------------------------------------------------------------
+# the loop
+
+
+def _flops_per_sample(cfg: RunConfig, vocab_size: int) -> float:
+    m = cfg.model
+    return gpt_flops(
+        batch_size=1,
+        seq_length=m.seq_length,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        vocab_size=vocab_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        ffn_hidden_size=m.ffn_hidden_size,
+        swiglu=m.swiglu,
+        kv_channels=m.kv_channels,
+    )
+
+
+def _load_checkpoint(cfg: RunConfig, model, optimizer, scheduler, groups) -> TrainState:
+    if not cfg.checkpoint.load:
+        return TrainState()
+    from mcore.checkpoint import load_checkpoint
+
+    return load_checkpoint(cfg.checkpoint, model, optimizer, scheduler, groups, state_cls=TrainState)
+
+
+def _save_checkpoint(cfg: RunConfig, state: TrainState, model, optimizer, scheduler, groups) -> float:
+    from mcore.checkpoint import save_checkpoint
+
+    start = time.perf_counter()
+    save_checkpoint(cfg.checkpoint, state, model, optimizer, scheduler, groups, run_config=cfg)
+    return time.perf_counter() - start
+
+
+def pretrain(
+    model_provider: Callable,
+    forward_step: Callable,
+    datasets_provider: Callable = gpt_datasets_provider,
+    *,
+    argv: Sequence[str] | None = None,
+    extra_config_groups: dict[str, type] | None = None,
+    cfg: RunConfig | None = None,
+) -> TrainResult:
+    """Train a model with Megatron-LM's command line (see the module docstring for the providers).
+
+    User mistakes (bad flags, impossible layouts, unavailable backends, missing data) end the process
+    with one message on stderr and exit status 2.
+    """
+    try:
+        cfg = cfg or parse_run_config(argv, extra_config_groups)
+        backend = setup_backend(cfg)
+        world_size = dist.get_world_size() if dist.is_initialized() else int(_env("WORLD_SIZE", "1"))
+        cfg = check_run_config(cfg, backend, world_size)
+        groups = initialize_parallel(cfg.parallel, backend)
+    except (ConfigError, BackendSelectionError, PluginError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    try:
+        return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
+    except (ConfigError, DataError) as err:
+        print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _env(name: str, default: str) -> str:
+    import os
+
+    return os.environ.get(name, default)
+
+
+def _pretrain(
+    cfg: RunConfig,
+    groups: ProcessGroups,
+    backend: DeviceBackend,
+    model_provider: Callable,
+    forward_step: Callable,
+    datasets_provider: Callable,
+) -> TrainResult:
+    t = cfg.training
+    model_parallel_seed(t.seed, groups.tp_rank, groups.pp_rank)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
+    print_rank_0(
+        groups,
+        f"> backend {backend.name} ({backend.is_available()[1]}); world {groups.world_size} = "
+        f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size}; padded vocab {vocab}",
+    )
+
+    model = build_model(cfg, groups, model_provider, vocab)
+    optimizer = build_optimizer(cfg.optimizer, cfg.precision, model, groups, lr=cfg.scheduler.lr or 0.0)
+    batches = MicroBatchCalculator(
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        data_parallel_size=groups.dp_size,
+        rampup_batch_size=tuple(t.rampup_batch_size) if t.rampup_batch_size else None,
+    )
+    scheduler = LRScheduler.from_config(
+        optimizer,
+        cfg.scheduler,
+        global_batch_size=t.global_batch_size,
+        train_iters=t.train_iters,
+        train_samples=t.train_samples,
+    )
+    state = _load_checkpoint(cfg, model, optimizer, scheduler, groups)
+    batches.update(state.consumed_train_samples)
+    (_, has_valid, has_test), (train_iter, valid_iter, test_iter) = build_data_iterators(
+        cfg, groups, tokenizer, datasets_provider, state, backend, len(model)
+    )
+    trainer = Trainer(cfg, groups, backend, model, optimizer, scheduler, forward_step, batches)
+    is_logging_rank = groups.rank == groups.last_rank
+    writer = MetricsWriter(
+        t, is_logging_rank, run_config={k: dataclasses.asdict(v) for k, v in cfg.as_dict().items()}
+    )
+    if t.log_memory:
+        print_rank_0(groups, f"> rank 0 memory: {format_memory_report(optimizer.memory_report())}")
+
+    train_iters = t.train_iters if t.train_iters is not None else _iters_for_samples(t, batches)
+    flops_per_sample = _flops_per_sample(cfg, vocab)
+    peak = (t.peak_tflops * 1e12) if t.peak_tflops else backend.peak_flops(cfg.precision.params_dtype)
+    timer = Timer(backend.synchronize)
+    start_time = time.time()
+    train_losses: list[float] = []
+    exit_reason = "finished"
+    handler = SignalHandler() if t.exit_signal_handler else contextlib.nullcontext()
+    interval_losses: dict[str, float] = {}
+    interval_steps = 0
+    save_dir = cfg.checkpoint.save
+    last_saved = None
+
+    with handler:
+        timer.start()
+        while not t.skip_train and state.iteration < train_iters:
+            batches.update(state.consumed_train_samples)
+            losses, ok, grad_norm = trainer.train_step(train_iter)
+            state.iteration += 1
+            gbs = batches.current_global_batch_size
+            state.consumed_train_samples += gbs
+            state.floating_point_operations_so_far += flops_per_sample * gbs
+            if not ok:
+                state.skipped_iterations += 1
+            if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
+                state.nan_iterations += 1
+            if "lm loss" in losses:
+                train_losses.append(losses["lm loss"])
+            for k, v in losses.items():
+                interval_losses[k] = interval_losses.get(k, 0.0) + v
+            interval_steps += 1
+
+            if state.iteration % t.log_interval == 0:
+                elapsed = timer.stop()
+                per_iter = elapsed / interval_steps
+                tokens = gbs * cfg.model.seq_length
+                tflops = flops_per_sample * gbs / per_iter / groups.world_size
+                mem = backend.memory_stats()
+                values = {
+                    "consumed_samples": state.consumed_train_samples,
+                    "iteration_time_ms": 1000 * per_iter,
+                    "learning_rate": scheduler.get_lr(),
+                    "global_batch_size": gbs,
+                    "losses": {k: v / interval_steps for k, v in interval_losses.items()},
+                    "loss_scale": optimizer.loss_scale,
+                    "grad_norm": grad_norm,
+                    "skipped_iterations": state.skipped_iterations,
+                    "nan_iterations": state.nan_iterations,
+                    "tokens_per_s": tokens / per_iter,
+                    "tflops_per_device": tflops / 1e12,
+                    "mfu": tflops / peak if peak else None,
+                    "mem_allocated_gib": mem["allocated"] / 2**30,
+                    "mem_peak_gib": mem["peak_allocated"] / 2**30,
+                }
+                if is_logging_rank:
+                    print(format_train_line(state.iteration, train_iters, values), flush=True)
+                flat = {k: v for k, v in values.items() if k != "losses"}
+                flat.update(values["losses"])
+                writer.scalars(state.iteration, flat, prefix="train/")
+                writer.record(state.iteration, flat)
+                interval_losses, interval_steps = {}, 0
+                timer.start()
+
+            if has_valid and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+                _evaluate_and_log(trainer, valid_iter, t.eval_iters, state, writer, groups, "validation")
+                state.consumed_valid_samples += t.eval_iters * t.global_batch_size
+
+            saved_now = False
+            if (
+                save_dir
+                and cfg.checkpoint.save_interval
+                and state.iteration % cfg.checkpoint.save_interval == 0
+            ):
+                _save_checkpoint(cfg, state, model, optimizer, scheduler, groups)
+                last_saved, saved_now = state.iteration, True
+
+            reason = _exit_reason(t, state, start_time, handler, trainer.device)
+            if reason:
+                exit_reason = reason
+                if save_dir and not saved_now:
+                    _save_checkpoint(cfg, state, model, optimizer, scheduler, groups)
+                    last_saved = state.iteration
+                break
+        else:
+            if save_dir and state.iteration > 0 and last_saved != state.iteration:
+                _save_checkpoint(cfg, state, model, optimizer, scheduler, groups)
+
+    valid_loss = test_loss = None
+    if exit_reason == "finished" and t.eval_iters > 0:
+        if has_valid:
+            valid_loss = _evaluate_and_log(
+                trainer, valid_iter, t.eval_iters, state, writer, groups, "validation", final=True
+            )
+        if has_test:
+            test_loss = _evaluate_and_log(
+                trainer, test_iter, t.eval_iters, state, writer, groups, "test", final=True
+            )
+    writer.close()
+    return TrainResult(
+        state=state,
+        train_losses=train_losses,
+        valid_loss=valid_loss,
+        test_loss=test_loss,
+        exit_reason=exit_reason,
+    )
+
+
+def _iters_for_samples(t, batches: MicroBatchCalculator) -> int:
+    """Iterations needed to consume ``--train-samples`` under the rampup."""
+    consumed, iters = 0, 0
+    probe = MicroBatchCalculator(
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        data_parallel_size=batches.data_parallel_size,
+        rampup_batch_size=batches.rampup,
+    )
+    while consumed < t.train_samples:
+        probe.update(consumed)
+        consumed += probe.current_global_batch_size
+        iters += 1
+    return iters
+
+
+def _exit_reason(t, state: TrainState, start_time: float, handler, device) -> str | None:
+    if t.exit_signal_handler and handler.received(device):
+        return "signal"
+    if t.exit_interval and state.iteration % t.exit_interval == 0:
+        return "exit-interval"
+    if t.exit_duration_in_mins is not None:
+        done = torch.tensor(
+            [1.0 if (time.time() - start_time) / 60.0 > t.exit_duration_in_mins else 0.0], device=device
+        )
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item() > 0:
+            return "exit-duration"
+    return None
+
+
+def _evaluate_and_log(
+    trainer: Trainer,
+    data_iter,
+    iters: int,
+    state: TrainState,
+    writer: MetricsWriter,
+    groups: ProcessGroups,
+    split: str,
+    final: bool = False,
+) -> float | None:
+    results = trainer.evaluate(data_iter, iters)
+    if not results:
+        return None
+    parts = [f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}" for k, v in results.items()]
+    label = f"{split} loss at {'the end of training' if final else f'iteration {state.iteration}'}"
+    print_rank_last(groups, f" {label} | " + " | ".join(parts))
+    writer.scalars(state.iteration, {f"{k}": v for k, v in results.items()}, prefix=f"{split}/")
+    writer.record(state.iteration, {**results, "final": final}, kind=split)
+    return results.get("lm loss")
