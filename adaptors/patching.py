@@ -142,13 +142,13 @@ class PatchSet:
             self.active = False
             _ACTIVE.pop(_table_key(self.table), None)
 
-    def describe(self) -> str:
-        """One line per row: applied or skipped, with its reason (the adaptor logs this once)."""
+    def describe(self, reasons: bool = False) -> str:
+        """One line per row, applied or skipped (the adaptor logs this once), optionally with reasons."""
         lines = []
         applied = {id(row) for row in self.applied}
         for row in self.table:
-            state = "applied" if id(row) in applied else "skipped (condition false)"
-            lines.append(f"  {row.describe()}  [{state}]: {row.reason}")
+            state = "applied" if id(row) in applied else "skipped: condition false"
+            lines.append(f"  {row.describe()}  [{state}]" + (f": {row.reason}" if reasons else ""))
         return "\n".join(lines)
 
 

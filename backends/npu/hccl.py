@@ -61,7 +61,9 @@ def parse_group_buffer(spec: str) -> dict[str, int]:
     return sizes
 
 
-def activation_buffer_mb(micro_batch_size: int, seq_length: int, hidden_size: int, bytes_per_element: int) -> int:
+def activation_buffer_mb(
+    micro_batch_size: int, seq_length: int, hidden_size: int, bytes_per_element: int
+) -> int:
     """The reference's suggested HCCL buffer (MB) for one activation exchange of ``[s, b, h]``."""
     return max(1, math.ceil(micro_batch_size * seq_length * hidden_size * bytes_per_element / 2**20))
 

@@ -48,6 +48,8 @@ import torch
 
 from mcore.ops import reference
 
+PROVIDER = "npu"
+"""The provider name the NPU plugin registers its ops under (``table.provider(op)``)."""
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
@@ -94,8 +96,11 @@ def compressed_causal_mask(device: torch.device) -> torch.Tensor:
     return mask
 
 
-def _full_mask(mask: torch.Tensor, b: int, n: int, sq: int, sk: int, causal: bool) -> torch.Tensor | None:
-    """mcore's broadcastable bool mask (+ causal triangle) as the op's BNSS/B1SS/11SS, or None."""
+def fusion_attention_mask(
+    mask: torch.Tensor, b: int, n: int, sq: int, sk: int, causal: bool
+) -> torch.Tensor | None:
+    """mcore's broadcastable bool mask (True = masked), merged with the causal triangle if ``causal``,
+    as the op's BNSS/B1SS/11SS ``atten_mask``; None when the mask's shape cannot be expressed so."""
     m = mask if mask.dtype == torch.bool else mask.bool()
     while m.dim() < 4:
         m = m.unsqueeze(0)
@@ -149,8 +154,8 @@ def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
             if any(pattern) and pattern not in _ROTARY_PATTERNS:
                 return reference.rotary_embedding(x, freqs)
             cos, sin = cache.get(freqs, x.dtype)
-            if rot_dim == x.shape[-1]:
-                return torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="half")
+            if rot_dim == x.shape[-1]:  # q/k arrive as views of the fused QKV output
+                return torch_npu.npu_rotary_mul(x.contiguous(), cos, sin, rotary_mode="half")
             rotated = torch_npu.npu_rotary_mul(x[..., :rot_dim].contiguous(), cos, sin, rotary_mode="half")
             return torch.cat((rotated, x[..., rot_dim:]), dim=-1)
 
@@ -234,7 +239,7 @@ def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
                 kwargs["atten_mask"] = compressed_causal_mask(q.device)
                 kwargs["sparse_mode"] = 2 if sq == sk else 3
             else:
-                full = _full_mask(mask, b, n, sq, sk, causal)
+                full = fusion_attention_mask(mask, b, n, sq, sk, causal)
                 if full is None:
                     return fallback()
                 kwargs.update(atten_mask=full, sparse_mode=0, pre_tockens=MAX_TOCKENS)

@@ -186,7 +186,7 @@ def _parse_line(raw: bytes, offset: int, keys: Sequence[str]) -> list[list[str]]
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        return f"malformed JSON: {err.msg} at column {err.colno}"
+        return f"malformed JSON: {err.msg} (column {err.colno})"
     if not isinstance(obj, dict):
         return f"expected a JSON object, got a JSON {type(obj).__name__}"
     out = []
@@ -340,7 +340,7 @@ class PreprocessResult:
 
 
 def preprocess(
-    config: PreprocessConfig, tokenizer_config: TokenizerConfig, stream: Any = sys.stderr
+    config: PreprocessConfig, tokenizer_config: TokenizerConfig, stream: Any = None
 ) -> PreprocessResult:
     """Run the tool (see module doc) and return what it did.
 
@@ -357,7 +357,7 @@ def preprocess(
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
     builders = {key: IndexedDatasetBuilder(bin_path(p), dtype=dtype) for key, p in prefixes.items()}
-    progress = _Progress(config.log_interval, stream)
+    progress = _Progress(config.log_interval, sys.stderr if stream is None else stream)
     skipped: list[tuple[str, int, str]] = []
     empty_count = 0
 

@@ -66,13 +66,25 @@ def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], g
 
 
 def shared_embedding_params(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """This rank's copies of the tied word embedding (marked ``shared_embedding``)."""
-    found = []
+    """This rank's copies of the tied word embedding.
+
+    A chunk's ``shared_embedding_or_output_weight()`` (Megatron's method, on :class:`GPTModel`), and
+    any parameter marked as a copy (:func:`mcore.distributed.param_attrs.is_shared_embedding`).
+    """
+    found: list[torch.nn.Parameter] = []
+
+    def add(param) -> None:
+        if param is not None and param.requires_grad and all(param is not f for f in found):
+            found.append(param)
+
     for chunk in model_chunks:
         module = unwrap_model(chunk)
+        method = getattr(module, "shared_embedding_or_output_weight", None)
+        if callable(method):
+            add(method())
         for param in module.parameters():
-            if param.requires_grad and is_shared_embedding(param) and all(param is not f for f in found):
-                found.append(param)
+            if is_shared_embedding(param):
+                add(param)
     return found
 
 
@@ -89,13 +101,21 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: P
         _allreduce_coalesced(grads, groups.embedding)
 
 
-def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
+def finalize_model_grads(
+    model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups | None = None
+) -> None:
     """Finish the data-parallel reduction, then the sequence-parallel and tied-embedding reductions.
 
     Args:
         model_chunks: this rank's model chunks (usually :class:`DistributedDataParallel` wrappers).
-        groups: the process groups.
+        groups: the process groups; default: those the DDP chunks were built with (so
+            ``finalize_model_grads`` itself is a valid ``finalize_grads_func(model_chunks)``).
     """
+    if groups is None:
+        wrapped = [c for c in model_chunks if isinstance(c, DistributedDataParallel)]
+        if not wrapped:
+            raise ValueError("finalize_model_grads needs groups= when no chunk is a DistributedDataParallel")
+        groups = wrapped[0].groups
     for chunk in model_chunks:
         if isinstance(chunk, DistributedDataParallel):
             chunk.finish_grad_sync()

@@ -4,10 +4,13 @@
   no-pipelining, 1F1B and interleaved 1F1B schedules;
 * :mod:`mcore.pipeline.tables`: the pure micro-batch order and lock-step plan of every schedule;
 * :mod:`mcore.pipeline.p2p`: batched sends and receives between adjacent stages, with deadlines;
-* :mod:`mcore.pipeline.layout`: which layers each (virtual) stage holds, and building model chunks;
-* :mod:`mcore.pipeline.embedding`: summing tied embedding gradients of the first and last stage.
+* :mod:`mcore.pipeline.layout`: which layers each (virtual) stage holds, and building model chunks.
+
+The tied word embedding's gradients (first and last stage) are summed over ``groups.embedding`` by
+:func:`mcore.distributed.finalize.allreduce_embedding_grads`, part of the ``finalize_grads_func``.
 """
 
+from mcore.pipeline.layout import build_model_chunks, stage_layer_ranges
 from mcore.pipeline.p2p import PipelineCommunicationError, PipelineStats
 from mcore.pipeline.schedules import (
     forward_backward_no_pipelining,
@@ -25,6 +28,7 @@ from mcore.pipeline.tables import (
 __all__ = [
     "PipelineCommunicationError",
     "PipelineStats",
+    "build_model_chunks",
     "check_pipeline_schedule",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
@@ -32,5 +36,6 @@ __all__ = [
     "get_forward_backward_func",
     "pipeline_timeline",
     "schedule_table",
+    "stage_layer_ranges",
     "theoretical_bubble_fraction",
 ]

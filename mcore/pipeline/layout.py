@@ -46,7 +46,9 @@ def stage_layer_counts(
     given = {"decoder_first_pipeline_num_layers": first_stage_layers}
     given["decoder_last_pipeline_num_layers"] = last_stage_layers
     for name, value in given.items():
-        check(value is None or 1 <= value <= num_layers, f"{name}={value} must be in 1..num_layers={num_layers}")
+        check(
+            value is None or 1 <= value <= num_layers, f"{name}={value} must be in 1..num_layers={num_layers}"
+        )
     first, last = first_stage_layers or 0, last_stage_layers or 0
     middle_stages = pp_size - (first_stage_layers is not None) - (last_stage_layers is not None)
     rest = num_layers - first - last
@@ -100,7 +102,7 @@ def stage_layer_ranges(
             )
     ranges: list[list[range]] = [[] for _ in range(pp_size)]
     offset = 0
-    for chunk in range(vp_size):
+    for _chunk in range(vp_size):  # virtual stage order: chunk-major
         for rank in range(pp_size):
             size = counts[rank] // vp_size
             ranges[rank].append(range(offset, offset + size))
@@ -127,8 +129,7 @@ def build_model_chunks(
     pp_size = parallel_config.pipeline_model_parallel_size
     check(
         groups.pp_size == pp_size,
-        f"process groups have pipeline size {groups.pp_size} but "
-        f"pipeline_model_parallel_size={pp_size}",
+        f"process groups have pipeline size {groups.pp_size} but pipeline_model_parallel_size={pp_size}",
     )
     vp_size = parallel_config.virtual_stages(num_layers)
     ranges = stage_layer_ranges(

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mcore.pipeline.tables import FORWARD, Transfer
+from mcore.pipeline.tables import FORWARD, Transfer, theoretical_bubble_fraction
 
 
 class PipelineCommunicationError(RuntimeError):
@@ -43,6 +43,20 @@ class PipelineStats:
     def bubble_fraction(self) -> float:
         """Measured share of the step spent waiting on neighbours: ``wait_s / total_s``."""
         return self.wait_s / self.total_s if self.total_s > 0 else 0.0
+
+    def report(self, pp_size: int, vp_size: int, num_microbatches: int) -> str:
+        """One log line: the measured bubble next to the theoretical ``(p - 1) / (v * m)``.
+
+        The theory counts idle time over compute time; as a share of the step it is
+        ``(p - 1) / (v * m + p - 1)``, which is what the measured share compares with.
+        """
+        theory = theoretical_bubble_fraction(pp_size, vp_size, num_microbatches)
+        share = theory / (1.0 + theory)
+        return (
+            f"pipeline bubble: measured {100 * self.bubble_fraction:.1f}% of {self.total_s:.3f} s waiting "
+            f"on p2p; theoretical (p-1)/(v*m) = ({pp_size}-1)/({vp_size}*{num_microbatches}) = {theory:.3f} "
+            f"= {100 * share:.1f}% of the step"
+        )
 
 
 class StageCommunicator:
@@ -137,7 +151,11 @@ class StageCommunicator:
         return buffers
 
     def _error(self, described: list[str], cause: BaseException | None) -> PipelineCommunicationError:
-        limit = f"within {self.timeout_s:g} s" if self.timeout_s is not None else "before the process group gave up"
+        limit = (
+            f"within {self.timeout_s:g} s"
+            if self.timeout_s is not None
+            else "before the process group gave up"
+        )
         reason = f" ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})" if cause else ""
         return PipelineCommunicationError(
             f"{'; '.join(described)} {limit}: that rank died, hangs, or runs a different schedule{reason}"

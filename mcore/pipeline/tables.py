@@ -123,9 +123,13 @@ def schedule_table(
         warmup = m if forward_only else min(p - r - 1, m)
     else:
         total = m * v
-        forwards = [Op(FORWARD, _interleaved_chunk(k, p, v, True), _interleaved_microbatch(k, p, v)) for k in range(total)]
+        forwards = [
+            Op(FORWARD, _interleaved_chunk(k, p, v, True), _interleaved_microbatch(k, p, v))
+            for k in range(total)
+        ]
         backwards = [
-            Op(BACKWARD, _interleaved_chunk(k, p, v, False), _interleaved_microbatch(k, p, v)) for k in range(total)
+            Op(BACKWARD, _interleaved_chunk(k, p, v, False), _interleaved_microbatch(k, p, v))
+            for k in range(total)
         ]
         # Megatron: two forwards per later rank so that the steady state's backward inputs have
         # arrived, plus one full round of the other chunks.

@@ -72,7 +72,7 @@ def _load_function(ref: tuple[str, str, str | None]) -> Callable:
     return target
 
 
-def _rank_main(fn_ref, args, kwargs, rank, world_size, port, backend_name, results) -> None:
+def _rank_main(fn_ref, args, kwargs, rank, world_size, port, backend_name, results, setup_ref=None) -> None:
     os.environ.update(
         {
             "RANK": str(rank),
@@ -92,6 +92,8 @@ def _rank_main(fn_ref, args, kwargs, rank, world_size, port, backend_name, resul
         from mcore.plugins.manager import select_backend
 
         fn = _load_function(fn_ref)
+        if setup_ref is not None:
+            _load_function(setup_ref)()
         backend = select_backend(backend_name)
         backend.set_device(rank)
         dist.init_process_group(backend.dist_backend, rank=rank, world_size=world_size)
@@ -111,9 +113,14 @@ def run_distributed(
     *args,
     backend: str | None = None,
     timeout: float = 180.0,
+    rank_setup: Callable[[], Any] | None = None,
     **kwargs,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
+
+    ``rank_setup``, a module-level function, runs in each rank before the backend is selected (for
+    instance installing a simulated device module that a plugin's availability check needs).
+    """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORKSERVER_PRELOAD)
     backend_name = backend or test_backend_name()
@@ -122,7 +129,17 @@ def run_distributed(
     procs = [
         context.Process(
             target=_rank_main,
-            args=(_function_ref(fn), args, kwargs, r, world_size, port, backend_name, results),
+            args=(
+                _function_ref(fn),
+                args,
+                kwargs,
+                r,
+                world_size,
+                port,
+                backend_name,
+                results,
+                None if rank_setup is None else _function_ref(rank_setup),
+            ),
             daemon=True,
         )
         for r in range(world_size)

@@ -34,6 +34,7 @@ def toy_document(d: int, length: int) -> list[int]:
 
 
 def write_toy_dataset(prefix: str, num_docs: int = TOY_DOCS) -> str:
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
     with IndexedDatasetBuilder(bin_path(prefix), dtype=np.uint16) as builder:
         for d, length in enumerate(toy_lengths(num_docs)):
             builder.add_document(toy_document(d, int(length)), [int(length)])

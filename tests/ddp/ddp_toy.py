@@ -59,8 +59,21 @@ def global_batch(step: int, dtype: torch.dtype = torch.float32):
     return x.to(dtype), y
 
 
-def build(groups, *, distopt=False, overlap=False, overlap_param_gather=False, bucket=None, fp16=False,
-          bf16=False, optimizer="adam", clip_grad=0.5, hidden=16, lr=0.01, **precision):
+def build(
+    groups,
+    *,
+    distopt=False,
+    overlap=False,
+    overlap_param_gather=False,
+    bucket=None,
+    fp16=False,
+    bf16=False,
+    optimizer="adam",
+    clip_grad=0.5,
+    hidden=16,
+    lr=0.01,
+    **precision,
+):
     opt_cfg = OptimizerConfig(
         optimizer=optimizer,
         weight_decay=0.1,
@@ -74,17 +87,18 @@ def build(groups, *, distopt=False, overlap=False, overlap_param_gather=False, b
     return model, build_optimizer(opt_cfg, prec, [model], groups, lr=lr)
 
 
-def train(model, optimizer, groups, steps: int, inject_inf_at: tuple[int, int] | None = None):
-    """Train ``steps`` steps; return per-step ``(global loss, update_successful, grad_norm, scale)``.
+def train(model, optimizer, groups, steps: int, inject_inf_at=None, start_step: int = 0, snapshots=None):
+    """Train steps ``start_step ..``; return per-step ``(global loss, update_successful, grad_norm, scale)``.
 
-    ``inject_inf_at=(step, dp_rank)`` writes an inf into one gradient on that rank at that step.
+    ``inject_inf_at=(step, dp_rank)`` writes an inf into one gradient on that rank at that step;
+    ``snapshots``, a list, receives the weights after every step.
     """
     dp, rank = groups.dp_size, groups.dp_rank
     per_rank = GLOBAL_BATCH // dp
     num_micro = per_rank // MICRO_BATCH
     dtype = next(model.parameters()).dtype
     history = []
-    for step in range(steps):
+    for step in range(start_step, start_step + steps):
         optimizer.zero_grad()
         x, y = global_batch(step, dtype)
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
@@ -100,12 +114,14 @@ def train(model, optimizer, groups, steps: int, inject_inf_at: tuple[int, int] |
             model.started_in_backward = [b.grad_started for b in model.buckets]
         finalize_model_grads([model], groups)
         if inject_inf_at is not None and inject_inf_at == (step, rank):
-            next(model.parameters()).main_grad.view(-1)[0] = float("inf")
+            next(p for p in model.parameters() if p.requires_grad).main_grad.view(-1)[0] = float("inf")
         scale = optimizer.loss_scale
         ok, norm, _ = optimizer.step()
         if dist.is_initialized() and dp > 1:
             dist.all_reduce(total, group=groups.dp)
         history.append((total.item() / dp, ok, norm, scale))
+        if snapshots is not None:
+            snapshots.append(weights(model))
     return history
 
 

@@ -30,15 +30,20 @@ def test_megatron_derived_defaults():
         16,
     )
     assert cfg.add_bias_linear and cfg.share_embeddings_and_output_weights
-    assert ModelConfig(**{**BASE, "hidden_size": 4096, "num_attention_heads": 32}, swiglu=True).ffn_hidden_size == 10880
+    assert (
+        ModelConfig(**{**BASE, "hidden_size": 4096, "num_attention_heads": 32}, swiglu=True).ffn_hidden_size
+        == 10880
+    )
     assert ModelConfig(**BASE, group_query_attention=True).num_query_groups == 1  # Megatron's default: MQA
 
 
 def test_megatron_flags_parse():
-    argv = "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 " \
-        "--position-embedding-type rope --normalization RMSNorm --layernorm-epsilon 1e-6 --swiglu " \
-        "--disable-bias-linear --untie-embeddings-and-output-weights --recompute-granularity full " \
+    argv = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+        "--position-embedding-type rope --normalization RMSNorm --layernorm-epsilon 1e-6 --swiglu "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --recompute-granularity full "
         "--recompute-method uniform --recompute-num-layers 1 --use-cpu-initialization --seq-length 32"
+    )
     cfg = parse_config({"model": ModelConfig}, argv.split())["model"]
     assert cfg.num_query_groups == 2 and cfg.norm_epsilon == 1e-6 and not cfg.add_bias_linear
     assert not cfg.share_embeddings_and_output_weights and cfg.recompute_method == "uniform"
@@ -46,8 +51,19 @@ def test_megatron_flags_parse():
 
 def test_unknown_position_embedding_on_the_command_line(capsys):
     with pytest.raises(SystemExit):
-        parse_config({"model": ModelConfig}, ["--num-layers", "1", "--hidden-size", "8",
-                                              "--num-attention-heads", "2", "--position-embedding-type", "xpos"])
+        parse_config(
+            {"model": ModelConfig},
+            [
+                "--num-layers",
+                "1",
+                "--hidden-size",
+                "8",
+                "--num-attention-heads",
+                "2",
+                "--position-embedding-type",
+                "xpos",
+            ],
+        )
     assert "invalid choice: 'xpos'" in capsys.readouterr().err
 
 
@@ -57,12 +73,18 @@ def test_unknown_position_embedding_on_the_command_line(capsys):
         (dict(position_embedding_type="xpos"), "position_embedding_type='xpos' is unknown"),
         (dict(normalization="BatchNorm"), "normalization='BatchNorm' is unknown"),
         (dict(num_attention_heads=6), "hidden_size=64 is not divisible by num_attention_heads=6"),
-        (dict(group_query_attention=True, num_query_groups=3), "num_attention_heads=4 is not divisible by num_query_groups=3"),
+        (
+            dict(group_query_attention=True, num_query_groups=3),
+            "num_attention_heads=4 is not divisible by num_query_groups=3",
+        ),
         (dict(num_query_groups=2), "num_query_groups=2 needs --group-query-attention"),
         (dict(seq_length=64, max_position_embeddings=32), "seq_length=64 exceeds max_position_embeddings=32"),
         (dict(position_embedding_type="rope", rotary_percent=0.3), "kv_channels=16 x rotary_percent=0.3"),
         (dict(recompute_granularity="full"), "needs --recompute-method"),
-        (dict(recompute_method="block"), "recompute_method='block' applies only to recompute_granularity='full'"),
+        (
+            dict(recompute_method="block"),
+            "recompute_method='block' applies only to recompute_granularity='full'",
+        ),
         (dict(hidden_dropout=1.0), "hidden_dropout=1.0 must be in [0, 1)"),
         (dict(num_layers=None), "num_layers must be given (--num-layers)"),
     ],
@@ -76,10 +98,16 @@ def test_bad_model_configs_name_the_values(changes, message):
 @pytest.mark.parametrize(
     "changes,tp,message",
     [
-        (dict(num_attention_heads=12, hidden_size=96), 8,
-         "num_attention_heads=12 is not divisible by tensor_model_parallel_size=8"),
-        (dict(num_attention_heads=8, group_query_attention=True, num_query_groups=2), 4,
-         "num_query_groups=2 is not divisible by tensor_model_parallel_size=4"),
+        (
+            dict(num_attention_heads=12, hidden_size=96),
+            8,
+            "num_attention_heads=12 is not divisible by tensor_model_parallel_size=8",
+        ),
+        (
+            dict(num_attention_heads=8, group_query_attention=True, num_query_groups=2),
+            4,
+            "num_query_groups=2 is not divisible by tensor_model_parallel_size=4",
+        ),
     ],
 )
 def test_model_does_not_split_over_tp(changes, tp, message):
@@ -101,7 +129,9 @@ def test_sequence_parallel_without_tp_is_refused():
 
 def test_unpadded_vocab_and_layer_range_are_refused():
     groups = ProcessGroups(topology=Topology.create(2, 0, tp=2))
-    with pytest.raises(ConfigError, match="padded vocab_size=101 is not divisible by tensor_model_parallel_size=2"):
+    with pytest.raises(
+        ConfigError, match="padded vocab_size=101 is not divisible by tensor_model_parallel_size=2"
+    ):
         GPTModel(ModelConfig(**BASE), groups, 101)
     with pytest.raises(ConfigError, match=r"layers \[1, 3\) of this chunk are outside num_layers=2"):
         GPTModel(ModelConfig(**BASE), ProcessGroups.single(), 128, layer_offset=1, num_layers=2)

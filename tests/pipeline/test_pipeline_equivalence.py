@@ -7,6 +7,7 @@ weights. Gradients are compared per logical tensor (TP shards cut from the refer
 all-reduce.
 """
 
+import contextlib
 import functools
 
 import pytest
@@ -36,7 +37,10 @@ MODEL = dict(
 def microbatches(num):
     gen = torch.Generator().manual_seed(7)
     return [
-        (torch.randint(0, VOCAB, (MBS, SEQ), generator=gen), torch.randint(0, VOCAB, (MBS, SEQ), generator=gen))
+        (
+            torch.randint(0, VOCAB, (MBS, SEQ), generator=gen),
+            torch.randint(0, VOCAB, (MBS, SEQ), generator=gen),
+        )
         for _ in range(num)
     ]
 
@@ -60,6 +64,16 @@ def run_step(groups, parallel, num_microbatches, forward_only=False):
     batches = microbatches(num_microbatches)
     schedule = get_forward_backward_func(groups.pp_size, len(chunks))
     stats = PipelineStats()
+    events = []  # DDP's no_sync must stay on until the last backward of the step on this rank
+
+    @contextlib.contextmanager
+    def no_sync():
+        events.append("no_sync on")
+        yield
+        events.append("no_sync off")
+
+    for chunk in chunks:
+        next(chunk.decoder.parameters()).register_hook(lambda grad: events.append("backward") or grad)
     logs = schedule(
         forward_step_func=forward_step,
         data_iterator=[iter(batches) for _ in chunks],
@@ -71,6 +85,7 @@ def run_step(groups, parallel, num_microbatches, forward_only=False):
         groups=groups,
         sequence_parallel=sp,
         forward_only=forward_only,
+        no_sync_func=no_sync,
         finalize_grads_func=lambda model_chunks: finalize_model_grads(model_chunks, groups),
         timeout_s=30,
         stats=stats,
@@ -81,6 +96,11 @@ def run_step(groups, parallel, num_microbatches, forward_only=False):
         for local_name, spec in chunk.sharded_parameters().items():
             grads.append((spec, params[local_name].grad))
     assert 0 <= stats.wait_s <= stats.total_s
+    if forward_only:
+        assert events == []
+    else:
+        assert events.count("backward") == num_microbatches * len(chunks)
+        assert events[0] == "no_sync on" and events[-2:] == ["no_sync off", "backward"], events
     return [float(log["lm loss"]) for log in logs], grads
 
 
@@ -111,7 +131,9 @@ def check_against_reference(results, num_microbatches, forward_only=False):
                 continue
             assert grad is not None, spec.name
             expected = spec.shard(reference[spec.name])
-            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=spec.name: f"{n}: {m}")
+            torch.testing.assert_close(
+                grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=spec.name: f"{n}: {m}"
+            )
     assert seen == set(reference)
 
 

@@ -72,7 +72,16 @@ def _run_expecting_one_survivor(dying_rank, timeout_s, how):
     procs = [
         context.Process(
             target=harness._rank_main,
-            args=(harness._function_ref(_dies_mid_step), (dying_rank, 1, timeout_s, how), {}, r, 2, port, "cpu", results),
+            args=(
+                harness._function_ref(_dies_mid_step),
+                (dying_rank, 1, timeout_s, how),
+                {},
+                r,
+                2,
+                port,
+                "cpu",
+                results,
+            ),
             daemon=True,
         )
         for r in range(2)
@@ -110,4 +119,3 @@ def test_hung_rank_is_named_after_the_timeout():
     assert "stage 1 (global rank 1) did not" in message and "within 2 s" in message
     assert 2.0 <= elapsed < 2.0 + 10.0
     print(message)
-

@@ -1,0 +1,2 @@
+"""Replacement implementations for the NPU patch table, one module per core module they patch
+(``impl/attention.py`` patches ``mcore.models.attention``)."""

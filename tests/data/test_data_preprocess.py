@@ -1,0 +1,219 @@
+"""mcore-preprocess-data and mcore-merge-datasets: round trips, Megatron's rules, and every bad input."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mcore.data.indexed_dataset import IndexedDataset
+from mcore.data.merge import main as merge_main
+from mcore.data.preprocess import main as preprocess_main
+from mcore.data.tokenizers import GPT2BPETokenizer
+
+from .conftest import CORPUS, write_jsonl, write_toy_dataset
+
+RECORDS = [{"text": text, "meta": i} for i, text in enumerate(CORPUS[:12])]
+
+
+def _args(bpe_files, inp, out, *extra):
+    vocab_path, merges_path = bpe_files
+    return [
+        "--input", str(inp), "--output-prefix", str(out), "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", vocab_path, "--merge-file", merges_path, *extra,
+    ]  # fmt: skip
+
+
+def _files(folder):
+    return sorted(os.listdir(folder))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_round_trip(bpe_files, tmp_path, workers):
+    records = [*RECORDS, {"text": ""}, {"text": "last one"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out" / "my-gpt2"
+    assert preprocess_main(_args(bpe_files, inp, out, "--append-eod", "--workers", workers, "--chunk-size", "3")) == 0
+    ds = IndexedDataset(str(out) + "_text_document")
+    tok = GPT2BPETokenizer(*bpe_files)
+    assert ds.dtype == np.uint16
+    # one sequence per non-empty document, EOD appended; the empty line is an empty document (Megatron)
+    assert len(ds.document_indices) == len(records) + 1 and len(ds) == len(records) - 1
+    seq = 0
+    for d, record in enumerate(records):
+        first, last = ds.document_indices[d], ds.document_indices[d + 1]
+        if not record["text"]:
+            assert first == last
+            continue
+        assert ds[seq].tolist() == tok.tokenize(record["text"]) + [tok.eod]
+        seq += 1
+    assert _files(tmp_path / "out") == ["my-gpt2_text_document.bin", "my-gpt2_text_document.idx"]
+
+
+def test_worker_counts_give_identical_bytes(bpe_files, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS * 5)
+    for workers in ("1", "2"):
+        preprocess_main(_args(bpe_files, inp, tmp_path / f"w{workers}", "--workers", workers, "--chunk-size", "4"))
+    for suffix in (".bin", ".idx"):
+        one = open(tmp_path / f"w1_text_document{suffix}", "rb").read()
+        two = open(tmp_path / f"w2_text_document{suffix}", "rb").read()
+        assert one == two
+
+
+def test_sentence_lists_and_several_keys(bpe_files, tmp_path):
+    records = [{"text": ["First sentence.", "", "Second one."], "title": "A title"}, {"text": [], "title": "T"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", records)
+    preprocess_main(_args(bpe_files, inp, tmp_path / "o", "--json-keys", "text", "title", "--append-eod"))
+    tok = GPT2BPETokenizer(*bpe_files)
+    text = IndexedDataset(str(tmp_path / "o_text_document"))
+    # each non-empty sentence is a sequence; EOD goes on the last; the empty list is an empty document
+    assert text.document_indices.tolist() == [0, 2, 2]
+    assert text[0].tolist() == tok.tokenize("First sentence.")
+    assert text[1].tolist() == tok.tokenize("Second one.") + [tok.eod]
+    title = IndexedDataset(str(tmp_path / "o_title_document"))
+    assert title.document_indices.tolist() == [0, 1, 2] and title[1].tolist() == tok.tokenize("T") + [tok.eod]
+
+
+def test_directory_glob_and_gzip_inputs(bpe_files, tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_jsonl(folder / "b.jsonl", RECORDS[6:])
+    write_jsonl(folder / "a.jsonl", RECORDS[:3])
+    with gzip.open(folder / "a2.jsonl.gz", "wb") as f:
+        f.write(b"".join(f'{{"text": "{r["text"][:20]}"}}\n'.encode() for r in RECORDS[3:6]))
+    (folder / "notes.txt").write_text("ignored")
+    preprocess_main(_args(bpe_files, folder, tmp_path / "dir"))
+    preprocess_main(_args(bpe_files, str(folder / "*.json*"), tmp_path / "glob"))
+    tok = GPT2BPETokenizer(*bpe_files)
+    for name in ("dir", "glob"):
+        ds = IndexedDataset(str(tmp_path / f"{name}_text_document"))
+        assert len(ds) == 12  # a.jsonl, a2.jsonl.gz, b.jsonl in sorted order
+        assert ds[0].tolist() == tok.tokenize(RECORDS[0]["text"])
+        assert ds[3].tolist() == tok.tokenize(RECORDS[3]["text"][:20])
+        assert ds[6].tolist() == tok.tokenize(RECORDS[6]["text"])
+
+
+def test_null_tokenizer_preprocessing(tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "70000 5"}])
+    args = ["--input", inp, "--output-prefix", str(tmp_path / "n"), "--tokenizer-type", "NullTokenizer"]
+    assert preprocess_main([*args, "--vocab-size", "100000", "--append-eod"]) == 0
+    ds = IndexedDataset(str(tmp_path / "n_text_document"))
+    assert ds.dtype == np.int32  # vocab 100001 >= 65500
+    assert ds[0].tolist() == [1, 2, 3, 100000] and ds[1].tolist() == [70000, 5, 100000]
+
+
+def test_progress_line(bpe_files, tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    preprocess_main(_args(bpe_files, inp, tmp_path / "o", "--log-interval", "4", "--chunk-size", "4"))
+    err = capsys.readouterr().err
+    assert "processed 4 documents" in err and "docs/s" in err and "MB/s" in err
+    assert "done: 12 documents" in err
+
+
+def test_module_entry_point(bpe_files, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    cmd = [sys.executable, "-m", "mcore.data.preprocess", *_args(bpe_files, inp, tmp_path / "m")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(IndexedDataset(str(tmp_path / "m_text_document"))) == 2
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+
+BAD_LINES = [
+    (b'{"text": "x",,}\n', r"in\.jsonl:3: malformed JSON: Expecting property name .*\(column 14\)"),
+    (b'{"body": "no text key"}\n', r"in\.jsonl:3: missing json key 'text' \(the line has keys: body\)"),
+    (b'{"text": 42}\n', r"in\.jsonl:3: json key 'text' holds a int, expected a string or a list of strings"),
+    (b'["a", "list"]\n', r"in\.jsonl:3: expected a JSON object, got a JSON list"),
+    (b'{"text": "caf\xe9"}\n', r"in\.jsonl:3: invalid UTF-8 at byte offset \d+ \(byte 13 of the line\)"),
+    (b'{"text": "\\ud800 lone surrogate"}\n', r"in\.jsonl:3: the tokenizer cannot encode the text"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD_LINES, ids=["json", "key", "type", "object", "utf8", "surrogate"])
+def test_bad_line_is_one_clear_error(bpe_files, tmp_path, capsys, bad, message):
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2], raw_lines=[bad, b'{"text": "fine"}\n'])
+    assert preprocess_main(_args(bpe_files, inp, tmp_path / "o", "--chunk-size", "2")) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1
+    assert re.search(message, err), err
+    assert "--bad-lines skip" in err
+    assert _files(tmp_path) == ["in.jsonl"]  # nothing half-written left behind
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_bad_lines_skip_counts_them(bpe_files, tmp_path, capsys, workers):
+    raw = [bad for bad, _ in BAD_LINES]
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2], raw_lines=[*raw, b"   \n", b'{"text": "fine"}\n'])
+    args = _args(bpe_files, inp, tmp_path / "o", "--bad-lines", "skip", "--workers", workers, "--chunk-size", "2")
+    assert preprocess_main(args) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {len(raw)} bad lines" in err and "in.jsonl:3: malformed JSON" in err
+    assert len(IndexedDataset(str(tmp_path / "o_text_document"))) == 3  # two records + "fine"
+
+
+def test_empty_document_policies(bpe_files, tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"text": ""}, {"text": "b"}])
+    assert preprocess_main(_args(bpe_files, inp, tmp_path / "keep")) == 0
+    assert IndexedDataset(str(tmp_path / "keep_text_document")).document_indices.tolist() == [0, 1, 1, 2]
+    assert "1 empty documents written as empty documents" in capsys.readouterr().err
+    assert preprocess_main(_args(bpe_files, inp, tmp_path / "skip", "--empty-documents", "skip")) == 0
+    assert IndexedDataset(str(tmp_path / "skip_text_document")).document_indices.tolist() == [0, 1, 2]
+    assert "1 empty documents left out" in capsys.readouterr().err
+    assert preprocess_main(_args(bpe_files, inp, tmp_path / "err", "--empty-documents", "error")) == 1
+    assert "in.jsonl:2: the document is empty after tokenization" in capsys.readouterr().err
+    assert not any(f.startswith("err") for f in _files(tmp_path))
+
+
+def test_missing_input(bpe_files, tmp_path, capsys):
+    assert preprocess_main(_args(bpe_files, tmp_path / "nope.jsonl", tmp_path / "o")) == 1
+    assert re.search(r"error: --input .*nope\.jsonl: no such file or directory", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--split-sentences"], "not supported"),
+        (["--partitions", "2"], "drop --partitions"),
+        (["--dataset-impl", "lazy"], "invalid choice"),
+        (["--workers", "0"], "workers=0 must be >= 1"),
+    ],
+)
+def test_refused_flags(bpe_files, tmp_path, capsys, extra, message):
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:1])
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_main(_args(bpe_files, inp, tmp_path / "o", *extra))
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_merge_tool(tmp_path, capsys):
+    a = write_toy_dataset(str(tmp_path / "shards" / "a"), num_docs=30)
+    b = write_toy_dataset(str(tmp_path / "shards" / "b"), num_docs=20)
+    assert merge_main(["--input", a, b, "--output-prefix", str(tmp_path / "ab")]) == 0
+    assert merge_main(["--input", str(tmp_path / "shards"), "--output-prefix", str(tmp_path / "dir")]) == 0
+    assert merge_main(["--input", b + ".idx", a + ".bin", "--output-prefix", str(tmp_path / "ba")]) == 0
+    ab, da, ba = (IndexedDataset(str(tmp_path / n)) for n in ("ab", "dir", "ba"))
+    da_, db_ = IndexedDataset(a), IndexedDataset(b)
+    assert len(ab) == 50 and ab.document_indices.tolist() == list(range(51))
+    assert open(str(tmp_path / "ab.bin"), "rb").read() == open(a + ".bin", "rb").read() + open(b + ".bin", "rb").read()
+    assert open(str(tmp_path / "dir.idx"), "rb").read() == open(str(tmp_path / "ab.idx"), "rb").read()
+    assert ba[0].tolist() == db_[0].tolist() and ba[20].tolist() == da_[0].tolist()
+    assert "merged 2 datasets" in capsys.readouterr().err
+
+
+def test_merge_bad_inputs(tmp_path, capsys):
+    shards = tmp_path / "shards"
+    write_toy_dataset(str(shards / "a"), num_docs=3)
+    (shards / "lonely.idx").write_bytes(b"")
+    assert merge_main(["--input", str(shards), "--output-prefix", str(tmp_path / "o")]) == 1
+    assert "lonely.idx has no matching lonely.bin" in capsys.readouterr().err
+    assert merge_main(["--input", str(shards / "a"), str(tmp_path / "missing"), "--output-prefix", str(tmp_path / "o")]) == 1
+    assert "missing data path" in capsys.readouterr().err
+    assert not any(f.startswith("o") for f in _files(tmp_path))
