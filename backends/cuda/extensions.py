@@ -22,7 +22,7 @@ import importlib.util
 import os
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def installed(name: str) -> bool:
     """Whether the top-level module ``name`` can be imported (without importing it)."""
     try:
@@ -35,7 +35,7 @@ def triton_available() -> bool:
     return installed("triton")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_attn_func():
     """``flash_attn.flash_attn_func`` for flash-attn >= 2.1, else None."""
     if not installed("flash_attn") or os.environ.get("MCORE_CUDA_DISABLE_FLASH_ATTN") == "1":
@@ -50,7 +50,7 @@ def flash_attn_func():
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def apex_multi_tensor_adam():
     """``(multi_tensor_applier, amp_C.multi_tensor_adam)`` when apex is installed and asked for."""
     if os.environ.get("MCORE_CUDA_ADAM", "torch") != "apex" or not installed("amp_C"):

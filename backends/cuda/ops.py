@@ -292,11 +292,13 @@ def adam_step(
     """
     if not params:
         return
-    if not all(t.is_cuda for t in params):
+    if not all(t.is_cuda for t in params) or any(p.dtype not in _FLOAT for p in params):
         return reference.adam_step(
             params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
+    # The multi-tensor kernels want each gradient in its parameter's dtype (e.g. bf16 grads, fp32 main params).
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
     apex = extensions.apex_multi_tensor_adam()
     if apex is not None:
         applier, kernel = apex
@@ -306,7 +308,8 @@ def adam_step(
             lr, beta1, beta2, eps, step, 1 if decoupled_weight_decay else 0, 1, weight_decay,
         )  # fmt: skip
         return
-    step_tensor = torch.tensor(float(step), device=params[0].device)
+    # A fill kernel, not a host-to-device copy: no synchronisation with the host.
+    step_tensor = torch.full((), float(step), dtype=torch.float32, device=params[0].device)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     kernel(
         list(params),

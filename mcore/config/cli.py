@@ -62,8 +62,7 @@ def _add_field(group: argparse._ArgumentGroup, field: dataclasses.Field, annotat
                 kwargs["nargs"] = meta["nargs"]
         if meta.get("choices") is not None:
             kwargs["choices"] = meta["choices"]
-        if meta.get("metavar") is not None:
-            kwargs["metavar"] = meta["metavar"]
+        kwargs["metavar"] = meta.get("metavar") or field.name.upper()
     group.add_argument(*names, **kwargs)
 
 
@@ -74,9 +73,16 @@ def _cli_fields(cls: type):
             yield field, hints[field.name]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (the full usage of ~200 flags would bury it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(groups: ConfigGroups, prog: str | None = None, description: str | None = None):
     """An argparse parser with one argument group per config class."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     seen: dict[str, str] = {}
     for group_name, cls in groups.items():
         group = parser.add_argument_group(group_name, (cls.__doc__ or "").strip().splitlines()[0])

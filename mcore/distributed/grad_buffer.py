@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 # torch 2.10 renamed the tensor-in/tensor-out collectives; the signatures are the same.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _DISTOPT_BUCKET_ALIGN = 128
 """Distributed-optimizer buckets end on a multiple of lcm(dp, 128) elements, as in Megatron."""
@@ -115,7 +115,7 @@ class Bucket:
         else:
             self.grad_data.mul_(1.0 / comm.size)
         if comm.use_distributed_optimizer:
-            self.grad_handle = _reduce_scatter(
+            self.grad_handle = reduce_scatter_tensor(
                 self._local_view(self.grad_data), self.grad_data, op=op, group=comm.group, async_op=True
             )
         else:
@@ -132,7 +132,7 @@ class Bucket:
         comm = self.buffer.comm
         if self.param_data is None or not comm.active or self.param_handle is not None:
             return
-        self.param_handle = _all_gather(
+        self.param_handle = all_gather_into_tensor(
             self.param_data, self._local_view(self.param_data), group=comm.group, async_op=True
         )
 

@@ -11,6 +11,13 @@ rows of groups ``t g_p .. (t+1) g_p - 1``, i.e. the same layout with ``g_p`` gro
 With ``g = n`` (no GQA) this is GPT-2's per-head ``[q, k, v]`` layout (Megatron checkpoint version 2+).
 
 ``linear_proj`` (row-parallel) is ``[h, n d]``: rank ``t`` holds the columns of its heads.
+
+Inference (key/value cache). ``SelfAttention.forward`` takes an optional ``inference_context``: any
+object with ``update_kv(layer_number, key, value) -> (keys, values)`` (for instance
+:class:`mcore.inference.kv_cache.KVCache`). The layer hands it this step's keys and values
+``[s_new, b, g_p, d]`` (after RoPE) and attends over what it returns, ``[s_past + s_new, b, g_p, d]``;
+the causal mask of the attention op is aligned at the end, so the new queries see every cached key.
+Positions come from ``position_ids``, which the caller sets to the tokens' absolute positions.
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ class SelfAttention(torch.nn.Module):
             config.kv_channels,
             config.hidden_size,
         )
+        self.layer_number = layer_number
         self.heads_per_group = n // g
         self.num_heads = n // ctx.tp_size
         self.num_groups = g // ctx.tp_size
@@ -143,8 +151,12 @@ class SelfAttention(torch.nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_freqs: torch.Tensor | None = None,
+        inference_context=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h]`` (``[s/p, b, h]`` with SP) -> (output of the same shape, the un-added proj bias)."""
+        """``[s, b, h]`` (``[s/p, b, h]`` with SP) -> (output of the same shape, the un-added proj bias).
+
+        ``inference_context``: a key/value cache (see the module docstring), or None.
+        """
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, (n_p + 2 g_p) d]
         s, b = qkv.shape[:2]
         r, d = self.heads_per_group, self.head_dim
@@ -155,7 +167,9 @@ class SelfAttention(torch.nn.Module):
             ops = get_ops()
             query = ops.rotary_embedding(query, rotary_freqs)
             key = ops.rotary_embedding(key, rotary_freqs)
-        bias = None if self.alibi_slopes is None else alibi_bias(self.alibi_slopes, s, s)
+        if inference_context is not None:
+            key, value = inference_context.update_kv(self.layer_number, key, value)
+        bias = None if self.alibi_slopes is None else alibi_bias(self.alibi_slopes, s, key.shape[0])
         if self.recompute_core_attention and self.training:
             context = checkpoint(self.core_attention, query, key, value, attention_mask, bias)
         else:

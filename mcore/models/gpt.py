@@ -259,16 +259,23 @@ class GPTModel(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
+        inference_context=None,
     ) -> torch.Tensor:
         """Run this chunk.
 
         Args:
             tokens: ``[b, s]`` int64 ids (used on the first chunk only).
             position_ids: ``[b, s]`` positions (default ``0..s-1``), for learned positions and RoPE.
+                (Megatron's GPTModel ignores them for RoPE; here RoPE follows them, as Hugging Face
+                does, which matters only with ``--reset-position-ids`` or a KV cache.)
             attention_mask: optional bool ``[b, 1, s, s]``, True = masked, applied on top of the
                 causal mask (e.g. to separate documents).
             labels: ``[b, s]`` target ids (on the last chunk).
             label_smoothing: label smoothing of the loss.
+            inference_context: a key/value cache for generation (``update_kv(layer_number, key,
+                value)``, e.g. :class:`mcore.inference.kv_cache.KVCache`): each layer appends this
+                call's keys and values and attends over all of them. Give ``position_ids`` (the
+                tokens' absolute positions) with it.
 
         Returns:
             last chunk with labels: per-token fp32 loss ``[b, s]``;
@@ -287,7 +294,9 @@ class GPTModel(torch.nn.Module):
             seq_len = hidden_states.shape[0] * (self.ctx.tp_size if self.sequence_parallel else 1)
             rotary_freqs = self.rotary_pos_emb(seq_len, position_ids, device=hidden_states.device)
 
-        hidden_states = self.decoder(hidden_states, attention_mask, rotary_freqs)
+        hidden_states = self.decoder(
+            hidden_states, attention_mask, rotary_freqs, inference_context=inference_context
+        )
         if not self.post_process:
             return hidden_states
 

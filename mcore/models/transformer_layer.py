@@ -76,10 +76,13 @@ class TransformerLayer(torch.nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_freqs: torch.Tensor | None = None,
+        inference_context=None,
     ) -> torch.Tensor:
         normed = self._norm(self.input_layernorm, hidden_states)
         residual = normed if self.residual_post_norm else hidden_states
-        attention_out, attention_bias = self.self_attention(normed, attention_mask, rotary_freqs)
+        attention_out, attention_bias = self.self_attention(
+            normed, attention_mask, rotary_freqs, inference_context=inference_context
+        )
         hidden_states = self._bias_dropout_add(attention_out, attention_bias, residual)
 
         normed = self._norm(self.pre_mlp_layernorm, hidden_states)
@@ -140,8 +143,14 @@ class TransformerBlock(torch.nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_freqs: torch.Tensor | None = None,
+        inference_context=None,
     ) -> torch.Tensor:
-        if self.recompute_method is not None and self.training and torch.is_grad_enabled():
+        if inference_context is not None:  # generation with a key/value cache (no recomputation)
+            for layer in self.layers:
+                hidden_states = layer(
+                    hidden_states, attention_mask, rotary_freqs, inference_context=inference_context
+                )
+        elif self.recompute_method is not None and self.training and torch.is_grad_enabled():
             hidden_states = self._recomputed_forward(hidden_states, attention_mask, rotary_freqs)
         else:
             for layer in self.layers:

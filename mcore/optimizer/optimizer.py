@@ -52,10 +52,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mcore.backend import get_ops
 from mcore.config.fields import ConfigError
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
+from mcore.distributed.grad_buffer import GradBuffer, all_gather_into_tensor
 from mcore.distributed.groups import ProcessGroups
 from mcore.optimizer.clip_grads import clip_grads_, counts_in_grad_norm, global_grad_norm, unscale_and_check_
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
@@ -80,6 +82,8 @@ class MainParam:
     counts_in_norm: bool
     group: int
     state: dict[str, Any] = field(default_factory=dict)
+    buffer: GradBuffer | None = None
+    """The DDP buffer of the parameter (None for a plain module)."""
 
     def model_view(self) -> torch.Tensor:
         return self.model_param.data.view(-1)[self.start : self.end]
@@ -199,6 +203,7 @@ class MegatronOptimizer:
             owns_copy=owns_copy,
             counts_in_norm=counts_in_grad_norm(param, tp_rank),
             group=group,
+            buffer=buffer,
         )
 
     def _init_state(self) -> None:
@@ -376,6 +381,63 @@ class MegatronOptimizer:
             "state": state,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
         }
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` with every parameter's whole state on every data-parallel rank.
+
+        Without the distributed optimizer this is :meth:`state_dict`. With it, each state tensor is
+        assembled in the buffer layout and all-gathered bucket by bucket over the data-parallel
+        group (one collective per bucket and state field), so every entry covers ``(0, numel)`` and
+        loads at any data-parallel size. It holds the full optimizer state in memory for a moment;
+        a checkpoint that saves each rank's pieces with their ranges (:meth:`state_dict`) does not.
+        Every rank of the data-parallel group must call it.
+        """
+        state_dict = self.state_dict()
+        if not self.distributed:
+            return state_dict
+        by_buffer: dict[int, list[MainParam]] = {}
+        for entry in self.main_params:
+            by_buffer.setdefault(id(entry.buffer), []).append(entry)
+        fields = ["exp_avg", "exp_avg_sq"] if self.config.optimizer == "adam" else ["momentum_buffer"]
+        step = torch.tensor([max((e.state.get("step", 0) for e in self.main_params), default=0)])
+        step = step.to(self._device)
+        names = self._all_keys()
+        comm = None
+        full_state: dict[str, dict[str, Any]] = {}
+        for chunk in self.model_chunks:
+            for buffer in chunk.buffers:
+                comm = buffer.comm
+                entries = by_buffer.get(id(buffer), [])
+                copies = any(p.dtype != torch.float32 for p in buffer.params)
+                gathered = {}
+                for name in fields + (["main_param"] if copies else []):
+                    flat = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.grad_data.device)
+                    for entry in entries:
+                        offset = buffer.buffer_range(entry.model_param)[0]
+                        value = entry.main if name == "main_param" else entry.state[name]
+                        flat[offset + entry.start : offset + entry.end].copy_(value)
+                    if comm.active:
+                        for bucket in buffer.buckets:
+                            lo, hi = bucket.shard_range(comm.rank)
+                            all_gather_into_tensor(
+                                flat[bucket.start : bucket.end], flat[lo:hi], group=comm.group
+                            )
+                    gathered[name] = flat
+                for param in buffer.params:
+                    lo, hi = buffer.buffer_range(param)
+                    item: dict[str, Any] = {"range": (0, hi - lo), "shape": tuple(param.shape)}
+                    for name, flat in gathered.items():
+                        if name == "main_param" and param.dtype == torch.float32:
+                            continue
+                        item[name] = flat[lo:hi].clone()
+                    full_state[names[id(param)]] = item
+        if comm is not None and comm.active:
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=comm.group)
+        if self.config.optimizer == "adam":
+            for item in full_state.values():
+                item["step"] = int(step.item())
+        state_dict["state"] = full_state
+        return state_dict
 
     def _all_keys(self) -> dict[int, str]:
         names = {}

@@ -280,9 +280,17 @@ def _run_pipeline(
     shape = (seq_length // tp if sequence_parallel else seq_length, micro_batch_size, hidden_size)
     from mcore.distributed.groups import LaunchEnv
 
-    device = current_backend().device(LaunchEnv.from_environ().local_rank)
+    if vp_size > 1 and data_iterator is not None and not isinstance(data_iterator, (list, tuple)):
+        raise TypeError(
+            f"with {vp_size} model chunks, data_iterator must be a list of {vp_size} iterators "
+            "(one per chunk), or None"
+        )
+    backend = current_backend()
+    device = backend.device(LaunchEnv.from_environ().local_rank)
+    if stats is not None:
+        backend.synchronize()
     start = time.perf_counter()
-    comm = StageCommunicator(groups, shape, dtype, device, timeout_s, stats)
+    comm = StageCommunicator(groups, shape, dtype, device, timeout_s, stats, backend.synchronize)
 
     last_stage = p * vp_size - 1
     received: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -309,6 +317,7 @@ def _run_pipeline(
     if not forward_only and finalize_grads_func is not None:
         finalize_grads_func(chunks)
     if stats is not None:
+        backend.synchronize()
         stats.total_s += time.perf_counter() - start
     return logs
 

@@ -151,7 +151,9 @@ def test_blend_that_oversamples_a_component_is_an_error(toy_prefix, toy_tokenize
     ds = IndexedDataset(toy_prefix)
     small = GPTDataset(ds, toy_prefix, np.arange(0, 10, dtype=np.int32), None, "train", config)
     big = GPTDataset(ds, toy_prefix, np.arange(10, 900, dtype=np.int32), None, "train", config)
-    with pytest.raises(DataError, match=r"asks \d+ samples of component 0 .* which has only \d+; raise --mid-level"):
+    with pytest.raises(
+        DataError, match=r"asks \d+ samples of component 0 .* which has only \d+; raise --mid-level"
+    ):
         BlendedDataset([small, big], [0.5, 0.5], 100, config)
 
 

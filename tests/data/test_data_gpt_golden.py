@@ -82,13 +82,18 @@ def _splits(prefix, tokenizer, sizes=(120, 10, 5), **kw):
     ds = IndexedDataset(prefix)
     ranges = split_ranges(config.split_matrix, len(ds))
     names = ("train", "valid", "test")
-    return [None if r is None else GPTDataset(ds, prefix, r, n, s, config) for r, n, s in zip(ranges, sizes, names)]
+    return [
+        None if r is None else GPTDataset(ds, prefix, r, n, s, config)
+        for r, n, s in zip(ranges, sizes, names)
+    ]
 
 
 def test_gpt_dataset_indices(toy_prefix, toy_tokenizer):
     train, valid, test = _splits(toy_prefix, toy_tokenizer)
 
-    assert len(train) == 1258 and train.sample_index.shape == (1259, 2) and train.sample_index.dtype == np.int32
+    assert (
+        len(train) == 1258 and train.sample_index.shape == (1259, 2) and train.sample_index.dtype == np.int32
+    )
     assert train.document_index[:24].tolist() == [
         40, 394, 219, 677, 881, 886, 373, 348, 143, 474, 108, 122,
         326, 939, 501, 630, 248, 906, 29, 670, 310, 222, 410, 60,
@@ -160,7 +165,9 @@ def _megatron_masks_loop(tokens, eod, reset_pos, reset_att, eod_mask):
     return att < 0.5, loss, pos
 
 
-@pytest.mark.parametrize("flags", [(False, False, False), (True, True, True), (True, False, True), (False, True, False)])
+@pytest.mark.parametrize(
+    "flags", [(False, False, False), (True, True, True), (True, False, True), (False, True, False)]
+)
 def test_masks_match_megatron_loop(flags):
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -184,7 +191,8 @@ def test_blending_through_the_builder(toy_prefix, toy_tokenizer):
     assert [d.num_samples for d in train.datasets] == [7, 15]  # ceil(ceil(20 w) * 1.005)
     assert len(train) == 20
     assert train.dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1]
-    assert train.dataset_sample_index.tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6, 3, 7, 8, 9, 4, 10, 11, 5, 12, 13]
+    want = [0, 0, 1, 2, 1, 3, 4, 2, 5, 6, 3, 7, 8, 9, 4, 10, 11, 5, 12, 13]
+    assert train.dataset_sample_index.tolist() == want
     assert train[0]["tokens"].tolist() == list(range(263, 271))  # component 1, sample 0
 
 

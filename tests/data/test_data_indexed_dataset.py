@@ -87,7 +87,10 @@ def test_optimal_dtype():
 def test_roundtrip_every_dtype(tmp_path, code, mmap):
     dtype = DTYPE_CODES[code]
     rng = np.random.default_rng(code)
-    docs = [[rng.integers(0, 100, size=int(n)).astype(dtype) for n in rng.integers(0, 9, size=3)] for _ in range(7)]
+    docs = [
+        [rng.integers(0, 100, size=int(n)).astype(dtype) for n in rng.integers(0, 9, size=3)]
+        for _ in range(7)
+    ]
     prefix = str(tmp_path / f"d{code}")
     with IndexedDatasetBuilder(bin_path(prefix), dtype=dtype) as builder:
         for doc in docs:
@@ -196,14 +199,18 @@ def test_unknown_dtype_code(golden):
 def test_truncated_header(golden, size):
     with open(idx_path(golden), "r+b") as f:
         f.truncate(size)
-    with pytest.raises(DataError, match=rf"g\.idx: truncated index file: {size} bytes, the header alone is 34"):
+    with pytest.raises(
+        DataError, match=rf"g\.idx: truncated index file: {size} bytes, the header alone is 34"
+    ):
         IndexedDataset(golden)
 
 
 def test_truncated_arrays(golden):
     with open(idx_path(golden), "r+b") as f:
         f.truncate(100)
-    with pytest.raises(DataError, match=r"g\.idx: truncated index file: .* 4 sequences and 5 .* need 122 bytes, .* has 100"):
+    with pytest.raises(
+        DataError, match=r"g\.idx: truncated index file: .* 4 sequences and 5 .* need 122 bytes, .* has 100"
+    ):
         IndexedDataset(golden)
 
 
@@ -221,7 +228,9 @@ def test_corrupted_lengths(golden):
 
 def test_corrupted_pointers(golden):
     _corrupt(golden, 34 + 16 + 16, struct.pack("<q", 13))
-    with pytest.raises(DataError, match=r"g\.idx: corrupted index: sequence_pointers\[2\] = 13 at byte offset 66"):
+    with pytest.raises(
+        DataError, match=r"g\.idx: corrupted index: sequence_pointers\[2\] = 13 at byte offset 66"
+    ):
         IndexedDataset(golden)
 
 
@@ -231,21 +240,28 @@ def test_corrupted_document_indices(golden):
         IndexedDataset(golden)
     _corrupt(golden, 34 + 48 + 16, struct.pack("<q", 3))
     _corrupt(golden, 34 + 48 + 32, struct.pack("<q", 3))
-    with pytest.raises(DataError, match=r"last document index 3 at byte offset 114 must equal the sequence count 4"):
+    with pytest.raises(
+        DataError, match=r"last document index 3 at byte offset 114 must equal the sequence count 4"
+    ):
         IndexedDataset(golden)
 
 
 def test_bin_shorter_than_index(golden):
     with open(bin_path(golden), "r+b") as f:
         f.truncate(14)
-    with pytest.raises(DataError, match=r"g\.bin: the \.bin is shorter than its index says: it has 14 bytes, .* needs 24; sequence 2 \(byte offset 12\)"):
+    with pytest.raises(
+        DataError,
+        match=r"g\.bin: the \.bin is shorter than its index says: it has 14 bytes, .* needs 24; sequence 2 \(byte offset 12\)",
+    ):
         IndexedDataset(golden)
 
 
 def test_bin_longer_than_index(golden):
     with open(bin_path(golden), "ab") as f:
         f.write(b"\0\0")
-    with pytest.raises(DataError, match=r"g\.bin: the \.bin is longer than its index says: .* from offset 24"):
+    with pytest.raises(
+        DataError, match=r"g\.bin: the \.bin is longer than its index says: .* from offset 24"
+    ):
         IndexedDataset(golden)
 
 

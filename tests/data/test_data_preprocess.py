@@ -38,7 +38,10 @@ def test_round_trip(bpe_files, tmp_path, workers):
     records = [*RECORDS, {"text": ""}, {"text": "last one"}]
     inp = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out" / "my-gpt2"
-    assert preprocess_main(_args(bpe_files, inp, out, "--append-eod", "--workers", workers, "--chunk-size", "3")) == 0
+    assert (
+        preprocess_main(_args(bpe_files, inp, out, "--append-eod", "--workers", workers, "--chunk-size", "3"))
+        == 0
+    )
     ds = IndexedDataset(str(out) + "_text_document")
     tok = GPT2BPETokenizer(*bpe_files)
     assert ds.dtype == np.uint16
@@ -58,7 +61,9 @@ def test_round_trip(bpe_files, tmp_path, workers):
 def test_worker_counts_give_identical_bytes(bpe_files, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", RECORDS * 5)
     for workers in ("1", "2"):
-        preprocess_main(_args(bpe_files, inp, tmp_path / f"w{workers}", "--workers", workers, "--chunk-size", "4"))
+        preprocess_main(
+            _args(bpe_files, inp, tmp_path / f"w{workers}", "--workers", workers, "--chunk-size", "4")
+        )
     for suffix in (".bin", ".idx"):
         one = open(tmp_path / f"w1_text_document{suffix}", "rb").read()
         two = open(tmp_path / f"w2_text_document{suffix}", "rb").read()
@@ -66,7 +71,10 @@ def test_worker_counts_give_identical_bytes(bpe_files, tmp_path):
 
 
 def test_sentence_lists_and_several_keys(bpe_files, tmp_path):
-    records = [{"text": ["First sentence.", "", "Second one."], "title": "A title"}, {"text": [], "title": "T"}]
+    records = [
+        {"text": ["First sentence.", "", "Second one."], "title": "A title"},
+        {"text": [], "title": "T"},
+    ]
     inp = write_jsonl(tmp_path / "in.jsonl", records)
     preprocess_main(_args(bpe_files, inp, tmp_path / "o", "--json-keys", "text", "title", "--append-eod"))
     tok = GPT2BPETokenizer(*bpe_files)
@@ -136,7 +144,9 @@ BAD_LINES = [
 ]
 
 
-@pytest.mark.parametrize("bad, message", BAD_LINES, ids=["json", "key", "type", "object", "utf8", "surrogate"])
+@pytest.mark.parametrize(
+    "bad, message", BAD_LINES, ids=["json", "key", "type", "object", "utf8", "surrogate"]
+)
 def test_bad_line_is_one_clear_error(bpe_files, tmp_path, capsys, bad, message):
     inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2], raw_lines=[bad, b'{"text": "fine"}\n'])
     assert preprocess_main(_args(bpe_files, inp, tmp_path / "o", "--chunk-size", "2")) == 1
@@ -151,7 +161,9 @@ def test_bad_line_is_one_clear_error(bpe_files, tmp_path, capsys, bad, message):
 def test_bad_lines_skip_counts_them(bpe_files, tmp_path, capsys, workers):
     raw = [bad for bad, _ in BAD_LINES]
     inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2], raw_lines=[*raw, b"   \n", b'{"text": "fine"}\n'])
-    args = _args(bpe_files, inp, tmp_path / "o", "--bad-lines", "skip", "--workers", workers, "--chunk-size", "2")
+    args = _args(
+        bpe_files, inp, tmp_path / "o", "--bad-lines", "skip", "--workers", workers, "--chunk-size", "2"
+    )
     assert preprocess_main(args) == 0
     err = capsys.readouterr().err
     assert f"skipped {len(raw)} bad lines" in err and "in.jsonl:3: malformed JSON" in err
@@ -202,7 +214,10 @@ def test_merge_tool(tmp_path, capsys):
     ab, da, ba = (IndexedDataset(str(tmp_path / n)) for n in ("ab", "dir", "ba"))
     da_, db_ = IndexedDataset(a), IndexedDataset(b)
     assert len(ab) == 50 and ab.document_indices.tolist() == list(range(51))
-    assert open(str(tmp_path / "ab.bin"), "rb").read() == open(a + ".bin", "rb").read() + open(b + ".bin", "rb").read()
+    assert (
+        open(str(tmp_path / "ab.bin"), "rb").read()
+        == open(a + ".bin", "rb").read() + open(b + ".bin", "rb").read()
+    )
     assert open(str(tmp_path / "dir.idx"), "rb").read() == open(str(tmp_path / "ab.idx"), "rb").read()
     assert ba[0].tolist() == db_[0].tolist() and ba[20].tolist() == da_[0].tolist()
     assert "merged 2 datasets" in capsys.readouterr().err
@@ -214,6 +229,11 @@ def test_merge_bad_inputs(tmp_path, capsys):
     (shards / "lonely.idx").write_bytes(b"")
     assert merge_main(["--input", str(shards), "--output-prefix", str(tmp_path / "o")]) == 1
     assert "lonely.idx has no matching lonely.bin" in capsys.readouterr().err
-    assert merge_main(["--input", str(shards / "a"), str(tmp_path / "missing"), "--output-prefix", str(tmp_path / "o")]) == 1
+    assert (
+        merge_main(
+            ["--input", str(shards / "a"), str(tmp_path / "missing"), "--output-prefix", str(tmp_path / "o")]
+        )
+        == 1
+    )
     assert "missing data path" in capsys.readouterr().err
     assert not any(f.startswith("o") for f in _files(tmp_path))

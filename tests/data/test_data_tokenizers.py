@@ -107,7 +107,9 @@ def test_huggingface_tokenizer_json_with_bos(bpe_files, tmp_path):
     tok = GPT2BPETokenizer(*bpe_files)._tok
     tok.add_special_tokens(["<s>", "<pad>"])
     bos = tok.token_to_id("<s>")
-    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
     folder = tmp_path / "llama_like"
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
@@ -121,7 +123,9 @@ def test_huggingface_tokenizer_json_with_bos(bpe_files, tmp_path):
 
 
 def test_huggingface_tokenizer_missing(tmp_path):
-    with pytest.raises(DataError, match=r"--tokenizer-model .*: no tokenizer\.json there .*nothing is downloaded"):
+    with pytest.raises(
+        DataError, match=r"--tokenizer-model .*: no tokenizer\.json there .*nothing is downloaded"
+    ):
         HuggingFaceTokenizer(str(tmp_path))
     with pytest.raises(DataError, match="no tokenizer.json"):
         HuggingFaceTokenizer("gpt2")
@@ -166,7 +170,9 @@ def test_train_bpe_from_files_and_iterator(tmp_path):
     for vocab_path, merges_path in (from_file, from_iter):
         tok = GPT2BPETokenizer(vocab_path, merges_path)
         assert tok.vocab_size == 300
-        assert tok.detokenize(tok.tokenize("anything at all, even ünïcödé")) == "anything at all, even ünïcödé"
+        assert (
+            tok.detokenize(tok.tokenize("anything at all, even ünïcödé")) == "anything at all, even ünïcödé"
+        )
     assert sorted(os.listdir(tmp_path / "a")) == ["merges.txt", "vocab.json"]
     with pytest.raises(ValueError, match="must be >= 257"):
         train_bpe_tokenizer(iter(CORPUS), 100, tmp_path / "c")

@@ -125,7 +125,9 @@ def _cases() -> list[Case]:
         Case("rotary_embedding", "full", rotary_args(6, 2, 3, 16, 16), grad=(0,)),
         Case("rotary_embedding", "partial", rotary_args(5, 2, 4, 32, 16), grad=(0,)),
         Case("rotary_embedding", "odd_dims", rotary_args(7, 3, 5, 24, 12), grad=(0,)),
-        Case("rotary_embedding", "noncontig_qkv_slice", rotary_args(6, 2, 3, 16, 16, noncontig=True), grad=(0,)),
+        Case(
+            "rotary_embedding", "noncontig_qkv_slice", rotary_args(6, 2, 3, 16, 16, noncontig=True), grad=(0,)
+        ),
         Case("rotary_embedding", "freqs_per_batch", rotary_args(4, 3, 2, 16, 16, "sb1r"), grad=(0,)),
         Case("rotary_embedding", "freqs_1d", rotary_args(4, 3, 2, 16, 8, "r"), grad=(0,)),
         Case("rotary_embedding", "2048x4x16x128", rotary_args(2048, 4, 16, 128, 128), grad=(0,), big=True),
@@ -150,10 +152,27 @@ def _cases() -> list[Case]:
 
     for approximate in ("none", "tanh"):
         c += [
-            Case("bias_gelu", f"{approximate}_5x33x200", gelu_args((5, 33), 200, True, approximate), grad=(0, 1), scale=1.5),
-            Case("bias_gelu", f"{approximate}_nobias_9x77", gelu_args((9,), 77, False, approximate), grad=(0,)),
+            Case(
+                "bias_gelu",
+                f"{approximate}_5x33x200",
+                gelu_args((5, 33), 200, True, approximate),
+                grad=(0, 1),
+                scale=1.5,
+            ),
+            Case(
+                "bias_gelu", f"{approximate}_nobias_9x77", gelu_args((9,), 77, False, approximate), grad=(0,)
+            ),
         ]
-    c.append(Case("bias_gelu", "none_8192x8192", gelu_args((8192,), 8192, True, "none"), grad=(0, 1), scale=1.5, big=True))
+    c.append(
+        Case(
+            "bias_gelu",
+            "none_8192x8192",
+            gelu_args((8192,), 8192, True, "none"),
+            grad=(0, 1),
+            scale=1.5,
+            big=True,
+        )
+    )
 
     def bda_args(m, n, bias, p, training):
         def make(gen, dt, dev):
@@ -165,7 +184,13 @@ def _cases() -> list[Case]:
         return make
 
     c += [
-        Case("bias_dropout_add", "eval_bias_4x9x64", bda_args((4, 9), 64, True, 0.1, False), grad=(0, 1, 2), scale=1.5),
+        Case(
+            "bias_dropout_add",
+            "eval_bias_4x9x64",
+            bda_args((4, 9), 64, True, 0.1, False),
+            grad=(0, 1, 2),
+            scale=1.5,
+        ),
         Case("bias_dropout_add", "p0_train_nobias_3x50", bda_args((3,), 50, False, 0.0, True), grad=(0, 2)),
     ]
 
@@ -203,9 +228,13 @@ def _cases() -> list[Case]:
 
     c += [
         Case("attention", "causal", attn_args(2, 4, 4, 16, 16, 32), grad=(0, 1, 2), scale=1.5),
-        Case("attention", "noncausal", attn_args(2, 4, 4, 16, 16, 32, causal=False), grad=(0, 1, 2), scale=1.5),
+        Case(
+            "attention", "noncausal", attn_args(2, 4, 4, 16, 16, 32, causal=False), grad=(0, 1, 2), scale=1.5
+        ),
         Case("attention", "gqa", attn_args(2, 4, 2, 16, 16, 32), grad=(0, 1, 2), scale=1.5),
-        Case("attention", "padding_mask", attn_args(2, 2, 2, 12, 12, 16, mask=True), grad=(0, 1, 2), scale=1.5),
+        Case(
+            "attention", "padding_mask", attn_args(2, 2, 2, 12, 12, 16, mask=True), grad=(0, 1, 2), scale=1.5
+        ),
         Case("attention", "bias", attn_args(2, 2, 1, 12, 12, 16, bias=True), grad=(0, 1, 2), scale=1.5),
         Case("attention", "sq_lt_sk", attn_args(1, 2, 2, 5, 13, 16), grad=(0, 1, 2), scale=1.5),
     ]
@@ -250,7 +279,9 @@ def check_case(fn: Callable, case: Case, dtype: torch.dtype, device, seed: int =
     out = fn(*args, **kwargs)
     gold = getattr(reference, case.op)(*gold_args, **gold_kwargs)
     assert out.shape == gold.shape, (out.shape, gold.shape)
-    expected_dtype = getattr(reference, case.op)(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()}).dtype
+    expected_dtype = getattr(reference, case.op)(
+        *[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()}
+    ).dtype
     assert out.dtype == expected_dtype, (out.dtype, expected_dtype)
     bound = BOUNDS[dtype] * case.scale
     errors = {"out": _rel_err(out, gold)}
@@ -374,7 +405,15 @@ def test_cuda_op_providers(cuda_backend):
     assert cuda_backend.ops.provider("adam_step") in ("cuda:torch-fused", "cuda:apex")
     assert cuda_backend.ops.provider("attention") in ("cuda:torch-sdpa", "cuda:flash-attn")
     expected = "cuda:triton" if extensions.triton_available() else "reference"
-    for op in ("rms_norm", "layer_norm", "rotary_embedding", "swiglu", "bias_gelu", "bias_dropout_add", "cross_entropy"):
+    for op in (
+        "rms_norm",
+        "layer_norm",
+        "rotary_embedding",
+        "swiglu",
+        "bias_gelu",
+        "bias_dropout_add",
+        "cross_entropy",
+    ):
         assert cuda_backend.ops.provider(op) == expected, op
 
 
@@ -391,7 +430,16 @@ def test_cuda_op_matches_reference(cuda_backend, case, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "op", ["rms_norm", "layer_norm", "rotary_embedding", "swiglu", "bias_gelu", "bias_dropout_add", "cross_entropy"]
+    "op",
+    [
+        "rms_norm",
+        "layer_norm",
+        "rotary_embedding",
+        "swiglu",
+        "bias_gelu",
+        "bias_dropout_add",
+        "cross_entropy",
+    ],
 )
 def test_cuda_ops_run_their_triton_kernels(cuda_backend, op):
     """The dispatcher took the kernel, not the fallback: the autograd node is the kernel's Function."""
@@ -501,8 +549,9 @@ class _Block(torch.nn.Module):
 
 @needs_cuda
 def test_compile_layer_matches_eager(cuda_backend):
-    from mcore.backend import set_current_backend
     from mcore.backends.cuda.compile import compile_layer
+
+    from mcore.backend import set_current_backend
 
     previous = set_current_backend(cuda_backend)
     try:

@@ -147,7 +147,11 @@ def test_bias_gelu_matches_formula_and_gradcheck(approximate, with_bias):
         expect = 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))
     torch.testing.assert_close(ref.bias_gelu(x, b, approximate), expect)
     inputs = (x, b) if with_bias else (x,)
-    fn = (lambda x, b: ref.bias_gelu(x, b, approximate)) if with_bias else (lambda x: ref.bias_gelu(x, None, approximate))
+    fn = (
+        (lambda x, b: ref.bias_gelu(x, b, approximate))
+        if with_bias
+        else (lambda x: ref.bias_gelu(x, None, approximate))
+    )
     assert torch.autograd.gradcheck(fn, inputs)
 
 

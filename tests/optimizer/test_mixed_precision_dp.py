@@ -72,24 +72,37 @@ def _reshard():
     saved_model, saved_opt = weights(replicated), opt_a.state_dict()
     train(replicated, opt_a, groups, 2, start_step=2)
 
+    # replicated state -> this rank's shards of the distributed optimizer
     sharded, opt_b = build(groups, distopt=True, overlap=True, bucket=50)
     sharded.load_state_dict(saved_model)
-    opt_b.load_state_dict(saved_opt)  # replicated state -> this rank's shards
+    opt_b.load_state_dict(saved_opt)
     train(sharded, opt_b, groups, 2, start_step=2)
 
+    # the same layout, from the sharded state itself
     state_b = opt_b.state_dict()
     again, opt_c = build(groups, distopt=True, overlap=True, bucket=50)
     again.load_state_dict(weights(sharded))
     opt_c.load_state_dict(state_b)
-    same = all(
+    round_trip = all(
         torch.equal(state_b["state"][k]["exp_avg"], v["exp_avg"]) and state_b["state"][k]["step"] == v["step"]
         for k, v in opt_c.state_dict()["state"].items()
     )
-    return weights(replicated), weights(sharded), same
+
+    # the gathered (data-parallel-unsharded) state: every parameter whole, like the replicated one
+    gathered, replicated_state = opt_b.gathered_state_dict(), opt_a.state_dict()
+    back, opt_d = build(groups)
+    back.load_state_dict(weights(sharded))
+    opt_d.load_state_dict(gathered)
+    return weights(replicated), weights(sharded), round_trip, gathered["state"], replicated_state["state"]
 
 
-def test_replicated_state_loads_into_distributed_optimizer():
-    for replicated, sharded, round_trip in run_distributed(_reshard, 2):
+def test_optimizer_state_reshards_between_replicated_and_distributed():
+    for replicated, sharded, round_trip, gathered, reference in run_distributed(_reshard, 2):
         assert round_trip
         for key, value in replicated.items():
             torch.testing.assert_close(sharded[key], value, rtol=1e-5, atol=1e-6)
+        assert sorted(gathered) == sorted(reference)
+        for key, item in gathered.items():
+            assert item["range"] == reference[key]["range"] and item["step"] == reference[key]["step"] == 4
+            for name in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(item[name], reference[key][name], rtol=1e-4, atol=1e-9)

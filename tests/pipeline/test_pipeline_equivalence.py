@@ -46,7 +46,8 @@ def microbatches(num):
 
 
 def forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
+    device = next(model.parameters()).device  # the batch is made on the host
+    tokens, labels = (t.to(device) for t in next(data_iterator))
     output = model(tokens, labels=labels)
 
     def loss_func(per_token_loss):
@@ -94,7 +95,8 @@ def run_step(groups, parallel, num_microbatches, forward_only=False):
     for chunk in chunks:
         params = dict(chunk.named_parameters())
         for local_name, spec in chunk.sharded_parameters().items():
-            grads.append((spec, params[local_name].grad))
+            grad = params[local_name].grad
+            grads.append((spec, None if grad is None else grad.cpu()))
     assert 0 <= stats.wait_s <= stats.total_s
     if forward_only:
         assert events == []

@@ -209,3 +209,35 @@ def test_no_pipelining_scales_losses_and_syncs_once():
         )
     )
     assert len(logs) == 1 and model.w.grad is None
+
+
+def test_per_chunk_no_sync_is_left_before_each_chunks_last_backward():
+    from mcore.pipeline.schedules import _GradSyncControl
+
+    events = []
+
+    def no_sync_of(chunk):
+        @contextlib.contextmanager
+        def no_sync():
+            events.append(f"on {chunk}")
+            yield
+            events.append(f"off {chunk}")
+
+        return no_sync
+
+    with _GradSyncControl([no_sync_of(0), no_sync_of(1)], 2) as sync:
+        sync.before_backward(1, last_of_chunk=False, last_overall=False)
+        sync.before_backward(1, last_of_chunk=True, last_overall=False)
+        events.append("last backward of chunk 1")
+        sync.before_backward(0, last_of_chunk=True, last_overall=True)
+        events.append("last backward of chunk 0")
+    assert events == [
+        "on 0",
+        "on 1",
+        "off 1",
+        "last backward of chunk 1",
+        "off 0",
+        "last backward of chunk 0",
+    ]
+    with pytest.raises(ConfigError, match=r"no_sync_func has 1 entries for 2 model chunk"):
+        _GradSyncControl([no_sync_of(0)], 2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from mcore.backend import current_backend
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import initialize_parallel
 from mcore.pipeline import PipelineCommunicationError, get_forward_backward_func
@@ -33,7 +34,8 @@ class Stage(nn.Module):
 
 def _dies_mid_step(dying_rank, die_at_microbatch, timeout_s, how):
     groups = initialize_parallel(ParallelConfig(pipeline_model_parallel_size=2))
-    model = Stage(groups.is_first_stage)
+    device = current_backend().device(int(os.environ["LOCAL_RANK"]))
+    model = Stage(groups.is_first_stage).to(device)
     seen = []
 
     def forward_step(data_iterator, chunk):
@@ -42,7 +44,7 @@ def _dies_mid_step(dying_rank, die_at_microbatch, timeout_s, how):
             if how == "exit":
                 os._exit(3)  # the process disappears without a word, as a crashed node would
             time.sleep(60)  # or it hangs (a stuck kernel, a deadlocked data loader)
-        out = chunk(torch.ones(SEQ, MBS, HIDDEN))
+        out = chunk(torch.ones(SEQ, MBS, HIDDEN, device=device))
         return out, lambda o: (o.mean(), {})
 
     schedule = get_forward_backward_func(2)
@@ -79,7 +81,7 @@ def _run_expecting_one_survivor(dying_rank, timeout_s, how):
                 r,
                 2,
                 port,
-                "cpu",
+                harness.test_backend_name(),
                 results,
             ),
             daemon=True,

@@ -1,0 +1,367 @@
+"""Kernel micro-benchmarks of the CUDA backend: achieved bytes/s against the device's copy bandwidth.
+
+For each memory-bound op at a training-sized shape (tokens 8192, hidden 2048, bf16; cross-entropy
+over V = 50304) it times, forward and backward separately:
+
+* ``cuda``: the cuda backend's op (Triton kernels; torch fused AdamW for the optimizer step);
+* ``torch``: the pure-PyTorch reference op, eager;
+* ``compile``: the reference op under ``torch.compile`` (Inductor's generated kernels).
+
+Bytes are the fewest the op must move (each input read once, each output written once), so
+``GB/s = bytes / time`` is comparable with a device-to-device copy, measured in the same run on a
+1 GiB tensor (bytes read plus written). Times are medians of ``triton.testing.do_bench``, which
+clears the L2 cache before every repetition.
+
+    python benchmarks/kernels/bench_kernels.py [--sweep] [--skip-compile] [--json FILE]
+
+``--sweep`` also times block-size variants of each Triton kernel and prints the best ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+TOKENS, HIDDEN, FFN, VOCAB = 8192, 2048, 5632, 50304
+SEQ, BATCH, HEADS, HEAD_DIM = 2048, 4, 16, 128
+DT = torch.bfloat16
+
+
+def bench(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` (CUDA events, L2 flushed before each repetition)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Device-to-device copy of ``nbytes``: bytes read plus written per second."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    direction: str
+    bytes: int
+    cuda_us: float
+    torch_us: float | None
+    compile_us: float | None
+    copy_frac: float = 0.0  # cuda bytes/s over the large copy's bytes/s
+
+    @property
+    def gbs(self) -> float:
+        return self.bytes / (self.cuda_us * 1e-6) / 1e9
+
+
+def _fwd_bwd(fn: Callable, make: Callable, grad_idx: tuple[int, ...]):
+    """Forward and backward closures of ``fn`` on fresh inputs from ``make()``."""
+    args = list(make())
+    for i in grad_idx:
+        args[i] = args[i].detach().requires_grad_()
+    fwd = lambda: fn(*args)
+    out = fwd()
+    dy = torch.randn_like(out)
+    inputs = [args[i] for i in grad_idx]
+    bwd = lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
+    return fwd, bwd
+
+
+def run_op(name, shape, cuda_fn, ref_fn, make, grad_idx, fwd_bytes, bwd_bytes, compile_ok) -> list[Row]:
+    rows = []
+    results = {}
+    for label, fn in (
+        ("cuda", cuda_fn),
+        ("torch", ref_fn),
+        ("compile", torch.compile(ref_fn) if compile_ok else None),
+    ):
+        if fn is None:
+            results[label] = (None, None)
+            continue
+        try:
+            fwd, bwd = _fwd_bwd(fn, make, grad_idx)
+            results[label] = (bench(fwd) * 1e3, bench(bwd) * 1e3 if bwd_bytes else None)
+        except Exception as err:  # keep the table going; report the failure
+            print(f"  {name} {label}: failed: {type(err).__name__}: {err}", file=sys.stderr)
+            results[label] = (None, None)
+        torch.cuda.empty_cache()
+    for k, (direction, nbytes) in enumerate((("fwd", fwd_bytes), ("bwd", bwd_bytes))):
+        if not nbytes or results["cuda"][k] is None:
+            continue
+        rows.append(
+            Row(
+                name, shape, direction, nbytes, results["cuda"][k], results["torch"][k], results["compile"][k]
+            )
+        )
+    return rows
+
+
+def _randn(*shape, dtype=DT, scale=1.0):
+    return torch.randn(*shape, device="cuda", dtype=torch.float32).mul_(scale).to(dtype)
+
+
+def op_rows(ops, reference, compile_ok: bool, only: set[str] | None) -> list[Row]:
+    e = 2  # bytes per bf16 element
+    rows: list[Row] = []
+    m, h = TOKENS, HIDDEN
+
+    def want(name):
+        return only is None or name in only
+
+    if want("rms_norm"):
+        rows += run_op(
+            "rms_norm", f"{m}x{h}", ops.rms_norm, reference.rms_norm,
+            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), 1e-5), (0, 1),
+            2 * m * h * e, 3 * m * h * e, compile_ok,
+        )  # fmt: skip
+    if want("layer_norm"):
+        rows += run_op(
+            "layer_norm", f"{m}x{h}", ops.layer_norm, reference.layer_norm,
+            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), _randn(h, scale=0.1), 1e-5), (0, 1, 2),
+            2 * m * h * e, 3 * m * h * e, compile_ok,
+        )  # fmt: skip
+    if want("rotary_embedding"):
+        s, b, n, d = SEQ, BATCH, HEADS, HEAD_DIM
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+        ang = torch.outer(torch.arange(s, device="cuda", dtype=torch.float32), inv)
+        freqs = torch.cat([ang, ang], -1).view(s, 1, 1, d)
+        numel = s * b * n * d
+        rows += run_op(
+            "rotary", f"{s}x{b}x{n}x{d}", ops.rotary_embedding, reference.rotary_embedding,
+            lambda: (_randn(s, b, n, d), freqs), (0,), 2 * numel * e, 2 * numel * e, compile_ok,
+        )  # fmt: skip
+    if want("swiglu"):
+        f = FFN
+        rows += run_op(
+            "swiglu", f"{m}x2*{f}", ops.swiglu, reference.swiglu, lambda: (_randn(m, 2 * f),), (0,),
+            3 * m * f * e, 5 * m * f * e, compile_ok,
+        )  # fmt: skip
+    if want("bias_gelu"):
+        n4 = 4 * h
+        rows += run_op(
+            "bias_gelu", f"{m}x{n4}", ops.bias_gelu, reference.bias_gelu,
+            lambda: (_randn(m, n4), _randn(n4), "tanh"), (0, 1), 2 * m * n4 * e, 3 * m * n4 * e, compile_ok,
+        )  # fmt: skip
+    if want("bias_dropout_add"):
+        rows += run_op(
+            "bias_dropout_add(eval)", f"{m}x{h}", ops.bias_dropout_add, reference.bias_dropout_add,
+            lambda: (_randn(m, h), _randn(h), _randn(m, h), 0.1, False), (0, 1, 2),
+            3 * m * h * e, m * h * e, compile_ok,
+        )  # fmt: skip
+        rows += run_op(
+            "bias_dropout_add(p=0.1)", f"{m}x{h}", ops.bias_dropout_add, reference.bias_dropout_add,
+            lambda: (_randn(m, h), _randn(h), _randn(m, h), 0.1, True), (0, 1, 2),
+            3 * m * h * e, 2 * m * h * e, compile_ok,
+        )  # fmt: skip
+    if want("cross_entropy"):
+        labels = torch.randint(0, VOCAB, (m,), device="cuda")
+        rows += run_op(
+            "cross_entropy", f"{m}x{VOCAB}", ops.cross_entropy, reference.cross_entropy,
+            lambda: (_randn(m, VOCAB, scale=2.0), labels), (0,), m * VOCAB * e, 2 * m * VOCAB * e, compile_ok,
+        )  # fmt: skip
+    if want("adam_step"):
+        rows += adam_rows(ops, reference, compile_ok)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def adam_rows(ops, reference, compile_ok: bool) -> list[Row]:
+    shapes = [(4096, 4096)] * 12  # 201M fp32 parameters
+    numel = sum(math.prod(s) for s in shapes)
+    state = [[torch.randn(*s, device="cuda") * 0.01 for s in shapes] for _ in range(4)]
+    for v in state[3]:
+        v.abs_()
+    params, grads, m, v = state
+    hp = dict(step=10, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    nbytes = numel * 4 * 7  # read p, g, m, v; write p, m, v
+    times = {}
+    fns = {
+        "cuda": lambda: ops.adam_step(params, grads, m, v, **hp),
+        "torch": lambda: reference.adam_step(params, grads, m, v, **hp),
+    }
+    if compile_ok:
+        compiled = torch.compile(getattr(reference.adam_step, "__wrapped__", reference.adam_step))
+        fns["compile"] = lambda: compiled(params, grads, m, v, **hp)
+    for label, fn in fns.items():
+        try:
+            times[label] = bench(fn, warmup=5, rep=50) * 1e3
+        except Exception as err:
+            print(f"  adam_step {label}: failed: {type(err).__name__}: {err}", file=sys.stderr)
+    return [
+        Row(
+            "adamw_step",
+            "12x4096x4096 fp32",
+            "step",
+            nbytes,
+            times["cuda"],
+            times.get("torch"),
+            times.get("compile"),
+        )
+    ]
+
+
+# --- sweep ----------------------------------------------------------------------------------------
+
+
+def sweep() -> list[dict]:
+    """Time block-size variants of each Triton kernel at the benchmark shapes; print the best."""
+    from mcore.backends.cuda.triton_kernels import activations, cross_entropy, norms, rotary
+
+    m, h = TOKENS, HIDDEN
+    out = []
+
+    def run(kernel: str, nbytes: int, fn_of_cfg: Callable, configs: list[dict]):
+        best = None
+        for cfg in configs:
+            try:
+                fn_of_cfg(dict(cfg))  # compile
+                us = bench(lambda cfg=cfg: fn_of_cfg(dict(cfg)), warmup=10, rep=50) * 1e3
+            except Exception as err:
+                print(f"  sweep {kernel} {cfg}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
+                continue
+            rec = {"kernel": kernel, "config": cfg, "us": us, "gbs": nbytes / (us * 1e-6) / 1e9}
+            out.append(rec)
+            if best is None or us < best["us"]:
+                best = rec
+        default = None
+        try:
+            default = bench(lambda: fn_of_cfg(None), warmup=10, rep=50) * 1e3
+        except Exception:
+            pass
+        if best:
+            print(
+                f"sweep {kernel:<14} best {best['config']} {best['us']:.1f} us {best['gbs']:.0f} GB/s; default {default:.1f} us",
+                flush=True,
+            )
+
+    x = _randn(m, h)
+    w = _randn(h).add_(1)
+    dy = _randn(m, h)
+    y, rstd = norms.rms_norm_fwd(x, w, 1e-5, DT)
+    fwd_cfgs = [
+        {"BLOCK_M": bm, "num_warps": nw}
+        for bm in (1, 2, 4, 8)
+        for nw in (4, 8, 16)
+        if bm * h // (32 * nw) >= 4
+    ]
+    run("rms_fwd", 2 * m * h * 2, lambda c: norms.rms_norm_fwd(x, w, 1e-5, DT, c), fwd_cfgs)
+    bwd_cfgs = [dict(c, programs_per_sm=p) for c in fwd_cfgs for p in (2, 4)]
+    run("rms_bwd", 3 * m * h * 2, lambda c: norms.rms_norm_bwd(dy, x, w, rstd, c), bwd_cfgs)
+
+    s, b, n, d = SEQ, BATCH, HEADS, HEAD_DIM
+    q = _randn(s, b, n, d)
+    f2 = torch.rand(s, d, device="cuda")
+    rot_cfgs = [{"BLOCK_I": bi, "num_warps": nw} for bi in (4, 8, 16, 32, 64) for nw in (2, 4, 8)]
+    run("rotary_fwd", 2 * q.numel() * 2, lambda c: rotary.rotary_apply(q, f2, 1, False, c), rot_cfgs)
+
+    xs = _randn(m, 2 * FFN)
+    dys = _randn(m, FFN)
+    tile_cfgs = [
+        {"BLOCK_N": bn, "BLOCK_M": bm, "num_warps": nw}
+        for bn in (512, 1024, 2048)
+        for bm in (1, 2, 4, 8)
+        for nw in (4, 8)
+        if 2048 <= bn * bm <= 16384
+    ]
+    run("swiglu_fwd", 3 * m * FFN * 2, lambda c: activations.swiglu_fwd(xs, c), tile_cfgs)
+    run("swiglu_bwd", 5 * m * FFN * 2, lambda c: activations.swiglu_bwd(dys, xs, c), tile_cfgs)
+
+    lg = _randn(m, VOCAB, scale=2.0)
+    labels = torch.randint(0, VOCAB, (m,), device="cuda")
+    loss, lse = cross_entropy.cross_entropy_fwd(lg, labels, 0.0)
+    dl = torch.ones(m, device="cuda")
+    ce_cfgs = [
+        {"BLOCK_V": bv, "num_warps": nw}
+        for bv in (1024, 2048, 4096, 8192, 16384)
+        for nw in (4, 8, 16)
+        if bv // (32 * nw) >= 2
+    ]
+    run("ce_fwd", m * VOCAB * 2, lambda c: cross_entropy.cross_entropy_fwd(lg, labels, 0.0, c), ce_cfgs)
+    run(
+        "ce_bwd",
+        2 * m * VOCAB * 2,
+        lambda c: cross_entropy.cross_entropy_bwd(dl, lg, labels, lse, 0.0, c),
+        ce_cfgs,
+    )
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep", action="store_true", help="also time block-size variants")
+    parser.add_argument("--skip-compile", action="store_true", help="no torch.compile column")
+    parser.add_argument("--only", nargs="*", help="op names to run (default: all)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+
+    from mcore.ops import reference
+    from mcore.plugins.manager import select_backend
+
+    backend = select_backend("cuda", activate=False)
+    ops = backend.ops
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}", flush=True)
+    import triton
+
+    print(
+        f"triton {triton.__version__}; providers: " + ", ".join(f"{k}={e.provider}" for k, e in ops),
+        flush=True,
+    )
+    copy_bw = copy_bandwidth(1 << 30)
+    print(f"copy bandwidth (1 GiB, read+write): {copy_bw / 1e12:.2f} TB/s", flush=True)
+
+    t0 = time.time()
+    rows = op_rows(ops, reference, not args.skip_compile, set(args.only) if args.only else None)
+    for r in rows:
+        r.copy_frac = r.bytes / (r.cuda_us * 1e-6) / copy_bw
+    sweep_out = sweep() if args.sweep else []
+
+    def us(v):
+        return f"{v:9.1f}" if v is not None else "        -"
+
+    print(
+        f"\nkernel micro-benchmarks on {props.name}; copy {copy_bw / 1e12:.2f} TB/s ({time.time() - t0:.0f} s)"
+    )
+    print(
+        f"{'kernel':<24}{'shape':<20}{'pass':<5}{'MB':>8}{'cuda us':>10}{'GB/s':>8}{'%copy':>7}{'torch us':>10}{'compile us':>11}{'x torch':>8}{'x comp':>8}"
+    )
+    for r in rows:
+        xt = f"{r.torch_us / r.cuda_us:8.2f}" if r.torch_us else "       -"
+        xc = f"{r.compile_us / r.cuda_us:8.2f}" if r.compile_us else "       -"
+        print(
+            f"{r.kernel:<24}{r.shape:<20}{r.direction:<5}{r.bytes / 1e6:8.1f}{us(r.cuda_us):>10}{r.gbs:8.0f}"
+            f"{100 * r.copy_frac:6.0f}%{us(r.torch_us):>10}{us(r.compile_us):>11}{xt}{xc}"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                {
+                    "device": props.name,
+                    "copy_bytes_per_s": copy_bw,
+                    "rows": [dict(asdict(r), gbs=r.gbs) for r in rows],
+                    "sweep": sweep_out,
+                },
+                fh,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

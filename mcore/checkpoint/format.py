@@ -1,0 +1,271 @@
+"""The on-disk checkpoint format: names, the tracker file, metadata, checksums, durable writes.
+
+Layout (Megatron's directory tree and tracker file, formats.md 5.1; sharded files instead of
+``mp_rank_XX/model_optim_rng.pt``)::
+
+    <save>/
+      latest_checkpointed_iteration.txt        "100": the latest COMPLETE iteration (written last)
+      iter_0000100/
+        metadata.json                          rank 0, last: format, iteration, layout, run config,
+                                               train state, scheduler, grad scaler, every file's
+                                               size and every stored tensor's record (below)
+        model_tp00_pp000.pt                    model shards of (tp, pp), written by its dp-rank-0
+        optim_tp00_pp000_dp000.pt              optimizer state (fp32 masters, moments) of (tp, pp);
+                                               one file per dp rank with the distributed optimizer
+        rng_tp00_pp000_dp000.pt                RNG states of the rank at (tp, pp, dp)
+      iter_0000200.tmp-3f9a1c/                 a save in progress (or one that was killed)
+
+Each ``.pt`` file is a plain ``torch.save`` dict ``{key: tensor}`` (loaded with ``weights_only=True``
+and ``mmap=True``, so a reader touches only the bytes it needs). A *record* in ``metadata.json``
+describes one stored tensor::
+
+    {"name": "decoder.layers.3.mlp.linear_fc1.weight",   logical name (global layer numbers)
+     "kind": "param" | "exp_avg" | "exp_avg_sq" | "main_param" | "momentum_buffer",
+     "file": "model_tp01_pp000.pt", "key": "decoder.layers.3.mlp.linear_fc1.weight",
+     "dtype": "float32", "global_shape": [256, 32],       logical (unsharded) shape
+     "partition_dim": 0,                                  TP split dim, null when replicated
+     "boxes": [[[64, 0], [64, 32]], [[192, 0], [64, 32]]],  the TP-local tensor is these logical
+                                                          boxes [offsets, lengths] concatenated along
+                                                          partition_dim (two for SwiGLU [gate; up])
+     "local_shape": [128, 32],
+     "flat_range": [0, 4096],                             the piece of the flattened TP-local tensor
+                                                          stored (a distributed-optimizer shard
+                                                          holds part of it)
+     "numel": 4096, "crc32": 123456789, "vocab_padded": false, "step": 10}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "mcore.checkpoint/1"
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_TMP_RE = re.compile(r"^(iter_\d{7,}|release)\.tmp-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and what is wrong."""
+
+
+# -- names ------------------------------------------------------------------------------------------
+
+
+def iter_dir_name(iteration: int | str) -> str:
+    """``iter_0000100`` (7 digits, more if needed), or ``release``."""
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def model_file(tp: int, pp: int) -> str:
+    return f"model_tp{tp:02d}_pp{pp:03d}.pt"
+
+
+def optim_file(tp: int, pp: int, dp: int) -> str:
+    return f"optim_tp{tp:02d}_pp{pp:03d}_dp{dp:03d}.pt"
+
+
+def rng_file(tp: int, pp: int, dp: int) -> str:
+    return f"rng_tp{tp:02d}_pp{pp:03d}_dp{dp:03d}.pt"
+
+
+def new_tmp_token() -> str:
+    return secrets.token_hex(4)
+
+
+def tmp_dir_name(iteration: int, token: str) -> str:
+    return f"{iter_dir_name(iteration)}.tmp-{token}"
+
+
+def list_iterations(root: str | os.PathLike) -> list[int]:
+    """Complete-looking iteration directories (``iter_*`` holding a metadata file), sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _ITER_RE.match(entry.name)
+        if match and (entry / METADATA).is_file():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def list_tmp_dirs(root: str | os.PathLike) -> list[Path]:
+    """Directories of saves in progress or killed midway (``iter_XXXXXXX.tmp-<token>``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _TMP_RE.match(p.name))
+
+
+# -- tracker ----------------------------------------------------------------------------------------
+
+
+def read_tracker(root: str | os.PathLike) -> int | str | None:
+    """The iteration the tracker names (an int, or ``"release"``), or None when there is no tracker.
+
+    Raises:
+        CheckpointError: the tracker holds something other than an integer or ``release``.
+    """
+    path = Path(root) / TRACKER
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if text == "release":
+        return "release"
+    try:
+        value = int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{path}: expected an iteration number or 'release', found {text[:40]!r}"
+        ) from None
+    if value < 0:
+        raise CheckpointError(f"{path}: negative iteration {value}")
+    return value
+
+
+def write_tracker(root: str | os.PathLike, iteration: int | str) -> None:
+    """Atomically replace the tracker: write a temporary file, fsync it, ``os.replace``, fsync the dir."""
+    root = Path(root)
+    tmp = root / f".{TRACKER}.tmp-{new_tmp_token()}"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / TRACKER)
+    fsync_dir(root)
+
+
+# -- durable writes ---------------------------------------------------------------------------------
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new file in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> int:
+    """Write ``obj`` as JSON, fsync; returns the size in bytes."""
+    data = json.dumps(obj, indent=1, sort_keys=False, default=_json_default).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return repr(obj)
+
+
+def read_metadata(iter_dir: str | os.PathLike) -> dict[str, Any]:
+    """``metadata.json`` of one iteration directory, checked for format.
+
+    Raises:
+        CheckpointError: the directory or its metadata file is missing, unreadable or of another format.
+    """
+    iter_dir = Path(iter_dir)
+    if not iter_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {iter_dir} does not exist")
+    path = iter_dir / METADATA
+    if not path.is_file():
+        legacy = sorted(p.name for p in iter_dir.glob("mp_rank_*"))
+        hint = (
+            f" (it holds Megatron legacy shards {', '.join(legacy[:3])}: convert them first)"
+            if legacy
+            else " (an incomplete save?)"
+        )
+        raise CheckpointError(f"{path} is missing: {iter_dir} is not a complete mcore checkpoint{hint}")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is corrupted or truncated: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path}: format {found!r} is not {FORMAT!r}")
+    return meta
+
+
+# -- checksums and dtypes ---------------------------------------------------------------------------
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes (row-major)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return 0
+    return zlib.crc32(t.view(torch.uint8).numpy()) & 0xFFFFFFFF
+
+
+def file_crc32(path: str | os.PathLike, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return crc & 0xFFFFFFFF
+            crc = zlib.crc32(block, crc)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dtype
+
+
+def load_torch_file(path: Path, expected_size: int | None, mmap: bool = True) -> dict[str, Any]:
+    """``torch.load`` a checkpoint file after checking it exists and has the recorded size.
+
+    Raises:
+        CheckpointError: the file is missing, truncated (or grown), or not a readable torch file.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"shard file {path} is missing")
+    size = path.stat().st_size
+    if expected_size is not None and size != expected_size:
+        raise CheckpointError(
+            f"shard file {path} is truncated or damaged: {size} bytes, the metadata records {expected_size}"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file
+        raise CheckpointError(f"shard file {path} cannot be read (corrupted?): {err}") from None

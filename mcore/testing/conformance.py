@@ -1,0 +1,638 @@
+"""The backend conformance kit: what every device-backend plugin must pass, runnable in its own CI.
+
+Subclass :class:`BackendConformance` in a test module of your plugin and name your backend::
+
+    from mcore.testing.conformance import BackendConformance
+
+    class TestMyChipConformance(BackendConformance):
+        backend_name = "mychip"
+
+``pytest`` then runs, against ``select_backend("mychip")``:
+
+* **ops**: every op of the table (:data:`OP_CASES`: norms, rotary with partial/position-id angles,
+  activations, masked softmax, attention with causal/padding/explicit masks, GQA/MQA, a KV-cache
+  shape, cross-entropy, the Adam step) on the backend's device, against the pure-PyTorch
+  references computed in fp32 on the CPU from the same inputs, forward and input gradients, in
+  fp32 and in each of bf16/fp16 the backend claims (:data:`TOLERANCES` per dtype);
+* **interface**: the :class:`~mcore.backend.DeviceBackend` attributes and methods, device placement;
+* **RNG**: save/restore of the device RNG state and the tensor-parallel RNG tracker's streams;
+* **memory statistics**: the keys, types and invariants of ``memory_stats()``;
+* **collectives**: a 2-process run on the backend's ``dist_backend`` (all-reduce, all-gather,
+  reduce-scatter, broadcast, point-to-point), through :func:`mcore.testing.distributed.run_distributed`;
+* **training**: 2 steps of ``pretrain`` with tensor parallelism 2 (and sequence parallelism) of a tiny
+  GPT on mock data, whose losses must equal the CPU backend's within ``training_rtol``.
+
+The checks are plain functions too (``check_op``, ``check_rng``, ...), so a smoke script on real
+hardware can call them without pytest's class machinery. A test that needs a set-up in each
+spawned process (a simulated device module, say) sets :attr:`BackendConformance.rank_setup` to a
+module-level function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore.backend import DeviceBackend, current_backend
+from mcore.ops import reference
+from mcore.ops.registry import OP_NAMES
+from mcore.testing.distributed import run_distributed
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CAPABILITY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+TOLERANCES: dict[str, dict[torch.dtype, tuple[float, float]]] = {
+    # (rtol, atol) against an fp32 reference computed from the same (rounded) inputs.
+    "elementwise": {
+        torch.float32: (1e-4, 1e-5),
+        torch.float16: (2e-3, 2e-3),
+        torch.bfloat16: (1.6e-2, 1.6e-2),
+    },
+    "reduction": {
+        torch.float32: (1e-4, 1e-4),
+        torch.float16: (1e-2, 1e-2),
+        torch.bfloat16: (3e-2, 3e-2),
+    },
+}
+"""fp32 follows the vendor op tests' usual 1e-4; half precisions allow about one rounding of the
+output (elementwise) or of accumulated values (reductions, attention, gradients)."""
+
+
+class ConformanceError(AssertionError):
+    """A backend does not behave as the op table or the DeviceBackend protocol says."""
+
+
+# --- op cases ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One call of one op: how to make its inputs, which of them get gradients, how close to be."""
+
+    name: str
+    op: str
+    make: Callable[[torch.dtype, torch.Generator], tuple[list, dict]]
+    grad_args: tuple[int, ...] = ()
+    kind: str = "elementwise"
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def rotary_freqs(seq: int, rot_dim: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE angles ``[s, 1, 1, r]`` (or ``[s, b, 1, r]`` from ``positions [b, s]``), rotate-half layout."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    pos = torch.arange(seq, dtype=torch.float32)[:, None] if positions is None else positions.t().float()
+    angles = pos[..., None] * inv
+    return torch.cat((angles, angles), dim=-1)[:, :, None, :]
+
+
+def _padding_mask(gen: torch.Generator, b: int, sk: int) -> torch.Tensor:
+    """``[b, 1, 1, sk]``: a few trailing keys masked per batch, never all of them."""
+    lengths = torch.randint(sk // 2, sk + 1, (b,), generator=gen)
+    return (torch.arange(sk)[None, :] >= lengths[:, None])[:, None, None, :]
+
+
+def _document_mask(b: int, s: int) -> torch.Tensor:
+    """``[b, 1, s, s]`` causal masks that also block attention across two documents per sample."""
+    doc = (torch.arange(s) >= s // 3).long()
+    allowed = (torch.arange(s)[None, :] <= torch.arange(s)[:, None]) & (doc[None, :] == doc[:, None])
+    return (~allowed)[None, None].expand(b, 1, s, s).contiguous()
+
+
+def _attention_case(
+    name: str, b=2, n=4, g=4, sq=16, sk=16, d=32, causal=True, mask=None, scale=None
+) -> OpCase:
+    def make(dtype, gen):
+        q = _randn(gen, b, n, sq, d, dtype=dtype)
+        k = _randn(gen, b, g, sk, d, dtype=dtype)
+        v = _randn(gen, b, g, sk, d, dtype=dtype)
+        kwargs: dict[str, Any] = {"causal": causal}
+        if mask == "padding":
+            kwargs["mask"] = _padding_mask(gen, b, sk)
+        elif mask == "document":
+            kwargs["mask"] = _document_mask(b, sq)
+        if scale is not None:
+            kwargs["scale"] = scale
+        return [q, k, v], kwargs
+
+    return OpCase(name, "attention", make, grad_args=(0, 1, 2), kind="reduction")
+
+
+def _adam_make(dtype, gen):
+    params = [_randn(gen, 8, 16), _randn(gen, 16)]
+    grads = [_randn(gen, *p.shape) for p in params]
+    exp_avgs = [_randn(gen, *p.shape, scale=0.1) for p in params]
+    exp_avg_sqs = [_randn(gen, *p.shape).abs() * 0.01 for p in params]
+    hyper = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    return [params, grads, exp_avgs, exp_avg_sqs], hyper
+
+
+def _adam_l2_make(dtype, gen):
+    args, hyper = _adam_make(dtype, gen)
+    return args, {**hyper, "step": 1, "decoupled_weight_decay": False}
+
+
+OP_CASES: tuple[OpCase, ...] = (
+    OpCase(
+        "layer_norm",
+        "layer_norm",
+        lambda dt, g: (
+            [_randn(g, 3, 5, 64, dtype=dt), _randn(g, 64, dtype=dt), _randn(g, 64, dtype=dt)],
+            {"eps": 1e-5},
+        ),
+        grad_args=(0, 1, 2),
+        kind="reduction",
+    ),
+    OpCase(
+        "rms_norm",
+        "rms_norm",
+        lambda dt, g: ([_randn(g, 3, 5, 64, dtype=dt), (1 + _randn(g, 64, scale=0.1)).to(dt)], {"eps": 1e-6}),
+        grad_args=(0, 1),
+        kind="reduction",
+    ),
+    OpCase(
+        "rotary_embedding",
+        "rotary_embedding",
+        lambda dt, g: ([_randn(g, 6, 2, 4, 32, dtype=dt), rotary_freqs(6, 32)], {}),
+        grad_args=(0,),
+    ),
+    OpCase(
+        "rotary_embedding_partial",
+        "rotary_embedding",
+        lambda dt, g: ([_randn(g, 6, 2, 4, 32, dtype=dt), rotary_freqs(6, 16)], {}),
+        grad_args=(0,),
+    ),
+    OpCase(
+        "rotary_embedding_position_ids",
+        "rotary_embedding",
+        lambda dt, g: (
+            [
+                _randn(g, 6, 2, 4, 32, dtype=dt),
+                rotary_freqs(6, 32, torch.tensor([[0, 1, 2, 0, 1, 2], [5, 6, 7, 8, 9, 10]])),
+            ],
+            {},
+        ),
+        grad_args=(0,),
+    ),
+    OpCase(
+        "bias_gelu",
+        "bias_gelu",
+        lambda dt, g: ([_randn(g, 4, 8, 64, dtype=dt), _randn(g, 64, dtype=dt)], {"approximate": "none"}),
+        grad_args=(0, 1),
+    ),
+    OpCase(
+        "bias_gelu_tanh",
+        "bias_gelu",
+        lambda dt, g: ([_randn(g, 4, 8, 64, dtype=dt), None], {"approximate": "tanh"}),
+        grad_args=(0,),
+    ),
+    OpCase("swiglu", "swiglu", lambda dt, g: ([_randn(g, 4, 8, 128, dtype=dt)], {}), grad_args=(0,)),
+    OpCase(
+        "bias_dropout_add",
+        "bias_dropout_add",
+        lambda dt, g: (
+            [_randn(g, 4, 2, 64, dtype=dt), _randn(g, 64, dtype=dt), _randn(g, 4, 2, 64, dtype=dt)],
+            {"p": 0.0, "training": True},
+        ),
+        grad_args=(0, 1, 2),
+    ),
+    OpCase(
+        "scaled_masked_softmax",
+        "scaled_masked_softmax",
+        lambda dt, g: ([_randn(g, 2, 2, 64, 64, dtype=dt), _document_mask(2, 64), 0.5], {}),
+        grad_args=(0,),
+        kind="reduction",
+    ),
+    OpCase(
+        "scaled_softmax_no_mask",
+        "scaled_masked_softmax",
+        lambda dt, g: ([_randn(g, 2, 2, 32, 64, dtype=dt), None, 1.0], {}),
+        grad_args=(0,),
+        kind="reduction",
+    ),
+    _attention_case("attention_causal"),
+    _attention_case("attention_gqa", n=8, g=2),
+    _attention_case("attention_mqa", n=4, g=1),
+    _attention_case("attention_full", causal=False),
+    _attention_case("attention_padding", causal=False, mask="padding"),
+    _attention_case("attention_causal_padding", mask="padding"),
+    _attention_case("attention_document_mask", g=2, mask="document"),
+    _attention_case("attention_kv_cache", sq=4, sk=16),
+    _attention_case("attention_scale", scale=0.3, d=64),
+    OpCase(
+        "cross_entropy",
+        "cross_entropy",
+        lambda dt, g: (
+            [_randn(g, 4, 8, 96, dtype=dt, scale=3.0), torch.randint(0, 96, (4, 8), generator=g)],
+            {},
+        ),
+        grad_args=(0,),
+        kind="reduction",
+    ),
+    OpCase("adam_step", "adam_step", _adam_make, dtypes=(torch.float32,), kind="reduction"),
+    OpCase("adam_step_l2", "adam_step", _adam_l2_make, dtypes=(torch.float32,), kind="reduction"),
+)
+"""Every op of :data:`mcore.ops.registry.OP_NAMES` appears at least once."""
+
+
+def _map(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map(o, fn) for o in obj)
+    return obj
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, kind: str, what: str
+) -> None:
+    """``actual`` (any device/dtype) against the fp32 CPU ``expected`` within :data:`TOLERANCES`."""
+    rtol, atol = TOLERANCES[kind][dtype]
+    actual = actual.detach().to("cpu", torch.float32)
+    expected = expected.detach().to("cpu", torch.float32)
+    if actual.shape != expected.shape:
+        raise ConformanceError(f"{what}: shape {tuple(actual.shape)}, reference {tuple(expected.shape)}")
+    if not torch.isfinite(actual).all() and torch.isfinite(expected).all():
+        raise ConformanceError(f"{what}: non-finite values where the reference is finite")
+    if not torch.allclose(actual, expected, rtol=rtol, atol=atol):
+        err = (actual - expected).abs()
+        worst = int(err.argmax())
+        raise ConformanceError(
+            f"{what} ({dtype}): max abs error {err.max().item():.3g} at flat index {worst} "
+            f"(got {actual.flatten()[worst].item():.6g}, reference {expected.flatten()[worst].item():.6g}); "
+            f"allowed rtol={rtol}, atol={atol}"
+        )
+
+
+def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int = 0) -> None:
+    """Run ``case`` through ``backend.ops`` on its device and through the reference in fp32 on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    args, kwargs = case.make(dtype, gen)
+    device = backend.device(0)
+    fn, ref_fn = backend.ops[case.op], reference.REFERENCE_OPS[case.op]
+    what = f"op {case.op} [{case.name}] served by {backend.ops.provider(case.op)!r}"
+
+    if case.op == "adam_step":  # in place, no autograd: compare the updated tensors
+        ours = _map(args, lambda t: t.to(device))
+        ref = _map(args, lambda t: t.float().clone())
+        fn(*ours, **kwargs)
+        ref_fn(*ref, **kwargs)
+        for group, (got_list, want_list) in zip(
+            ("params", "grads", "exp_avgs", "exp_avg_sqs"), zip(ours, ref)
+        ):
+            for i, (got, want) in enumerate(zip(got_list, want_list)):
+                assert_close(got, want, dtype, case.kind, f"{what}: {group}[{i}]")
+        return
+
+    def leaf(t: torch.Tensor, index: int, to_device: bool) -> torch.Tensor:
+        t = t.to(device) if to_device else t.float() if t.is_floating_point() else t
+        t = t.detach().clone()
+        return t.requires_grad_() if index in case.grad_args else t
+
+    ours = [leaf(a, i, True) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    ref = [leaf(a, i, False) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    our_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    out = fn(*ours, **our_kwargs)
+    expected = ref_fn(*ref, **kwargs)
+    if out.device.type != torch.device(backend.device_type).type:
+        raise ConformanceError(f"{what}: result on {out.device}, not on the backend's {backend.device_type}")
+    if out.dtype != expected.dtype and dtype == torch.float32:
+        raise ConformanceError(f"{what}: result dtype {out.dtype}, reference {expected.dtype}")
+    assert_close(out, expected, dtype, case.kind, f"{what}: output")
+    if not case.grad_args:
+        return
+    cotangent = torch.randn(expected.shape, generator=gen)
+    (out.float() * cotangent.to(device)).sum().backward()
+    (expected.float() * cotangent).sum().backward()
+    for i in case.grad_args:
+        if ours[i].grad is None:
+            raise ConformanceError(f"{what}: no gradient for argument {i}")
+        assert_close(ours[i].grad, ref[i].grad, dtype, "reduction", f"{what}: gradient of argument {i}")
+
+
+# --- interface, RNG, memory ---------------------------------------------------------------------
+
+
+def check_interface(backend: DeviceBackend) -> None:
+    """The protocol's attributes and methods, and the device placement of new tensors."""
+    if not isinstance(backend, DeviceBackend):
+        raise ConformanceError(f"{backend!r} does not satisfy mcore.backend.DeviceBackend")
+    for attr, kind in (("name", str), ("device_type", str), ("dist_backend", str), ("priority", int)):
+        if not isinstance(getattr(backend, attr), kind):
+            raise ConformanceError(f"{backend.name}.{attr} must be a {kind.__name__}")
+    ok, why = backend.is_available()
+    if not (ok is True and isinstance(why, str) and why):
+        raise ConformanceError(f"is_available() must return (True, reason) here, got {(ok, why)!r}")
+    device = backend.device(0)
+    if not isinstance(device, torch.device) or device.type != torch.device(backend.device_type).type:
+        raise ConformanceError(f"device(0) = {device!r} does not have device_type {backend.device_type!r}")
+    backend.set_device(0)
+    backend.synchronize()
+    caps = backend.capabilities()
+    if not isinstance(caps, frozenset) or not all(isinstance(c, str) for c in caps):
+        raise ConformanceError(f"capabilities() must be a frozenset of str, got {caps!r}")
+    missing = [name for name in OP_NAMES if not callable(getattr(backend.ops, name, None))]
+    if missing:
+        raise ConformanceError(f"op table lacks {missing}")
+    for dtype in (torch.bfloat16, torch.float16):
+        peak = backend.peak_flops(dtype)
+        if peak is not None and not (isinstance(peak, float) and peak > 0):
+            raise ConformanceError(f"peak_flops({dtype}) must be None or a positive float, got {peak!r}")
+    if torch.ones(2, device=device).device.type != device.type:
+        raise ConformanceError(f"tensors created on {device} land elsewhere")
+
+
+def check_rng(backend: DeviceBackend) -> None:
+    """Device RNG: state round-trip, seeding, and the TP tracker's streams on top of it."""
+    from mcore.tensor_parallel.random import RNGStatesTracker
+
+    device = backend.device(0)
+    backend.manual_seed(1234)
+    state = backend.get_rng_state()
+    if not (isinstance(state, torch.Tensor) and state.device.type == "cpu" and state.dtype == torch.uint8):
+        raise ConformanceError("get_rng_state() must return a CPU uint8 tensor (a ByteTensor)")
+    first = torch.rand(64, device=device)
+    backend.set_rng_state(state)
+    if not torch.equal(torch.rand(64, device=device), first):
+        raise ConformanceError("set_rng_state(get_rng_state()) does not replay the same random numbers")
+    backend.manual_seed(1234)
+    if not torch.equal(torch.rand(64, device=device), first):
+        raise ConformanceError("manual_seed(s) does not reproduce the stream of seed s")
+    backend.manual_seed(4321)
+    if torch.equal(torch.rand(64, device=device), first):
+        raise ConformanceError("manual_seed with another seed gave the same random numbers")
+
+    tracker = RNGStatesTracker(backend)
+    backend.manual_seed(7)
+    tracker.add("stream", 99)
+    before = backend.get_rng_state()
+    with tracker.fork("stream"):
+        inside = torch.rand(16, device=device)
+    if not torch.equal(backend.get_rng_state(), before):
+        raise ConformanceError("the RNG tracker's fork() did not restore the default stream")
+    with tracker.fork("stream"):
+        again = torch.rand(16, device=device)
+    if torch.equal(inside, again):
+        raise ConformanceError("a tracker stream did not advance between forks")
+    backend.manual_seed(99)
+    if not torch.equal(torch.rand(16, device=device), inside):
+        raise ConformanceError("a tracker stream seeded with s must draw what manual_seed(s) draws")
+
+
+def check_memory_stats(backend: DeviceBackend) -> None:
+    """``memory_stats()`` keys and invariants; ``reset_peak_memory_stats()`` works."""
+    keep = torch.empty(1 << 20, device=backend.device(0))
+    stats = backend.memory_stats()
+    required = {"allocated", "reserved", "peak_allocated"}
+    if not required <= set(stats):
+        raise ConformanceError(f"memory_stats() lacks {sorted(required - set(stats))}")
+    for key in required:
+        if not (isinstance(stats[key], int) and stats[key] >= 0):
+            raise ConformanceError(f"memory_stats()[{key!r}] must be a non-negative int, got {stats[key]!r}")
+    if stats["peak_allocated"] < stats["allocated"]:
+        raise ConformanceError(f"peak_allocated {stats['peak_allocated']} < allocated {stats['allocated']}")
+    if stats["allocated"] and stats["reserved"] < stats["allocated"]:
+        raise ConformanceError(f"reserved {stats['reserved']} < allocated {stats['allocated']}")
+    backend.reset_peak_memory_stats()
+    after = backend.memory_stats()
+    if after["peak_allocated"] < after["allocated"]:
+        raise ConformanceError("after reset_peak_memory_stats(), peak_allocated < allocated")
+    del keep
+
+
+# --- collectives (run in every rank of a 2-process job) --------------------------------------------
+
+
+def collectives_rank() -> dict[str, list]:
+    """All-reduce, all-gather, reduce-scatter, broadcast and a point-to-point ring on the current backend."""
+    backend = current_backend()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = backend.device(rank)
+    out: dict[str, list] = {"dist_backend": [dist.get_backend()]}
+    t = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    out["all_reduce"] = t.cpu().tolist()
+    m = torch.tensor([float(rank)], device=device)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    out["all_reduce_max"] = m.cpu().tolist()
+    gathered = torch.empty(2 * world, device=device)
+    dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), device=device))
+    out["all_gather"] = gathered.cpu().tolist()
+    scattered = torch.empty(2, device=device)
+    dist.reduce_scatter_tensor(scattered, torch.arange(2.0 * world, device=device) + rank)
+    out["reduce_scatter"] = scattered.cpu().tolist()
+    b = torch.full((3,), float(rank + 10), device=device)
+    dist.broadcast(b, src=0)
+    out["broadcast"] = b.cpu().tolist()
+    send = torch.full((2,), float(rank), device=device)
+    recv = torch.empty(2, device=device)
+    ops = [
+        dist.P2POp(dist.isend, send, (rank + 1) % world),
+        dist.P2POp(dist.irecv, recv, (rank - 1) % world),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out["p2p"] = recv.cpu().tolist()
+    backend.synchronize()
+    return out
+
+
+def expected_collectives(world: int, dist_backend: str) -> list[dict[str, list]]:
+    total = float(sum(range(1, world + 1)))
+    results = []
+    for rank in range(world):
+        results.append(
+            {
+                "dist_backend": [dist_backend],
+                "all_reduce": [total] * 4,
+                "all_reduce_max": [float(world - 1)],
+                "all_gather": [float(r) for r in range(world) for _ in range(2)],
+                "reduce_scatter": [float(sum(2 * rank + i + r for r in range(world))) for i in range(2)],
+                "broadcast": [10.0] * 3,
+                "p2p": [float((rank - 1) % world)] * 2,
+            }
+        )
+    return results
+
+
+def check_collectives(backend_name: str, rank_setup: Callable | None = None, world: int = 2) -> None:
+    """Run :func:`collectives_rank` on ``world`` processes of ``backend_name`` and check every result."""
+    results = run_distributed(collectives_rank, world, backend=backend_name, rank_setup=rank_setup)
+    dist_backend = results[0]["dist_backend"][0]
+    for rank, (got, want) in enumerate(zip(results, expected_collectives(world, dist_backend))):
+        for key, value in want.items():
+            if got[key] != value:
+                raise ConformanceError(f"rank {rank}: {key} gave {got[key]}, expected {value}")
+
+
+# --- a tiny training run -------------------------------------------------------------------------
+
+TRAINING_ARGV: tuple[str, ...] = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "0", "--seed", "1234",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--num-workers", "0",
+    "--eval-iters", "0", "--log-interval", "1000",
+)  # fmt: skip
+"""A Llama-style GPT small enough for CI (RoPE, RMSNorm, SwiGLU, GQA), no dropout (the kernels' random
+streams differ between backends), 2 steps. :func:`training_losses` adds the backend and the layout."""
+
+
+def training_rank(argv: Sequence[str]) -> list[float]:
+    """``pretrain`` with ``argv`` in this rank; the per-iteration losses."""
+    from mcore.training.gpt import forward_step, model_provider
+    from mcore.training.pretrain import gpt_datasets_provider, pretrain
+
+    result = pretrain(model_provider, forward_step, gpt_datasets_provider, argv=list(argv))
+    return [float(x) for x in result.train_losses]
+
+
+def training_losses(
+    backend_name: str,
+    world: int = 2,
+    extra_argv: Sequence[str] = ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+    rank_setup: Callable | None = None,
+    base_argv: Sequence[str] = TRAINING_ARGV,
+) -> list[float]:
+    """The losses (from the last rank, where they are computed) of a short ``pretrain`` run."""
+    argv = [*base_argv, *extra_argv, "--device-backend", backend_name]
+    results = run_distributed(training_rank, world, argv, backend=backend_name, rank_setup=rank_setup)
+    return results[-1]
+
+
+_REFERENCE_LOSSES: dict[tuple, list[float]] = {}
+
+
+def reference_training_losses(
+    reference_backend: str = "cpu",
+    world: int = 2,
+    extra_argv: Sequence[str] = ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+    base_argv: Sequence[str] = TRAINING_ARGV,
+) -> list[float]:
+    """:func:`training_losses` of the reference backend, computed once per process and argument set."""
+    key = (reference_backend, world, tuple(extra_argv), tuple(base_argv))
+    if key not in _REFERENCE_LOSSES:
+        _REFERENCE_LOSSES[key] = training_losses(reference_backend, world, extra_argv, base_argv=base_argv)
+    return list(_REFERENCE_LOSSES[key])
+
+
+def compare_losses(ours: Sequence[float], theirs: Sequence[float], rtol: float, what: str) -> None:
+    """Step-by-step relative comparison of two loss curves (raises :class:`ConformanceError`)."""
+    if len(ours) != len(theirs) or not ours or not all(math.isfinite(x) for x in ours):
+        raise ConformanceError(f"{what}: losses {list(ours)}, reference {list(theirs)}")
+    for step, (a, b) in enumerate(zip(ours, theirs), 1):
+        if abs(a - b) > rtol * abs(b):
+            raise ConformanceError(
+                f"{what}, step {step}: loss {a:.7g} vs reference {b:.7g} "
+                f"(relative difference {abs(a - b) / abs(b):.2g} > {rtol})"
+            )
+
+
+def check_training(
+    backend_name: str, rank_setup: Callable | None = None, rtol: float = 1e-4, reference_backend: str = "cpu"
+) -> tuple[list[float], list[float]]:
+    """2 steps at TP=2 with sequence parallelism on ``backend_name`` reproduce ``reference_backend``'s losses."""
+    ours = training_losses(backend_name, rank_setup=rank_setup)
+    theirs = reference_training_losses(reference_backend)
+    compare_losses(ours, theirs, rtol, f"TP=2 training on {backend_name} against {reference_backend}")
+    return ours, theirs
+
+
+# --- the pytest suite ----------------------------------------------------------------------------
+
+
+class BackendConformance:
+    """Subclass as ``Test<Name>Conformance`` with ``backend_name`` set; pytest collects the checks.
+
+    Attributes to override:
+        backend_name: the backend to test (``select_backend`` name).
+        rank_setup: a module-level function run in each spawned rank before the backend is
+            selected (None for installed plugins); assign the function itself (it is read from the
+            class, so it is not bound as a method).
+        training_rtol: relative loss tolerance of the TP=2 training check against the CPU backend
+            (raise it for a backend whose fp32 matmuls are not IEEE fp32, e.g. TF32).
+        run_training: set False to skip the training check (it takes a few seconds).
+    """
+
+    backend_name: str = ""
+    rank_setup: Callable | None = None
+    training_rtol: float = 1e-4
+    run_training: bool = True
+
+    @pytest.fixture
+    def backend(self):
+        from mcore.backend import set_current_backend
+        from mcore.plugins.manager import select_backend
+
+        if not self.backend_name:
+            pytest.fail("set backend_name on the BackendConformance subclass")
+        previous = set_current_backend(None)
+        set_current_backend(previous)
+        selected = select_backend(self.backend_name)
+        try:
+            yield selected
+        finally:
+            set_current_backend(previous)
+
+    @pytest.mark.parametrize("dtype_name", list(DTYPES))
+    @pytest.mark.parametrize("case", OP_CASES, ids=[c.name for c in OP_CASES])
+    def test_op_matches_reference(self, backend, case: OpCase, dtype_name: str):
+        dtype = DTYPES[dtype_name]
+        if dtype not in case.dtypes:
+            pytest.skip(f"{case.name} is checked in {[str(d) for d in case.dtypes]} only")
+        if _CAPABILITY[dtype] not in backend.capabilities() and dtype != torch.float32:
+            pytest.skip(f"backend {backend.name!r} does not claim {_CAPABILITY[dtype]}")
+        check_op(backend, case, dtype)
+
+    def test_every_op_is_covered(self):
+        assert {case.op for case in OP_CASES} == set(OP_NAMES)
+
+    def test_interface(self, backend):
+        check_interface(backend)
+
+    def test_rng_save_restore(self, backend):
+        check_rng(backend)
+
+    def test_memory_stats(self, backend):
+        check_memory_stats(backend)
+
+    def test_two_process_collectives(self):
+        check_collectives(self.backend_name, rank_setup=type(self).rank_setup)
+
+    def test_tp2_training_two_steps(self):
+        if not self.run_training:
+            pytest.skip("run_training = False")
+        check_training(self.backend_name, rank_setup=type(self).rank_setup, rtol=self.training_rtol)
+
+
+__all__ = [
+    "OP_CASES",
+    "TOLERANCES",
+    "BackendConformance",
+    "ConformanceError",
+    "OpCase",
+    "assert_close",
+    "check_collectives",
+    "check_interface",
+    "check_memory_stats",
+    "check_op",
+    "check_rng",
+    "check_training",
+    "collectives_rank",
+    "compare_losses",
+    "reference_training_losses",
+    "training_losses",
+]

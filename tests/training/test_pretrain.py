@@ -1,0 +1,247 @@
+"""End-to-end training with Megatron's flags on a small real corpus (the standard library's sources)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mcore.testing.distributed import run_distributed
+from mcore.training.gpt import forward_step, model_provider
+from mcore.training.pretrain import pretrain
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A jsonl of stdlib Python files, a byte-level BPE trained on it, and its .bin/.idx dataset."""
+    from mcore.data.preprocess import main as preprocess_main
+    from mcore.data.tokenizers import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = pathlib.Path(os.__file__).parent
+    files = sorted(stdlib.glob("*.py"))[:60]
+    docs = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    jsonl = root / "stdlib.jsonl"
+    with jsonl.open("w", encoding="utf-8") as out:
+        for doc in docs:
+            out.write(json.dumps({"text": doc}) + "\n")
+    vocab, merges = train_bpe_tokenizer(docs, 512, root / "tokenizer")
+    prefix = root / "stdlib"
+    code = preprocess_main(
+        [
+            "--input",
+            str(jsonl),
+            "--output-prefix",
+            str(prefix),
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            vocab,
+            "--merge-file",
+            merges,
+            "--append-eod",
+            "--workers",
+            "1",
+            "--log-interval",
+            "100000",
+        ]
+    )
+    assert code in (0, None)
+    return {"data": f"{prefix}_text_document", "vocab": vocab, "merges": merges, "root": root}
+
+
+def _argv(corpus, *extra, iters=12):
+    return [
+        "--device-backend",
+        "cpu",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "3e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "2",
+        "--weight-decay",
+        "0.01",
+        "--clip-grad",
+        "1.0",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--seed",
+        "11",
+        "--data-path",
+        corpus["data"],
+        "--split",
+        "90,8,2",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        corpus["vocab"],
+        "--merge-file",
+        corpus["merges"],
+        "--log-interval",
+        "1000",
+        "--eval-interval",
+        "1000",
+        "--eval-iters",
+        "2",
+        "--num-workers",
+        "0",
+        "--data-cache-path",
+        str(corpus["root"] / "cache"),
+        *extra,
+    ]
+
+
+def _train(argv):
+    result = pretrain(model_provider, forward_step, argv=argv)
+    return result.train_losses, result.valid_loss, result.state.skipped_iterations
+
+
+def test_validation_loss_falls_on_stdlib_corpus(corpus):
+    losses, valid, _ = _train(_argv(corpus, iters=40))
+    assert len(losses) == 40
+    assert valid is not None and valid < losses[0] - 0.5, (losses[0], valid)
+
+
+def test_tensor_parallel_reproduces_the_single_process_curve(corpus):
+    single, _, _ = _train(_argv(corpus))
+    for extra in (
+        ["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ):
+        ranks = run_distributed(_train, 2, _argv(corpus, *extra))
+        parallel = ranks[-1][0]
+        torch.testing.assert_close(torch.tensor(parallel), torch.tensor(single), rtol=2e-5, atol=2e-5)
+
+
+def test_gradient_accumulation_equals_one_large_batch(corpus):
+    accumulated, _, _ = _train(_argv(corpus, "--micro-batch-size", "1", iters=6))
+    large, _, _ = _train(_argv(corpus, "--micro-batch-size", "8", iters=6))
+    torch.testing.assert_close(torch.tensor(accumulated), torch.tensor(large), rtol=2e-5, atol=2e-5)
+
+
+class _InjectInf:
+    """A forward step that turns the loss of one training iteration into inf."""
+
+    def __init__(self, bad_call: int):
+        self.calls = 0
+        self.bad_call = bad_call
+
+    def __call__(self, data_iterator, model):
+        self.calls += 1
+        output, loss_func = forward_step(data_iterator, model)
+        if self.calls != self.bad_call:
+            return output, loss_func
+
+        def poisoned(out):
+            loss, logs = loss_func(out)
+            return loss * float("inf"), logs
+
+        return output, poisoned
+
+
+def test_fp16_inf_gradient_skips_that_step_and_lowers_the_scale(corpus, tmp_path):
+    log = tmp_path / "log.jsonl"
+    argv = _argv(
+        corpus,
+        "--fp16",
+        "--initial-loss-scale",
+        "1024",
+        "--hysteresis",
+        "1",
+        "--log-interval",
+        "1",
+        "--log-json",
+        str(log),
+        "--eval-iters",
+        "0",
+        "--micro-batch-size",
+        "8",
+        iters=6,
+    )
+    result = pretrain(model_provider, _InjectInf(bad_call=3), argv=argv)
+    assert result.state.skipped_iterations == 1
+    records = [json.loads(line) for line in log.read_text().splitlines() if '"train"' in line]
+    scales = [r["loss_scale"] for r in records]
+    assert scales[:2] == [1024.0, 1024.0] and scales[2] == 512.0 and scales[-1] == 512.0, scales
+    assert all(torch.isfinite(torch.tensor(r["lm loss"])) for i, r in enumerate(records) if i != 2)
+
+
+def test_megatron_style_launch_script_runs_under_torchrun(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRAIN_ITERS="4", OUTPUT_DIR=str(tmp_path))
+    proc = subprocess.run(
+        ["bash", str(REPO / "examples" / "pretrain_gpt3_tp_pp.sh")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "iteration        4/       4" in proc.stdout
+
+
+def test_unknown_flag_exits_with_one_message(capsys):
+    with pytest.raises(SystemExit) as err:
+        pretrain(model_provider, forward_step, argv=["--num-layers", "2", "--hiden-size", "8"])
+    assert err.value.code == 2
+    assert "unknown flag --hiden-size (did you mean --hidden-size?)" in capsys.readouterr().err
+
+
+def test_impossible_layout_is_refused_before_training(capsys):
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "96",
+        "--num-attention-heads",
+        "6",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-3",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+        "--tensor-model-parallel-size",
+        "4",
+    ]
+    with pytest.raises(SystemExit) as err:
+        pretrain(model_provider, forward_step, argv=argv)
+    assert err.value.code == 2
+    assert "tensor_model_parallel_size=4" in capsys.readouterr().err
+
+
+def test_python_is_the_interpreter():
+    assert sys.executable
