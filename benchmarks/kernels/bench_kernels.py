@@ -65,6 +65,18 @@ class Row:
         return self.bytes / (self.cuda_us * 1e-6) / 1e9
 
 
+def format_row(r: Row) -> str:
+    def us(v):
+        return f"{v:9.1f}" if v is not None else "        -"
+
+    xt = f"{r.torch_us / r.cuda_us:8.2f}" if r.torch_us else "       -"
+    xc = f"{r.compile_us / r.cuda_us:8.2f}" if r.compile_us else "       -"
+    return (
+        f"{r.kernel:<24}{r.shape:<20}{r.direction:<5}{r.bytes / 1e6:8.1f}{us(r.cuda_us):>10}{r.gbs:8.0f}"
+        f"{100 * r.copy_frac:6.0f}%{us(r.torch_us):>10}{us(r.compile_us):>11}{xt}{xc}"
+    )
+
+
 def _fwd_bwd(fn: Callable, make: Callable, grad_idx: tuple[int, ...]):
     """Forward and backward closures of ``fn`` on fresh inputs from ``make()``."""
     args = list(make())
@@ -111,9 +123,24 @@ def _randn(*shape, dtype=DT, scale=1.0):
     return torch.randn(*shape, device="cuda", dtype=torch.float32).mul_(scale).to(dtype)
 
 
-def op_rows(ops, reference, compile_ok: bool, only: set[str] | None) -> list[Row]:
+class _Rows(list):
+    """Rows that print themselves as they are added (a run cut short still reports what it measured)."""
+
+    def __init__(self, copy_bw: float):
+        super().__init__()
+        self.copy_bw = copy_bw
+
+    def __iadd__(self, new):
+        for r in new:
+            r.copy_frac = r.bytes / (r.cuda_us * 1e-6) / self.copy_bw
+            print(format_row(r), flush=True)
+            self.append(r)
+        return self
+
+
+def op_rows(ops, reference, compile_ok: bool, only: set[str] | None, copy_bw: float) -> list[Row]:
     e = 2  # bytes per bf16 element
-    rows: list[Row] = []
+    rows = _Rows(copy_bw)
     m, h = TOKENS, HIDDEN
 
     def want(name):
@@ -327,27 +354,19 @@ def main(argv=None) -> int:
     print(f"copy bandwidth (1 GiB, read+write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 
     t0 = time.time()
-    rows = op_rows(ops, reference, not args.skip_compile, set(args.only) if args.only else None)
-    for r in rows:
-        r.copy_frac = r.bytes / (r.cuda_us * 1e-6) / copy_bw
+    header = (
+        f"{'kernel':<24}{'shape':<20}{'pass':<5}{'MB':>8}{'cuda us':>10}{'GB/s':>8}{'%copy':>7}"
+        f"{'torch us':>10}{'compile us':>11}{'x torch':>8}{'x comp':>8}"
+    )
+    print("\n" + header, flush=True)  # rows stream as they finish; the table is repeated at the end
+    rows = op_rows(ops, reference, not args.skip_compile, set(args.only) if args.only else None, copy_bw)
     sweep_out = sweep() if args.sweep else []
-
-    def us(v):
-        return f"{v:9.1f}" if v is not None else "        -"
-
     print(
         f"\nkernel micro-benchmarks on {props.name}; copy {copy_bw / 1e12:.2f} TB/s ({time.time() - t0:.0f} s)"
     )
-    print(
-        f"{'kernel':<24}{'shape':<20}{'pass':<5}{'MB':>8}{'cuda us':>10}{'GB/s':>8}{'%copy':>7}{'torch us':>10}{'compile us':>11}{'x torch':>8}{'x comp':>8}"
-    )
+    print(header)
     for r in rows:
-        xt = f"{r.torch_us / r.cuda_us:8.2f}" if r.torch_us else "       -"
-        xc = f"{r.compile_us / r.cuda_us:8.2f}" if r.compile_us else "       -"
-        print(
-            f"{r.kernel:<24}{r.shape:<20}{r.direction:<5}{r.bytes / 1e6:8.1f}{us(r.cuda_us):>10}{r.gbs:8.0f}"
-            f"{100 * r.copy_frac:6.0f}%{us(r.torch_us):>10}{us(r.compile_us):>11}{xt}{xc}"
-        )
+        print(format_row(r))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(

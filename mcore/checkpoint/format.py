@@ -171,7 +171,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write_json(path: str | os.PathLike, obj: Any) -> int:
     """Write ``obj`` as JSON, fsync; returns the size in bytes."""
-    data = json.dumps(obj, indent=1, sort_keys=False, default=_json_default).encode()
+    records = obj.get("records") if isinstance(obj, dict) else None
+    if isinstance(records, list) and records:  # one line per record keeps big indexes readable
+        head = json.dumps({k: v for k, v in obj.items() if k != "records"}, indent=1, default=_json_default)
+        lines = ",\n".join("  " + json.dumps(r, separators=(",", ":"), default=_json_default) for r in records)
+        text = f'{head[:-2]},\n "records": [\n{lines}\n ]\n}}\n' if head != "{}" else f'{{"records": [{lines}]}}'
+    else:
+        text = json.dumps(obj, indent=1, default=_json_default)
+    data = text.encode()
     with open(path, "wb") as f:
         f.write(data)
         f.flush()

@@ -1,0 +1,71 @@
+"""Hugging Face interoperability: GPT-2 and Llama export/import with self-checking logit parity.
+
+Commands::
+
+    python -m mcore.hf.export   --load CKPT --save HF_DIR        # mcore checkpoint -> transformers
+    python -m mcore.hf.importer --hf-dir HF_DIR --save CKPT      # transformers -> mcore checkpoint
+
+Library (all on logical, unsharded state dicts, so independent of the checkpoint layout):
+
+* :func:`export_to_hf` / :func:`export_checkpoint`, :func:`import_from_hf`;
+* :func:`mcore_to_hf` / :func:`hf_to_mcore` (tensors), :func:`hf_config_dict` /
+  :func:`model_config_from_hf` (configs), :func:`check_logit_parity`.
+
+Every export and import runs the same token batch through both models and fails (writing nothing)
+when the largest logit difference exceeds the tolerance (fp32: 1e-4). reference/hf-mapping.md is the
+specification of the mapping.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "GPT2": "mcore.hf.config",
+    "LLAMA": "mcore.hf.config",
+    "check_exportable": "mcore.hf.config",
+    "hf_config_dict": "mcore.hf.config",
+    "megatron_model_flags": "mcore.hf.config",
+    "model_config_from_hf": "mcore.hf.config",
+    "ConversionError": "mcore.hf.errors",
+    "ParityError": "mcore.hf.errors",
+    "ExportReport": "mcore.hf.export",
+    "export_checkpoint": "mcore.hf.export",
+    "export_to_hf": "mcore.hf.export",
+    "ImportReport": "mcore.hf.importer",
+    "import_from_hf": "mcore.hf.importer",
+    "hf_to_mcore": "mcore.hf.mapping",
+    "mcore_to_hf": "mcore.hf.mapping",
+    "merge_qkv": "mcore.hf.mapping",
+    "split_qkv": "mcore.hf.mapping",
+    "ParityReport": "mcore.hf.parity",
+    "check_logit_parity": "mcore.hf.parity",
+}
+
+
+def __getattr__(name: str):
+    # Lazy, so that ``python -m mcore.hf.export`` does not import its own module twice.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mcore.hf' has no attribute {name!r}")
+
+
+__all__ = [
+    "GPT2",
+    "LLAMA",
+    "ConversionError",
+    "ExportReport",
+    "ImportReport",
+    "ParityError",
+    "ParityReport",
+    "check_exportable",
+    "check_logit_parity",
+    "export_checkpoint",
+    "export_to_hf",
+    "hf_config_dict",
+    "hf_to_mcore",
+    "import_from_hf",
+    "mcore_to_hf",
+    "megatron_model_flags",
+    "merge_qkv",
+    "model_config_from_hf",
+    "split_qkv",
+]

@@ -143,6 +143,7 @@ class StageCommunicator:
         except RuntimeError as err:
             raise self._error(described, err) from err
         timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        deadline = start + self.timeout_s if self.timeout_s is not None else None
         for work, description in zip(works, described):
             try:
                 ok = work.wait(timeout) if timeout is not None else work.wait()
@@ -150,6 +151,13 @@ class StageCommunicator:
                 raise self._error([description], err) from err
             if ok is False:
                 raise self._error([description], None)
+            # Host-blocking process groups (gloo) are done here. Device-stream ones only queued
+            # the wait on the stream; with a deadline, watch the work until it completes (Megatron
+            # also synchronizes after each batched exchange by default).
+            while deadline is not None and not work.is_completed():
+                if time.perf_counter() > deadline:
+                    raise self._error([description], None)
+                time.sleep(1e-5)
         if self.stats is not None:
             self.synchronize()
             self.stats.wait_s += time.perf_counter() - start

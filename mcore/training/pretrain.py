@@ -302,15 +302,29 @@ def _load_checkpoint(cfg: RunConfig, model, optimizer, scheduler, groups) -> Tra
         return TrainState()
     from mcore.checkpoint import load_checkpoint
 
-    return load_checkpoint(cfg.checkpoint, model, optimizer, scheduler, groups, state_cls=TrainState)
+    return load_checkpoint(
+        cfg.checkpoint, model, optimizer, scheduler, groups, state_cls=TrainState, seed=cfg.training.seed
+    )
 
 
-def _save_checkpoint(cfg: RunConfig, state: TrainState, model, optimizer, scheduler, groups) -> float:
+def _save_checkpoint(
+    cfg: RunConfig, state: TrainState, model, optimizer, scheduler, groups, metadata=None
+) -> float:
     from mcore.checkpoint import save_checkpoint
 
     start = time.perf_counter()
-    save_checkpoint(cfg.checkpoint, state, model, optimizer, scheduler, groups, run_config=cfg)
+    save_checkpoint(
+        cfg.checkpoint, state, model, optimizer, scheduler, groups, run_config=cfg, metadata=metadata
+    )
     return time.perf_counter() - start
+
+
+def _finalize_async_save(cfg: RunConfig, blocking: bool) -> None:
+    """Commit a ``--async-save`` checkpoint whose background write finished (collective)."""
+    if cfg.checkpoint.save and cfg.checkpoint.async_save:
+        from mcore.checkpoint import maybe_finalize_async_save
+
+        maybe_finalize_async_save(blocking=blocking)
 
 
 def pretrain(
@@ -407,6 +421,7 @@ def _pretrain(
     interval_steps = 0
     save_dir = cfg.checkpoint.save
     last_saved = None
+    ckpt_meta = {"tokenizer_vocab_size": tokenizer.vocab_size, "padded_vocab_size": vocab}
 
     with handler:
         timer.start()
@@ -468,19 +483,21 @@ def _pretrain(
                 and cfg.checkpoint.save_interval
                 and state.iteration % cfg.checkpoint.save_interval == 0
             ):
-                _save_checkpoint(cfg, state, model, optimizer, scheduler, groups)
+                _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
                 last_saved, saved_now = state.iteration, True
+            _finalize_async_save(cfg, blocking=False)
 
             reason = _exit_reason(t, state, start_time, handler, trainer.device)
             if reason:
                 exit_reason = reason
                 if save_dir and not saved_now:
-                    _save_checkpoint(cfg, state, model, optimizer, scheduler, groups)
+                    _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
                     last_saved = state.iteration
                 break
         else:
             if save_dir and state.iteration > 0 and last_saved != state.iteration:
-                _save_checkpoint(cfg, state, model, optimizer, scheduler, groups)
+                _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
+    _finalize_async_save(cfg, blocking=True)
 
     valid_loss = test_loss = None
     if exit_reason == "finished" and t.eval_iters > 0:

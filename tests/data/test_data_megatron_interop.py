@@ -6,13 +6,17 @@
   document, sample, shuffle and blending indices, the same samples, and the same cache description as
   ours (ours adds only the data fingerprint).
 
-The import path is ``megatron.core.datasets.*``; importing it runs ``megatron/core/__init__.py``, which
-imports much of megatron-core (about 6 s on CPU, warnings about missing Transformer Engine / Apex) but
-needs no GPU.
+Needs ``pip install megatron-core==0.16.1`` (the last release for Python 3.10/3.11; wheels for 3.10-3.13).
+The tests skip only when megatron-core is not installed; an installed one that fails to import fails
+them. The import path is ``megatron.core.datasets.*``; importing it runs ``megatron/core/__init__.py``,
+which loads much of megatron-core (about 6 s on CPU, with warnings about missing Transformer Engine and
+Apex) but needs no GPU. (megatron-core 0.17+ needs Python >= 3.12, and 0.19.2's ``megatron/core``
+imports ``triton`` unconditionally, so there ``triton`` must be installed too, even on CPU.)
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import warnings
 
@@ -24,21 +28,40 @@ from mcore.data.config import DataConfig
 from mcore.data.indexed_dataset import DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path
 from mcore.data.preprocess import main as preprocess_main
 
-from .conftest import CORPUS, write_jsonl
+from .conftest import CORPUS, write_jsonl, write_toy_dataset
+
+try:
+    MEGATRON_CORE_VERSION = importlib.metadata.version("megatron-core")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip(
+        "megatron-core is not installed (pip install megatron-core==0.16.1); the Megatron interop tests need it",
+        allow_module_level=True,
+    )
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    megatron_indexed = pytest.importorskip(
-        "megatron.core.datasets.indexed_dataset",
-        reason="megatron-core is not installed (pip install 'megatron-core>=0.13'); interop tests need it",
-    )
-    from megatron.core.datasets import helpers_cpp
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MegatronGPTDatasetConfig
-    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.core.datasets import indexed_dataset as megatron_indexed
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def megatron_gpt():
+    """megatron-core's GPT dataset machinery; it needs the package's compiled C++ helpers."""
+    from types import SimpleNamespace
+
+    from megatron.core.datasets import helpers_cpp as helpers
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    return SimpleNamespace(
+        helpers=helpers,
+        Builder=BlendedMegatronDatasetBuilder,
+        GPTDataset=GPTDataset,
+        GPTDatasetConfig=GPTDatasetConfig,
+        get_blend_from_list=get_blend_from_list,
+    )
 
 
 def _assert_same_dataset(ours: IndexedDataset, theirs) -> None:
@@ -128,18 +151,18 @@ def test_megatron_reads_preprocessed_output(bpe_files, tmp_path):
 # ---- GPTDataset / BlendedDataset indices -------------------------------------------------------------
 
 
-def _megatron_build(blend, split, sizes, tokenizer, seq_length=8, seed=1234, **flags):
-    config = MegatronGPTDatasetConfig(
+def _megatron_build(mg, blend, split, sizes, tokenizer, seq_length=8, seed=1234, **flags):
+    config = mg.GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=get_blend_from_list(list(blend)),
+        blend=mg.get_blend_from_list(list(blend)),
         split=split,
         tokenizer=tokenizer,
         reset_position_ids=flags.get("reset_position_ids", False),
         reset_attention_mask=flags.get("reset_attention_mask", False),
         eod_mask_loss=flags.get("eod_mask_loss", False),
     )
-    return BlendedMegatronDatasetBuilder(MegatronGPTDataset, list(sizes), lambda: True, config).build()
+    return mg.Builder(mg.GPTDataset, list(sizes), lambda: True, config).build()
 
 
 def _compare_gpt(ours, theirs):
@@ -174,11 +197,11 @@ def _compare_samples(ours, theirs, step=7):
         ("1,0,0", (None, None, None), {}),
     ],
 )
-def test_gpt_dataset_matches_megatron(toy_prefix, toy_tokenizer, split, sizes, flags):
+def test_gpt_dataset_matches_megatron(megatron_gpt, toy_prefix, toy_tokenizer, split, sizes, flags):
     ours = build_train_valid_test_datasets(
         DataConfig(data_path=(toy_prefix,), split=split, **flags), toy_tokenizer, 8, 1234, sizes
     )
-    theirs = _megatron_build([toy_prefix], split, sizes, toy_tokenizer, **flags)
+    theirs = _megatron_build(megatron_gpt, [toy_prefix], split, sizes, toy_tokenizer, **flags)
     for a, b in zip(ours, theirs):
         assert (a is None) == (b is None)
         if a is not None:
@@ -187,16 +210,14 @@ def test_gpt_dataset_matches_megatron(toy_prefix, toy_tokenizer, split, sizes, f
 
 
 @pytest.mark.parametrize("blend", [("0.3", "A", "0.7", "B"), ("A", "B"), ("2", "A", "1", "B", "1", "A")])
-def test_blends_match_megatron(tmp_path, toy_prefix, toy_tokenizer, blend):
-    from .conftest import write_toy_dataset
-
+def test_blends_match_megatron(megatron_gpt, tmp_path, toy_prefix, toy_tokenizer, blend):
     other = write_toy_dataset(str(tmp_path / "other"), num_docs=400)
     paths = tuple({"A": toy_prefix, "B": other}.get(v, v) for v in blend)
     sizes = (200, 30, 10)
     ours = build_train_valid_test_datasets(
         DataConfig(data_path=paths, split="90,8,2"), toy_tokenizer, 8, 7, sizes
     )
-    theirs = _megatron_build(paths, "90,8,2", sizes, toy_tokenizer, seed=7)
+    theirs = _megatron_build(megatron_gpt, paths, "90,8,2", sizes, toy_tokenizer, seed=7)
     for a, b in zip(ours, theirs):
         np.testing.assert_array_equal(a.dataset_index, b.dataset_index)
         np.testing.assert_array_equal(a.dataset_sample_index, b.dataset_sample_index)
@@ -206,7 +227,8 @@ def test_blends_match_megatron(tmp_path, toy_prefix, toy_tokenizer, blend):
             assert a[i]["tokens"].tolist() == b[i]["tokens"].tolist()
 
 
-def test_blending_indices_match_the_cpp_helper():
+def test_blending_indices_match_the_cpp_helper(megatron_gpt):
+    helpers_cpp = megatron_gpt.helpers
     from mcore.data.indices import build_blending_indices, build_exhaustive_blending_indices
 
     rng = np.random.default_rng(0)
@@ -228,7 +250,8 @@ def test_blending_indices_match_the_cpp_helper():
         np.testing.assert_array_equal(got_s, want_s)
 
 
-def test_sample_index_matches_the_cpp_helper():
+def test_sample_index_matches_the_cpp_helper(megatron_gpt):
+    helpers_cpp = megatron_gpt.helpers
     from mcore.data.indices import build_sample_index
 
     rng = np.random.default_rng(1)

@@ -16,6 +16,7 @@ from torch import nn
 
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
+from mcore.models.context import default_device
 from mcore.optimizer import OptimizerConfig, PrecisionConfig, build_optimizer
 
 IN, OUT = 6, 4
@@ -43,20 +44,21 @@ class Toy(nn.Module):
 
 
 def make_model(hidden: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Drawn on the host (the same values on every rank and device), then moved to the rank's device."""
     gen = torch.Generator().manual_seed(seed)
     model = Toy(hidden)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    return model.to(dtype)
+    return model.to(device=default_device(), dtype=dtype)
 
 
 def global_batch(step: int, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(100 + step)
     x = torch.randn(GLOBAL_BATCH, IN, generator=gen)
     y = torch.randn(GLOBAL_BATCH, OUT, generator=gen)
-    return x.to(dtype), y
+    return x.to(device=default_device(), dtype=dtype), y.to(default_device())
 
 
 def build(
@@ -102,7 +104,7 @@ def train(model, optimizer, groups, steps: int, inject_inf_at=None, start_step: 
         optimizer.zero_grad()
         x, y = global_batch(step, dtype)
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-        total = torch.zeros(())
+        total = torch.zeros((), device=default_device())
         for i in range(num_micro):
             sync = contextlib.nullcontext() if i == num_micro - 1 else model.no_sync()
             with sync:
@@ -128,4 +130,4 @@ def train(model, optimizer, groups, steps: int, inject_inf_at=None, start_step: 
 
 
 def weights(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}

@@ -67,7 +67,7 @@ def _logical_weights(chunks, groups):
                 parts = [torch.empty_like(local) for _ in range(groups.tp_size)]
                 dist.all_gather(parts, local.contiguous(), group=groups.tp)
                 local = spec.merge(parts)
-            out[spec.name + (" (tied copy)" if spec.tied_copy else "")] = local
+            out[spec.name + (" (tied copy)" if spec.tied_copy else "")] = local.cpu()
     return out
 
 

@@ -2,7 +2,6 @@
 double, :mod:`mcore.backends.npu.simulated`): no Ascend hardware is involved."""
 
 import pytest
-
 from mcore.backends.npu import simulated
 
 

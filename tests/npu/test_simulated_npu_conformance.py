@@ -9,8 +9,8 @@ The TP=2 training check is covered, with PP and the distributed optimizer, by
 """
 
 import pytest
-
 from mcore.backends.npu import simulated
+
 from mcore.testing.conformance import BackendConformance
 
 

@@ -12,8 +12,8 @@ fails if the simulation silently fell back to the reference path.
 from __future__ import annotations
 
 import pytest
-
 from mcore.backends.npu import simulated
+
 from mcore.testing.conformance import (
     TRAINING_ARGV,
     compare_losses,
@@ -32,7 +32,6 @@ LAYOUTS = {
 def _instrumented_training_rank(argvs):
     """``pretrain`` on the simulated NPU once per argv (in one launch), counting fused-kernel calls."""
     import torch_npu
-
     from mcore.adaptors.npu import is_active
 
     calls: dict[str, int] = {}

@@ -45,7 +45,7 @@ def _bf16(distopt):
     groups = initialize_parallel(ParallelConfig())
     model, optimizer = build(groups, distopt=distopt, bf16=True, overlap=True, bucket=50)
     history = train(model, optimizer, groups, 4)
-    masters = {e.key: (e.start, e.end, e.main.clone()) for e in optimizer.main_params}
+    masters = {e.key: (e.start, e.end, e.main.cpu()) for e in optimizer.main_params}
     return history, weights(model), masters
 
 
@@ -93,7 +93,20 @@ def _reshard():
     back, opt_d = build(groups)
     back.load_state_dict(weights(sharded))
     opt_d.load_state_dict(gathered)
-    return weights(replicated), weights(sharded), round_trip, gathered["state"], replicated_state["state"]
+    return (
+        weights(replicated),
+        weights(sharded),
+        round_trip,
+        _cpu(gathered["state"]),
+        _cpu(replicated_state["state"]),
+    )
+
+
+def _cpu(state):
+    return {
+        k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in item.items()}
+        for k, item in state.items()
+    }
 
 
 def test_optimizer_state_reshards_between_replicated_and_distributed():

@@ -114,14 +114,18 @@ def _pipelined(tp, pp, vp, num_microbatches, forward_only=False, sequence_parall
         sequence_parallel=sequence_parallel,
     )
     groups = initialize_parallel(parallel)
-    return groups.is_last_stage, run_step(groups, parallel, num_microbatches, forward_only)
+    result = run_step(groups, parallel, num_microbatches, forward_only)
+    # The single-stage reference runs on this rank's device: initialization draws from the
+    # device's generator, so a GPU run must be compared with a GPU reference.
+    reference = run_step(ProcessGroups.single(), ParallelConfig(), num_microbatches, forward_only)
+    return groups.is_last_stage, result, reference
 
 
 def check_against_reference(results, num_microbatches, forward_only=False):
-    ref_losses, ref_grads = run_step(ProcessGroups.single(), ParallelConfig(), num_microbatches, forward_only)
+    ref_losses, ref_grads = results[0][2]
     reference = {spec.name: grad for spec, grad in ref_grads}
     seen = set()
-    for is_last, (losses, grads) in results:
+    for is_last, (losses, grads), _ in results:
         if is_last:
             assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
         else:
@@ -157,5 +161,5 @@ def test_interleaved_evaluation_gives_the_losses_without_gradients():
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2-pp2", "tp2-pp2-sp"])
 def test_tensor_and_pipeline_parallel_on_four_ranks(sequence_parallel):
     results = run_distributed(_pipelined, 4, 2, 2, 1, 4, False, sequence_parallel, timeout=60)
-    assert [is_last for is_last, _ in results] == [False, False, True, True]
+    assert [is_last for is_last, _, _ in results] == [False, False, True, True]
     check_against_reference(results, 4)

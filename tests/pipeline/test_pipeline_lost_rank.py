@@ -2,7 +2,7 @@
 
 import multiprocessing
 import os
-import queue
+import json
 import time
 
 import pytest
@@ -32,7 +32,7 @@ class Stage(nn.Module):
         return self.linear(x if self.first else self.input_tensor)
 
 
-def _dies_mid_step(dying_rank, die_at_microbatch, timeout_s, how):
+def _dies_mid_step(dying_rank, die_at_microbatch, timeout_s, how, report_path):
     groups = initialize_parallel(ParallelConfig(pipeline_model_parallel_size=2))
     device = current_backend().device(int(os.environ["LOCAL_RANK"]))
     model = Stage(groups.is_first_stage).to(device)
@@ -49,6 +49,7 @@ def _dies_mid_step(dying_rank, die_at_microbatch, timeout_s, how):
 
     schedule = get_forward_backward_func(2)
     start = time.monotonic()
+    outcome = ("finished", "")
     try:
         schedule(
             forward_step_func=forward_step,
@@ -62,28 +63,24 @@ def _dies_mid_step(dying_rank, die_at_microbatch, timeout_s, how):
             timeout_s=timeout_s,
         )
     except PipelineCommunicationError as err:
-        return "error", str(err), time.monotonic() - start
-    return "finished", "", time.monotonic() - start
+        outcome = ("error", str(err))
+    with open(report_path + ".tmp", "w") as f:
+        json.dump([groups.rank, *outcome, time.monotonic() - start], f)
+    os.replace(report_path + ".tmp", report_path)
+    # A communicator with a dead peer may block in teardown; a training job would exit here too.
+    os._exit(0)
 
 
-def _run_expecting_one_survivor(dying_rank, timeout_s, how):
-    """Start 2 ranks; return the survivor's outcome (the harness would report the dead rank first)."""
+def _run_expecting_one_survivor(dying_rank, timeout_s, how, tmp_path):
+    """Start 2 ranks; return the survivor's (rank, outcome, message, seconds) from its report file."""
     context = multiprocessing.get_context("forkserver")
-    results = context.Queue()
+    report = str(tmp_path / "survivor.json")
     port = harness.free_port()
+    args = (harness._function_ref(_dies_mid_step), (dying_rank, 1, timeout_s, how, report), {})
     procs = [
         context.Process(
             target=harness._rank_main,
-            args=(
-                harness._function_ref(_dies_mid_step),
-                (dying_rank, 1, timeout_s, how),
-                {},
-                r,
-                2,
-                port,
-                harness.test_backend_name(),
-                results,
-            ),
+            args=(*args, r, 2, port, harness.test_backend_name(), context.Queue()),
             daemon=True,
         )
         for r in range(2)
@@ -91,33 +88,31 @@ def _run_expecting_one_survivor(dying_rank, timeout_s, how):
     for p in procs:
         p.start()
     try:
-        rank, ok, payload = results.get(timeout=60)
-    except queue.Empty:
-        pytest.fail("the surviving rank hung instead of reporting the lost rank")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(report):
+            if time.monotonic() > deadline:
+                pytest.fail("the surviving rank hung instead of reporting the lost rank")
+            time.sleep(0.05)
+        with open(report) as f:
+            return json.load(f)
     finally:
-        for p in procs:  # the survivor has reported; the lost rank may still be hanging on purpose
+        for p in procs:  # the lost rank may still be hanging on purpose
             p.join(timeout=1)
             if p.is_alive():
                 p.kill()
                 p.join()
-    assert ok, payload
-    assert rank == 1 - dying_rank
-    import pickle
-
-    return pickle.loads(payload)
 
 
 @pytest.mark.parametrize("dying_rank", [0, 1])
-def test_lost_rank_is_named_within_the_timeout(dying_rank):
-    outcome, message, elapsed = _run_expecting_one_survivor(dying_rank, 5.0, "exit")
-    assert outcome == "error", message
+def test_lost_rank_is_named_within_the_timeout(dying_rank, tmp_path):
+    rank, outcome, message, elapsed = _run_expecting_one_survivor(dying_rank, 5.0, "exit", tmp_path)
+    assert (rank, outcome) == (1 - dying_rank, "error"), message
     assert f"stage {dying_rank} (global rank {dying_rank}) did not" in message
     assert elapsed < 5.0 + 10.0
 
 
-def test_hung_rank_is_named_after_the_timeout():
-    outcome, message, elapsed = _run_expecting_one_survivor(1, 2.0, "hang")
-    assert outcome == "error", message
+def test_hung_rank_is_named_after_the_timeout(tmp_path):
+    rank, outcome, message, elapsed = _run_expecting_one_survivor(1, 2.0, "hang", tmp_path)
+    assert (rank, outcome) == (0, "error"), message
     assert "stage 1 (global rank 1) did not" in message and "within 2 s" in message
     assert 2.0 <= elapsed < 2.0 + 10.0
-    print(message)

@@ -1,0 +1,393 @@
+"""Loading at any TP/PP/DP layout: each rank reads only the files holding the pieces it needs.
+
+For every local tensor (a model shard, or a piece of an optimizer state) the loader builds its
+placement in the *current* layout (:mod:`mcore.checkpoint.geometry`), picks the saved records of the
+same logical tensor that overlap it (decided from ``metadata.json`` alone), opens those files
+(memory-mapped: only the touched bytes are read), checks sizes and CRCs, and copies the overlaps.
+
+Padded vocabulary (``embedding.word_embeddings.weight``, ``output_layer.weight``): the padded size
+``Vp`` can change with the TP size. Rows present in both layouts are copied; rows ``>= Vp_saved``
+are zero-filled (weights, fp32 masters and Adam moments alike); saved rows ``>= Vp_now`` are dropped.
+Rows ``>= V`` (the tokenizer's size) are padding either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore.checkpoint.format import (
+    TRACKER,
+    CheckpointError,
+    file_crc32,
+    iter_dir_name,
+    list_iterations,
+    load_torch_file,
+    read_metadata,
+    read_tracker,
+    rng_file,
+    tensor_crc32,
+)
+from mcore.checkpoint.geometry import Placement, copy_into, overlaps, placement_from_spec, required_elements
+from mcore.checkpoint.save import (
+    _all_gather_object,
+    _broadcast_object,
+    _rank,
+    log0,
+    optimizer_key_specs,
+    rng_state_from_file,
+)
+from mcore.distributed.ddp import unwrap_model
+from mcore.tensor_parallel.random import model_parallel_seed, set_all_rng_states
+
+
+class ShardReader:
+    """Reads pieces of logical tensors from one iteration directory (see the module docstring)."""
+
+    def __init__(self, iter_dir: str | Path, meta: dict[str, Any], *, verify: bool = True):
+        self.dir = Path(iter_dir)
+        self.meta = meta
+        self.verify = verify
+        self.files: dict[str, dict] = meta.get("files", {})
+        self.index: dict[tuple[str, str], list[tuple[dict, Placement]]] = {}
+        for rec in meta.get("records", []):
+            self.index.setdefault((rec["name"], rec["kind"]), []).append((rec, Placement.from_json(rec)))
+        self._open: dict[str, dict] = {}
+        self._verified: set[tuple[str, str]] = set()
+
+    # -- what is there ------------------------------------------------------------------------------
+
+    def names(self, kind: str = "param") -> list[str]:
+        return sorted({name for name, k in self.index if k == kind})
+
+    def has(self, name: str, kind: str) -> bool:
+        return (name, kind) in self.index
+
+    def global_shape(self, name: str, kind: str = "param") -> tuple[int, ...]:
+        return tuple(self.index[(name, kind)][0][1].global_shape)
+
+    def dtype(self, name: str, kind: str = "param") -> str:
+        return self.index[(name, kind)][0][0]["dtype"]
+
+    def scalar(self, name: str, field: str) -> Any:
+        """A per-tensor scalar saved with the optimizer records (``step``)."""
+        for (n, _), recs in self.index.items():
+            if n == name:
+                for rec, _ in recs:
+                    if field in rec:
+                        return rec[field]
+        raise CheckpointError(f"{self.dir}: the optimizer state of {name} has no {field!r}")
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    def file(self, name: str) -> dict:
+        if name not in self._open:
+            info = self.files.get(name)
+            if info is None:
+                raise CheckpointError(f"{self.dir / name} is not listed in {self.dir / 'metadata.json'}")
+            path = self.dir / name
+            data = load_torch_file(path, info.get("size"))
+            if self.verify and "crc32" in info and file_crc32(path) != info["crc32"]:
+                raise CheckpointError(f"shard file {path} fails its checksum (corrupted)")
+            self._open[name] = data
+        return self._open[name]
+
+    def tensor(self, rec: dict) -> torch.Tensor:
+        """The stored data of one record, flat, checked against its size and CRC."""
+        path = self.dir / rec["file"]
+        data = self.file(rec["file"])
+        t = data.get(rec["key"]) if isinstance(data, dict) else None
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"shard file {path} has no tensor {rec['key']!r} (the metadata lists it)")
+        if t.numel() != rec["numel"] or str(t.dtype).removeprefix("torch.") != rec["dtype"]:
+            raise CheckpointError(
+                f"shard file {path}: tensor {rec['key']!r} has {t.numel()} {t.dtype} elements, the metadata "
+                f"records {rec['numel']} {rec['dtype']}"
+            )
+        ident = (rec["file"], rec["key"])
+        if self.verify and ident not in self._verified and "crc32" in rec:
+            if tensor_crc32(t) != rec["crc32"]:
+                raise CheckpointError(f"shard file {path}: tensor {rec['key']!r} fails its checksum (corrupted)")
+            self._verified.add(ident)
+        return t.reshape(-1)
+
+    def fill(
+        self, name: str, kind: str, wanted: Placement, dest: torch.Tensor, *, vocab_padded: bool = False
+    ) -> None:
+        """Write the saved values of ``wanted`` (a piece of logical tensor ``name``) into ``dest``, the
+        piece's flat data (a 1-D view; any dtype).
+
+        Raises:
+            CheckpointError: no such tensor, a shape mismatch, or shards that do not cover the piece.
+        """
+        entries = self.index.get((name, kind))
+        what = name if kind == "param" else f"{name} ({kind})"
+        if not entries:
+            raise CheckpointError(f"{self.dir}: the checkpoint has no tensor {what}")
+        saved_shape = entries[0][1].global_shape
+        shape = tuple(wanted.global_shape)
+        same = saved_shape[1:] == shape[1:] if vocab_padded else saved_shape == shape
+        if not same or len(saved_shape) != len(shape):
+            raise CheckpointError(
+                f"{self.dir}: shape mismatch for {what}: the checkpoint has {list(saved_shape)}, "
+                f"this model has {list(shape)}"
+                + (" (only the padded vocabulary dim may differ)" if vocab_padded else "")
+            )
+        required = required_elements(wanted, saved_shape)
+        if required < wanted.numel:
+            dest.zero_()  # padded-vocabulary rows the saved layout did not have
+        sources = [(p, rec) for rec, p in entries if overlaps(p, wanted)]
+        written = copy_into(dest, wanted, [(p, self.tensor(rec)) for p, rec in sources])
+        if written != required:
+            files = sorted({rec["file"] for _, rec in sources})
+            raise CheckpointError(
+                f"{self.dir}: the shards of {what} cover {written} of the {required} elements this rank needs "
+                f"(read from {', '.join(files) or 'no file'}): shards are missing or overlap"
+            )
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+# -- resolving which checkpoint ---------------------------------------------------------------------
+
+
+def resolve_iteration_dir(root: str | Path, iteration: int | str | None = None) -> Path | None:
+    """The iteration directory to load: ``iteration`` if given, else the tracker's. None when ``root``
+    has no tracker (nothing saved yet).
+
+    Raises:
+        CheckpointError: the given iteration or the tracker's does not exist (listing what does).
+    """
+    root = Path(root)
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            return None
+        path = root / iter_dir_name(iteration)
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{root / TRACKER} names iteration {iteration}, but {path} does not exist "
+                f"(complete iterations here: {list_iterations(root) or 'none'})"
+            )
+        return path
+    path = root / iter_dir_name(iteration)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"iteration {iteration} was requested (--ckpt-step) but {path} does not exist "
+            f"(complete iterations here: {list_iterations(root) or 'none'})"
+        )
+    return path
+
+
+def _agree(error: str | None) -> None:
+    """Collective: if any rank failed, every rank raises (so none is left waiting in a collective)."""
+    errors = _all_gather_object(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        mine = errors[_rank()]
+        if mine is not None:
+            raise CheckpointError(mine)
+        r, msg = failed[0]
+        raise CheckpointError(f"loading the checkpoint failed on rank {r}: {msg}")
+
+
+def _layout_now(model, optimizer, groups) -> dict:
+    return {
+        "tensor_model_parallel_size": groups.tp_size,
+        "pipeline_model_parallel_size": groups.pp_size,
+        "data_parallel_size": groups.dp_size,
+        "context_parallel_size": groups.cp_size,
+        "virtual_pipeline_model_parallel_size": len(model),
+        "world_size": groups.world_size,
+        "parallel_order": groups.topology.order,
+    }
+
+
+def _describe(layout: dict) -> str:
+    return (
+        f"tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
+        f"dp={layout['data_parallel_size']} vp={layout['virtual_pipeline_model_parallel_size']}"
+    )
+
+
+# -- the entry point -------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    config,
+    model: list,
+    optimizer,
+    scheduler,
+    groups,
+    *,
+    state_cls: type | None = None,
+    seed: int | None = None,
+    strict: bool = True,
+):
+    """Load ``config.load`` (the tracker's iteration, or ``--ckpt-step``) into this rank's model chunks,
+    optimizer and scheduler, at the current layout, and return the training state (collective).
+
+    ``--finetune``: weights only, a fresh state (iteration 0). ``--no-load-optim``: no optimizer and
+    no scheduler state (Megatron's rule); the fp32 masters are refreshed from the loaded weights.
+    ``--no-load-rng``: keep the current seeds. RNG states are restored only when the layout is the
+    saved one; otherwise every RNG is reseeded with ``seed + iteration`` (logged once).
+    ``strict``: a checkpoint tensor that no rank of this model uses is an error (else a warning).
+
+    Returns:
+        ``state_cls(**saved_train_state)`` (a dict when ``state_cls`` is None); a fresh
+        ``state_cls()`` when the load directory has no tracker yet (nothing saved: a new run).
+
+    Raises:
+        CheckpointError: on every rank, naming the file and the problem (missing shard files, shape
+            mismatches, truncated or corrupted files, a tracker naming a missing directory).
+    """
+    root = Path(config.load)
+    outcome: tuple[str | None, Any] = (None, None)
+    if _rank() == 0:
+        try:
+            path = resolve_iteration_dir(root, config.ckpt_step)
+            outcome = (None, None if path is None else (str(path), read_metadata(path)))
+        except CheckpointError as err:
+            outcome = (str(err), None)
+    error, found = _broadcast_object(outcome)
+    if error is not None:
+        raise CheckpointError(error)
+    if found is None:
+        log0(f"WARNING: no {TRACKER} in {root}; nothing to load, starting from the initialized model")
+        return state_cls() if state_cls is not None else {}
+    path, meta = Path(found[0]), found[1]
+    iteration = meta["iteration"]
+    log0(f"loading checkpoint from {root} at iteration {iteration} (saved at {_describe(meta['layout'])})")
+
+    finetune = bool(config.finetune)
+    load_optim = optimizer is not None and not (config.no_load_optim or finetune)
+    load_rng = not (config.no_load_rng or finetune)
+    now = _layout_now(model, optimizer, groups)
+    same_layout = all(meta["layout"].get(k) == v for k, v in now.items())
+
+    reader = ShardReader(path, meta)
+    error = None
+    optim_state = rng_states = None
+    try:
+        with torch.no_grad():
+            used = _load_model(reader, model)
+        if load_optim:
+            optim_state = _read_optimizer(reader, model, optimizer, meta)
+        if load_rng and meta.get("rng_saved") and same_layout:
+            name = rng_file(groups.tp_rank, groups.pp_rank, groups.dp_rank)
+            rng_states = rng_state_from_file(reader.file(name))
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001 - a damaged file can fail in many ways
+        error = f"{path}: {type(err).__name__}: {err}"
+    _agree(error)
+
+    unused = set(reader.names("param")) - set().union(*_all_gather_object(sorted(used)))
+    if unused:
+        message = f"{path}: tensors no rank of this model uses: {', '.join(sorted(unused)[:8])}" + (
+            " ..." if len(unused) > 8 else ""
+        )
+        if strict:
+            raise CheckpointError(message + " (a different model configuration?)")
+        log0(f"WARNING: {message}")
+
+    if optimizer is not None:
+        optimizer.reload_model_params()  # fp32 masters from the loaded weights
+        if optim_state is not None:
+            optimizer.load_state_dict(optim_state)
+    if load_optim and scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+
+    if load_rng:
+        if rng_states is not None:
+            set_all_rng_states(rng_states)
+        elif not meta.get("rng_saved"):
+            log0("WARNING: the checkpoint has no RNG states (saved with --no-save-rng); keeping the current seeds")
+        elif seed is not None:
+            log0(
+                f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states are not "
+                f"restored; every RNG is reseeded with seed {seed} + iteration {iteration}"
+            )
+            model_parallel_seed(seed + int(iteration), groups.tp_rank, groups.pp_rank)
+        else:
+            log0(f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states not restored")
+    reader.close()
+
+    if finetune:
+        state = {}
+        log0(f"  loaded the weights of iteration {iteration} from {root} for fine-tuning (starting at iteration 0)")
+    else:
+        state = dict(meta.get("train_state") or {})
+        state["iteration"] = int(iteration)
+        log0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
+    if state_cls is None:
+        return state
+    if dataclasses.is_dataclass(state_cls):
+        names = {f.name for f in dataclasses.fields(state_cls)}
+        return state_cls(**{k: v for k, v in state.items() if k in names})
+    return state_cls(**state)
+
+
+def _load_model(reader: ShardReader, model: list) -> set[str]:
+    used = set()
+    for chunk in model:
+        module = unwrap_model(chunk)
+        params = dict(module.named_parameters())
+        for local_name, spec in module.sharded_parameters().items():
+            param = params[local_name]
+            reader.fill(
+                spec.name, "param", placement_from_spec(spec), param.data.view(-1), vocab_padded=spec.vocab_padded
+            )
+            used.add(spec.name)
+    return used
+
+
+def _read_optimizer(reader: ShardReader, model: list, optimizer, meta: dict) -> dict:
+    """The optimizer's ``state_dict`` for this rank's pieces, in the layout
+    :meth:`MegatronOptimizer.load_state_dict` takes, assembled from the checkpoint."""
+    from mcore.optimizer.optimizer import STATE_FORMAT
+
+    info = meta.get("optimizer") or {}
+    if not info.get("saved"):
+        raise CheckpointError(
+            f"{reader.dir}: the checkpoint has no optimizer state (saved with --no-save-optim, or a "
+            "model-only checkpoint): load it with --no-load-optim or --finetune"
+        )
+    if info.get("type") != optimizer.config.optimizer:
+        raise CheckpointError(
+            f"{reader.dir}: the optimizer state is for --optimizer {info.get('type')}, "
+            f"this run uses --optimizer {optimizer.config.optimizer} (load with --no-load-optim)"
+        )
+    specs = optimizer_key_specs(model)
+    state = {}
+    for entry in optimizer.main_params:
+        spec = specs[entry.key]
+        wanted = placement_from_spec(spec, (entry.start, entry.end))
+        n = entry.end - entry.start
+        item: dict[str, Any] = {"range": (entry.start, entry.end), "shape": tuple(entry.model_param.shape)}
+        for kind, value in entry.state.items():
+            if isinstance(value, torch.Tensor):
+                buf = torch.empty(n, dtype=torch.float32)
+                reader.fill(spec.name, kind, wanted, buf, vocab_padded=spec.vocab_padded)
+                item[kind] = buf
+            else:
+                item[kind] = type(value)(reader.scalar(spec.name, kind))
+        if reader.has(spec.name, "main_param"):  # fp32 masters beat the (possibly bf16) weights
+            buf = torch.empty(n, dtype=torch.float32)
+            reader.fill(spec.name, "main_param", wanted, buf, vocab_padded=spec.vocab_padded)
+            item["main_param"] = buf
+        state[entry.key] = item
+    return {
+        "format": STATE_FORMAT,
+        "optimizer": optimizer.config.optimizer,
+        "distributed": optimizer.distributed,
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in optimizer.param_groups
+        ],
+        "state": state,
+        "grad_scaler": info.get("grad_scaler"),
+    }

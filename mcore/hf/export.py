@@ -1,0 +1,313 @@
+"""Export an mcore checkpoint (any TP/PP layout) to a Hugging Face model directory, checked for parity.
+
+Command::
+
+    python -m mcore.hf.export --load CKPT_DIR --save HF_DIR [--ckpt-step N] [--dtype auto|float32|bfloat16|float16]
+        [--vocab-size V] [--tokenizer-type ... --vocab-file ... --merge-file ... | --tokenizer-model ...]
+        [--tolerance 1e-4] [--no-parity-check] [--overwrite]
+
+The directory gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards with
+``model.safetensors.index.json``) and the tokenizer files of the run's tokenizer
+(:mod:`mcore.hf.tokenizer`). GPT-2-style models become ``GPT2LMHeadModel``, Llama-style models
+``LlamaForCausalLM`` (:mod:`mcore.hf.config` lists what is refused). The padded vocabulary is cut to
+the tokenizer's size.
+
+Everything is written to a temporary sibling directory; the logit-parity check
+(:mod:`mcore.hf.parity`) loads it with ``transformers`` and compares with the mcore model, and only
+a passing export is renamed into place. Exit status: 0 on success, 1 when parity fails, 2 for input
+that cannot be converted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore.data.config import TokenizerConfig
+from mcore.hf.config import ARCHITECTURES, check_exportable, hf_config_dict
+from mcore.hf.errors import ConversionError, ParityError
+from mcore.hf.mapping import mcore_to_hf
+from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
+from mcore.hf.tokenizer import load_tokenizer, tokenizer_info, write_hf_tokenizer
+from mcore.inference.loading import (
+    RunConfigLike,
+    model_config_from_run_config,
+    tokenizer_config_from_run_config,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_to_hf` wrote and measured."""
+
+    output_dir: str
+    architecture: str
+    vocab_size: int
+    dtype: str
+    files: list[str] = field(default_factory=list)
+    parity: ParityReport | None = None
+
+    def describe(self) -> str:
+        lines = [
+            f"exported {self.architecture} ({self.dtype}, vocab {self.vocab_size}) to {self.output_dir}",
+            f"  files: {', '.join(self.files)}",
+        ]
+        lines.append(
+            "  " + (self.parity.describe() if self.parity else "parity check skipped (--no-parity-check)")
+        )
+        return "\n".join(lines)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}.get(dtype, "float32")
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus their index."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().cpu().contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return [*files, "model.safetensors.index.json"]
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _prepare_output(output_dir: str, overwrite: bool) -> None:
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConversionError(f"--save {output_dir}: exists and is not a directory")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise ConversionError(
+            f"--save {output_dir}: the directory is not empty (give --overwrite to replace it)"
+        )
+
+
+def export_to_hf(
+    state: Mapping[str, torch.Tensor],
+    run_config: RunConfigLike,
+    output_dir: str,
+    *,
+    vocab_size: int | None = None,
+    tokenizer_config: TokenizerConfig | None = None,
+    fallback_vocab_size: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    check_parity: bool = True,
+    tolerance: float = DEFAULT_TOLERANCE,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> ExportReport:
+    """Write the Hugging Face directory of a logical model state (see the module docstring).
+
+    Args:
+        state: logical name -> whole tensor (:func:`mcore.checkpoint.load_logical_model_state`).
+        run_config: the run's configuration (RunConfig or ``{group: {field: value}}``); its
+            ``model`` group gives the architecture, its ``tokenizer`` group the tokenizer.
+        output_dir: the directory to create (it must be empty or absent unless ``overwrite``).
+        vocab_size: the real vocabulary size, overriding the tokenizer's (needed without one).
+        tokenizer_config: use this tokenizer instead of the run's (its files may have moved).
+        fallback_vocab_size: the vocabulary size to use when the run's tokenizer cannot be loaded
+            (the export then has no tokenizer files).
+        dtype: weights dtype (default: the checkpoint's).
+        check_parity: run the logit-parity check before the directory is put in place.
+        tolerance: the largest allowed fp32 logit difference.
+    """
+    cfg = model_config_from_run_config(run_config)
+    family = check_exportable(cfg)
+    _prepare_output(output_dir, overwrite)
+    try:
+        tokenizer = load_tokenizer(tokenizer_config or tokenizer_config_from_run_config(run_config))
+    except ConversionError as err:
+        if vocab_size is None and fallback_vocab_size is None:
+            raise
+        print(f"warning: {err}; exporting without tokenizer files", file=sys.stderr)
+        tokenizer, vocab_size = None, vocab_size or fallback_vocab_size
+    info = tokenizer_info(tokenizer, vocab_size)
+    if isinstance(dtype, str):
+        dtype = None if dtype == "auto" else DTYPES[dtype]
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype if state else torch.float32
+        dtype = dtype if dtype in DTYPES.values() else torch.float32
+    tensors = {k: v.to(dtype) for k, v in mcore_to_hf(state, cfg, info.vocab_size).items()}
+    config = hf_config_dict(
+        cfg,
+        info.vocab_size,
+        bos_token_id=info.bos_token_id,
+        eos_token_id=info.eos_token_id,
+        pad_token_id=info.pad_token_id,
+        dtype=_dtype_name(dtype),
+    )
+    generation = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None
+    }
+
+    output_dir = os.path.abspath(output_dir)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{secrets.token_hex(4)}")
+    os.makedirs(staging)
+    try:
+        _write_json(os.path.join(staging, "config.json"), config)
+        _write_json(os.path.join(staging, "generation_config.json"), generation)
+        files = ["config.json", "generation_config.json"]
+        files += write_safetensors(tensors, staging, max_shard_bytes)
+        files += write_hf_tokenizer(tokenizer, staging, cfg.max_position_embeddings)
+        report = ExportReport(output_dir, ARCHITECTURES[family], info.vocab_size, _dtype_name(dtype), files)
+        if check_parity:
+            # The same (possibly rounded) weights on both sides, computed in fp32.
+            rounded = {k: v.to(dtype) for k, v in state.items()}
+            report.parity = check_logit_parity(cfg, rounded, info.vocab_size, staging, tolerance=tolerance)
+        if os.path.isdir(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def export_checkpoint(
+    load_dir: str, output_dir: str, *, iteration: int | None = None, **kwargs
+) -> ExportReport:
+    """:func:`export_to_hf` of the checkpoint in ``load_dir`` (latest iteration, or ``iteration``)."""
+    from mcore import checkpoint
+
+    if not hasattr(checkpoint, "load_logical_model_state"):
+        raise ConversionError(
+            "this mcore has no checkpoint reader (mcore.checkpoint.load_logical_model_state)"
+        )
+    state, metadata = checkpoint.load_logical_model_state(load_dir, iteration)
+    run_config = (metadata or {}).get("run_config")
+    if not run_config:
+        raise ConversionError(
+            f"{load_dir}: the checkpoint records no run configuration; cannot tell the model"
+        )
+    saved_vocab = ((metadata or {}).get("extra") or {}).get("tokenizer_vocab_size")
+    if kwargs.get("vocab_size") is None and kwargs.get("tokenizer_config") is None and saved_vocab:
+        # The run's tokenizer decides; the recorded size lets the export go on if its files moved.
+        kwargs["fallback_vocab_size"] = int(saved_vocab)
+    return export_to_hf(state, run_config, output_dir, **kwargs)
+
+
+def checkpoint_errors() -> tuple[type[BaseException], ...]:
+    """The checkpoint reader's error class (missing files, bad metadata), when it is installed."""
+    try:
+        from mcore.checkpoint.format import CheckpointError
+    except ImportError:
+        return ()
+    return (CheckpointError,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mcore.hf.export",
+        description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2 or Llama), "
+        "checking logit parity.",
+    )
+    parser.add_argument(
+        "--load", required=True, help="mcore checkpoint directory (saved at any TP/PP layout)."
+    )
+    parser.add_argument(
+        "--ckpt-step", type=int, default=None, help="Iteration to export (default: the latest)."
+    )
+    parser.add_argument("--save", required=True, help="Hugging Face directory to write.")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="Weights dtype.")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="Real vocabulary size (default: the tokenizer's)."
+    )
+    tok = parser.add_argument_group("tokenizer (default: the one the run was trained with)")
+    tok.add_argument(
+        "--tokenizer-type",
+        default=None,
+        choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+    )
+    tok.add_argument("--vocab-file", default=None)
+    tok.add_argument("--merge-file", default=None)
+    tok.add_argument("--tokenizer-model", default=None)
+    tok.add_argument("--tokenizer-vocab-size", type=int, default=None, help="NullTokenizer's --vocab-size.")
+    parser.add_argument(
+        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="Largest fp32 logit difference."
+    )
+    parser.add_argument("--no-parity-check", action="store_true", help="Skip the logit-parity check.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --save directory.")
+    return parser
+
+
+def tokenizer_config_from_args(args: argparse.Namespace) -> TokenizerConfig | None:
+    if args.tokenizer_type is None:
+        return None
+    from mcore.config.fields import ConfigError
+
+    try:
+        return TokenizerConfig(
+            tokenizer_type=args.tokenizer_type,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.tokenizer_vocab_size,
+        )
+    except ConfigError as err:
+        raise ConversionError(str(err)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = export_checkpoint(
+            args.load,
+            args.save,
+            iteration=args.ckpt_step,
+            vocab_size=args.vocab_size,
+            tokenizer_config=tokenizer_config_from_args(args),
+            dtype=args.dtype,
+            check_parity=not args.no_parity_check,
+            tolerance=args.tolerance,
+            overwrite=args.overwrite,
+        )
+    except ParityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (ConversionError, OSError, *checkpoint_errors()) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

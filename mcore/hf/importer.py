@@ -1,0 +1,301 @@
+"""Import a local Hugging Face GPT-2 or Llama directory as an mcore checkpoint, checked for parity.
+
+Command::
+
+    python -m mcore.hf.importer --hf-dir HF_DIR --save CKPT_DIR [--tensor-model-parallel-size T]
+        [--pipeline-model-parallel-size P] [--make-vocab-size-divisible-by 128] [--dtype auto|...]
+        [--tolerance 1e-4] [--no-parity-check] [--no-tokenizer]
+
+The result is a model-only checkpoint (:func:`mcore.checkpoint.save_logical_model_checkpoint`) that
+``--load CKPT_DIR --finetune`` loads at any layout; the tensor- and pipeline-parallel sizes given here
+are checked against the model (heads, groups, FFN and layers must divide) and decide the vocabulary
+padding written. The tokenizer files are copied to ``CKPT_DIR/tokenizer`` and recorded in the run
+config. The command prints the Megatron flags that build the same model.
+
+Refused (:class:`~mcore.hf.errors.ConversionError`, exit status 2): a directory without
+``config.json`` or weights, an architecture other than ``GPT2LMHeadModel``/``LlamaForCausalLM``,
+settings mcore cannot express (:func:`mcore.hf.config.model_config_from_hf`), a tokenizer whose size
+differs from ``vocab_size``, embedding rows that differ from ``vocab_size``. A failed parity check
+exits with status 1 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore.config.fields import ConfigError
+from mcore.data.config import TokenizerConfig
+from mcore.hf.config import ARCHITECTURES, family_of_hf_config, megatron_model_flags, model_config_from_hf
+from mcore.hf.errors import ConversionError, ParityError
+from mcore.hf.mapping import hf_to_mcore
+from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
+from mcore.hf.tokenizer import check_tokenizer_matches, import_hf_tokenizer, load_tokenizer
+from mcore.models.config import ModelConfig, check_tensor_parallel, padded_vocab_size
+from mcore.pipeline.layout import stage_layer_counts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+@dataclass
+class ImportReport:
+    """What :func:`import_from_hf` produced."""
+
+    save_dir: str
+    architecture: str
+    model_config: ModelConfig
+    tokenizer_config: TokenizerConfig | None
+    vocab_size: int
+    padded_vocab_size: int
+    flags: list[str] = field(default_factory=list)
+    parity: ParityReport | None = None
+
+    def describe(self) -> str:
+        lines = [
+            f"imported {self.architecture} (vocab {self.vocab_size}, padded {self.padded_vocab_size}) "
+            f"into {self.save_dir}"
+        ]
+        lines.append(
+            "  " + (self.parity.describe() if self.parity else "parity check skipped (--no-parity-check)")
+        )
+        lines.append("  Megatron flags for this model (continue training with --load ... --finetune):")
+        lines.append("    " + " ".join(self.flags))
+        return "\n".join(lines)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """``config.json`` of a Hugging Face model directory, or a :class:`ConversionError` saying why not."""
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir}: not a directory")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{hf_dir}: not a Hugging Face model directory (no config.json)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{path}: cannot read: {err}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return config
+
+
+def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The state dict in ``model.safetensors`` (or its sharded index), else ``pytorch_model.bin``."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(hf_dir, "model.safetensors")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return load_file(single)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        state: dict[str, torch.Tensor] = {}
+        for name in sorted(set(weight_map.values())):
+            path = os.path.join(hf_dir, name)
+            if not os.path.isfile(path):
+                raise ConversionError(f"{index} names {name}, which is missing")
+            state.update(load_file(path))
+        return state
+    binary = os.path.join(hf_dir, "pytorch_model.bin")
+    if os.path.isfile(binary):
+        return torch.load(binary, map_location="cpu", weights_only=True)
+    raise ConversionError(
+        f"{hf_dir}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
+    )
+
+
+def _check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
+    try:
+        check_tensor_parallel(cfg, tp)
+        stage_layer_counts(cfg.num_layers, pp)
+    except ConfigError as err:
+        raise ConversionError(f"the model does not fit the target layout: {err}") from None
+
+
+def import_from_hf(
+    hf_dir: str,
+    save_dir: str,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    dtype: str | torch.dtype | None = None,
+    use_tokenizer: bool = True,
+    check_parity: bool = True,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> ImportReport:
+    """Convert ``hf_dir`` into a model-only mcore checkpoint in ``save_dir`` (see the module docstring)."""
+    from mcore import checkpoint
+
+    hf = read_hf_config(hf_dir)
+    where = os.path.join(hf_dir, "config.json")
+    family = family_of_hf_config(hf, where)
+    try:
+        cfg = model_config_from_hf(hf, where, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except (ConfigError, KeyError, TypeError) as err:
+        raise ConversionError(f"{where}: not a valid {ARCHITECTURES[family]} config: {err}") from None
+    _check_layout(cfg, tensor_model_parallel_size, pipeline_model_parallel_size)
+    vocab_size = hf.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ConversionError(f"{where}: vocab_size={vocab_size!r} must be a positive integer")
+    if os.path.isdir(save_dir) and os.listdir(save_dir):
+        raise ConversionError(f"--save {save_dir}: the directory is not empty")
+
+    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=os.path.dirname(os.path.abspath(save_dir)) or ".")
+    try:
+        tok_config = None
+        if use_tokenizer:
+            tok_config = import_hf_tokenizer(hf_dir, staging, family)
+            if tok_config is None:
+                print(
+                    f"warning: {hf_dir} has no tokenizer files; the checkpoint records none", file=sys.stderr
+                )
+            else:
+                check_tokenizer_matches(load_tokenizer(tok_config), vocab_size, hf_dir)
+
+        hf_state = read_hf_weights(hf_dir)
+        if isinstance(dtype, str):
+            dtype = None if dtype == "auto" else DTYPES[dtype]
+        padded = padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size)
+        word_key = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+        if word_key in hf_state and hf_state[word_key].shape[0] != vocab_size:
+            raise ConversionError(
+                f"{hf_dir}: {word_key} has {hf_state[word_key].shape[0]} rows but vocab_size={vocab_size}"
+            )
+        state = hf_to_mcore(hf_state, cfg, padded)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        report = ImportReport(
+            os.path.abspath(save_dir), ARCHITECTURES[family], cfg, tok_config, vocab_size, padded
+        )
+        if check_parity:
+            report.parity = check_logit_parity(cfg, state, vocab_size, hf_dir, tolerance=tolerance)
+
+        # Commit: tokenizer files next to the checkpoint, then the checkpoint (tracker last).
+        os.makedirs(save_dir, exist_ok=True)
+        if tok_config is not None:
+            final = os.path.join(os.path.abspath(save_dir), TOKENIZER_SUBDIR)
+            shutil.move(staging, final)
+            tok_config = _relocate(tok_config, staging, final)
+            report.tokenizer_config = tok_config
+        run_config = {
+            "model": dataclasses.asdict(cfg),
+            "tokenizer": dataclasses.asdict(tok_config)
+            if tok_config is not None
+            else {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1},
+            "parallel": {
+                "tensor_model_parallel_size": tensor_model_parallel_size,
+                "pipeline_model_parallel_size": pipeline_model_parallel_size,
+            },
+        }
+        checkpoint.save_logical_model_checkpoint(
+            save_dir,
+            state,
+            run_config,
+            metadata={"tokenizer_vocab_size": vocab_size, "imported_from": os.path.abspath(hf_dir)},
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    report.flags = import_flags(report)
+    return report
+
+
+def _relocate(config: TokenizerConfig, old: str, new: str) -> TokenizerConfig:
+    def move(path: str | None) -> str | None:
+        return None if path is None else os.path.join(new, os.path.relpath(path, old))
+
+    return dataclasses.replace(
+        config,
+        vocab_file=move(config.vocab_file),
+        merge_file=move(config.merge_file),
+        tokenizer_model=move(config.tokenizer_model),
+    )
+
+
+def import_flags(report: ImportReport) -> list[str]:
+    """Megatron flags for training the imported model: model, tokenizer and ``--load ... --finetune``."""
+    flags = megatron_model_flags(report.model_config)
+    tok = report.tokenizer_config
+    if tok is None:
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(report.vocab_size - 1)]
+    elif tok.tokenizer_type == "GPT2BPETokenizer":
+        flags += [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            tok.vocab_file,
+            "--merge-file",
+            tok.merge_file,
+        ]
+    else:
+        flags += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok.tokenizer_model]
+    return [*flags, "--load", report.save_dir, "--finetune"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mcore.hf.importer",
+        description="Import a local Hugging Face GPT-2 or Llama model as an mcore checkpoint, checking logit parity.",
+    )
+    parser.add_argument(
+        "--hf-dir", required=True, help="Local Hugging Face model directory (nothing is downloaded)."
+    )
+    parser.add_argument("--save", required=True, help="mcore checkpoint directory to write.")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Target TP size (checked).")
+    parser.add_argument(
+        "--pipeline-model-parallel-size", type=int, default=1, help="Target PP size (checked)."
+    )
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="Weights dtype (default: as stored)."
+    )
+    parser.add_argument(
+        "--no-tokenizer", action="store_true", help="Import the weights without the tokenizer files."
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="Largest fp32 logit difference."
+    )
+    parser.add_argument("--no-parity-check", action="store_true", help="Skip the logit-parity check.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from mcore.hf.export import checkpoint_errors
+
+    args = build_parser().parse_args(argv)
+    try:
+        report = import_from_hf(
+            args.hf_dir,
+            args.save,
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            dtype=args.dtype,
+            use_tokenizer=not args.no_tokenizer,
+            check_parity=not args.no_parity_check,
+            tolerance=args.tolerance,
+        )
+    except ParityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (ConversionError, OSError, *checkpoint_errors()) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

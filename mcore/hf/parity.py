@@ -1,0 +1,133 @@
+"""Logit parity between an mcore model and its Hugging Face twin (reference/hf-mapping.md section 4).
+
+Both sides run in fp32 on the CPU in eval mode, on the same fixed-seed batch of ``2 x 24`` token ids
+from ``[0, V)`` (shorter if the model has fewer positions), with no padding and default positions.
+The Hugging Face model is loaded from the directory with ``from_pretrained`` (so what is checked is
+what was written), once per attention implementation (``eager`` and ``sdpa``); its load report must
+list no missing, unexpected or mismatched keys. The mcore logits are cut to the real vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore.distributed.groups import ProcessGroups
+from mcore.hf.errors import ConversionError, ParityError
+from mcore.inference.loading import build_model_chunk
+from mcore.models.config import ModelConfig
+
+DEFAULT_TOLERANCE = 1e-4
+"""Largest allowed ``|logit difference|`` in fp32 (hf-mapping.md measures 2e-6 .. 6e-6 on toys)."""
+
+
+@dataclass
+class ParityReport:
+    """The outcome of one parity check."""
+
+    max_abs_diff: float
+    """Largest ``|mcore - HF|`` logit over the batch, the vocabulary and every attention implementation."""
+    per_implementation: dict[str, float] = field(default_factory=dict)
+    argmax_equal: bool = True
+    """Hugging Face's most likely token is mcore's (within the tolerance) at every position."""
+    tolerance: float = DEFAULT_TOLERANCE
+    batch_shape: tuple[int, int] = (0, 0)
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance and self.argmax_equal
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in self.per_implementation.items())
+        return (
+            f"logit parity on a {self.batch_shape[0]}x{self.batch_shape[1]} batch: max |diff| "
+            f"{self.max_abs_diff:.3g} ({parts}); argmax {'equal' if self.argmax_equal else 'DIFFERS'}; "
+            f"tolerance {self.tolerance:g}"
+        )
+
+
+def parity_tokens(vocab_size: int, max_positions: int | None, batch: int = 2, seq: int = 24, seed: int = 0):
+    """The fixed test batch ``[batch, seq]`` of ids in ``[0, vocab_size)``."""
+    if max_positions is not None:
+        seq = min(seq, max_positions)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=generator)
+
+
+@torch.no_grad()
+def mcore_logits(
+    cfg: ModelConfig, state: Mapping[str, torch.Tensor], vocab_size: int, tokens: torch.Tensor
+) -> torch.Tensor:
+    """fp32 logits ``[b, s, V]`` of the mcore model built (TP=1, CPU) from a logical state."""
+    fp32 = {k: v.float() for k, v in state.items()}
+    model = build_model_chunk(cfg, ProcessGroups.single(), vocab_size, fp32, device=torch.device("cpu"))
+    logits = model(tokens)[..., :vocab_size].float()
+    del model
+    return logits
+
+
+@torch.no_grad()
+def hf_logits(hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eager") -> torch.Tensor:
+    """fp32 logits of the Hugging Face model saved in ``hf_dir`` (its load report must be clean)."""
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise ConversionError(
+            "the parity check needs the 'transformers' package (pip install 'mcore[hf]')"
+        ) from None
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
+        )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    problems = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    if info.get("error_msgs"):
+        problems["error_msgs"] = info["error_msgs"]
+    if problems:
+        raise ConversionError(f"{hf_dir}: transformers did not load the weights cleanly: {problems}")
+    model.eval()
+    return model(tokens).logits.float()
+
+
+def check_logit_parity(
+    cfg: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    vocab_size: int,
+    hf_dir: str,
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    attn_implementations: Sequence[str] = ("eager", "sdpa"),
+    raise_on_failure: bool = True,
+) -> ParityReport:
+    """Run the same batch through the mcore model (``cfg`` + logical ``state``) and ``hf_dir``.
+
+    Raises:
+        ParityError: the largest difference exceeds ``tolerance`` or the argmax differs (with
+            ``raise_on_failure``); the message carries the report.
+    """
+    max_positions = cfg.max_position_embeddings if cfg.position_embedding_type == "learned_absolute" else None
+    tokens = parity_tokens(vocab_size, max_positions)
+    reference = mcore_logits(cfg, state, vocab_size, tokens)
+    report = ParityReport(0.0, tolerance=tolerance, batch_shape=tuple(tokens.shape))
+    for impl in attn_implementations:
+        theirs = hf_logits(hf_dir, tokens, impl)
+        if theirs.shape != reference.shape:
+            raise ConversionError(
+                f"{hf_dir}: Hugging Face logits have shape {tuple(theirs.shape)}, mcore {tuple(reference.shape)}"
+            )
+        diff = float((theirs - reference).abs().max())
+        report.per_implementation[impl] = diff
+        report.max_abs_diff = max(report.max_abs_diff, diff)
+        # Their choice must be ours up to the tolerance (a near-tie may flip the exact argmax).
+        chosen = reference.gather(-1, theirs.argmax(-1, keepdim=True)).squeeze(-1)
+        report.argmax_equal &= bool(((reference.max(-1).values - chosen) <= tolerance).all())
+    if raise_on_failure and not report.ok:
+        raise ParityError("parity check FAILED: " + report.describe())
+    return report

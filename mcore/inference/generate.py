@@ -1,0 +1,204 @@
+"""``python -m mcore.inference.generate``: generate text from an mcore checkpoint, at any TP/PP layout.
+
+One process::
+
+    python -m mcore.inference.generate --load CKPT --prompt "Once upon a time" "The meaning of" \\
+        --max-new-tokens 32 --greedy
+
+Tensor / pipeline parallel (every rank loads its own shards; rank 0 prints)::
+
+    torchrun --nproc_per_node 4 -m mcore.inference.generate --load CKPT --prompt "Hello" \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --top-k 40 --top-p 0.9 --seed 7
+
+Sampling (``--temperature``, ``--top-k``, ``--top-p``, ``--seed``), ``--greedy``, beam search
+(``--num-beams``, ``--length-penalty``), ``--stop-token-ids`` (plus the tokenizer's end-of-document
+id unless ``--no-stop-at-eod``), ``--no-kv-cache``. The checkpoint may come from any layout
+(:func:`mcore.checkpoint.load_logical_model_state`); its run config gives the model and tokenizer
+(override the tokenizer's files with the usual ``--tokenizer-type``/``--vocab-file``/... flags).
+``--prompt-ids "1 2 3"`` gives token ids directly. ``--output-json FILE`` writes every result.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from mcore.config.cli import parse_config
+from mcore.config.fields import ConfigError, check, flag
+from mcore.config.parallel import ParallelConfig
+from mcore.data.config import TokenizerConfig
+from mcore.data.errors import DataError
+from mcore.data.tokenizers import Tokenizer, build_tokenizer
+from mcore.inference.generation import GenerationOutput, SamplingParams, TextGenerator
+from mcore.inference.loading import (
+    build_model_chunk,
+    model_config_from_run_config,
+    tokenizer_config_from_run_config,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """What to generate from which checkpoint, and how tokens are chosen."""
+
+    load: str | None = flag(None, "Checkpoint directory (saved at any TP/PP layout).")
+    ckpt_step: int | None = flag(None, "Iteration to load (default: the latest).")
+    prompt: tuple[str, ...] = flag((), "Prompt texts (one generation each, batched).", nargs="+")
+    prompt_ids: tuple[str, ...] = flag((), "Prompts as whitespace-separated token ids.", nargs="+")
+    max_new_tokens: int = flag(32, "Tokens to generate at most per prompt.")
+    greedy: bool = flag(False, "Take the most likely token each step.")
+    temperature: float = flag(1.0, "Sampling temperature.")
+    top_k: int = flag(0, "Sample among the k most likely tokens (0: all).")
+    top_p: float = flag(1.0, "Nucleus sampling: the smallest set with this much probability.")
+    num_beams: int = flag(1, "Beam search with this many beams.")
+    length_penalty: float = flag(1.0, "Beam score = log-prob / generated_length ** length_penalty.")
+    stop_token_ids: tuple[int, ...] = flag((), "Token ids that end a sequence.", nargs="+")
+    stop_at_eod: bool = flag(True, "Do not stop at the end-of-document token.", name="--no-stop-at-eod")
+    seed: int = flag(1234, "Sampling seed.")
+    use_kv_cache: bool = flag(True, "Rerun the whole sequence every step.", name="--no-kv-cache")
+    bf16: bool = flag(False, "Run the model in bfloat16.")
+    fp16: bool = flag(False, "Run the model in float16.")
+    output_json: str | None = flag(None, "Write prompts, ids, texts and finish reasons to this file.")
+
+    def __post_init__(self) -> None:
+        check(self.load is not None, "--load CKPT_DIR is required")
+        check(bool(self.prompt or self.prompt_ids), "give --prompt TEXT ... or --prompt-ids 'ID ID ...' ...")
+        check(not (self.bf16 and self.fp16), "give --bf16 or --fp16, not both")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            greedy=self.greedy,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            num_beams=self.num_beams,
+            length_penalty=self.length_penalty,
+            stop_token_ids=tuple(self.stop_token_ids),
+            stop_at_eod=self.stop_at_eod,
+            seed=self.seed,
+            use_cache=self.use_kv_cache,
+        )
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+GROUPS = {"generation": GenerateConfig, "parallel": ParallelConfig, "tokenizer": TokenizerConfig}
+
+
+def load_generator(
+    load: str,
+    groups,
+    *,
+    iteration: int | None = None,
+    tokenizer_config: TokenizerConfig | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> tuple[TextGenerator, Tokenizer | None]:
+    """This rank's :class:`TextGenerator` (and the tokenizer) for the checkpoint in ``load``."""
+    from mcore.checkpoint import load_logical_model_state
+
+    state, metadata = load_logical_model_state(load, iteration)
+    run_config = metadata.get("run_config") or {}
+    cfg = model_config_from_run_config(run_config)
+    tok_config = tokenizer_config or tokenizer_config_from_run_config(run_config)
+    tokenizer = build_tokenizer(tok_config) if tok_config is not None else None
+    vocab_size = (metadata.get("extra") or {}).get("tokenizer_vocab_size")
+    if tokenizer is not None:
+        vocab_size = tokenizer.vocab_size
+    if vocab_size is None:
+        raise ConfigError(
+            f"{load}: the checkpoint names no tokenizer and no vocabulary size; give --tokenizer-type"
+        )
+    model = build_model_chunk(cfg, groups, int(vocab_size), state, device=device, params_dtype=params_dtype)
+    eod = tokenizer.eod if tokenizer is not None else None
+    return TextGenerator(model, groups, int(vocab_size), eod=eod), tokenizer
+
+
+def encode_prompts(tokenizer: Tokenizer | None, texts: Sequence[str], ids: Sequence[str]) -> list[list[int]]:
+    prompts = [[int(t) for t in line.split()] for line in ids]
+    if texts:
+        if tokenizer is None:
+            raise ConfigError("--prompt needs a tokenizer; give --prompt-ids or --tokenizer-type")
+        prompts += tokenizer.tokenize_batch(list(texts))
+    return prompts
+
+
+def format_results(
+    tokenizer: Tokenizer | None,
+    prompts: Sequence[Sequence[int]],
+    texts: Sequence[str | None],
+    out: GenerationOutput,
+) -> list[dict]:
+    results = []
+    for i, (prompt, generated) in enumerate(zip(prompts, out.tokens)):
+        body = generated[:-1] if out.finish_reasons[i] == "stop" else generated
+        results.append(
+            {
+                "prompt": texts[i],
+                "prompt_ids": list(prompt),
+                "generated_ids": list(generated),
+                "text": tokenizer.detokenize(body) if tokenizer is not None else None,
+                "finish_reason": out.finish_reasons[i],
+                "score": None if out.scores is None else out.scores[i],
+            }
+        )
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from mcore.checkpoint import CheckpointError
+    from mcore.distributed.groups import destroy_parallel, initialize_parallel
+    from mcore.plugins.manager import BackendSelectionError, PluginError, select_backend
+
+    configs = parse_config(GROUPS, argv, prog="python -m mcore.inference.generate")
+    gen: GenerateConfig = configs["generation"]
+    parallel: ParallelConfig = configs["parallel"]
+    tok_override = configs["tokenizer"] if configs["tokenizer"].tokenizer_type else None
+    try:
+        check(
+            parallel.virtual_pipeline_model_parallel_size in (None, 1)
+            and parallel.num_layers_per_virtual_pipeline_stage is None,
+            "generation runs one model chunk per pipeline stage: drop the virtual-pipeline flags",
+        )
+        params = gen.sampling()
+        backend = select_backend(parallel.device_backend)
+        groups = initialize_parallel(replace(parallel, sequence_parallel=False), backend)
+    except (ConfigError, ValueError, BackendSelectionError, PluginError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        generator, tokenizer = load_generator(
+            gen.load,
+            groups,
+            iteration=gen.ckpt_step,
+            tokenizer_config=tok_override,
+            params_dtype=gen.params_dtype,
+        )
+        prompts = encode_prompts(tokenizer, gen.prompt, gen.prompt_ids)
+        out = generator.generate(prompts, params)
+    except (ConfigError, DataError, CheckpointError, ValueError, KeyError) as err:
+        print(f"error (rank {groups.rank}): {err}", file=sys.stderr)
+        return 2
+    texts: list[str | None] = [None] * len(gen.prompt_ids) + list(gen.prompt)
+    results = format_results(tokenizer, prompts, texts, out)
+    if groups.rank == 0:
+        for r in results:
+            shown = r["prompt"] if r["prompt"] is not None else " ".join(map(str, r["prompt_ids"]))
+            body = r["text"] if r["text"] is not None else " ".join(map(str, r["generated_ids"]))
+            print(f"[{r['finish_reason']}] {shown!r} -> {body!r}", flush=True)
+        if gen.output_json:
+            with open(gen.output_json, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=2)
+    destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
