@@ -286,7 +286,6 @@ def megatron_model_flags(cfg: ModelConfig) -> list[str]:
     """The Megatron command-line flags that build ``cfg`` (only those that differ from the defaults)."""
     from mcore.config.fields import flag_name
 
-    defaults = ModelConfig(num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=1)
     always = {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"}
     flags: list[str] = []
     for field in dataclasses.fields(ModelConfig):
@@ -299,7 +298,7 @@ def megatron_model_flags(cfg: ModelConfig) -> list[str]:
             continue
         if field.name == "kv_channels" and value * cfg.num_attention_heads == cfg.hidden_size:
             continue
-        if field.name not in always and value == getattr(defaults, field.name):
+        if field.name not in always and value == field.default:
             continue
         spelling = flag_name(field)
         if isinstance(value, bool):

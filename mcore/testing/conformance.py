@@ -44,6 +44,10 @@ from mcore.ops import reference
 from mcore.ops.registry import OP_NAMES
 from mcore.testing.distributed import run_distributed
 
+# torch >= 2.12 renamed the single-tensor collectives (as mcore.tensor_parallel.mappings does).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CAPABILITY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -425,10 +429,10 @@ def collectives_rank() -> dict[str, list]:
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
     out["all_reduce_max"] = m.cpu().tolist()
     gathered = torch.empty(2 * world, device=device)
-    dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), device=device))
+    _all_gather_single(gathered, torch.full((2,), float(rank), device=device))
     out["all_gather"] = gathered.cpu().tolist()
     scattered = torch.empty(2, device=device)
-    dist.reduce_scatter_tensor(scattered, torch.arange(2.0 * world, device=device) + rank)
+    _reduce_scatter_single(scattered, torch.arange(2.0 * world, device=device) + rank)
     out["reduce_scatter"] = scattered.cpu().tolist()
     b = torch.full((3,), float(rank + 10), device=device)
     dist.broadcast(b, src=0)

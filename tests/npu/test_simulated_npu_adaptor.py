@@ -160,3 +160,22 @@ def test_simulated_sbh_path_steps_aside_for_alibi_and_other_backends(simulated_n
     assert out.shape == (6, 1, 16)
     select_backend("cpu")  # the patch is still applied but the table is not the NPU's
     assert module(q, q, q).shape == (6, 1, 16)
+
+
+def test_simulated_smoke_script_passes():
+    """examples/npu_smoke.py, the real-hardware check, runs end to end on the simulated torch_npu."""
+    import os
+    import pathlib
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "npu_smoke.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--simulated", "--no-distributed"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "checks passed (SIMULATED)" in run.stdout and "FAIL" not in run.stdout
+    assert "backend npu: 8 x Ascend910B2 (SIMULATED" in run.stdout

@@ -1,8 +1,8 @@
 """A pipeline that loses a rank mid-step ends with an error naming that rank, not a hang."""
 
+import json
 import multiprocessing
 import os
-import json
 import time
 
 import pytest
@@ -88,7 +88,7 @@ def _run_expecting_one_survivor(dying_rank, timeout_s, how, tmp_path):
     for p in procs:
         p.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # process start-up included (slow on a busy machine)
         while not os.path.exists(report):
             if time.monotonic() > deadline:
                 pytest.fail("the surviving rank hung instead of reporting the lost rank")

@@ -24,4 +24,7 @@ def test_python_m_mcore_backends_lists_backends_and_op_providers():
         assert "pip install" in out
     if any(ep.name == "example" for ep in importlib.metadata.entry_points(group="mcore.backends")):
         example = out[out.index("backend example") :]
-        assert "op rms_norm               example" in example and "op layer_norm             reference" in example
+        assert (
+            "op rms_norm               example" in example
+            and "op layer_norm             reference" in example
+        )

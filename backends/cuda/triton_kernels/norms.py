@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, rows_2d, sm_count, warps_for
+from ._common import GridLaunch, next_pow2, rows_2d, sm_count
 
 MAX_N = 16384
 """The widest row a program keeps in registers; wider rows use the reference op."""
@@ -51,15 +51,15 @@ def _rms_bwd_kernel(
     DW,
     M,
     N,
-    NPROG,
     stride_dy,
     stride_x,
     stride_dx,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PER_SM: tl.constexpr,  # programs per SM: sets the grid only
 ):
     pid = tl.program_id(0)
-    step = NPROG * BLOCK_M
+    step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -130,16 +130,16 @@ def _ln_bwd_kernel(
     DB,
     M,
     N,
-    NPROG,
     stride_dy,
     stride_x,
     stride_dx,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PER_SM: tl.constexpr,  # programs per SM: sets the grid only
 ):
     pid = tl.program_id(0)
-    step = NPROG * BLOCK_M
+    step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -169,24 +169,41 @@ def _ln_bwd_kernel(
 
 
 def _fwd_config(n: int, config: dict | None) -> dict:
+    # Measured on H100 (benchmarks/kernels --sweep): one 2048-wide row a program, 4 warps (16 elements
+    # a thread) is the fastest forward; narrower rows take several rows a program.
     block_n = next_pow2(n)
-    cfg = {"BLOCK_M": max(1, min(16, 4096 // block_n))}
+    cfg = {"BLOCK_M": max(1, 2048 // block_n)}
     cfg.update(config or {})
-    cfg.setdefault("num_warps", warps_for(cfg["BLOCK_M"] * block_n))
+    cfg.setdefault("num_warps", int(min(16, max(1, cfg["BLOCK_M"] * block_n // 512))))
     return {"BLOCK_N": block_n, **cfg}
 
 
-def _bwd_config(n: int, config: dict | None) -> dict:
+def _bwd_configs(block_n: int) -> list[dict]:
+    base = max(1, 2048 // block_n)
+    out = []
+    for bm in (base, 2 * base):
+        for w in (2, 4, 8, 16):
+            if 4 <= bm * block_n // (32 * w) <= 16:
+                out += [{"BLOCK_M": bm, "num_warps": w, "PER_SM": per_sm} for per_sm in (4, 8, 16)]
+    return out
+
+
+def _bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
+    """The persistent backward's launch: ``min(row blocks, SMs * PER_SM)`` programs, tuned for big ``m``."""
     block_n = next_pow2(n)
-    cfg = {"BLOCK_M": max(1, min(16, 4096 // block_n)), "programs_per_sm": 4}
-    cfg.update(config or {})
-    cfg.setdefault("num_warps", warps_for(cfg["BLOCK_M"] * block_n))
-    return {"BLOCK_N": block_n, **cfg}
+    base = max(1, 2048 // block_n)
+    default = {"BLOCK_M": base, "num_warps": int(min(16, max(1, base * block_n // 256))), "PER_SM": 4}
+    sms = sm_count(device)
 
+    def programs(cfg) -> int:
+        return max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sms * cfg["PER_SM"]))
 
-def _bwd_programs(m: int, device: torch.device, cfg: dict) -> int:
-    per_sm = cfg.pop("programs_per_sm")
-    return max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sm_count(device) * per_sm))
+    if config is not None and "programs_per_sm" in config:  # the sweep's older spelling
+        config = {**config, "PER_SM": config.pop("programs_per_sm")}
+    return GridLaunch(
+        kernel, (tag, block_n), m, _bwd_configs(block_n), default, key=["N"],
+        grid=lambda cfg: (programs(cfg),), parts=programs, config=config,
+    )  # fmt: skip
 
 
 def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype, config=None):
@@ -202,13 +219,12 @@ def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
 def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, config=None):
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = _bwd_config(n, config)
-    programs = _bwd_programs(m, x2.device, cfg)
-    dw = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    _rms_bwd_kernel[(programs,)](
-        dy2, x2, weight, rstd, dx, dw, m, n, programs, dy2.stride(0), x2.stride(0), dx.stride(0), **cfg
+    launch = _bwd_launch(_rms_bwd_kernel, "rms", m, n, x2.device, config)
+    dw = torch.empty((launch.max_parts, n), dtype=torch.float32, device=x2.device)
+    parts = launch(
+        dy2, x2, weight, rstd, dx, dw, m, n, dy2.stride(0), x2.stride(0), dx.stride(0), BLOCK_N=next_pow2(n)
     )
-    return dx, dw.sum(0).to(weight.dtype)
+    return dx, dw[:parts].sum(0).to(weight.dtype)
 
 
 def layer_norm_fwd(x2, weight, bias, eps: float, config=None):
@@ -239,11 +255,10 @@ def layer_norm_fwd(x2, weight, bias, eps: float, config=None):
 def layer_norm_bwd(dy2, x2, weight, has_bias: bool, mean, rstd, config=None):
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = _bwd_config(n, config)
-    programs = _bwd_programs(m, x2.device, cfg)
-    dw = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    db = torch.empty((programs, n), dtype=torch.float32, device=x2.device) if has_bias else dw
-    _ln_bwd_kernel[(programs,)](
+    launch = _bwd_launch(_ln_bwd_kernel, "ln", m, n, x2.device, config)
+    dw = torch.empty((launch.max_parts, n), dtype=torch.float32, device=x2.device)
+    db = torch.empty((launch.max_parts, n), dtype=torch.float32, device=x2.device) if has_bias else dw
+    parts = launch(
         dy2,
         x2,
         weight,
@@ -254,14 +269,13 @@ def layer_norm_bwd(dy2, x2, weight, has_bias: bool, mean, rstd, config=None):
         db,
         m,
         n,
-        programs,
         dy2.stride(0),
         x2.stride(0),
         dx.stride(0),
         HAS_BIAS=has_bias,
-        **cfg,
+        BLOCK_N=next_pow2(n),
     )
-    return dx, dw.sum(0), (db.sum(0) if has_bias else None)
+    return dx, dw[:parts].sum(0), (db[:parts].sum(0) if has_bias else None)
 
 
 class RMSNormFunction(torch.autograd.Function):

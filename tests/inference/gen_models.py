@@ -1,0 +1,28 @@
+"""The tiny random models the generation tests share (imported by the spawned ranks too)."""
+
+from __future__ import annotations
+
+from mcore.models.config import ModelConfig
+
+VOCAB, EOD = 100, 99
+CONFIGS = {
+    "gpt2": dict(num_attention_heads=4, max_position_embeddings=64),
+    "llama": dict(
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        disable_bias_linear=True,
+        untie_embeddings_and_output_weights=True,
+    ),
+    "alibi": dict(num_attention_heads=4, position_embedding_type="alibi", openai_gelu=True),
+}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
+
+
+def model_config(name: str) -> ModelConfig:
+    # A large init std makes the random model's distributions peaked, so greedy choices are clear.
+    return ModelConfig(num_layers=2, hidden_size=64, seq_length=64, init_method_std=0.2, **CONFIGS[name])
