@@ -29,10 +29,31 @@ GROUPS = {"toy": _Toy, "parallel": ParallelConfig}
 
 
 def test_megatron_spellings_parse_into_typed_configs():
-    cfg = parse_config(GROUPS, ["--num-layers", "4", "--ratio", "0.25", "--paths", "a", "b", "--no-fused",
-                                "--verbose", "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    cfg = parse_config(
+        GROUPS,
+        [
+            "--num-layers",
+            "4",
+            "--ratio",
+            "0.25",
+            "--paths",
+            "a",
+            "b",
+            "--no-fused",
+            "--verbose",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+    )
     toy, par = cfg["toy"], cfg["parallel"]
-    assert (toy.num_layers, toy.ratio, toy.paths, toy.fused, toy.verbose) == (4, 0.25, ("a", "b"), False, True)
+    assert (toy.num_layers, toy.ratio, toy.paths, toy.fused, toy.verbose) == (
+        4,
+        0.25,
+        ("a", "b"),
+        False,
+        True,
+    )
     assert par.tensor_model_parallel_size == 2 and par.sequence_parallel
     assert parse_config(GROUPS, [])["toy"] == _Toy()
 

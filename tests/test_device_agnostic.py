@@ -19,5 +19,11 @@ def test_core_names_no_vendor():
 
 
 def test_the_check_would_catch_each_form():
-    for line in ("torch.cuda.synchronize()", "x.cuda()", "backend = 'nccl'", 'b = "nccl"', "import torch_npu"):
+    for line in (
+        "torch.cuda.synchronize()",
+        "x.cuda()",
+        "backend = 'nccl'",
+        'b = "nccl"',
+        "import torch_npu",
+    ):
         assert FORBIDDEN.search(line), line

@@ -49,15 +49,45 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def kernel_us(fn: Callable, iters: int = 10) -> float | None:
+    """Microseconds of device work per call of ``fn``: the sum of its kernels' durations (profiler).
+
+    Unlike a wall-clock time, this leaves out the gaps while the host issues launches (autograd and
+    Python overhead), so bytes over it is the bandwidth the kernels themselves achieve. The L2
+    cache is flushed (a 256 MiB ``bitwise_not_``, left out of the sum) before every call.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                flush.bitwise_not_()
+                fn()
+            torch.cuda.synchronize()
+        total = 0.0
+        for evt in prof.events():
+            if evt.device_type != torch.autograd.DeviceType.CUDA or "bitwise_not" in evt.name:
+                continue
+            total += evt.time_range.elapsed_us()
+        return total / iters if total > 0 else None
+    except Exception as err:  # the profiler is a nicety: fall back to the wall-clock column
+        print(f"  profiler failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
+
+
 @dataclass
 class Row:
     kernel: str
     shape: str
     direction: str
     bytes: int
-    cuda_us: float
-    torch_us: float | None
-    compile_us: float | None
+    cuda_us: float  # device time of the kernels (profiler), else wall time
+    cuda_wall_us: float  # do_bench wall time of one call (includes host launch gaps)
+    torch_us: float | None  # reference, device time
+    compile_us: float | None  # torch.compile(reference), device time
     copy_frac: float = 0.0  # cuda bytes/s over the large copy's bytes/s
 
     @property
@@ -65,15 +95,21 @@ class Row:
         return self.bytes / (self.cuda_us * 1e-6) / 1e9
 
 
+HEADER = (
+    f"{'kernel':<24}{'shape':<20}{'pass':<5}{'MB':>8}{'cuda us':>9}{'GB/s':>7}{'%copy':>7}{'wall us':>9}"
+    f"{'torch us':>10}{'compile us':>11}{'x torch':>8}{'x comp':>8}"
+)
+
+
 def format_row(r: Row) -> str:
-    def us(v):
-        return f"{v:9.1f}" if v is not None else "        -"
+    def us(v, w=9):
+        return f"{v:{w}.1f}" if v is not None else " " * (w - 1) + "-"
 
     xt = f"{r.torch_us / r.cuda_us:8.2f}" if r.torch_us else "       -"
     xc = f"{r.compile_us / r.cuda_us:8.2f}" if r.compile_us else "       -"
     return (
-        f"{r.kernel:<24}{r.shape:<20}{r.direction:<5}{r.bytes / 1e6:8.1f}{us(r.cuda_us):>10}{r.gbs:8.0f}"
-        f"{100 * r.copy_frac:6.0f}%{us(r.torch_us):>10}{us(r.compile_us):>11}{xt}{xc}"
+        f"{r.kernel:<24}{r.shape:<20}{r.direction:<5}{r.bytes / 1e6:8.1f}{us(r.cuda_us)}{r.gbs:7.0f}"
+        f"{100 * r.copy_frac:6.0f}%{us(r.cuda_wall_us)}{us(r.torch_us, 10)}{us(r.compile_us, 11)}{xt}{xc}"
     )
 
 
@@ -90,6 +126,11 @@ def _fwd_bwd(fn: Callable, make: Callable, grad_idx: tuple[int, ...]):
     return fwd, bwd
 
 
+def _times(fn: Callable) -> tuple[float, float | None]:
+    wall = bench(fn) * 1e3
+    return wall, kernel_us(fn)
+
+
 def run_op(name, shape, cuda_fn, ref_fn, make, grad_idx, fwd_bytes, bwd_bytes, compile_ok) -> list[Row]:
     rows = []
     results = {}
@@ -99,22 +140,34 @@ def run_op(name, shape, cuda_fn, ref_fn, make, grad_idx, fwd_bytes, bwd_bytes, c
         ("compile", torch.compile(ref_fn) if compile_ok else None),
     ):
         if fn is None:
-            results[label] = (None, None)
+            results[label] = [None, None]
             continue
         try:
             fwd, bwd = _fwd_bwd(fn, make, grad_idx)
-            results[label] = (bench(fwd) * 1e3, bench(bwd) * 1e3 if bwd_bytes else None)
+            results[label] = [_times(fwd), _times(bwd) if bwd_bytes else None]
         except Exception as err:  # keep the table going; report the failure
             print(f"  {name} {label}: failed: {type(err).__name__}: {err}", file=sys.stderr)
-            results[label] = (None, None)
+            results[label] = [None, None]
         torch.cuda.empty_cache()
+
+    def device_us(label, k):
+        t = results[label][k]
+        return None if t is None else (t[1] if t[1] is not None else t[0])
+
     for k, (direction, nbytes) in enumerate((("fwd", fwd_bytes), ("bwd", bwd_bytes))):
         if not nbytes or results["cuda"][k] is None:
             continue
         rows.append(
             Row(
-                name, shape, direction, nbytes, results["cuda"][k], results["torch"][k], results["compile"][k]
-            )
+                name,
+                shape,
+                direction,
+                nbytes,
+                device_us("cuda", k),
+                results["cuda"][k][0],
+                device_us("torch", k),
+                device_us("compile", k),
+            )  # fmt: skip
         )
     return rows
 
@@ -222,7 +275,9 @@ def adam_rows(ops, reference, compile_ok: bool) -> list[Row]:
         fns["compile"] = lambda: compiled(params, grads, m, v, **hp)
     for label, fn in fns.items():
         try:
-            times[label] = bench(fn, warmup=5, rep=50) * 1e3
+            wall = bench(fn, warmup=5, rep=50) * 1e3
+            gpu = kernel_us(fn, iters=3)
+            times[label] = (gpu if gpu is not None else wall, wall)
         except Exception as err:
             print(f"  adam_step {label}: failed: {type(err).__name__}: {err}", file=sys.stderr)
     return [
@@ -231,9 +286,10 @@ def adam_rows(ops, reference, compile_ok: bool) -> list[Row]:
             "12x4096x4096 fp32",
             "step",
             nbytes,
-            times["cuda"],
-            times.get("torch"),
-            times.get("compile"),
+            times["cuda"][0],
+            times["cuda"][1],
+            times.get("torch", (None,))[0],
+            times.get("compile", (None,))[0],
         )
     ]
 
@@ -354,19 +410,25 @@ def main(argv=None) -> int:
     print(f"copy bandwidth (1 GiB, read+write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 
     t0 = time.time()
-    header = (
-        f"{'kernel':<24}{'shape':<20}{'pass':<5}{'MB':>8}{'cuda us':>10}{'GB/s':>8}{'%copy':>7}"
-        f"{'torch us':>10}{'compile us':>11}{'x torch':>8}{'x comp':>8}"
-    )
+    header = HEADER
     print("\n" + header, flush=True)  # rows stream as they finish; the table is repeated at the end
     rows = op_rows(ops, reference, not args.skip_compile, set(args.only) if args.only else None, copy_bw)
     sweep_out = sweep() if args.sweep else []
     print(
         f"\nkernel micro-benchmarks on {props.name}; copy {copy_bw / 1e12:.2f} TB/s ({time.time() - t0:.0f} s)"
     )
+    print("cuda/torch/compile us: device time of the kernels per call (profiler, L2 flushed); GB/s and")
+    print(
+        "%copy from the cuda column; wall us: do_bench wall time of one cuda call (host launch gaps included)"
+    )
     print(header)
     for r in rows:
         print(format_row(r))
+    from mcore.backends.cuda.triton_kernels import _common
+
+    for (kernel, tag), tuner in _common._TUNERS.items():
+        best = getattr(tuner, "best_config", None)
+        print(f"autotuned {getattr(kernel, '__name__', kernel)} {tag}: {best}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(

@@ -138,7 +138,8 @@ class DistributedDataParallel(torch.nn.Module):
             by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
 
         def own_bucket(param: torch.nn.Parameter) -> bool:
-            return ddp_config.use_distributed_optimizer and is_shared_embedding(param)
+            # the tied embedding's two copies (first and last stage) must shard alike
+            return ddp_config.use_distributed_optimizer and groups.pp_size > 1 and is_shared_embedding(param)
 
         self.buffers = [
             GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names)

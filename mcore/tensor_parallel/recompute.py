@@ -32,7 +32,7 @@ class _CheckpointFunction(torch.autograd.Function):
     """Forward: run ``fn`` under no_grad, keep inputs and RNG states. Backward: replay, then backprop."""
 
     @staticmethod
-    def forward(ctx, run_function, num_args, *args):
+    def forward(ctx, run_function, *args):
         ctx.run_function = run_function
         ctx.rng = _rng_snapshot()
         with torch.no_grad():
@@ -62,7 +62,7 @@ class _CheckpointFunction(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in args)
-        return (None, None, *input_grads)
+        return (None, *input_grads)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
@@ -74,4 +74,4 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """
     if not torch.is_grad_enabled():
         return function(*args)
-    return _CheckpointFunction.apply(function, len(args), *args)
+    return _CheckpointFunction.apply(function, *args)

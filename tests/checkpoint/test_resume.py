@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_runs import train  # noqa: E402
@@ -58,11 +59,11 @@ RESHARD_LAYOUTS = {
 
 
 def _assert_continues(losses, expected):
+    # step 1 is the loaded weights at the new layout on the next batch; the later steps also need the
+    # optimizer state (fp32 masters, moments, step counts) carried over. Only the summation order
+    # differs between layouts: within a few float32 ulps.
     assert len(losses) == len(expected)
-    # the next-step loss: the loaded weights at the new layout on the next batch
-    assert losses[0] == pytest.approx(expected[0], rel=1e-6, abs=0)
-    # later steps also depend on the optimizer state being carried over correctly
-    assert losses == pytest.approx(expected, rel=2e-5, abs=0)
+    assert losses == pytest.approx(expected, rel=1e-6, abs=0)
 
 
 @pytest.mark.parametrize("layout", sorted(RESHARD_LAYOUTS))
@@ -79,3 +80,19 @@ def test_distributed_optimizer_checkpoint_continues_without_it_at_tp2(distopt_dp
         train, 2, ["--tensor-model-parallel-size", "2", "--train-iters", "20", "--exit-interval", "13", "--load", str(save), "--ckpt-step", "10"]
     )
     _assert_continues(results[-1]["losses"], straight[10:13])
+
+
+def test_bf16_resume_is_bit_exact_and_keeps_the_fp32_masters(tmp_path):
+    from mcore.checkpoint import load_logical_model_state
+
+    save = tmp_path / "ckpt"
+    run = ["--bf16", *DISTOPT_DP2, "--train-iters", "6"]
+    straight = run_distributed(train, 2, [*run, "--save", str(save), "--save-interval", "3"])
+    resumed = run_distributed(train, 2, [*run, "--load", str(save), "--ckpt-step", "3"])
+    assert resumed[-1]["losses"] == straight[-1]["losses"][3:]
+    weights, meta = load_logical_model_state(save)
+    masters, _ = load_logical_model_state(save, use_fp32_master=True)
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert weights[name].dtype == torch.bfloat16 and masters[name].dtype == torch.float32
+    assert torch.equal(masters[name].bfloat16(), weights[name])
+    assert any(r["kind"] == "main_param" for r in meta["records"])

@@ -69,7 +69,7 @@ RECOMPUTE = {
 }
 BF16 = os.environ.get("MCORE_TEST_DTYPE", "fp32") == "bf16"
 DTYPE = torch.bfloat16 if BF16 else torch.float32
-LOSS_TOL, GRAD_TOL = (2e-2, 1.5e-1) if BF16 else (1e-5, 1e-5)
+LOSS_TOL, GRAD_TOL = (5e-3, 5e-2) if BF16 else (1e-5, 1e-5)  # measured on H200: 4.5e-4, 1.6e-2
 
 
 def _device() -> torch.device:

@@ -456,9 +456,10 @@ def test_cuda_dropout_follows_torch_rng_and_rescales(cuda_backend):
     bda = cuda_backend.ops.bias_dropout_add
     p = 0.3
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(512, 1024, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
-    b = torch.randn(1024, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
-    r = torch.randn(512, 1024, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
+    # 8192 rows: the backward tunes its own tiling, which must regenerate the forward's mask anyway.
+    x = torch.randn(8192, 1000, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
+    b = torch.randn(1000, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
+    r = torch.randn(8192, 1000, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
     torch.manual_seed(1234)
     y1 = bda(x, b, r, p, True)
     torch.manual_seed(1234)
@@ -471,7 +472,7 @@ def test_cuda_dropout_follows_torch_rng_and_rescales(cuda_backend):
     assert torch.equal(gr, dy)
     kept = gx != 0  # the backward regenerates the forward's mask from the saved seed
     frac = kept.float().mean().item()
-    assert abs(frac - (1 - p)) < 0.01, frac
+    assert abs(frac - (1 - p)) < 0.005, frac
     scale = 1.0 / (1.0 - p)
     dropped = torch.where(kept, ((x + b).float() * scale).to(torch.bfloat16).float(), 0.0)
     expect_y = (r.float() + dropped).to(torch.bfloat16)

@@ -13,7 +13,7 @@ from ddp_toy import build, train, weights  # noqa: E402
 
 from mcore.config.parallel import ParallelConfig  # noqa: E402
 from mcore.distributed.groups import ProcessGroups, initialize_parallel  # noqa: E402
-from mcore.testing.distributed import run_distributed  # noqa: E402
+from mcore.testing.distributed import run_distributed, test_backend_name  # noqa: E402
 
 
 def _fp16_overflow():
@@ -54,11 +54,13 @@ def test_bf16_distributed_optimizer_matches_one_process():
     ref_history = train(ref_model, ref_opt, ProcessGroups.single(), 4)
     ref_masters = {e.key: e.main for e in ref_opt.main_params}
     results = run_distributed(_bf16, 2, True)
+    # the reference runs here, on the host: ranks on an accelerator compute bf16 matmuls differently
+    tol = 1e-4 if test_backend_name() == "cpu" else 1e-2
     for history, final, masters in results:
         for (loss, ok, _, _), (ref_loss, _, _, _) in zip(history, ref_history):
             assert ok and loss == pytest.approx(ref_loss, rel=1e-2)
         for key, (start, end, main) in masters.items():  # fp32 masters: each rank its own piece
-            torch.testing.assert_close(main, ref_masters[key][start:end], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(main, ref_masters[key][start:end], rtol=tol, atol=tol / 10)
         for key, value in final.items():
             torch.testing.assert_close(value, results[0][1][key], rtol=0, atol=0)  # params all-gathered
     pieces = sum(end - start for _, _, masters in results for start, end, _ in masters.values())

@@ -63,18 +63,15 @@ def _check_mappings(group, rank) -> dict[str, float]:
     # reduce: all-reduce forward, identity backward
     y, g = run(M.reduce_from_tensor_model_parallel_region, mine, grad_full)
     errors["reduce"] = max(rel_err(y, 2 * full + 1), rel_err(g, grad_full))
-    # scatter/gather along the last dim
+    # scatter/gather along the last dim. Each rank feeds its own chunk of grad_full as the gradient
+    # of its scattered output, so the all-gathered input gradient is grad_full itself.
     y, g = run(M.scatter_to_tensor_model_parallel_region, full, grad_full.chunk(TP, -1)[rank])
-    expected_g = torch.zeros_like(full)
-    expected_g[..., rank * H // TP : (rank + 1) * H // TP] = grad_full.chunk(TP, -1)[rank]
     errors["scatter_tp"] = max(rel_err(y, full.chunk(TP, -1)[rank]), rel_err(g, grad_full))
     y, g = run(M.gather_from_tensor_model_parallel_region, full.chunk(TP, -1)[rank], grad_full)
     errors["gather_tp"] = max(rel_err(y, full), rel_err(g, grad_full.chunk(TP, -1)[rank]))
     # sequence parallel: scatter / gather / reduce-scatter along the first dim
     y, g = run(M.scatter_to_sequence_parallel_region, full, grad_full.chunk(TP, 0)[rank])
-    errors["scatter_sp"] = max(
-        rel_err(y, full.chunk(TP, 0)[rank]), rel_err(g, _gather_first(grad_full, rank))
-    )
+    errors["scatter_sp"] = max(rel_err(y, full.chunk(TP, 0)[rank]), rel_err(g, grad_full))
     y, g = run(M.gather_from_sequence_parallel_region, full.chunk(TP, 0)[rank], grad_full + rank)
     errors["gather_sp"] = max(rel_err(y, full), rel_err(g, (2 * grad_full + 1).chunk(TP, 0)[rank]))
     x = full.chunk(TP, 0)[rank].clone().requires_grad_(True)
@@ -82,20 +79,8 @@ def _check_mappings(group, rank) -> dict[str, float]:
     y.backward(grad_full)
     errors["gather_sp_replicated"] = rel_err(x.grad, grad_full.chunk(TP, 0)[rank])
     y, g = run(M.reduce_scatter_to_sequence_parallel_region, mine, grad_full.chunk(TP, 0)[rank])
-    errors["reduce_scatter_sp"] = max(
-        rel_err(y, (2 * full + 1).chunk(TP, 0)[rank]), rel_err(g, _gather_first(grad_full, rank))
-    )
+    errors["reduce_scatter_sp"] = max(rel_err(y, (2 * full + 1).chunk(TP, 0)[rank]), rel_err(g, grad_full))
     return errors
-
-
-def _gather_last(grad_full, rank):
-    # Each rank passed its own chunk as the gradient of its scattered output, so the all-gathered
-    # gradient is grad_full itself.
-    return grad_full
-
-
-def _gather_first(grad_full, rank):
-    return grad_full
 
 
 def _out_features(spec, t: torch.Tensor) -> torch.Tensor:

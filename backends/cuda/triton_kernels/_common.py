@@ -73,7 +73,9 @@ class GridLaunch:
     the call returns the rows the chosen config wrote.
     """
 
-    def __init__(self, kernel, tag, rows: int, configs: list[dict], default: dict, key, grid, parts, config=None):
+    def __init__(
+        self, kernel, tag, rows: int, configs: list[dict], default: dict, key, grid, parts, config=None
+    ):
         self.grid_of, self.parts_of = grid, parts
         self.tuner = None
         if config is not None:
@@ -82,7 +84,9 @@ class GridLaunch:
             self.configs = configs
             tkey = (kernel, tag)
             if tkey not in _TUNERS:
-                _TUNERS[tkey] = triton.autotune([_as_triton_config(c) for c in configs], key=list(key))(kernel)
+                _TUNERS[tkey] = triton.autotune([_as_triton_config(c) for c in configs], key=list(key))(
+                    kernel
+                )
             self.tuner = _TUNERS[tkey]
         else:
             self.configs = [default]

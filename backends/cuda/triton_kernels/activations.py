@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, rows_2d, sm_count, warps_for
+from ._common import GridLaunch, next_pow2, rows_2d, sm_count
 
 # --- SwiGLU ---------------------------------------------------------------------------------------
 
@@ -58,12 +58,38 @@ def _swiglu_bwd_kernel(
     tl.store(dxrow + F, du.to(DX.dtype.element_ty), mask=mask)
 
 
-def _tile_config(n: int, config: dict | None, max_n: int = 1024, elements: int = 4096) -> dict:
+def _tile_config(n: int, config: dict | None, max_n: int = 2048, elements: int = 2048) -> dict:
+    # Measured on H100 (benchmarks/kernels --sweep): 2048-element tiles along the row, 8 warps.
     block_n = min(next_pow2(n), max_n)
     cfg = {"BLOCK_N": block_n, "BLOCK_M": max(1, elements // block_n)}
     cfg.update(config or {})
-    cfg.setdefault("num_warps", warps_for(cfg["BLOCK_M"] * cfg["BLOCK_N"], hi=8))
+    cfg.setdefault("num_warps", int(min(8, max(1, cfg["BLOCK_M"] * cfg["BLOCK_N"] // 256))))
     return cfg
+
+
+_COLUMN_BWD_CONFIGS = [
+    {"BLOCK_N": bn, "BLOCK_M": bm, "num_warps": w, "PER_SM": per_sm}
+    for bn, bm, w in ((2048, 1, 8), (2048, 1, 4), (1024, 1, 4), (1024, 2, 8))
+    for per_sm in (4, 8, 16)
+]
+
+
+def _column_bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
+    """Persistent backward over ``[row programs, column blocks]`` with fp32 column partial sums."""
+    sms = sm_count(device)
+    default = {**_tile_config(n, None), "PER_SM": 4}
+    configs = [c for c in _COLUMN_BWD_CONFIGS if c["BLOCK_N"] <= next_pow2(n)] or [default]
+
+    def grid(cfg):
+        n_cb = triton.cdiv(n, cfg["BLOCK_N"])
+        rows = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(sms * cfg["PER_SM"], n_cb)))
+        return rows, n_cb
+
+    if config is not None and "programs_per_sm" in config:
+        config = {**config, "PER_SM": config.pop("programs_per_sm")}
+    return GridLaunch(
+        kernel, tag, m, configs, default, key=["N"], grid=grid, parts=lambda cfg: grid(cfg)[0], config=config
+    )
 
 
 def swiglu_fwd(x2: torch.Tensor, config=None) -> torch.Tensor:
@@ -172,7 +198,6 @@ def _bias_gelu_bwd_kernel(
     DB,
     M,
     N,
-    NPROG,
     stride_dy,
     stride_x,
     stride_dx,
@@ -180,6 +205,7 @@ def _bias_gelu_bwd_kernel(
     TANH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PER_SM: tl.constexpr,  # sets the grid only
 ):
     pid_r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,7 +213,7 @@ def _bias_gelu_bwd_kernel(
     if HAS_BIAS:
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid_r * BLOCK_M, M, NPROG * BLOCK_M):
+    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -202,10 +228,6 @@ def _bias_gelu_bwd_kernel(
             db += tl.sum(tl.where(mask, dx, 0.0), axis=0)
     if HAS_BIAS:
         tl.store(DB + pid_r * N + cols, db, mask=cmask)
-
-
-def _row_programs(m: int, n_col_blocks: int, block_m: int, device: torch.device, per_sm: int) -> int:
-    return max(1, min(triton.cdiv(m, block_m), triton.cdiv(sm_count(device) * per_sm, n_col_blocks)))
 
 
 def bias_gelu_fwd(x2, bias, tanh: bool, config=None):
@@ -223,17 +245,14 @@ def bias_gelu_fwd(x2, bias, tanh: bool, config=None):
 def bias_gelu_bwd(dy2, x2, bias, tanh: bool, config=None):
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = _tile_config(n, config)
-    per_sm = cfg.pop("programs_per_sm", 4)
-    n_cb = triton.cdiv(n, cfg["BLOCK_N"])
-    rp = _row_programs(m, n_cb, cfg["BLOCK_M"], x2.device, per_sm)
     has_bias = bias is not None
-    db = torch.empty((rp, n), dtype=torch.float32, device=x2.device) if has_bias else dx
-    _bias_gelu_bwd_kernel[(rp, n_cb)](
-        dy2, x2, x2 if bias is None else bias, dx, db, m, n, rp, dy2.stride(0), x2.stride(0), dx.stride(0),
-        HAS_BIAS=has_bias, TANH=tanh, **cfg,
+    launch = _column_bwd_launch(_bias_gelu_bwd_kernel, ("gelu", has_bias, tanh), m, n, x2.device, config)
+    db = torch.empty((launch.max_parts, n), dtype=torch.float32, device=x2.device) if has_bias else dx
+    parts = launch(
+        dy2, x2, x2 if bias is None else bias, dx, db, m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
+        HAS_BIAS=has_bias, TANH=tanh,
     )  # fmt: skip
-    return dx, (db.sum(0).to(bias.dtype) if has_bias else None)
+    return dx, (db[:parts].sum(0).to(bias.dtype) if has_bias else None)
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -260,6 +279,24 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "no
 
 
 @triton.jit
+def _keep_mask(seed, rows, cols0, N, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dropout's keep mask for the tile at ``rows`` x ``cols0 + [0, BLOCK_N)``.
+
+    One Philox call (``randint4x``) serves 4 neighbouring elements of a row, a quarter of the
+    arithmetic of one call an element; the mask depends only on the element's (row, col), so the
+    backward regenerates it whatever its tiling (``cols0`` a multiple of 4).
+    """
+    groups = (N + 3) // 4
+    q = cols0 // 4 + tl.arange(0, BLOCK_N // 4)
+    offs = rows[:, None] * groups + q[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, offs)
+    r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_M, BLOCK_N))
+    r = r.to(tl.int32, bitcast=True)
+    u = tl.where(r < 0, -r - 1, r).to(tl.float32) * 4.6566127342e-10  # uniform in [0, 1)
+    return u >= p
+
+
+@triton.jit
 def _bda_fwd_kernel(
     X,
     B,
@@ -279,7 +316,8 @@ def _bda_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols0 = tl.program_id(1) * BLOCK_N
+    cols = cols0 + tl.arange(0, BLOCK_N)
     cmask = cols < N
     mask = (rows < M)[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
@@ -289,9 +327,7 @@ def _bda_fwd_kernel(
         x = (x.to(tl.float32) + b.to(tl.float32)[None, :]).to(X.dtype.element_ty)
     t = x.to(tl.float32)
     if DROPOUT:
-        seed = tl.load(SEED)
-        offs = rows[:, None] * N + cols[None, :]
-        keep = tl.rand(seed, offs) >= p
+        keep = _keep_mask(tl.load(SEED), rows, cols0, N, p, BLOCK_M, BLOCK_N)
         t = tl.where(keep, t * scale, 0.0).to(X.dtype.element_ty).to(tl.float32)
     r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], (r + t).to(Y.dtype.element_ty), mask=mask)
@@ -305,7 +341,6 @@ def _bda_bwd_kernel(
     SEED,
     M,
     N,
-    NPROG,
     stride_dy,
     stride_dx,
     p,
@@ -313,19 +348,20 @@ def _bda_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PER_SM: tl.constexpr,  # sets the grid only
 ):
     pid_r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols0 = tl.program_id(1) * BLOCK_N
+    cols = cols0 + tl.arange(0, BLOCK_N)
     cmask = cols < N
     seed = tl.load(SEED)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid_r * BLOCK_M, M, NPROG * BLOCK_M):
+    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        offs = rows[:, None] * N + cols[None, :]
-        keep = tl.rand(seed, offs) >= p
+        keep = _keep_mask(seed, rows, cols0, N, p, BLOCK_M, BLOCK_N)
         dx = tl.where(keep & mask, dy * scale, 0.0)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -338,6 +374,7 @@ def bda_fwd(x2, bias, r2, p: float, seed: torch.Tensor | None, config=None):
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     cfg = _tile_config(n, config)
+    cfg["BLOCK_N"] = max(4, cfg["BLOCK_N"])
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     dropout = seed is not None
     _bda_fwd_kernel[grid](
@@ -351,16 +388,14 @@ def bda_fwd(x2, bias, r2, p: float, seed: torch.Tensor | None, config=None):
 def bda_bwd(dy2, has_bias: bool, p: float, seed: torch.Tensor, config=None):
     m, n = dy2.shape
     dx = torch.empty((m, n), dtype=dy2.dtype, device=dy2.device)
-    cfg = _tile_config(n, config)
-    per_sm = cfg.pop("programs_per_sm", 4)
-    n_cb = triton.cdiv(n, cfg["BLOCK_N"])
-    rp = _row_programs(m, n_cb, cfg["BLOCK_M"], dy2.device, per_sm)
-    db = torch.empty((rp, n), dtype=torch.float32, device=dy2.device) if has_bias else dx
-    _bda_bwd_kernel[(rp, n_cb)](
-        dy2, dx, db, seed, m, n, rp, dy2.stride(0), dx.stride(0), p, 1.0 / (1.0 - p),
-        HAS_BIAS=has_bias, **cfg,
-    )  # fmt: skip
-    return dx, (db.sum(0) if has_bias else None)
+    if config is None and n < 4:
+        config = {"BLOCK_N": 4}
+    launch = _column_bwd_launch(_bda_bwd_kernel, ("bda", has_bias), m, n, dy2.device, config)
+    db = torch.empty((launch.max_parts, n), dtype=torch.float32, device=dy2.device) if has_bias else dx
+    parts = launch(
+        dy2, dx, db, seed, m, n, dy2.stride(0), dx.stride(0), p, 1.0 / (1.0 - p), HAS_BIAS=has_bias
+    )
+    return dx, (db[:parts].sum(0) if has_bias else None)
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import GridLaunch, next_pow2
 
 
 @triton.jit
@@ -27,7 +27,6 @@ def _rotary_kernel(
     F,
     Y,
     INNER,
-    N_IB,
     HALF,
     PASS,
     stride_xo,
@@ -41,8 +40,9 @@ def _rotary_kernel(
     BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    o = (pid // N_IB).to(tl.int64)
-    inner = (pid % N_IB) * BLOCK_I + tl.arange(0, BLOCK_I)
+    n_ib = tl.cdiv(INNER, BLOCK_I)
+    o = (pid // n_ib).to(tl.int64)
+    inner = (pid % n_ib) * BLOCK_I + tl.arange(0, BLOCK_I)
     imask = inner < INNER
     h = tl.arange(0, BLOCK_H)
     hmask = h < HALF
@@ -100,12 +100,14 @@ def _as_3d(t: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
         return t.reshape(outer, inner, t.shape[-1])
 
 
-def _config(inner: int, d: int, config: dict | None) -> dict:
-    block_h = next_pow2(d // 2)
-    cfg = {"BLOCK_I": max(1, min(next_pow2(inner), 4096 // (2 * block_h), 64))}
-    cfg.update(config or {})
-    cfg.setdefault("num_warps", 4)
-    return cfg
+_CONFIGS = [
+    {"BLOCK_I": bi, "num_warps": w} for bi, w in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4))
+]
+
+
+def _default(inner: int, half_block: int) -> dict:
+    # Measured on H100 (benchmarks/kernels --sweep, d = 128): 16 rows of a position, 2 warps.
+    return {"BLOCK_I": max(1, min(next_pow2(inner), 2048 // (2 * half_block))), "num_warps": 2}
 
 
 def rotary_apply(x: torch.Tensor, freqs2: torch.Tensor, k: int, backward: bool, config=None) -> torch.Tensor:
@@ -117,27 +119,19 @@ def rotary_apply(x: torch.Tensor, freqs2: torch.Tensor, k: int, backward: bool, 
     x3 = _as_3d(x, outer, inner)
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
     y3 = y.view(outer, inner, d)
-    cfg = _config(inner, r, config)
+    half_block = next_pow2(r // 2)
     passthrough = d - r
-    n_ib = triton.cdiv(inner, cfg["BLOCK_I"])
-    _rotary_kernel[(outer * n_ib,)](
-        x3,
-        freqs2,
-        y3,
-        inner,
-        n_ib,
-        r // 2,
-        passthrough,
-        x3.stride(0),
-        x3.stride(1),
-        freqs2.stride(0),
-        y3.stride(0),
-        y3.stride(1),
-        BACKWARD=backward,
-        BLOCK_H=next_pow2(r // 2),
-        BLOCK_P=next_pow2(passthrough) if passthrough > 0 else 0,
-        **cfg,
-    )
+    configs = [c for c in _CONFIGS if c["BLOCK_I"] <= next_pow2(inner) and c["BLOCK_I"] * half_block <= 8192]
+    launch = GridLaunch(
+        _rotary_kernel, "rotary", outer * inner, configs, _default(inner, half_block),
+        key=["INNER", "HALF", "PASS"], grid=lambda cfg: (outer * triton.cdiv(inner, cfg["BLOCK_I"]),),
+        parts=lambda cfg: 0, config=config,
+    )  # fmt: skip
+    launch(
+        x3, freqs2, y3, inner, r // 2, passthrough,
+        x3.stride(0), x3.stride(1), freqs2.stride(0), y3.stride(0), y3.stride(1),
+        BACKWARD=backward, BLOCK_H=half_block, BLOCK_P=next_pow2(passthrough) if passthrough > 0 else 0,
+    )  # fmt: skip
     return y
 
 
