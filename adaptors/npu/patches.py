@@ -47,5 +47,17 @@ PATCHES: tuple[Patch, ...] = (
             "the op table gains a sequence-first attention op."
         ),
     ),
+    # A core function that needs an NPU variant: HCCL cannot carry fp64.
+    Patch(
+        target="mcore.inference.generation.TextGenerator._from_last_stage",
+        replacement="mcore.adaptors.npu.impl.generation.fp64_as_int32_pairs",
+        kind=Kind.WRAP,
+        reason=(
+            "beam search broadcasts its fp64 scores from the last pipeline stage and HCCL has no fp64; "
+            "the wrap sends the exact bits as int32 pairs (a cast to fp32 could change which beams win). "
+            "No hook sees this tensor; retire when the core keeps collectives to HCCL's dtypes or the "
+            "backend object gains a dtype-support query."
+        ),
+    ),
 )
 """Applied by :func:`mcore.adaptors.npu.activate`, in this order."""

@@ -174,8 +174,12 @@ def write_json(path: str | os.PathLike, obj: Any) -> int:
     records = obj.get("records") if isinstance(obj, dict) else None
     if isinstance(records, list) and records:  # one line per record keeps big indexes readable
         head = json.dumps({k: v for k, v in obj.items() if k != "records"}, indent=1, default=_json_default)
-        lines = ",\n".join("  " + json.dumps(r, separators=(",", ":"), default=_json_default) for r in records)
-        text = f'{head[:-2]},\n "records": [\n{lines}\n ]\n}}\n' if head != "{}" else f'{{"records": [{lines}]}}'
+        lines = ",\n".join(
+            "  " + json.dumps(r, separators=(",", ":"), default=_json_default) for r in records
+        )
+        text = (
+            f'{head[:-2]},\n "records": [\n{lines}\n ]\n}}\n' if head != "{}" else f'{{"records": [{lines}]}}'
+        )
     else:
         text = json.dumps(obj, indent=1, default=_json_default)
     data = text.encode()

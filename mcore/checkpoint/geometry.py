@@ -112,7 +112,9 @@ def _flat_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[list[i
             rec(prefix + [r0], shape[1:], o0, inner, base + r0 * inner)
             r0 += 1
         if r1 > r0:
-            out.append((prefix + [r0] + [0] * (len(shape) - 1), ones + [r1 - r0, *shape[1:]], base + r0 * inner))
+            out.append(
+                (prefix + [r0] + [0] * (len(shape) - 1), ones + [r1 - r0, *shape[1:]], base + r0 * inner)
+            )
         if o1:
             rec(prefix + [r1], shape[1:], 0, o1, base + r1 * inner)
 

@@ -98,7 +98,9 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
     meta = read_metadata(iter_dir)
     layout = meta["layout"]
     say()
-    say(f"== {iter_dir.name}: iteration {meta['iteration']} ({meta.get('saved_at', '?')}, torch {meta.get('torch_version', '?')})")
+    say(
+        f"== {iter_dir.name}: iteration {meta['iteration']} ({meta.get('saved_at', '?')}, torch {meta.get('torch_version', '?')})"
+    )
     say(
         f"saved with: tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
         f"dp={layout['data_parallel_size']} vp={layout['virtual_pipeline_model_parallel_size']} "
@@ -135,7 +137,9 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
     for name in sorted(tensors, key=_natural_key):
         rec = tensors[name]
         shape = "[" + ", ".join(map(str, rec["global_shape"])) + "]"
-        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(shards[name].items(), key=lambda kv: kv[0] != "param"))
+        kinds = ", ".join(
+            f"{k} x{n}" for k, n in sorted(shards[name].items(), key=lambda kv: kv[0] != "param")
+        )
         say(f"  {name:<{width}}  {shape:<14} {rec['dtype']:<9} {kinds}")
     if verify:
         problems = _verify(iter_dir, meta)
@@ -145,7 +149,9 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
             for problem in problems:
                 say(f"  {problem}")
             return 1
-        say(f"verification OK: {len(files)} files, {len(meta.get('records', []))} tensors, sizes and checksums match")
+        say(
+            f"verification OK: {len(files)} files, {len(meta.get('records', []))} tensors, sizes and checksums match"
+        )
     return 0
 
 
@@ -158,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m mcore.checkpoint.inspect", description="Describe an mcore checkpoint directory."
     )
     parser.add_argument("dir", type=Path, help="the --save directory, or one iter_XXXXXXX directory")
-    parser.add_argument("--iteration", type=int, default=None, help="the iteration to describe (default: latest)")
+    parser.add_argument(
+        "--iteration", type=int, default=None, help="the iteration to describe (default: latest)"
+    )
     parser.add_argument("--verify", action="store_true", help="read every file and check sizes and checksums")
     parser.add_argument("--json", action="store_true", help="print the iteration's metadata.json")
     args = parser.parse_args(argv)

@@ -110,7 +110,9 @@ class ShardReader:
         ident = (rec["file"], rec["key"])
         if self.verify and ident not in self._verified and "crc32" in rec:
             if tensor_crc32(t) != rec["crc32"]:
-                raise CheckpointError(f"shard file {path}: tensor {rec['key']!r} fails its checksum (corrupted)")
+                raise CheckpointError(
+                    f"shard file {path}: tensor {rec['key']!r} fails its checksum (corrupted)"
+                )
             self._verified.add(ident)
         return t.reshape(-1)
 
@@ -306,7 +308,9 @@ def load_checkpoint(
         if rng_states is not None:
             set_all_rng_states(rng_states)
         elif not meta.get("rng_saved"):
-            log0("WARNING: the checkpoint has no RNG states (saved with --no-save-rng); keeping the current seeds")
+            log0(
+                "WARNING: the checkpoint has no RNG states (saved with --no-save-rng); keeping the current seeds"
+            )
         elif seed is not None:
             log0(
                 f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states are not "
@@ -314,12 +318,16 @@ def load_checkpoint(
             )
             model_parallel_seed(seed + int(iteration), groups.tp_rank, groups.pp_rank)
         else:
-            log0(f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states not restored")
+            log0(
+                f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states not restored"
+            )
     reader.close()
 
     if finetune:
         state = {}
-        log0(f"  loaded the weights of iteration {iteration} from {root} for fine-tuning (starting at iteration 0)")
+        log0(
+            f"  loaded the weights of iteration {iteration} from {root} for fine-tuning (starting at iteration 0)"
+        )
     else:
         state = dict(meta.get("train_state") or {})
         state["iteration"] = int(iteration)
@@ -340,7 +348,11 @@ def _load_model(reader: ShardReader, model: list) -> set[str]:
         for local_name, spec in module.sharded_parameters().items():
             param = params[local_name]
             reader.fill(
-                spec.name, "param", placement_from_spec(spec), param.data.view(-1), vocab_padded=spec.vocab_padded
+                spec.name,
+                "param",
+                placement_from_spec(spec),
+                param.data.view(-1),
+                vocab_padded=spec.vocab_padded,
             )
             used.add(spec.name)
     return used

@@ -147,7 +147,7 @@ def save_logical_model_checkpoint(
             "world_size": 1,
             "parallel_order": "tp-cp-dp-pp",
             "use_distributed_optimizer": False,
-            "ranks": {"0": [0, 0, 0]},
+            "ranks": {"0": "tp=0 pp=0 dp=0"},
         },
         "train_state": {"iteration": int(iteration)},
         "scheduler": None,

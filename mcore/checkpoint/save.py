@@ -146,7 +146,13 @@ def rng_state_for_save() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = states["numpy"]
     return {
         "random": [version, list(internal), gauss],
-        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)],
+        "numpy": [
+            kind,
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
         "torch": states["torch"].clone(),
         "device": states["device"].detach().cpu().clone(),
         "tracker": {k: v.detach().cpu().clone() for k, v in states["tracker"].items()},
@@ -191,7 +197,9 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
                     continue
                 t = _host_copy(params[local_name])
                 tensors[spec.name] = t
-                records.append(_record(spec.name, "param", mfile, spec.name, t, placement_from_spec(spec), spec))
+                records.append(
+                    _record(spec.name, "param", mfile, spec.name, t, placement_from_spec(spec), spec)
+                )
         payloads.append(_FilePayload(mfile, tensors, records))
     if optimizer is not None and not config.no_save_optim and (optimizer.distributed or dp == 0):
         ofile = optim_file(tp, pp, dp)
@@ -325,13 +333,16 @@ def _commit(job: _SaveJob) -> None:
                 for name, info in f.items():
                     files[name] = {**info, "rank": r}
                 records.extend(recs)
-                ranks[str(r)] = list(coords)
+                ranks[str(r)] = "tp={} pp={} dp={}".format(*coords)
             meta["layout"]["ranks"] = ranks
             meta["files"] = files
             meta["records"] = records
             publish(job.root, job.tmp, job.iteration, meta)
         except Exception as err:  # noqa: BLE001 - every rank raises the same error
-            outcome = (False, str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}")
+            outcome = (
+                False,
+                str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}",
+            )
     ok, message = _broadcast_object(outcome)
     if not ok:
         raise CheckpointError(message)
@@ -421,9 +432,7 @@ def _common_metadata(config, state, model, optimizer, scheduler, groups, run_con
             "grad_scaler": optimizer.grad_scaler.state_dict()
             if optimizer is not None and optimizer.grad_scaler is not None
             else None,
-            "param_groups": [
-                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-            ]
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             if optimizer is not None
             else [],
         },
@@ -499,7 +508,9 @@ def save_checkpoint(
         tmp.mkdir(parents=True, exist_ok=True)
         payloads = _snapshot(config, model, optimizer, groups)
         if _rank() == 0:
-            common = _common_metadata(config, state, model, optimizer, scheduler, groups, run_config, metadata)
+            common = _common_metadata(
+                config, state, model, optimizer, scheduler, groups, run_config, metadata
+            )
     except Exception as err:  # noqa: BLE001 - reported to every rank by the commit
         error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
     device = next((p.device for chunk in model for p in chunk.parameters()), torch.device("cpu"))

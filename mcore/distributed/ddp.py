@@ -103,7 +103,9 @@ class DistributedDataParallel(torch.nn.Module):
         groups: the process groups; gradients are averaged over ``groups.dp_cp``.
 
     Parameters with ``requires_grad=False`` are left alone. Parameters of different dtypes get
-    separate buffers. Every trainable parameter gets ``param.main_grad``, a view into its buffer.
+    separate buffers. Every trainable parameter gets ``param.main_grad``, a view into its buffer
+    (and with the distributed optimizer ``param.data`` becomes a view into the parameter buffer):
+    move the module to its device and dtype before wrapping it, not after.
     """
 
     def __init__(self, module: torch.nn.Module, ddp_config: DDPConfig, groups: ProcessGroups):
@@ -141,19 +143,19 @@ class DistributedDataParallel(torch.nn.Module):
             # the tied embedding's two copies (first and last stage) must shard alike
             return ddp_config.use_distributed_optimizer and groups.pp_size > 1 and is_shared_embedding(param)
 
-        self.buffers = [
+        self.grad_buffers = [
             GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names)
             for (pdt, gdt), params in by_dtype.items()
         ]
-        self.buckets: list[Bucket] = [b for buffer in self.buffers for b in buffer.buckets]
+        self.buckets: list[Bucket] = [b for buffer in self.grad_buffers for b in buffer.buckets]
         self._buffer_of: dict[int, GradBuffer] = {
-            id(p): buffer for buffer in self.buffers for p in buffer.params
+            id(p): buffer for buffer in self.grad_buffers for p in buffer.params
         }
         self._next_bucket = 0
         self._sync_enabled = True
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._grad_hook)
-            for buffer in self.buffers
+            for buffer in self.grad_buffers
             for param in buffer.params
         ]
         if ddp_config.overlap_param_gather:
@@ -257,7 +259,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero every gradient buffer and reset the buckets (call before each step's first forward)."""
         for param in self.module.parameters():
             param.grad = None
-        for buffer in self.buffers:
+        for buffer in self.grad_buffers:
             buffer.reset()
         self._next_bucket = 0
 
@@ -297,7 +299,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     @property
     def grad_bytes(self) -> int:
-        return sum(buffer.grad_bytes for buffer in self.buffers)
+        return sum(buffer.grad_bytes for buffer in self.grad_buffers)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

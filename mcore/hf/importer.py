@@ -153,7 +153,9 @@ def import_from_hf(
     if os.path.isdir(save_dir) and os.listdir(save_dir):
         raise ConversionError(f"--save {save_dir}: the directory is not empty")
 
-    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=os.path.dirname(os.path.abspath(save_dir)) or ".")
+    parent = os.path.dirname(os.path.abspath(save_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
     try:
         tok_config = None
         if use_tokenizer:

@@ -72,6 +72,7 @@ def mcore_logits(
 def hf_logits(hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eager") -> torch.Tensor:
     """fp32 logits of the Hugging Face model saved in ``hf_dir`` (its load report must be clean)."""
     try:
+        import transformers
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
     except ImportError:
@@ -81,8 +82,13 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eag
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
+        # transformers 5 calls it ``dtype``, 4.x ``torch_dtype``.
+        dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         model, info = AutoModelForCausalLM.from_pretrained(
-            hf_dir, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
+            hf_dir,
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+            **{dtype_arg: torch.float32},
         )
     finally:
         if bars:

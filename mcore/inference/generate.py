@@ -101,10 +101,24 @@ def load_generator(
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> tuple[TextGenerator, Tokenizer | None]:
-    """This rank's :class:`TextGenerator` (and the tokenizer) for the checkpoint in ``load``."""
-    from mcore.checkpoint import load_logical_model_state
+    """This rank's :class:`TextGenerator` (and the tokenizer) for the checkpoint in ``load``.
 
-    state, metadata = load_logical_model_state(load, iteration)
+    A collective over all ranks: each builds its stage of the model for the current TP/PP layout and
+    reads only its own shards (:func:`mcore.checkpoint.load_checkpoint` with ``--finetune``
+    semantics), whatever layout the checkpoint was saved at.
+    """
+    from mcore.checkpoint import (
+        CheckpointConfig,
+        CheckpointError,
+        load_checkpoint,
+        read_metadata,
+        resolve_iteration_dir,
+    )
+
+    path = resolve_iteration_dir(load, iteration)
+    if path is None:
+        raise CheckpointError(f"{load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    metadata = read_metadata(path)
     run_config = metadata.get("run_config") or {}
     cfg = model_config_from_run_config(run_config)
     tok_config = tokenizer_config or tokenizer_config_from_run_config(run_config)
@@ -116,9 +130,11 @@ def load_generator(
         raise ConfigError(
             f"{load}: the checkpoint names no tokenizer and no vocabulary size; give --tokenizer-type"
         )
-    model = build_model_chunk(cfg, groups, int(vocab_size), state, device=device, params_dtype=params_dtype)
+    model = build_model_chunk(cfg, groups, int(vocab_size), device=device, params_dtype=params_dtype)
+    weights_only = CheckpointConfig(load=str(load), ckpt_step=int(metadata["iteration"]), finetune=True)
+    load_checkpoint(weights_only, [model], None, None, groups)
     eod = tokenizer.eod if tokenizer is not None else None
-    return TextGenerator(model, groups, int(vocab_size), eod=eod), tokenizer
+    return TextGenerator(model.eval(), groups, int(vocab_size), eod=eod), tokenizer
 
 
 def encode_prompts(tokenizer: Tokenizer | None, texts: Sequence[str], ids: Sequence[str]) -> list[list[int]]:

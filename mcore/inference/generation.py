@@ -319,7 +319,7 @@ class TextGenerator:
             logits = self._step_logits(state)
             cand_scores = cand_ids = None
             if logits is not None:
-                logprobs = torch.log_softmax(logits.double(), dim=-1).cpu()  # [n k, V]
+                logprobs = torch.log_softmax(logits.cpu().double(), dim=-1)  # [n k, V] (fp64: on the host)
                 total = (logprobs + scores.view(-1, 1)).view(n, -1)
                 cand_scores, cand_ids = torch.topk(total, min(width, total.shape[1]), dim=-1)
             cand_scores = self._from_last_stage(cand_scores, (n, width), torch.float64)

@@ -22,8 +22,9 @@ from mcore.distributed.param_attrs import counts_in_grad_norm
 __all__ = ["clip_grads_", "counts_in_grad_norm", "global_grad_norm", "unscale_and_check_"]
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def _distributed(group) -> bool:
+    """Reduce over ``group`` (None: a one-process job's group, nothing to reduce)."""
+    return group is not None and dist.is_available() and dist.is_initialized()
 
 
 def global_grad_norm(grads: list[torch.Tensor], group, device: torch.device) -> float:
@@ -34,7 +35,7 @@ def global_grad_norm(grads: list[torch.Tensor], group, device: torch.device) -> 
     else:
         local = torch.zeros((), device=device)
     local = local.to(dtype=torch.float32).reshape(1)
-    if _distributed():
+    if _distributed(group):
         dist.all_reduce(local, group=group)
     return float(local.sqrt().item())
 
@@ -57,6 +58,6 @@ def unscale_and_check_(grads: list[torch.Tensor], inv_scale: float, group, devic
             torch._foreach_mul_(grads, inv_scale)
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
             found.fill_(0.0 if bool(finite) else 1.0)
-    if _distributed():
+    if _distributed(group):
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return bool(found.item() > 0)

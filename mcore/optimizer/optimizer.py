@@ -405,7 +405,7 @@ class MegatronOptimizer:
         comm = None
         full_state: dict[str, dict[str, Any]] = {}
         for chunk in self.model_chunks:
-            for buffer in chunk.buffers:
+            for buffer in chunk.grad_buffers:
                 comm = buffer.comm
                 entries = by_buffer.get(id(buffer), [])
                 copies = any(p.dtype != torch.float32 for p in buffer.params)

@@ -18,6 +18,7 @@ from torch import nn
 
 from mcore.backend import current_backend
 from mcore.config.fields import ConfigError, check
+from mcore.distributed.groups import LaunchEnv
 from mcore.pipeline.p2p import PipelineStats, StageCommunicator
 from mcore.pipeline.tables import BACKWARD, FORWARD, Op, check_model_chunks, pipeline_timeline
 
@@ -278,8 +279,6 @@ def _run_pipeline(
             "(sequence parallelism shards activations along the sequence)",
         )
     shape = (seq_length // tp if sequence_parallel else seq_length, micro_batch_size, hidden_size)
-    from mcore.distributed.groups import LaunchEnv
-
     if vp_size > 1 and data_iterator is not None and not isinstance(data_iterator, (list, tuple)):
         raise TypeError(
             f"with {vp_size} model chunks, data_iterator must be a list of {vp_size} iterators "
@@ -308,6 +307,11 @@ def _run_pipeline(
                     tick.op, r, p, m, last_stage, chunks, data_iterator, forward_step_func,
                     grad_scale_func, received, saved, logs, sync, last_backward, forward_only,
                 )  # fmt: skip
+                if tick.sends and result is None:
+                    raise RuntimeError(
+                        f"{tick.op} on pipeline stage {r}: the chunk's input received no gradient; "
+                        "its output must depend on the tensor given through set_input_tensor()"
+                    )
                 outgoing = [(transfer, result.detach()) for transfer in tick.sends]
             tensors = comm.exchange(outgoing, tick.recvs)
             for transfer, tensor in zip(tick.recvs, tensors):

@@ -40,6 +40,10 @@ TRAIN_ARGV = [
 ]  # fmt: skip
 
 
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+DISTOPT_DP2 = ["--use-distributed-optimizer"]
+
+
 def argv(*extra: str) -> list[str]:
     return ["--device-backend", test_backend_name(), *MODEL_ARGV, *TRAIN_ARGV, *extra]
 

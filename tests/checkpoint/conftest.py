@@ -8,12 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # ckpt_runs, here and in the spawned ranks (importlib mode)
-from ckpt_runs import train  # noqa: E402
+from ckpt_runs import DISTOPT_DP2, TP2_PP2, train  # noqa: E402
 
 from mcore.testing.distributed import run_distributed  # noqa: E402
-
-TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-DISTOPT_DP2 = ["--use-distributed-optimizer"]
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,9 @@ def test_inspect_command_line_and_a_damaged_file(tp2pp2_run, tmp_path, capsys):
     assert main([str(ckpt / "iter_0000020"), "--json"]) == 0
     assert '"iteration": 20' in capsys.readouterr().out
     run = subprocess.run(
-        [sys.executable, "-m", "mcore.checkpoint.inspect", str(ckpt)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "mcore.checkpoint.inspect", str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0 and "== iter_0000020: iteration 20" in run.stdout, run.stderr

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_runs import train  # noqa: E402
-from conftest import DISTOPT_DP2, TP2_PP2  # noqa: E402
+from ckpt_runs import DISTOPT_DP2, TP2_PP2, train  # noqa: E402
 
 from mcore.checkpoint.format import read_tracker  # noqa: E402
 from mcore.testing.distributed import run_distributed  # noqa: E402
@@ -30,23 +29,30 @@ pytestmark = pytest.mark.slow
 def test_resume_is_bit_exact_at_tp2_pp2(tp2pp2_run):
     save, straight = tp2pp2_run
     assert len(straight) == 20 and read_tracker(save) == 20
-    resumed = run_distributed(train, 4, [*TP2_PP2, "--train-iters", "20", "--load", str(save), "--ckpt-step", "10"])
+    resumed = run_distributed(
+        train, 4, [*TP2_PP2, "--train-iters", "20", "--load", str(save), "--ckpt-step", "10"]
+    )
     assert resumed[-1]["losses"] == straight[10:]  # bit for bit
     assert resumed[-1]["iteration"] == 20 and resumed[-1]["consumed"] == 80
 
 
 def test_resume_is_bit_exact_with_the_distributed_optimizer_and_async_save(distopt_dp2_run):
     save, straight = distopt_dp2_run
+    assert read_tracker(save) == 20  # the last background save was committed before the run ended
     meta = json.loads((save / "iter_0000010" / "metadata.json").read_text())
     assert meta["layout"]["use_distributed_optimizer"] and meta["layout"]["data_parallel_size"] == 2
     assert {"optim_tp00_pp000_dp000.pt", "optim_tp00_pp000_dp001.pt"} <= set(meta["files"])
     # every data-parallel rank wrote a piece of the optimizer state: flat ranges of the local tensor
     pieces = [r for r in meta["records"] if r["kind"] == "exp_avg" and r["file"].endswith("dp001.pt")]
     assert pieces and all(r["numel"] == r["flat_range"][1] - r["flat_range"][0] for r in pieces)
-    resumed = run_distributed(train, 2, [*DISTOPT_DP2, "--train-iters", "20", "--load", str(save), "--ckpt-step", "10"])
+    resumed = run_distributed(
+        train, 2, [*DISTOPT_DP2, "--train-iters", "20", "--load", str(save), "--ckpt-step", "10"]
+    )
     assert resumed[-1]["losses"] == straight[10:]
 
 
+# load iteration 10, train 3 iterations (the same 20-iteration LR schedule), exit
+CONTINUE_FROM_10 = ["--train-iters", "20", "--exit-interval", "13", "--ckpt-step", "10", "--load"]
 RESHARD_LAYOUTS = {
     "tp1_pp1": (1, []),
     "tp4_pp1": (4, ["--tensor-model-parallel-size", "4"]),
@@ -70,15 +76,13 @@ def _assert_continues(losses, expected):
 def test_tp2_pp2_checkpoint_continues_at_another_layout(tp2pp2_run, layout):
     save, straight = tp2pp2_run
     nprocs, extra = RESHARD_LAYOUTS[layout]
-    results = run_distributed(train, nprocs, [*extra, "--train-iters", "20", "--exit-interval", "13", "--load", str(save), "--ckpt-step", "10"])
+    results = run_distributed(train, nprocs, [*extra, *CONTINUE_FROM_10, str(save)])
     _assert_continues(results[-1]["losses"], straight[10:13])
 
 
 def test_distributed_optimizer_checkpoint_continues_without_it_at_tp2(distopt_dp2_run):
     save, straight = distopt_dp2_run
-    results = run_distributed(
-        train, 2, ["--tensor-model-parallel-size", "2", "--train-iters", "20", "--exit-interval", "13", "--load", str(save), "--ckpt-step", "10"]
-    )
+    results = run_distributed(train, 2, ["--tensor-model-parallel-size", "2", *CONTINUE_FROM_10, str(save)])
     _assert_continues(results[-1]["losses"], straight[10:13])
 
 

@@ -119,7 +119,9 @@ def test_import_command_prints_the_megatron_flags(source, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "logit parity" in out
-    assert "--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4 --seq-length 32" in out
+    assert (
+        "--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4 --seq-length 32" in out
+    )
     assert (
         f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path / 'ckpt' / 'tokenizer' / 'vocab.json'}"
         in out

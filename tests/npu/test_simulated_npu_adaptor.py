@@ -41,12 +41,16 @@ def test_simulated_import_activates_once(simulated_npu, caplog, monkeypatch):
     assert manager.preferred_backend() == "npu"
     assert CoreAttention.forward is not core_forward
     patches = adaptor.applied_patches()
-    assert [row.target for row in patches.applied] == ["mcore.models.attention.CoreAttention.forward"]
+    assert [row.target for row in patches.applied] == [
+        "mcore.models.attention.CoreAttention.forward",
+        "mcore.inference.generation.TextGenerator._from_last_stage",
+    ]
 
     # Again: the module is cached, and activate() itself changes nothing and logs nothing.
     importlib.import_module(ADAPTOR)
     assert adaptor.activate() is patches
     assert CoreAttention.forward is patches.targets[0].installed
+    assert len(patches.targets) == len(patches.table)  # every row applies on the (simulated) 910B
     assert len(_activation_logs(caplog)) == 1
     assert "CoreAttention.forward" in _activation_logs(caplog)[0].getMessage()
 
@@ -179,3 +183,30 @@ def test_simulated_smoke_script_passes():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "checks passed (SIMULATED)" in run.stdout and "FAIL" not in run.stdout
     assert "backend npu: 8 x Ascend910B2 (SIMULATED" in run.stdout
+
+
+def test_simulated_pipeline_handoff_moves_fp64_as_exact_int32_bits(simulated_npu):
+    """HCCL has no fp64: beam-search scores cross the pipeline as int32 pairs, bit for bit."""
+    import types
+
+    from mcore.inference.generation import TextGenerator
+
+    core = TextGenerator._from_last_stage
+    select_backend("npu")
+    wire = []
+
+    def fake_broadcast(self, tensor, shape, dtype):  # what the core method does, minus the collective
+        wire.append((dtype, tuple(shape)))
+        return tensor if tensor is not None else torch.zeros(shape, dtype=dtype)
+
+    from mcore.adaptors.npu.impl.generation import fp64_as_int32_pairs
+
+    wrapped = fp64_as_int32_pairs(fake_broadcast)
+    last = types.SimpleNamespace(groups=types.SimpleNamespace(pp_size=2))
+    scores = torch.tensor([[1 / 3, -float("inf"), 2.0**-40, -7.125]], dtype=torch.float64)
+    out = wrapped(last, scores, (1, 4), torch.float64)
+    assert wire == [(torch.int32, (1, 8))] and out.dtype == torch.float64
+    assert torch.equal(out, scores)
+    assert wrapped(last, torch.ones(1, 4, dtype=torch.long), (1, 4), torch.long).dtype == torch.long
+    assert wire[-1] == (torch.long, (1, 4))  # other dtypes pass through
+    assert TextGenerator._from_last_stage is not core  # the table row installed the wrap

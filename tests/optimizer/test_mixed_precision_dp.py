@@ -13,7 +13,8 @@ from ddp_toy import build, train, weights  # noqa: E402
 
 from mcore.config.parallel import ParallelConfig  # noqa: E402
 from mcore.distributed.groups import ProcessGroups, initialize_parallel  # noqa: E402
-from mcore.testing.distributed import run_distributed, test_backend_name  # noqa: E402
+from mcore.testing.distributed import run_distributed  # noqa: E402
+from mcore.testing.distributed import test_backend_name as backend_under_test  # noqa: E402
 
 
 def _fp16_overflow():
@@ -55,7 +56,7 @@ def test_bf16_distributed_optimizer_matches_one_process():
     ref_masters = {e.key: e.main for e in ref_opt.main_params}
     results = run_distributed(_bf16, 2, True)
     # the reference runs here, on the host: ranks on an accelerator compute bf16 matmuls differently
-    tol = 1e-4 if test_backend_name() == "cpu" else 1e-2
+    tol = 1e-4 if backend_under_test() == "cpu" else 1e-2
     for history, final, masters in results:
         for (loss, ok, _, _), (ref_loss, _, _, _) in zip(history, ref_history):
             assert ok and loss == pytest.approx(ref_loss, rel=1e-2)
