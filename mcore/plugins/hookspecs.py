@@ -99,6 +99,8 @@ def mcore_configure(backend: Any, configs: dict[str, Any]) -> None:
         configs: the config objects by group name (``"parallel"``, ``"model"``, ...). They are
             frozen; a plugin that cannot run a configuration raises
             :class:`mcore.config.fields.ConfigError` with a message naming the value.
+    Use: also the place for process settings that must precede torch.distributed and depend on the
+    run's configuration (the NPU plugin sets HCCL's timeouts from ``--distributed-timeout-minutes``).
     Returns: nothing. Not firstresult.
     """
 

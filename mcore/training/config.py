@@ -36,6 +36,10 @@ class TrainingConfig:
     peak_tflops: float | None = flag(
         None, "Peak dense TFLOP/s of one device for MFU (default: the backend's)."
     )
+    compile_layers: bool = flag(
+        False,
+        "Compile each transformer layer with torch.compile (backends with the compile_layers capability).",
+    )
     log_memory: bool = flag(
         True, "Report per-rank memory of params, grads and optimizer state.", name="--no-log-memory"
     )

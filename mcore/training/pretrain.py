@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mcore.backend import DeviceBackend
+from mcore.backend import DeviceBackend, current_backend
 from mcore.config.fields import ConfigError
 from mcore.data.builder import build_train_valid_test_datasets
 from mcore.data.errors import DataError
@@ -126,6 +126,13 @@ def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable,
     """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
     provider = functools.partial(model_provider, cfg, groups, vocab_size)
     chunks = build_model_chunks(provider, groups, cfg.parallel, cfg.model.num_layers)
+    if cfg.training.compile_layers:
+        backend = current_backend()
+        if "compile_layers" not in backend.capabilities():
+            raise ConfigError(f"--compile-layers: backend {backend.name!r} cannot compile layers")
+        for chunk in chunks:
+            for layer in chunk.decoder.layers:
+                backend.compile_layer(layer)
     ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
     return [DistributedDataParallel(chunk, ddp_config, groups) for chunk in chunks]
 

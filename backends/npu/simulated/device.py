@@ -242,6 +242,7 @@ def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
     def _lazy_init() -> None:
         pass
 
+    # Every function defined above becomes a module attribute under its own name (torch.npu.X).
     for fn in list(locals().values()):
         if callable(fn) and getattr(fn, "__module__", None) == __name__ and fn is not build_device_module:
             setattr(npu, fn.__name__, fn)
