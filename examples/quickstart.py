@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         "--data-path",
         data,
         "--split",
-        "949,50,1",
+        "90,8,2",
         "--tokenizer-type",
         "GPT2BPETokenizer",
         "--vocab-file",

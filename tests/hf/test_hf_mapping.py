@@ -238,3 +238,55 @@ def test_printed_megatron_flags_build_the_same_model(hf):
     cfg = model_config_from_hf(hf)
     parsed = parse_config({"model": ModelConfig}, megatron_model_flags(cfg))["model"]
     assert parsed == cfg
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t.GPT2LMHeadModel(
+            t.GPT2Config(vocab_size=V, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+        ),
+        lambda t: t.LlamaForCausalLM(
+            t.LlamaConfig(
+                vocab_size=V,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                attention_bias=True,
+                mlp_bias=True,
+                tie_word_embeddings=True,
+            )
+        ),
+    ],
+    ids=["gpt2", "llama-biases-tied"],
+)
+def test_a_model_saved_by_transformers_imports_and_exports_back_identically(make, tmp_path):
+    """HF -> mcore (padded for TP=2) -> HF, starting from transformers' own save_pretrained."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from mcore.checkpoint import load_logical_model_state
+    from mcore.hf import export_checkpoint
+
+    torch.manual_seed(0)
+    model = make(transformers)
+    with torch.no_grad():  # norms and biases away from their 1 / 0 initial values
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(tmp_path / "hf")
+    report = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), tensor_model_parallel_size=2)
+    assert report.parity.max_abs_diff < 1e-4, report.parity.describe()
+    state, _ = load_logical_model_state(tmp_path / "ckpt")
+    assert state["embedding.word_embeddings.weight"].shape[0] == 256  # 100 padded to a multiple of 128 x 2
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    before, after = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "again" / "model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
