@@ -70,7 +70,7 @@ def plot_losses(log: pathlib.Path, png: pathlib.Path) -> None:
     train = [json.loads(line) for line in log.read_text().splitlines()]
     its = [r["iteration"] for r in train if r["kind"] == "train"]
     loss = [r["lm loss"] for r in train if r["kind"] == "train"]
-    val = [(r["iteration"], r["lm loss"]) for r in train if r["kind"] == "validation"]
+    val = [(r["iteration"], r["lm loss"]) for r in train if r["kind"] == "validation" and not r.get("final")]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(its, loss, label="train lm loss")
     if val:
