@@ -217,7 +217,7 @@ class TextGenerator:
                 tokens[row, longest - len(prompt) :] = torch.tensor([int(t) for t in prompt])
                 valid[row, longest - len(prompt) :] = True
                 row += 1
-        return tokens, valid, torch.tensor(lengths)
+        return tokens, valid
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         stops = {int(t) for t in params.stop_token_ids}
@@ -234,16 +234,13 @@ class TextGenerator:
     @torch.no_grad()
     def _step_logits(self, state: _Batch) -> torch.Tensor | None:
         """Logits of the next position of every row (last stage), advancing the cache."""
-        if state.cache is not None and state.cache.length > 0:
-            new = state.tokens[:, -1:]
-            positions = state.positions[:, -1:]
-            keys = state.valid
-        else:
-            new, positions, keys = state.tokens, state.positions, state.valid
+        new, positions = state.tokens, state.positions
+        if state.cache is not None and state.cache.length > 0:  # the cache holds all but the last
+            new, positions = new[:, -1:], positions[:, -1:]
         mask = None
         if not bool(state.valid.all()):
             # [b, 1, 1, sk]: True hides a padding key from every query (the op adds causality).
-            mask = (~keys)[:, None, None, :].to(self.device)
+            mask = (~state.valid)[:, None, None, :].to(self.device)
         return self._forward(new.to(self.device), positions.to(self.device), mask, state.cache)
 
     # -- public API -------------------------------------------------------------------------------
@@ -256,7 +253,7 @@ class TextGenerator:
         params = params or SamplingParams()
         if params.num_beams > 1:
             return self._beam_search(prompts, params)
-        tokens, valid, _ = self._prepare(prompts, 1)
+        tokens, valid = self._prepare(prompts, 1)
         b = tokens.shape[0]
         steps = self._budget(tokens, params)
         state = _Batch(tokens, valid, KVCache(tokens.shape[1] + steps) if params.use_cache else None)
@@ -304,7 +301,7 @@ class TextGenerator:
 
     def _beam_search(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
         k = params.num_beams
-        tokens, valid, _ = self._prepare(prompts, k)
+        tokens, valid = self._prepare(prompts, k)
         n = len(prompts)
         steps = self._budget(tokens, params)
         state = _Batch(tokens, valid, KVCache(tokens.shape[1] + steps) if params.use_cache else None)
