@@ -218,10 +218,51 @@ def main(argv=None) -> int:
     run(train, env)
     print(f"resumed and finished {iters} iterations -> {ckpt}")
 
+    step("5. export to Hugging Face (the exporter checks logit parity itself)")
+    hf_dir = work / "hf_model"
+    run([sys.executable, "-m", "mcore.hf.export", "--load", str(ckpt), "--save", str(hf_dir), "--overwrite"])
+    print(f"Hugging Face model -> {hf_dir}")
+
+    step(f"6. generation: a completion of {PROMPT!r}")
+    mcore_out = work / "generation_mcore.json"
+    run(
+        [
+            sys.executable,
+            "-m",
+            "mcore.inference.generate",
+            "--load",
+            str(ckpt),
+            "--device-backend",
+            args.device_backend,
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "32",
+            "--greedy",
+            "--output-json",
+            str(mcore_out),
+        ],
+        env,
+    )
+    hf_text = generate_with_transformers(hf_dir, PROMPT, 32)
+    (work / "generation_transformers.txt").write_text(hf_text, encoding="utf-8")
+    print(f"transformers: {hf_text!r} -> {work / 'generation_transformers.txt'}")
+    print(f"mcore:        -> {mcore_out}")
+
     step("7. loss curve")
     plot_losses(log, work / "loss_curve.png")
     print(f"\nAll done in {time.time() - started:.0f}s. Outputs under {work}")
     return 0
+
+
+def generate_with_transformers(hf_dir: pathlib.Path, prompt: str, max_new_tokens: int) -> str:
+    """Greedy completion through transformers' own pipeline, from the exported directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    generate = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    return generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
 
 
 def _texts(corpus: pathlib.Path):

@@ -80,7 +80,7 @@ class Tokenizer:
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        """Ids of special tokens (a pad id that collides with one is not used as padding)."""
+        """Ids of the special tokens other than the pad token (a pad id among them is not used as padding)."""
         return frozenset({self.eod})
 
     @property
@@ -211,7 +211,8 @@ class HuggingFaceTokenizer(_RustBPE):
                         specials[key] = content
         self._eos = self._id_of(specials.get("eos_token"))
         self.bos = self._id_of(specials.get("bos_token"))
-        self.pad = self._id_of(specials.get("pad_token"))
+        self._pad_token = specials.get("pad_token")
+        self.pad = self._id_of(self._pad_token)
         if self._eos is None:
             for fallback in (EOD_TOKEN, "</s>", "<eos>", "<|end_of_text|>"):
                 self._eos = self._id_of(fallback)
@@ -239,12 +240,11 @@ class HuggingFaceTokenizer(_RustBPE):
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for added_id, added in self._tok.get_added_tokens_decoder().items():
-            if added.special:
-                ids.add(added_id)
-        if self._eos is not None:
-            ids.add(self._eos)
+        # As Megatron: every special token but the pad token itself, so that a pad sharing its id with
+        # EOS (a common Llama set-up) counts as a collision.
+        ids = {i for i, added in self._tok.get_added_tokens_decoder().items() if added.special}
+        ids -= {self._tok.token_to_id(self._pad_token)} if self._pad_token is not None else set()
+        ids |= {i for i in (self._eos, self.bos) if i is not None}
         return frozenset(ids)
 
     @property

@@ -120,6 +120,13 @@ def test_huggingface_tokenizer_json_with_bos(bpe_files, tmp_path):
     assert ours.tokenize("hello")[0] == bos  # the BOS the tokenizer adds by default is kept (Megatron does)
     assert ours.bos == bos and ours.pad == tok.token_to_id("<pad>") and ours.vocab_size == 502
     assert HuggingFaceTokenizer(str(folder / "tokenizer.json")).eod == tok.token_to_id(EOD_TOKEN)
+    assert ours.pad not in ours.special_token_ids and {bos, ours.eod} <= ours.special_token_ids
+    # A pad that is the EOS token collides (GPTDataset then pads with -1, as Megatron does).
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": EOD_TOKEN, "pad_token": EOD_TOKEN})
+    )
+    same = HuggingFaceTokenizer(str(folder))
+    assert same.pad == same.eod and same.pad in same.special_token_ids
 
 
 def test_huggingface_tokenizer_missing(tmp_path):
