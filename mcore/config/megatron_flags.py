@@ -42,6 +42,7 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--ckpt-fully-parallel-load": "every rank always reads only what it needs",
     "--manual-gc": "accepted; Python's collector is left on",
     "--wandb-save-dir": "Weights & Biases writes to its default directory",
+    "--mmap-bin-files": "memory-mapping .bin files is the default (--no-mmap-bin-files turns it off)",
 }
 
 UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {

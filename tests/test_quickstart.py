@@ -1,0 +1,49 @@
+"""The README's first command, reduced (``--quick``), end to end, checking every artifact it promises."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_quick_mode_produces_every_artifact(tmp_path):
+    work = tmp_path / "qs"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "quickstart.py"), "--quick", "--workdir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    # data: Megatron .bin/.idx and the trained tokenizer
+    assert (work / "data" / "stdlib_text_document.bin").stat().st_size > 0
+    assert (work / "data" / "stdlib_text_document.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
+    assert (work / "tokenizer" / "vocab.json").exists() and (work / "tokenizer" / "merges.txt").exists()
+
+    # training stopped halfway (checkpoint), resumed, finished: the log shows both halves
+    assert (work / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+    records = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["iteration"] for r in train] == [10, 20, 30, 40]
+    assert train[-1]["lm loss"] < train[0]["lm loss"]
+    assert (
+        "checkpoint after 20 iterations" in proc.stdout
+        and "resumed and finished 40 iterations" in proc.stdout
+    )
+
+    # Hugging Face directory loadable by transformers; both generators agree (greedy)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(work / "hf_model")
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    hf_text = (work / "generation_transformers.txt").read_text(encoding="utf-8")
+    assert hf_text.startswith("def hello_world():") and len(hf_text) > len("def hello_world():")
+    (mcore_out,) = json.loads((work / "generation_mcore.json").read_text())
+    assert mcore_out["prompt"] + mcore_out["text"] == hf_text, (mcore_out, hf_text)
+
+    # the loss curve
+    assert (work / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
