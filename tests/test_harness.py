@@ -59,3 +59,14 @@ def test_process_groups_on_four_ranks():
     assert [o[6] for o in out] == [False, False, True, True]
     assert [o[7] for o in out] == [2, 3, 0, 1]
     assert out[0][8] == (0, 2)
+
+
+def test_launch_environment_from_torchrun_and_slurm():
+    from mcore.distributed.groups import LaunchEnv
+
+    assert LaunchEnv.from_environ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == LaunchEnv(
+        3, 8, 1, "torchrun"
+    )
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5"}
+    assert LaunchEnv.from_environ(slurm) == LaunchEnv(5, 16, 5, "slurm")
+    assert LaunchEnv.from_environ({}) == LaunchEnv(0, 1, 0, "none")
