@@ -13,6 +13,19 @@ the ratio is trustworthy::
 FLOPs use Megatron's formula, 72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) for the classic GPT (see
 mcore.training.flops), against the backend's peak (989 TFLOP/s bf16 for H100/H200) or --peak-tflops.
 One JSON line per run goes to stdout (and to --out).
+
+Where the time goes (after the timed steps, so they do not disturb the throughput figure):
+
+* ``--phases N``: N more steps with a device synchronisation between the phases of a step
+  (``zero_grad``, ``forward_backward`` with the gradient finalisation, ``optimizer`` step, ``logs``);
+  milliseconds per phase go into the JSON line.
+* ``--profile-steps N``: N more steps under ``torch.profiler``: device-busy time against wall time
+  (the device idles while the host is behind), device time per kernel category (GEMM, attention,
+  mcore's Triton kernels, Inductor kernels, the optimizer's multi-tensor kernels, element-wise,
+  reductions, copies) and the top kernels go into the JSON line (``profile``) and to stdout;
+  ``--profile-out FILE`` also writes the profiler's full tables (device and host time per op).
+* with ``--compile-layers``, dynamo's counters (frames compiled, graphs, graph breaks) go into the
+  JSON line, to show that compilation engaged.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 
 import torch
 
@@ -49,6 +63,148 @@ def synthetic_batches(vocab: int, mbs: int, seq: int, device: torch.device, seed
         yield batch
 
 
+# --------------------------------------------------------------------------------------------------
+# where the time goes
+
+_CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")),
+    ("optimizer (multi-tensor)", ("multi_tensor", "fused_adam", "adamw", "_foreach")),
+    ("mcore triton", ("_rms_", "_ln_fwd", "_ln_bwd", "_bda_", "_swiglu", "_bias_gelu", "_ce_", "_rotary")),
+    ("inductor triton", ("triton_",)),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "splitk")),
+    ("copy / fill", ("copy", "memcpy", "memset", "fill", "zero", "cat")),
+    ("embedding / index", ("embedding", "index", "sort", "radix", "scatter", "gather")),
+    ("reduction", ("reduce",)),
+    ("element-wise", ("elementwise", "pointwise")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, keys in _CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (device busy time, overlaps counted once)."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy
+
+
+def summarize_kernels(kernels: list[tuple[str, float, float]], steps: int, wall_s: float, top: int = 15):
+    """``kernels``: (name, start_us, end_us) of every device kernel in ``steps`` steps of ``wall_s``."""
+    per_name: dict[str, list[float]] = {}
+    for name, a, b in kernels:
+        entry = per_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += b - a
+    total = sum(v[1] for v in per_name.values())
+    categories: dict[str, float] = {}
+    for name, (_, us) in per_name.items():
+        cat = kernel_category(name)
+        categories[cat] = categories.get(cat, 0.0) + us
+    busy = _busy_us([(a, b) for _, a, b in kernels])
+    ms = lambda us: round(us / steps / 1000.0, 3)  # noqa: E731
+    return {
+        "steps": steps,
+        "wall_ms_per_step": round(wall_s / steps * 1000.0, 3),
+        "device_busy_ms_per_step": ms(busy),
+        "device_idle_fraction": round(max(0.0, 1.0 - busy / 1e6 / wall_s), 4) if wall_s > 0 else None,
+        "kernel_ms_per_step": ms(total),
+        "kernels_per_step": round(sum(v[0] for v in per_name.values()) / steps, 1),
+        "categories_ms_per_step": {k: ms(v) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {
+                "name": name[:120],
+                "calls_per_step": round(n / steps, 2),
+                "ms_per_step": ms(us),
+                "category": kernel_category(name),
+            }
+            for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+        ],  # fmt: skip
+    }
+
+
+def profile_steps(step, steps: int, backend, out_file: str | None) -> dict:
+    """Run ``step()`` ``steps`` times under torch.profiler; summarize device kernels (see module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if backend.device_type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    step()  # one unprofiled step, so the profile starts with the device in its steady state
+    backend.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        backend.synchronize()
+        wall = time.perf_counter() - start
+    kernels = []
+    host_us = 0.0
+    for evt in prof.events():
+        if str(evt.device_type).endswith("CPU"):
+            if evt.cpu_parent is None:  # top-level host ops: the host time the step spends in torch
+                host_us += evt.time_range.elapsed_us()
+            continue
+        kernels.append((evt.name, evt.time_range.start, evt.time_range.end))
+    summary = summarize_kernels(kernels, steps, wall)
+    summary["host_top_level_op_ms_per_step"] = round(host_us / steps / 1000.0, 3)
+    if out_file:
+        averages = prof.key_averages()
+        with open(out_file, "w") as f:
+            for sort_by in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+                try:
+                    f.write(f"== sorted by {sort_by} ({steps} steps)\n")
+                    f.write(averages.table(sort_by=sort_by, row_limit=40, max_name_column_width=90) + "\n")
+                except Exception as err:  # a key this torch version does not know
+                    f.write(f"({type(err).__name__}: {err})\n")
+    return summary
+
+
+def phase_times(trainer, data, iters: int, synchronize) -> dict[str, float]:
+    """Milliseconds per phase of a training step, with a device synchronisation between phases."""
+    names = ("zero_grad", "forward_backward", "optimizer", "logs")
+    totals = dict.fromkeys(names, 0.0)
+    for _ in range(iters):
+        synchronize()
+        t0 = time.perf_counter()
+        trainer.optimizer.zero_grad()
+        synchronize()
+        t1 = time.perf_counter()
+        logs = trainer._run_schedule(data, forward_only=False)
+        synchronize()
+        t2 = time.perf_counter()
+        trainer.optimizer.step()
+        synchronize()
+        t3 = time.perf_counter()
+        trainer._average_logs(logs)
+        synchronize()
+        t4 = time.perf_counter()
+        for name, (a, b) in zip(names, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+            totals[name] += b - a
+    return {name: round(v / iters * 1000.0, 3) for name, v in totals.items()}
+
+
+def dynamo_counters() -> dict:
+    """dynamo's counters (frames compiled, unique graphs, graph breaks with reasons)."""
+    from torch._dynamo.utils import counters
+
+    out = {k: dict(v) for k, v in counters.items() if k in ("frames", "stats", "graph_break", "recompiles")}
+    if "graph_break" in out:
+        out["graph_break"] = {k[:160]: n for k, n in list(out["graph_break"].items())[:10]}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--warmup", type=int, default=5)
@@ -56,6 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--label", default="mcore")
     parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--phases", type=int, default=0, help="steps timed phase by phase (see doc)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="steps under torch.profiler")
+    parser.add_argument("--profile-out", default=None, help="write the profiler's tables here")
     ours, rest = parser.parse_known_args(argv)
     rest += [
         "--tokenizer-type",
@@ -107,15 +266,16 @@ def main(argv=None) -> int:
     needs_data = groups.is_first_stage or groups.is_last_stage
     trainer = Trainer(cfg, groups, backend, model, optimizer, scheduler, forward_step, batches)
 
+    step_data = data if needs_data else None
     for _ in range(ours.warmup):
-        trainer.train_step(data if needs_data else None)
+        trainer.train_step(step_data)
     backend.synchronize()
     backend.reset_peak_memory_stats()
     if dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
     for _ in range(ours.iters):
-        trainer.train_step(data if needs_data else None)
+        losses, _, grad_norm = trainer.train_step(step_data)
     backend.synchronize()
     step_s = (time.perf_counter() - start) / ours.iters
 
@@ -142,13 +302,42 @@ def main(argv=None) -> int:
         "tflops_per_device": flops / step_s / groups.world_size / 1e12,
         "mfu": (flops / step_s / groups.world_size / peak) if peak else None,
         "peak_mem_gib": mem["peak_allocated"] / 2**30,
+        "lm_loss": losses.get("lm loss"),
+        "grad_norm": grad_norm,
     }
-    if groups.rank == groups.last_rank:
-        print(json.dumps(result), flush=True)
-        if ours.out:
-            with open(ours.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    if cfg.training.compile_layers:
+        try:
+            result["dynamo"] = dynamo_counters()
+        except Exception:
+            traceback.print_exc()
+    is_last = groups.rank == groups.last_rank
+    if is_last:  # the throughput line first: the analyses below must not be able to lose it
+        _emit(result, ours.out)
+    extra = {}
+    if ours.phases > 0:
+        try:
+            extra["phases_ms"] = phase_times(trainer, step_data, ours.phases, backend.synchronize)
+        except Exception:
+            traceback.print_exc()
+    if ours.profile_steps > 0:
+        try:
+            extra["profile"] = profile_steps(
+                lambda: trainer.train_step(step_data), ours.profile_steps, backend, ours.profile_out
+            )
+        except Exception:
+            traceback.print_exc()
+    if is_last and extra:
+        _emit({"peer": ours.label, **extra}, ours.out)
     return 0
+
+
+def _emit(record: dict, out: str | None) -> None:
+    """Print one JSON line and append it to ``out``."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ class DistributedDataParallel(torch.nn.Module):
         # else: an explicit size, or nothing to overlap and one collective per buffer (None)
 
         names = {id(p): n for n, p in module.named_parameters()}
+        self._all_params = list(module.parameters())  # for zero_grad_buffer, without a module walk per step
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
         for param in reversed(list(module.parameters())):  # backward order, roughly
             if not param.requires_grad:
@@ -257,7 +258,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient buffer and reset the buckets (call before each step's first forward)."""
-        for param in self.module.parameters():
+        for param in self._all_params:
             param.grad = None
         for buffer in self.grad_buffers:
             buffer.reset()

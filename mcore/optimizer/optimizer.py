@@ -180,10 +180,12 @@ class MegatronOptimizer:
                 return None
             start, end = local
             offset = buffer.buffer_range(param)[0]
-            grad_data = buffer.grad_data
+            # The buffer is allocated once and zeroed in place, so one view serves every step (a new
+            # slice per parameter per step was host time spent right after backward's last sync).
+            piece = buffer.grad_data[offset + start : offset + end]
 
-            def grad_view(lo=offset + start, hi=offset + end):
-                return grad_data[lo:hi]
+            def grad_view(piece=piece):
+                return piece
         else:
             start, end = 0, param.numel()
 
@@ -278,15 +280,20 @@ class MegatronOptimizer:
         else:
             self._sgd(present)
 
-        for entry, _ in present:
-            if entry.owns_copy:
-                entry.model_view().copy_(entry.main)
+        self._copy_main_to_model([entry for entry, _ in present if entry.owns_copy])
         if self.distributed:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
             if not self.config.overlap_param_gather:
                 self.finish_param_sync()
         return True, grad_norm, None
+
+    @staticmethod
+    def _copy_main_to_model(entries: list[MainParam]) -> None:
+        """Round the fp32 masters into the bf16/fp16 model parameters: one multi-tensor copy instead of
+        a kernel launch per parameter (the same ``copy_`` conversion, element for element)."""
+        if entries:
+            torch._foreach_copy_([e.model_view() for e in entries], [e.main for e in entries])
 
     def _adam(self, present: list[tuple[MainParam, torch.Tensor]]) -> None:
         cfg = self.config

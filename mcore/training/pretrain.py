@@ -223,6 +223,15 @@ class Trainer:
         self.schedule = get_forward_backward_func(groups.pp_size, vp)
         self.dtype = cfg.precision.params_dtype
         self.device = backend.device(groups.rank)
+        self._chunk_modules = [list(chunk.modules()) for chunk in model]
+
+    def _train_mode(self) -> None:
+        """Put every module in training mode; ``Module.train()`` only when one is not (it sets an
+        attribute through ``Module.__setattr__`` on every module, about 1 ms for a 24-layer GPT,
+        at the start of the step while the device waits)."""
+        for chunk, modules in zip(self.model, self._chunk_modules):
+            if not all(m.training for m in modules):
+                chunk.train()
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
         return self.schedule(
@@ -260,8 +269,7 @@ class Trainer:
         return {k: float(v) for k, v in zip(keys, mean.tolist())}
 
     def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None]:
-        for chunk in self.model:
-            chunk.train()
+        self._train_mode()
         self.optimizer.zero_grad()
         logs = self._run_schedule(data_iterator, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()

@@ -63,6 +63,23 @@ def _as_triton_config(cfg: dict) -> triton.Config:
     return triton.Config(kwargs, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
 
 
+_LAUNCHES: dict = {}
+
+
+def cached_launch(key, build):
+    """The :class:`GridLaunch` for ``key``, built once by ``build()``.
+
+    A launch depends only on the kernel, its shapes and the device, which never change between the
+    steps of a training run, and building one (the config list, the autotuner lookup, the largest
+    partial-sum count over every config) costs tens of microseconds of host time: per call, that was
+    a measurable part of a small model's step. ``key`` must hold everything ``build`` reads.
+    """
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = build()
+    return launch
+
+
 class GridLaunch:
     """One launch of a kernel whose grid (and partial-sum buffer) depends on its block config.
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GridLaunch, next_pow2, rows_2d, sm_count
+from ._common import GridLaunch, cached_launch, next_pow2, rows_2d, sm_count, use_autotune
 
 # --- SwiGLU ---------------------------------------------------------------------------------------
 
@@ -76,6 +76,13 @@ _COLUMN_BWD_CONFIGS = [
 
 def _column_bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
     """Persistent backward over ``[row programs, column blocks]`` with fp32 column partial sums."""
+    if config is None:  # the training path: built once per shape (the sweep passes explicit configs)
+        key = (kernel, tag, m, n, device, use_autotune(m))
+        return cached_launch(key, lambda: _build_column_bwd_launch(kernel, tag, m, n, device, None))
+    return _build_column_bwd_launch(kernel, tag, m, n, device, config)
+
+
+def _build_column_bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
     sms = sm_count(device)
     default = {**_tile_config(n, None), "PER_SM": 4}
     configs = [c for c in _COLUMN_BWD_CONFIGS if c["BLOCK_N"] <= next_pow2(n)] or [default]

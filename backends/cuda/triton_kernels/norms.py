@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GridLaunch, next_pow2, rows_2d, sm_count
+from ._common import GridLaunch, cached_launch, next_pow2, rows_2d, sm_count, use_autotune
 
 MAX_N = 16384
 """The widest row a program keeps in registers; wider rows use the reference op."""
@@ -190,6 +190,13 @@ def _bwd_configs(block_n: int) -> list[dict]:
 
 def _bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
     """The persistent backward's launch: ``min(row blocks, SMs * PER_SM)`` programs, tuned for big ``m``."""
+    if config is None:  # the training path: built once per shape (the sweep passes explicit configs)
+        key = (kernel, tag, m, n, device, use_autotune(m))
+        return cached_launch(key, lambda: _build_bwd_launch(kernel, tag, m, n, device, None))
+    return _build_bwd_launch(kernel, tag, m, n, device, config)
+
+
+def _build_bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
     block_n = next_pow2(n)
     base = max(1, 2048 // block_n)
     default = {"BLOCK_M": base, "num_warps": int(min(16, max(1, base * block_n // 256))), "PER_SM": 4}

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GridLaunch, next_pow2
+from ._common import GridLaunch, cached_launch, next_pow2, use_autotune
 
 
 @triton.jit
@@ -121,12 +121,21 @@ def rotary_apply(x: torch.Tensor, freqs2: torch.Tensor, k: int, backward: bool, 
     y3 = y.view(outer, inner, d)
     half_block = next_pow2(r // 2)
     passthrough = d - r
-    configs = [c for c in _CONFIGS if c["BLOCK_I"] <= next_pow2(inner) and c["BLOCK_I"] * half_block <= 8192]
-    launch = GridLaunch(
-        _rotary_kernel, "rotary", outer * inner, configs, _default(inner, half_block),
-        key=["INNER", "HALF", "PASS"], grid=lambda cfg: (outer * triton.cdiv(inner, cfg["BLOCK_I"]),),
-        parts=lambda cfg: 0, config=config,
-    )  # fmt: skip
+
+    def build():
+        configs = [
+            c for c in _CONFIGS if c["BLOCK_I"] <= next_pow2(inner) and c["BLOCK_I"] * half_block <= 8192
+        ]
+        return GridLaunch(
+            _rotary_kernel, "rotary", outer * inner, configs, _default(inner, half_block),
+            key=["INNER", "HALF", "PASS"], grid=lambda cfg: (outer * triton.cdiv(inner, cfg["BLOCK_I"]),),
+            parts=lambda cfg: 0, config=config,
+        )  # fmt: skip
+
+    if config is None:  # the training path: built once per shape (the sweep passes explicit configs)
+        launch = cached_launch(("rotary", outer, inner, half_block, use_autotune(outer * inner)), build)
+    else:
+        launch = build()
     launch(
         x3, freqs2, y3, inner, r // 2, passthrough,
         x3.stride(0), x3.stride(1), freqs2.stride(0), y3.stride(0), y3.stride(1),

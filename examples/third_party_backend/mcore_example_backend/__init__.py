@@ -33,7 +33,7 @@ class ExampleBackend(BackendBase):
     device_type = "cpu"
     dist_backend = "gloo"
     priority = -10  # below mcore's cpu backend: never the ``auto`` choice
-    _capabilities = frozenset({"fp32", "bf16", "fused_rms_norm", "fused_swiglu", "flash_attention"})
+    _capabilities = frozenset({"fp32", "bf16", "fp16", "fused_rms_norm", "fused_swiglu", "flash_attention"})
 
     def is_available(self) -> tuple[bool, str]:
         return True, f"example backend on the CPU ({os.cpu_count()} cores)"
