@@ -422,7 +422,7 @@ def _pretrain(
         t, is_logging_rank, run_config={k: dataclasses.asdict(v) for k, v in cfg.as_dict().items()}
     )
     if t.log_memory:
-        print_rank_0(groups, f"> rank 0 memory: {format_memory_report(optimizer.memory_report())}")
+        log_memory_per_rank(groups, optimizer.memory_report())
 
     train_iters = t.train_iters if t.train_iters is not None else _iters_for_samples(t, batches)
     flops_per_sample = _flops_per_sample(cfg, vocab)
@@ -532,6 +532,27 @@ def _pretrain(
         test_loss=test_loss,
         exit_reason=exit_reason,
     )
+
+
+def log_memory_per_rank(groups: ProcessGroups, report: dict[str, int]) -> None:
+    """Print every rank's parameter / gradient / optimizer-state bytes on rank 0 (so the 1/DP saving of
+    the distributed optimizer is visible); large jobs get the smallest and largest rank only."""
+    reports = [report]
+    if dist.is_initialized() and groups.world_size > 1:
+        reports = [None] * groups.world_size
+        dist.all_gather_object(reports, report)
+    if groups.rank != 0:
+        return
+    if len(reports) <= 16:
+        for rank, r in enumerate(reports):
+            print(f"> memory rank {rank}: {format_memory_report(r)}", flush=True)
+        return
+    by_state = sorted(range(len(reports)), key=lambda i: reports[i]["optimizer_state"])
+    for label, rank in (("least", by_state[0]), ("most", by_state[-1])):
+        print(
+            f"> memory rank {rank} ({label} optimizer state): {format_memory_report(reports[rank])}",
+            flush=True,
+        )
 
 
 def _iters_for_samples(t, batches: MicroBatchCalculator) -> int:
