@@ -139,6 +139,17 @@ def test_tensor_parallel_reproduces_the_single_process_curve(corpus):
         torch.testing.assert_close(torch.tensor(parallel), torch.tensor(single), rtol=2e-5, atol=2e-5)
 
 
+def test_pipeline_and_data_parallel_reproduce_the_single_process_curve(corpus):
+    """The real loop at PP=2 (interleaved, 2 virtual stages) and at DP=2 with the distributed optimizer."""
+    single, _, _ = _train(_argv(corpus, "--num-layers", "4"))
+    for extra in (
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+        ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    ):
+        ranks = run_distributed(_train, 2, _argv(corpus, "--num-layers", "4", *extra))
+        torch.testing.assert_close(torch.tensor(ranks[-1][0]), torch.tensor(single), rtol=2e-5, atol=2e-5)
+
+
 def test_gradient_accumulation_equals_one_large_batch(corpus):
     accumulated, _, _ = _train(_argv(corpus, "--micro-batch-size", "1", iters=6))
     large, _, _ = _train(_argv(corpus, "--micro-batch-size", "8", iters=6))
