@@ -79,7 +79,10 @@ def test_a_save_killed_midway_keeps_the_previous_checkpoint_and_training_resumes
     save = tmp_path / "ckpt"
     run = [*TP2, "--train-iters", "4", "--save", str(save), "--save-interval", "2"]
     # rank 1 ends with os._exit after writing one file; rank 0 then fails (or is killed) in the commit
-    with pytest.raises(DistributedTestError, match="exited without a result|Connection closed by peer"):
+    with pytest.raises(
+        DistributedTestError,
+        match="exited without a result|Connection closed by peer|Connection reset by peer",
+    ):
         run_distributed(train_with_failing_save, 2, run, 1, 2, "kill")
     assert read_tracker(save) == 2 and not (save / "iter_0000004").exists()
     assert len(list_tmp_dirs(save)) == 1  # the killed save's partial files
