@@ -77,7 +77,7 @@ def plot_losses(log: pathlib.Path, png: pathlib.Path) -> None:
         ax.plot(*zip(*val), "o-", label="validation lm loss")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss")
-    ax.set_title("mcore quickstart: GPT on the Python standard library (TP=2)")
+    ax.set_title("mcore quickstart: GPT on the Python standard library")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png)
@@ -94,9 +94,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="a short run (CI): 40 iterations, a smaller corpus"
     )
-    parser.add_argument("--nproc", type=int, default=2, help="processes (tensor parallel size)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes = tensor parallel size (default 2; on accelerators at most the device count)",
+    )
     args = parser.parse_args(argv)
     iters = 40 if args.quick else args.iters
+    args.nproc = args.nproc or default_nproc(args.device_backend)
     work = pathlib.Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
     )
     data = f"{prefix}_text_document"
 
-    step("4. pretraining (tensor parallel 2), stop halfway, resume")
+    step(f"4. pretraining (tensor parallel {args.nproc}), stop halfway, resume")
     ckpt = work / "checkpoints"
     log = work / "train_log.jsonl"
     if log.exists():
@@ -253,6 +259,21 @@ def main(argv=None) -> int:
     plot_losses(log, work / "loss_curve.png")
     print(f"\nAll done in {time.time() - started:.0f}s. Outputs under {work}")
     return 0
+
+
+def default_nproc(backend_name: str) -> int:
+    """Two processes (TP=2); on an accelerator no more than its devices (one rank per device)."""
+    from mcore.plugins.manager import select_backend
+
+    backend = select_backend(backend_name, activate=False)
+    if backend.device_type == "cpu":
+        return 2
+    import torch
+
+    count = torch.get_device_module(backend.device_type).device_count()
+    if count < 2:
+        print(f"only {count} {backend.device_type} device(s): training with 1 process (TP=1)")
+    return max(1, min(2, count))
 
 
 def generate_with_transformers(hf_dir: pathlib.Path, prompt: str, max_new_tokens: int) -> str:
