@@ -38,7 +38,7 @@ import traceback
 
 import torch
 
-from mcore.distributed.groups import initialize_parallel
+from mcore.distributed.groups import LaunchEnv, initialize_parallel
 from mcore.models.config import padded_vocab_size
 from mcore.optimizer import build_optimizer
 from mcore.tensor_parallel.random import model_parallel_seed
@@ -235,9 +235,7 @@ def main(argv=None) -> int:
     backend = setup_backend(cfg)
     import torch.distributed as dist
 
-    world = (
-        dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ.get("WORLD_SIZE", 1))
-    )
+    world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
     cfg = check_run_config(cfg, backend, world)
     groups = initialize_parallel(cfg.parallel, backend)
     model_parallel_seed(cfg.training.seed, groups.tp_rank, groups.pp_rank)

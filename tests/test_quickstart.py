@@ -1,6 +1,7 @@
 """The README's first command, reduced (``--quick``), end to end, checking every artifact it promises."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,7 +16,7 @@ def test_quickstart_quick_mode_produces_every_artifact(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 

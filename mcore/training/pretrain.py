@@ -34,7 +34,7 @@ from mcore.data.loader import build_pretraining_data_loader
 from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
-from mcore.distributed.groups import ProcessGroups, initialize_parallel
+from mcore.distributed.groups import LaunchEnv, ProcessGroups, initialize_parallel
 from mcore.models.config import padded_vocab_size, validate_model_parallel
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
@@ -359,7 +359,7 @@ def pretrain(
     try:
         cfg = cfg or parse_run_config(argv, extra_config_groups)
         backend = setup_backend(cfg)
-        world_size = dist.get_world_size() if dist.is_initialized() else int(_env("WORLD_SIZE", "1"))
+        world_size = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
         cfg = check_run_config(cfg, backend, world_size)
         groups = initialize_parallel(cfg.parallel, backend)
     except (ConfigError, BackendSelectionError, PluginError) as err:
@@ -370,12 +370,6 @@ def pretrain(
     except (ConfigError, DataError) as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-
-
-def _env(name: str, default: str) -> str:
-    import os
-
-    return os.environ.get(name, default)
 
 
 def _pretrain(
