@@ -3,8 +3,9 @@
 Shape legend: ``b`` batch, ``s`` sequence (``sq`` queries, ``sk`` keys), ``n`` attention heads,
 ``g`` key/value heads (query groups), ``d`` head dim, ``h`` hidden, ``V`` vocabulary.
 
-Precision: reductions (norm statistics, softmax, log-sum-exp) are computed in fp32 whatever the input
-dtype, and results are returned in the input dtype, as Megatron's fused kernels do.
+Precision: reductions (norm statistics, softmax, log-sum-exp) are computed in at least fp32 (fp16/bf16
+inputs are promoted to fp32, float64 stays float64 so gradcheck can be strict), and results are
+returned in the input dtype, as Megatron's fused kernels do.
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ import torch
 import torch.nn.functional as F
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in its compute dtype: at least fp32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight + bias``; stats in fp32."""
-    y = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
+    y = F.layer_norm(_wide(x), (x.shape[-1],), _wide(weight), None if bias is None else _wide(bias), eps)
     return y.to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``; the statistic in fp32."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    xw = _wide(x)
+    y = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight
 
 
@@ -48,8 +54,9 @@ def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """
     rot_dim = freqs.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    cos, sin = freqs.float().cos(), freqs.float().sin()
-    out = (x_rot.float() * cos + _rotate_half(x_rot.float()) * sin).to(x.dtype)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = freqs.to(compute).cos(), freqs.to(compute).sin()
+    out = (_wide(x_rot) * cos + _rotate_half(_wide(x_rot)) * sin).to(x.dtype)
     return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
 
 
@@ -77,9 +84,9 @@ def bias_dropout_add(
 
 def scaled_masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """``softmax(scale * scores)`` over the last dim in fp32, with ``mask`` (bool, True = masked out)."""
-    x = scores.float() * scale
+    x = _wide(scores) * scale
     if mask is not None:
-        x = x.masked_fill(mask, torch.finfo(torch.float32).min)
+        x = x.masked_fill(mask, torch.finfo(x.dtype).min)
     return torch.softmax(x, dim=-1).to(scores.dtype)
 
 
@@ -113,11 +120,11 @@ def attention(
         k = k.repeat_interleave(n // g, dim=1)
         v = v.repeat_interleave(n // g, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
     if bias is not None:
-        scores = scores + bias.float()
+        scores = scores + bias.to(scores.dtype)
     sq, sk = q.shape[-2], k.shape[-2]
-    fill = torch.finfo(torch.float32).min
+    fill = torch.finfo(scores.dtype).min
     if causal:
         future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
         scores = scores.masked_fill(future, fill)
@@ -130,8 +137,8 @@ def attention(
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token cross-entropy in fp32: ``logits [..., V]``, ``labels [...]`` -> loss ``[...]``."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
+    """Per-token cross-entropy in (at least) fp32: ``logits [..., V]``, ``labels [...]`` -> loss ``[...]``."""
+    flat = _wide(logits.reshape(-1, logits.shape[-1]))
     loss = F.cross_entropy(flat, labels.reshape(-1), reduction="none", label_smoothing=label_smoothing)
     return loss.view(labels.shape)
 
