@@ -17,7 +17,6 @@ from mcore.testing.conformance import BackendConformance
 class TestSimulatedNPUConformance(BackendConformance):
     backend_name = "npu"
     rank_setup = simulated.install
-    run_training = False
 
     @pytest.fixture(autouse=True)
     def _installed(self, simulated_npu):
