@@ -65,3 +65,13 @@ def test_parallel_config_validation():
     assert cfg.virtual_stages(8) == 2
     with pytest.raises(ConfigError, match="num_layers=6"):
         cfg.virtual_stages(6)
+
+
+def test_layers_per_virtual_stage_with_uneven_stages_is_refused():
+    cfg = ParallelConfig(
+        pipeline_model_parallel_size=2,
+        num_layers_per_virtual_pipeline_stage=1,
+        decoder_first_pipeline_num_layers=3,
+    )
+    with pytest.raises(ConfigError, match="give --virtual-pipeline-model-parallel-size"):
+        cfg.virtual_stages(8)

@@ -88,6 +88,15 @@ class ParallelConfig:
         if self.virtual_pipeline_model_parallel_size is not None:
             return self.virtual_pipeline_model_parallel_size
         if self.num_layers_per_virtual_pipeline_stage is not None:
+            if (
+                self.decoder_first_pipeline_num_layers is not None
+                or self.decoder_last_pipeline_num_layers is not None
+            ):
+                # With uneven first/last stages "layers per chunk" no longer fixes the chunk count.
+                raise ConfigError(
+                    "--num-layers-per-virtual-pipeline-stage cannot be combined with "
+                    "--decoder-first/last-pipeline-num-layers; give --virtual-pipeline-model-parallel-size"
+                )
             per_stage, rem = divmod(num_layers, self.pipeline_model_parallel_size)
             per_chunk = self.num_layers_per_virtual_pipeline_stage
             check(
