@@ -46,5 +46,13 @@ def test_quickstart_quick_mode_produces_every_artifact(tmp_path):
     (mcore_out,) = json.loads((work / "generation_mcore.json").read_text())
     assert mcore_out["prompt"] + mcore_out["text"] == hf_text, (mcore_out, hf_text)
 
+    # TensorBoard scalars were written (one event file per run: the first half and the resumed half)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted((work / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 2
+    tags = EventAccumulator(str(events[-1])).Reload().Tags()["scalars"]
+    assert "train/lm loss" in tags and "train/learning_rate" in tags and "validation/lm loss" in tags
+
     # the loss curve
     assert (work / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
