@@ -30,6 +30,8 @@ op                        conversion
                           ``next_tockens = sk - sq`` so the band agrees with the mask.
 ``adam_step``             ``npu_apply_adam_w`` per parameter, ``beta_power = beta ** (step - 1)``;
                           Adam with L2 decay (not decoupled) folds ``wd * p`` into the gradient.
+``adam_step_flat``        ``npu_apply_adam_w`` per flat segment for fp32 masters and moments; the
+                          precision-aware storage (int16 remainders, bf16 moments) runs the reference.
 ========================  ===========================================================================
 
 Inputs outside what the kernels are documented for (other dtypes, an additive bias/ALiBi, whose
@@ -276,5 +278,43 @@ def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
                 )
 
         ops["adam_step"] = adam_step
+
+        @torch.no_grad()
+        def adam_step_flat(
+            grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, *, step, lrs,
+            weight_decays, beta1, beta2, eps, grad_scale=None, skip=None,
+        ) -> None:  # fmt: skip
+            """Reference ``adam_step_flat`` through ``npu_apply_adam_w``, one call per segment.
+
+            Served for fp32 masters and moments (fp32 parameters, or fp32 masters beside bf16/fp16
+            ones); the precision-aware storage (remainders, bf16 moments) runs the reference. The
+            kernel has no device-side skip, so a ``skip`` flag is read on the host here (one sync).
+            """
+            fp32_state = remainders is None and exp_avgs.dtype == exp_avg_sqs.dtype == torch.float32
+            if not fp32_state or (masters is None and params.dtype != torch.float32):
+                reference.adam_step_flat(
+                    grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, step=step,
+                    lrs=lrs, weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps,
+                    grad_scale=grad_scale, skip=skip,
+                )  # fmt: skip
+                return
+            if skip is not None and bool(skip):
+                return
+            beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
+            for seg in segments.segments:
+                state = slice(seg.state_start, seg.state_start + seg.length)
+                buffer = slice(seg.buffer_start, seg.buffer_start + seg.length)
+                g = grads[buffer].float()
+                if grad_scale is not None:
+                    g = g * grad_scale
+                p = masters[state] if masters is not None else params[buffer]
+                torch_npu.npu_apply_adam_w(
+                    beta1_power, beta2_power, lrs[seg.group], weight_decays[seg.group], beta1, beta2,
+                    eps, g, None, False, False, out=(p, exp_avgs[state], exp_avg_sqs[state]),
+                )  # fmt: skip
+                if masters is not None:
+                    params[buffer].copy_(p)
+
+        ops["adam_step_flat"] = adam_step_flat
 
     return ops

@@ -13,7 +13,8 @@ parameter may straddle shards: each rank owns the (possibly empty) contiguous pi
 in its shard (see :meth:`GradBuffer.local_range`). Gradients are reduce-scattered, so after the sync
 only the owned shard holds the averaged gradient. Parameters then live in ``param_data``, a buffer of
 the same layout in the parameter dtype (``param.data`` is a view into it), so that updated shards
-are all-gathered with one collective per bucket.
+are all-gathered with one collective per bucket. The one-pass optimizer keeps parameters in
+``param_data`` without the distributed optimizer too, so it can update a whole buffer at once.
 """
 
 from __future__ import annotations
@@ -134,7 +135,12 @@ class Bucket:
     def start_param_sync(self) -> None:
         """Launch the all-gather of updated parameter shards (distributed optimizer only)."""
         comm = self.buffer.comm
-        if self.param_data is None or not comm.active or self.param_handle is not None:
+        if (
+            self.param_data is None
+            or not comm.use_distributed_optimizer
+            or not comm.active
+            or self.param_handle is not None
+        ):
             return
         self.param_handle = all_gather_into_tensor(
             self.param_data, self._local_view(self.param_data), group=comm.group, async_op=True
@@ -160,6 +166,8 @@ class GradBuffer:
             word embedding under the distributed optimizer, so that its shards line up on the first
             and last pipeline stage).
         names: parameter names for messages.
+        contiguous_params: also keep the parameters in ``param_data`` without the distributed
+            optimizer (the one-pass optimizer updates whole buffers).
     """
 
     def __init__(
@@ -171,6 +179,7 @@ class GradBuffer:
         comm: CommSpec,
         needs_own_bucket: Callable[[torch.nn.Parameter], bool] = lambda p: False,
         names: dict[int, str] | None = None,
+        contiguous_params: bool = False,
     ):
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
@@ -207,7 +216,7 @@ class GradBuffer:
 
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
-        if comm.use_distributed_optimizer:
+        if comm.use_distributed_optimizer or contiguous_params:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
         for param in self.params:
             start, end, _ = self.index[id(param)]

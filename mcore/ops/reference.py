@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mcore.ops.flat import FlatSegments, join_master, split_master
+
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
     """``x`` in its compute dtype: at least fp32."""
@@ -178,6 +180,84 @@ def adam_step(
         p.addcdiv_(m, denom, value=-lr / bias1)
 
 
+@torch.no_grad()
+def adam_step_flat(
+    grads: torch.Tensor,
+    params: torch.Tensor,
+    masters: torch.Tensor | None,
+    remainders: torch.Tensor | None,
+    exp_avgs: torch.Tensor,
+    exp_avg_sqs: torch.Tensor,
+    segments: FlatSegments,
+    *,
+    step: int,
+    lrs: Sequence[float],
+    weight_decays: Sequence[float],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grad_scale: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
+) -> None:
+    """One AdamW step over whole flat buffers (index spaces in :mod:`mcore.ops.flat`).
+
+    Tensors (all 1-D, contiguous):
+
+    * ``grads [N]``: the gradient buffer (fp32, bf16 or fp16), read only;
+    * ``params [N]``: the model-parameter buffer; written with the rounded master;
+    * ``masters [n]`` fp32, or ``remainders [n]`` int16 (the master is ``join_master(param,
+      remainder)``), or neither (fp32 parameters: ``params`` holds the masters);
+    * ``exp_avgs``, ``exp_avg_sqs [n]``: the moments, fp32 or bf16 (computed in fp32, stored rounded).
+
+    Per element of each segment (group ``k``), with ``c = grad_scale`` (the clipping coefficient, a
+    0-d fp32 device tensor, default 1)::
+
+        g = c * grad;   p = master * (1 - lr_k * wd_k)
+        m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+        p = p - lr_k / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
+
+    the arithmetic of :func:`adam_step`, so fp32 state gives the same bits. ``skip`` (a 0-d bool
+    device tensor) true leaves everything untouched: the decision (a non-finite gradient norm, say)
+    stays on the device and the host never waits for it.
+    """
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    for seg in segments.segments:
+        state = slice(seg.state_start, seg.state_start + seg.length)
+        buffer = slice(seg.buffer_start, seg.buffer_start + seg.length)
+        lr, wd = lrs[seg.group], weight_decays[seg.group]
+        g = grads[buffer].float()
+        if grad_scale is not None:
+            g = g * grad_scale
+        if masters is not None:
+            p0 = masters[state]
+        elif remainders is not None:
+            p0 = join_master(params[buffer], remainders[state])
+        else:
+            p0 = params[buffer].float()
+        m0, v0 = exp_avgs[state].float(), exp_avg_sqs[state].float()
+        p, m, v = p0.clone(), m0.clone(), v0.clone()
+        if wd != 0.0:
+            p.mul_(1.0 - lr * wd)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = (v / bias2).sqrt_().add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bias1)
+        if skip is not None:  # select, not branch: the host never reads the device flag
+            p, m, v = torch.where(skip, p0, p), torch.where(skip, m0, m), torch.where(skip, v0, v)
+        exp_avgs[state].copy_(m)
+        exp_avg_sqs[state].copy_(v)
+        if masters is not None:
+            masters[state].copy_(p)
+            params[buffer].copy_(p)
+        elif remainders is not None:
+            hi, rem = split_master(p)
+            params[buffer].copy_(hi)
+            remainders[state].copy_(rem)
+        else:
+            params[buffer].copy_(p)
+
+
 REFERENCE_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
@@ -189,4 +269,5 @@ REFERENCE_OPS = {
     "attention": attention,
     "cross_entropy": cross_entropy,
     "adam_step": adam_step,
+    "adam_step_flat": adam_step_flat,
 }

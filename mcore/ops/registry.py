@@ -24,6 +24,7 @@ OP_NAMES: tuple[str, ...] = (
     "attention",
     "cross_entropy",
     "adam_step",
+    "adam_step_flat",
 )
 """Every op name. The signatures and tensor layouts are documented in :mod:`mcore.ops.reference`."""
 

@@ -14,6 +14,9 @@ import torch
 
 from mcore.config.fields import ConfigError, check, flag
 
+_MOMENT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
@@ -37,6 +40,30 @@ class OptimizerConfig:
     decoupled_weight_decay: bool = flag(
         True, "Adam applies weight decay decoupled from the gradient (AdamW), as Megatron does.", cli=False
     )
+    use_precision_aware_optimizer: bool = flag(
+        False,
+        "Keep optimizer state in the precisions below: bf16 gradients, bf16 Adam moments, and fp32 "
+        "masters stored exactly as the bf16 parameters plus 16-bit remainders (10 instead of 18 "
+        "bytes/param with --bf16).",
+    )
+    main_grads_dtype: str = flag(
+        "fp32",
+        "dtype of the gradient buffers (accumulation and data-parallel reduction) with "
+        "--use-precision-aware-optimizer.",
+        choices=("fp32", "bf16"),
+    )
+    main_params_dtype: str = flag(
+        "fp32",
+        "dtype of the master weights with --use-precision-aware-optimizer (fp32: exact, held as bf16 "
+        "parameter + 16-bit remainder).",
+        choices=("fp32", "fp16"),
+    )
+    exp_avg_dtype: str = flag(
+        "fp32", "dtype of Adam's first moment with --use-precision-aware-optimizer.", choices=_MOMENT_DTYPES
+    )
+    exp_avg_sq_dtype: str = flag(
+        "fp32", "dtype of Adam's second moment with --use-precision-aware-optimizer.", choices=_MOMENT_DTYPES
+    )
 
     def __post_init__(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):
@@ -51,6 +78,53 @@ class OptimizerConfig:
             "--overlap-param-gather needs --use-distributed-optimizer "
             f"(got use_distributed_optimizer={self.use_distributed_optimizer})",
         )
+        self._check_precision_aware()
+
+    def _check_precision_aware(self) -> None:
+        dtypes = {
+            "main_grads_dtype": self.main_grads_dtype,
+            "main_params_dtype": self.main_params_dtype,
+            "exp_avg_dtype": self.exp_avg_dtype,
+            "exp_avg_sq_dtype": self.exp_avg_sq_dtype,
+        }
+        if not self.use_precision_aware_optimizer:
+            for name, value in dtypes.items():
+                check(
+                    value == "fp32",
+                    f"--{name.replace('_', '-')} {value} needs --use-precision-aware-optimizer",
+                )
+            return
+        check(
+            self.optimizer == "adam",
+            f"--use-precision-aware-optimizer needs --optimizer adam (got {self.optimizer})",
+        )
+        check(
+            self.main_params_dtype == "fp32",
+            "--main-params-dtype fp16 is not supported: fp32 masters already cost only 2 bytes/param "
+            "beyond the bf16 parameters (stored as 16-bit remainders) and lose nothing",
+        )
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = dtypes[name]
+            check(
+                value in _DTYPES,
+                f"--{name.replace('_', '-')} {value} is not supported (choose fp32 or bf16)",
+            )
+
+    def moment_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """dtypes of Adam's first and second moments."""
+        return _DTYPES[self.exp_avg_dtype], _DTYPES[self.exp_avg_sq_dtype]
+
+    def uses_flat_adam(self, precision: PrecisionConfig) -> bool:
+        """Whether the optimizer takes the one-pass path over flat buffers (``adam_step_flat``).
+
+        AdamW without a loss scaler: bf16 or fp32 parameters. fp16 keeps the per-parameter path,
+        whose overflow check and loss-scale update need the host.
+        """
+        return self.optimizer == "adam" and self.decoupled_weight_decay and not precision.fp16
+
+    def stores_param_remainders(self, precision: PrecisionConfig) -> bool:
+        """fp32 masters held as bf16 parameter + int16 remainder (precision-aware, bf16)."""
+        return self.use_precision_aware_optimizer and precision.bf16 and self.main_params_dtype == "fp32"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +170,19 @@ class PrecisionConfig:
         if self.fp16:
             return torch.float16
         return torch.float32
+
+    def check_with(self, optimizer: OptimizerConfig) -> None:
+        """Cross-checks with the optimizer's precision-aware settings."""
+        if optimizer.use_precision_aware_optimizer:
+            check(
+                self.bf16,
+                "--use-precision-aware-optimizer needs --bf16 (its bf16 gradients and remainder-stored "
+                f"masters assume bf16 parameters; got fp16={self.fp16}, bf16={self.bf16})",
+            )
+            check(
+                not (optimizer.main_grads_dtype == "bf16" and self.accumulate_allreduce_grads_in_fp32),
+                "--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32",
+            )
 
     @property
     def grads_in_fp32(self) -> bool:

@@ -61,6 +61,7 @@ from mcore.distributed.grad_buffer import GradBuffer, all_gather_into_tensor
 from mcore.distributed.groups import ProcessGroups
 from mcore.optimizer.clip_grads import clip_grads_, counts_in_grad_norm, global_grad_norm, unscale_and_check_
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
+from mcore.optimizer.flat_state import FlatBufferState
 from mcore.optimizer.grad_scaler import build_grad_scaler
 
 STATE_FORMAT = "mcore.optimizer/1"
@@ -74,8 +75,10 @@ class MainParam:
     model_param: torch.nn.Parameter
     start: int
     end: int
-    main: torch.Tensor
-    """fp32, 1-D: a view of the model parameter (fp32 params) or an fp32 copy (bf16/fp16)."""
+    main: torch.Tensor | None
+    """fp32, 1-D: a view of the model parameter (fp32 params) or an fp32 copy (bf16/fp16); None when
+    the master is held as the bf16 parameter plus a 16-bit remainder (read it with
+    :meth:`MegatronOptimizer.master_of`)."""
     grad_view: Callable[[], torch.Tensor | None]
     """The piece's gradient in the buffer's dtype (a 1-D view), or None when there is none."""
     owns_copy: bool
@@ -147,12 +150,26 @@ class MegatronOptimizer:
                 }
             )
 
+        self.flat = config.uses_flat_adam(precision) and all(
+            isinstance(chunk, DistributedDataParallel)
+            and all(buffer.param_data is not None for buffer in chunk.grad_buffers)
+            for chunk in self.model_chunks
+        )
+        """One-pass Adam over flat buffers (``adam_step_flat``): bf16/fp32 parameters in DDP buffers."""
+        self.skips_nonfinite_on_device = self.flat
+        """A non-finite gradient norm skips the update on the device; :meth:`step` never waits for it."""
+        self._step_count = 0
         self.main_params: list[MainParam] = []
         for key, _, param, chunk in named:
             entry = self._make_main_param(key, param, chunk, group_of[id(param)], tp_rank)
             if entry is not None:
                 self.main_params.append(entry)
-        self._init_state()
+        self.flat_states: list[FlatBufferState] = []
+        self._flat_of: dict[int, FlatBufferState] = {}
+        if self.flat:
+            self._init_flat_state()
+        else:
+            self._init_state()
         device = next((p.model_param.device for p in self.main_params), None)
         self._device = device or torch.device("cpu")
 
@@ -194,7 +211,10 @@ class MegatronOptimizer:
 
         view = param.data.view(-1)[start:end]
         owns_copy = param.dtype != torch.float32
-        main = view.detach().float().clone() if owns_copy else view
+        if self.flat:
+            main = None  # set by _init_flat_state: a view into the flat masters (or the remainders)
+        else:
+            main = view.detach().float().clone() if owns_copy else view
         return MainParam(
             key=key,
             model_param=param,
@@ -218,6 +238,46 @@ class MegatronOptimizer:
                 }
             else:
                 entry.state = {"momentum_buffer": torch.zeros_like(entry.main)}
+
+    def _init_flat_state(self) -> None:
+        by_buffer: dict[int, list[MainParam]] = {}
+        for entry in self.main_params:
+            by_buffer.setdefault(id(entry.buffer), []).append(entry)
+        remainders = self.config.stores_param_remainders(self.precision)
+        moment_dtypes = self.config.moment_dtypes()
+        for chunk in self.model_chunks:
+            for buffer in chunk.grad_buffers:
+                entries = by_buffer.get(id(buffer), [])
+                pieces = [(e.model_param, e.start, e.end, e.group, e.counts_in_norm) for e in entries]
+                flat = FlatBufferState(buffer, pieces, moment_dtypes, remainders)
+                self.flat_states.append(flat)
+                for entry in entries:
+                    piece = flat.piece(entry.model_param)
+                    self._flat_of[id(entry.model_param)] = flat
+                    if flat.masters is not None:
+                        entry.main = flat.state_view(flat.masters, piece)
+                    elif flat.remainders is None:
+                        entry.main = flat.param_view(piece)  # fp32 parameters are the masters
+                    entry.state = {
+                        "step": 0,
+                        "exp_avg": flat.state_view(flat.exp_avg, piece),
+                        "exp_avg_sq": flat.state_view(flat.exp_avg_sq, piece),
+                    }
+
+    def master_of(self, entry: MainParam) -> torch.Tensor:
+        """``entry``'s fp32 master weights (a copy when they are stored as remainders)."""
+        if entry.main is not None:
+            return entry.main
+        flat = self._flat_of[id(entry.model_param)]
+        return flat.read_master(flat.piece(entry.model_param))
+
+    def _set_master(self, entry: MainParam, value: torch.Tensor) -> None:
+        """Set ``entry``'s fp32 master (and, on the flat path, the model parameter's rounding of it)."""
+        if self.flat:
+            flat = self._flat_of[id(entry.model_param)]
+            flat.write_master(flat.piece(entry.model_param), value)
+        else:
+            entry.main.copy_(value)
 
     # ----------------------------------------------------------------------------------------------
     # loss scaling
@@ -257,6 +317,8 @@ class MegatronOptimizer:
         clipping is off or the step was skipped; ``num_zeros_in_grad`` is not computed (None).
         """
         self.finish_param_sync()
+        if self.flat:
+            return self._flat_step()
         grads = self._main_grads()
         present = [(e, g) for e, g in zip(self.main_params, grads) if g is not None]
         grad_list = [g for _, g in present]
@@ -287,6 +349,62 @@ class MegatronOptimizer:
             if not self.config.overlap_param_gather:
                 self.finish_param_sync()
         return True, grad_norm, None
+
+    def _flat_step(self) -> tuple[bool, torch.Tensor | None, None]:
+        """The one-pass step: norm, clipping coefficient and skip decision stay on the device.
+
+        Returns ``(True, grad_norm, None)`` with ``grad_norm`` a 0-d fp32 device tensor (None when
+        clipping is off). A non-finite norm (a NaN or inf gradient anywhere) leaves parameters and
+        state untouched: the kernel reads the decision from device memory, and the caller finds the
+        norm non-finite when it reads it.
+        """
+        cfg = self.config
+        partial = [s for s in (flat.grad_norm_squared() for flat in self.flat_states) if s is not None]
+        norm_sq = torch.stack(partial).sum() if partial else torch.zeros((), device=self._device)
+        norm_sq = norm_sq.reshape(1)
+        group = self._norm_group()
+        if group is not None and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(norm_sq, group=group)
+        grad_norm = norm_sq.sqrt().reshape(())
+        skip = ~torch.isfinite(grad_norm)
+        for chunk in self.model_chunks:  # DDP's NaN flags of the local (pre-reduction) gradients
+            for bucket in chunk.buckets:
+                if bucket.nan_flag is not None:
+                    skip = skip | bucket.nan_flag
+        scale = None
+        if cfg.clip_grad > 0.0:
+            scale = torch.clamp(cfg.clip_grad / (grad_norm + 1e-6), max=1.0)
+        self._step_count += 1
+        for entry in self.main_params:
+            entry.state["step"] += 1
+        step = max((e.state["step"] for e in self.main_params), default=self._step_count)
+        lrs = [group["lr"] for group in self.param_groups]
+        wds = [group["weight_decay"] for group in self.param_groups]
+        adam_step_flat = get_ops().adam_step_flat
+        for flat in self.flat_states:
+            adam_step_flat(
+                flat.buffer.grad_data,
+                flat.buffer.param_data,
+                flat.masters,
+                flat.remainders,
+                flat.exp_avg,
+                flat.exp_avg_sq,
+                flat.segments,
+                step=step,
+                lrs=lrs,
+                weight_decays=wds,
+                beta1=cfg.adam_beta1,
+                beta2=cfg.adam_beta2,
+                eps=cfg.adam_eps,
+                grad_scale=scale,
+                skip=skip,
+            )
+        if self.distributed:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+            if not cfg.overlap_param_gather:
+                self.finish_param_sync()
+        return True, (grad_norm if cfg.clip_grad > 0.0 else None), None
 
     @staticmethod
     def _copy_main_to_model(entries: list[MainParam]) -> None:
@@ -352,6 +470,10 @@ class MegatronOptimizer:
     def reload_model_params(self) -> None:
         """Refresh the fp32 masters from the model parameters (after the model's weights were loaded)."""
         self.finish_param_sync()
+        if self.flat:
+            for flat in self.flat_states:
+                flat.reset_masters_from_params()
+            return
         for entry in self.main_params:
             if entry.owns_copy:
                 entry.main.copy_(entry.model_view())
@@ -372,7 +494,7 @@ class MegatronOptimizer:
             for name, value in entry.state.items():
                 item[name] = value.clone() if isinstance(value, torch.Tensor) else value
             if entry.owns_copy:
-                item["main_param"] = entry.main.clone()
+                item["main_param"] = self.master_of(entry).clone()
             state[entry.key] = item
         return {
             "format": STATE_FORMAT,
@@ -421,7 +543,7 @@ class MegatronOptimizer:
                     flat = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.grad_data.device)
                     for entry in entries:
                         offset = buffer.buffer_range(entry.model_param)[0]
-                        value = entry.main if name == "main_param" else entry.state[name]
+                        value = self.master_of(entry) if name == "main_param" else entry.state[name]
                         flat[offset + entry.start : offset + entry.end].copy_(value)
                     if comm.active:
                         for bucket in buffer.buckets:
@@ -496,13 +618,14 @@ class MegatronOptimizer:
                     value.copy_(item[name][piece])
                 else:
                     entry.state[name] = item[name]
-            if "main_param" in item:
-                entry.main.copy_(item["main_param"][piece])  # for fp32 params: the model param itself
+            if "main_param" in item:  # for fp32 params: the model param itself
+                self._set_master(entry, item["main_param"][piece])
         self.finish_param_sync()
         if self.distributed:  # parameters whose masters changed must reach every data-parallel rank
-            for entry in self.main_params:
-                if entry.owns_copy:
-                    entry.model_view().copy_(entry.main)
+            if not self.flat:  # (the flat path's _set_master rounded them into the parameters already)
+                for entry in self.main_params:
+                    if entry.owns_copy:
+                        entry.model_view().copy_(entry.main)
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
                 chunk.finish_param_sync()
@@ -526,6 +649,9 @@ class MegatronOptimizer:
                     grads += p.grad.numel() * p.grad.element_size()
             if isinstance(chunk, DistributedDataParallel):
                 grads += chunk.grad_bytes
+        if self.flat:
+            state = sum(flat.state_bytes for flat in self.flat_states)
+            return {"params": params, "grads": grads, "optimizer_state": state}
         state = 0
         for entry in self.main_params:
             for value in entry.state.values():

@@ -145,6 +145,49 @@ def _adam_l2_make(dtype, gen):
     return args, {**hyper, "step": 1, "decoupled_weight_decay": False}
 
 
+def _adam_flat_make(mode: str):
+    """Flat buffers of 1500 elements, three segments (two groups, one gap), in one of three storages."""
+
+    def make(dtype, gen):
+        from mcore.ops.flat import FlatSegments, split_master
+
+        n_buffer, n_state = 1500, 1400
+        state_index = torch.cat([torch.arange(0, 900), torch.arange(1000, 1500)])
+        segments = FlatSegments.from_runs([(0, 0, 600, 0), (600, 600, 300, 1), (900, 1000, 500, 0)])
+        masters = _randn(gen, n_buffer)
+        grads = _randn(gen, n_buffer)
+        exp_avgs = _randn(gen, n_state, scale=0.1)
+        exp_avg_sqs = _randn(gen, n_state).abs() * 0.01
+        if mode == "fp32":
+            tensors = [grads, masters, None, None, exp_avgs, exp_avg_sqs]
+        elif mode == "masters":
+            tensors = [
+                grads,
+                masters.to(torch.bfloat16),
+                masters[state_index].clone(),
+                None,
+                exp_avgs,
+                exp_avg_sqs,
+            ]
+        else:  # precision-aware: bf16 grads and moments, remainders
+            params, remainders = split_master(masters)
+            tensors = [
+                grads.to(torch.bfloat16),
+                params,
+                None,
+                remainders[state_index].clone(),
+                exp_avgs.to(torch.bfloat16),
+                exp_avg_sqs.to(torch.bfloat16),
+            ]
+        hyper = dict(
+            step=3, lrs=[1e-2, 2e-2], weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
+            grad_scale=torch.tensor(0.5), skip=torch.tensor(False),
+        )  # fmt: skip
+        return [*tensors, segments], hyper
+
+    return make
+
+
 OP_CASES: tuple[OpCase, ...] = (
     OpCase(
         "layer_norm",
@@ -244,6 +287,23 @@ OP_CASES: tuple[OpCase, ...] = (
     ),
     OpCase("adam_step", "adam_step", _adam_make, dtypes=(torch.float32,), kind="reduction"),
     OpCase("adam_step_l2", "adam_step", _adam_l2_make, dtypes=(torch.float32,), kind="reduction"),
+    OpCase(
+        "adam_flat_fp32", "adam_step_flat", _adam_flat_make("fp32"), dtypes=(torch.float32,), kind="reduction"
+    ),
+    OpCase(
+        "adam_flat_masters",
+        "adam_step_flat",
+        _adam_flat_make("masters"),
+        dtypes=(torch.float32,),
+        kind="reduction",
+    ),
+    OpCase(
+        "adam_flat_precision_aware",
+        "adam_step_flat",
+        _adam_flat_make("remainders"),
+        dtypes=(torch.float32,),
+        kind="reduction",
+    ),
 )
 """Every op of :data:`mcore.ops.registry.OP_NAMES` appears at least once."""
 
@@ -295,6 +355,30 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         ):
             for i, (got, want) in enumerate(zip(got_list, want_list)):
                 assert_close(got, want, dtype, case.kind, f"{what}: {group}[{i}]")
+        return
+
+    if case.op == "adam_step_flat":  # in place over flat buffers: compare every updated buffer
+        names = ("grads", "params", "masters", "remainders", "exp_avgs", "exp_avg_sqs")
+        ours = [t.to(device) if isinstance(t, torch.Tensor) else t for t in args]
+        ref = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+        fn(*ours, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+        ref_fn(*ref, **kwargs)
+        for name, got, want in zip(names, ours, ref):
+            if got is None:
+                continue
+            if name == "remainders":  # compare the masters they encode, not their low bits
+                from mcore.ops.flat import join_master
+
+                to_buffer = torch.zeros(want.numel(), dtype=torch.long)
+                for seg in args[6].segments:
+                    to_buffer[seg.state_start : seg.state_start + seg.length] = torch.arange(
+                        seg.buffer_start, seg.buffer_start + seg.length
+                    )
+                got = join_master(ours[1].cpu()[to_buffer], got.cpu())
+                want = join_master(ref[1][to_buffer], want)
+            # bf16 storage: one rounding of the same fp32 value (bf16 bounds)
+            bound_dtype = torch.bfloat16 if want.dtype == torch.bfloat16 else dtype
+            assert_close(got.float(), want.float(), bound_dtype, case.kind, f"{what}: {name}")
         return
 
     def leaf(t: torch.Tensor, index: int, to_device: bool) -> torch.Tensor:

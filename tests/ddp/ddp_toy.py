@@ -74,9 +74,11 @@ def build(
     clip_grad=0.5,
     hidden=16,
     lr=0.01,
+    optimizer_options=None,
     **precision,
 ):
     opt_cfg = OptimizerConfig(
+        **(optimizer_options or {}),
         optimizer=optimizer,
         weight_decay=0.1,
         clip_grad=clip_grad,

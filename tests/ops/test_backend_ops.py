@@ -26,6 +26,7 @@ import torch
 
 from mcore.ops import reference
 from mcore.ops.registry import OP_NAMES
+from mcore.testing import conformance
 
 BACKEND = os.environ.get("MCORE_TEST_BACKEND", "cpu")
 HAS_CUDA = torch.cuda.is_available()
@@ -316,7 +317,7 @@ def backend():
 
 
 def test_every_op_has_cases():
-    assert {c.op for c in CASES} | {"adam_step"} == set(OP_NAMES)
+    assert {c.op for c in CASES} | {"adam_step", "adam_step_flat"} == set(OP_NAMES)
 
 
 def _valid(cases, big_in_bf16_only=False):
@@ -584,3 +585,13 @@ def test_compile_layer_matches_eager(cuda_backend):
         assert _rel_err(blocks[0].norm1.grad, eager[0].norm1.grad) < 3e-2
     finally:
         set_current_backend(previous)
+
+
+_FLAT_ADAM_CASES = [c for c in conformance.OP_CASES if c.op == "adam_step_flat"]
+
+
+@pytest.mark.parametrize("case", _FLAT_ADAM_CASES, ids=[c.name for c in _FLAT_ADAM_CASES])
+def test_backend_adam_step_flat_matches_reference(backend, case):
+    """fp32 state, fp32 masters beside bf16 parameters, and the precision-aware storage (bf16
+    gradients and moments, int16 remainders), with a gap between segments and two groups."""
+    conformance.check_op(backend, case, torch.float32)

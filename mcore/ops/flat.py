@@ -1,0 +1,96 @@
+"""Flat optimizer state: the segment table and the exact fp32 master split into bf16 + 16 bits.
+
+The fused optimizer step (op ``adam_step_flat``) updates whole buffers at once instead of one
+tensor per parameter. Two index spaces meet there:
+
+* the *buffer* space of DDP's contiguous gradient and parameter buffers
+  (:class:`mcore.distributed.grad_buffer.GradBuffer`): ``grad[i]`` and ``param[i]``;
+* the *state* space of this rank's optimizer state (moments and masters): with the distributed
+  optimizer only the shards this rank owns, packed back to back, otherwise the same as the buffer.
+
+A :class:`FlatSegments` table lists the runs that map one onto the other::
+
+    segment k: state[state_start : state_start + length]  <->  buffer[buffer_start : buffer_start + length]
+               every element of it belongs to parameter group ``group`` (lr, weight decay)
+
+Bucket padding and pieces other ranks own are in no segment, so they are never touched.
+
+Exact fp32 masters in 2 extra bytes (Megatron's precision-aware optimizer stores "parameter
+remainders" the same way): the fp32 master's bit pattern ``u`` (int32) is split into the bf16 model
+parameter ``hi`` and a signed 16-bit remainder ``rem``::
+
+    hi  = (u + 0x8000) >> 16          # round half up in magnitude (bf16 keeps the top 16 bits)
+    rem = u - (hi << 16)              # in [-0x8000, 0x7fff]: fits int16 exactly
+    u   = (hi << 16) + rem            # the master, bit for bit
+
+so the model parameter is the master rounded to bf16 (ties away from zero, instead of ``copy_``'s
+ties to even) and nothing of the master is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    state_start: int
+    buffer_start: int
+    length: int
+    group: int
+
+
+@dataclass
+class FlatSegments:
+    """The runs of one buffer that one optimizer updates (see the module docstring).
+
+    ``cache`` holds what a backend derives from the table once (a device tile table, say), keyed
+    by the backend; the table itself never changes after construction.
+    """
+
+    segments: tuple[Segment, ...]
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_runs(cls, runs: Iterable[tuple[int, int, int, int]]) -> FlatSegments:
+        """Build from ``(state_start, buffer_start, length, group)``, merging runs that continue
+        each other in both spaces with the same group (a whole layer of one group becomes one run)."""
+        merged: list[Segment] = []
+        for state_start, buffer_start, length, group in sorted(runs, key=lambda r: r[0]):
+            if length <= 0:
+                continue
+            if merged:
+                last = merged[-1]
+                if (
+                    last.group == group
+                    and last.state_start + last.length == state_start
+                    and last.buffer_start + last.length == buffer_start
+                ):
+                    merged[-1] = Segment(last.state_start, last.buffer_start, last.length + length, group)
+                    continue
+                if state_start < last.state_start + last.length:
+                    raise ValueError(f"flat segments overlap at state index {state_start}")
+            merged.append(Segment(state_start, buffer_start, length, group))
+        return cls(tuple(merged))
+
+    @property
+    def numel(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``master`` -> (bf16 parameter, int16 remainder) with ``join_master`` inverting it exactly."""
+    bits = master.contiguous().view(torch.int32)
+    hi = (bits + 0x8000) >> 16  # arithmetic shift: the sign-extended top half
+    rem = bits - (hi << 16)
+    return hi.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
+
+
+def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """(bf16 parameter, int16 remainder) -> the fp32 master, bit for bit."""
+    hi = param.contiguous().view(torch.int16).to(torch.int32)
+    return ((hi << 16) + remainder.to(torch.int32)).view(torch.float32)

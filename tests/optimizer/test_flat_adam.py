@@ -1,0 +1,258 @@
+"""The one-pass Adam over flat buffers and the precision-aware optimizer state.
+
+* the exact fp32 master split (bf16 parameter + int16 remainder) round-trips every bit pattern class;
+* the flat reference op gives the per-tensor reference's bits on fp32 state;
+* the flat optimizer path equals the per-parameter path (same masters, bit for bit without clipping);
+* remainder-stored masters track fp32 masters; bf16 gradients and moments still train;
+* a non-finite gradient skips the update on the device, with no host read;
+* state dicts round-trip and load across precisions; DP=2 with the distributed optimizer matches DP=1;
+* memory: 10 bytes/param with every precision-aware option on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from mcore.config.fields import ConfigError
+from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
+from mcore.distributed.groups import ProcessGroups
+from mcore.ops import reference
+from mcore.ops.flat import FlatSegments, join_master, split_master
+from mcore.optimizer import OptimizerConfig, PrecisionConfig, build_optimizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))  # also in spawned ranks
+from ddp_toy import build, make_model, train  # noqa: E402
+
+from mcore.config.parallel import ParallelConfig  # noqa: E402
+from mcore.distributed.groups import initialize_parallel  # noqa: E402
+from mcore.testing.distributed import run_distributed  # noqa: E402
+
+PRECISION_AWARE = dict(
+    use_precision_aware_optimizer=True,
+    main_grads_dtype="bf16",
+    exp_avg_dtype="bf16",
+    exp_avg_sq_dtype="bf16",
+)
+REMAINDERS_ONLY = dict(use_precision_aware_optimizer=True)  # fp32 grads and moments, remainder masters
+
+
+def _build(groups=None, *, precision_aware=None, contiguous=True, clip_grad=0.5, distopt=False, hidden=16):
+    groups = groups or ProcessGroups.single()
+    opt_cfg = OptimizerConfig(
+        weight_decay=0.1, clip_grad=clip_grad, use_distributed_optimizer=distopt, **(precision_aware or {})
+    )
+    prec = PrecisionConfig(bf16=True)
+    ddp_cfg = DDPConfig().with_training(opt_cfg, prec)
+    if not contiguous:  # the per-parameter path: parameters outside a flat buffer
+        ddp_cfg = DDPConfig(grad_reduce_in_fp32=True)
+    model = DistributedDataParallel(make_model(hidden, dtype=torch.bfloat16), ddp_cfg, groups)
+    return model, build_optimizer(opt_cfg, prec, [model], groups, lr=0.01)
+
+
+def _masters(optimizer) -> torch.Tensor:
+    return torch.cat([optimizer.master_of(e).detach().float().clone() for e in optimizer.main_params])
+
+
+def test_split_join_is_exact_for_every_kind_of_value():
+    values = torch.cat(
+        [
+            torch.randn(10000) * 10.0 ** torch.randint(-30, 30, (10000,)),
+            torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), 1e-40, -1e-40, 3.4e38]),
+            # exact ties of the bf16 rounding: low half 0x8000
+            (torch.randint(0, 2**15, (100,), dtype=torch.int32) << 16 | 0x8000).view(torch.float32),
+        ]
+    )
+    param, remainder = split_master(values)
+    assert param.dtype == torch.bfloat16 and remainder.dtype == torch.int16
+    assert torch.equal(join_master(param, remainder).view(torch.int32), values.view(torch.int32))
+    # the parameter is the master rounded to bf16: within half a bf16 ulp
+    finite = torch.isfinite(values) & (values.abs() < 1e38) & (values.abs() > 1e-37)  # normal numbers
+    err = (param.float() - values)[finite].abs()
+    assert bool((err <= values[finite].abs() * 2.0**-8).all())
+
+
+def test_flat_reference_equals_per_tensor_adam_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    n = 1000
+    grads = torch.randn(n, generator=gen)
+    params = torch.randn(n, generator=gen)
+    m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+    segments = FlatSegments.from_runs([(0, 0, 300, 0), (300, 300, 200, 1), (500, 500, 500, 0)])
+    flat = [t.clone() for t in (grads, params, m, v)]
+    kw = dict(step=4, beta1=0.9, beta2=0.95, eps=1e-8)
+    reference.adam_step_flat(
+        flat[0],
+        flat[1],
+        None,
+        None,
+        flat[2],
+        flat[3],
+        segments,
+        lrs=[0.01, 0.02],
+        weight_decays=[0.1, 0.0],
+        **kw,
+    )
+    for seg, lr, wd in (
+        (slice(0, 300), 0.01, 0.1),
+        (slice(300, 500), 0.02, 0.0),
+        (slice(500, 1000), 0.01, 0.1),
+    ):
+        reference.adam_step([params[seg]], [grads[seg]], [m[seg]], [v[seg]], lr=lr, weight_decay=wd, **kw)
+    for ours, theirs in zip(flat[1:], (params, m, v)):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("clip_grad", [0.0, 0.5])
+def test_flat_path_equals_per_parameter_path(clip_grad):
+    flat_model, flat_opt = _build(clip_grad=clip_grad)
+    ref_model, ref_opt = _build(contiguous=False, clip_grad=clip_grad)
+    assert flat_opt.flat and not ref_opt.flat
+    groups = ProcessGroups.single()
+    a = train(flat_model, flat_opt, groups, 5)
+    b = train(ref_model, ref_opt, groups, 5)
+    if clip_grad == 0.0:
+        assert torch.equal(_masters(flat_opt), _masters(ref_opt))
+        assert [h[0] for h in a] == [h[0] for h in b]
+    else:  # the clipping coefficient is computed on the device in fp32 instead of on the host
+        torch.testing.assert_close(_masters(flat_opt), _masters(ref_opt), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(float(a[-1][2]), b[-1][2], rtol=1e-5, atol=0.0)
+    for p, q in zip(flat_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0.0, atol=0.0) if clip_grad == 0.0 else None
+
+
+def test_remainder_masters_track_fp32_masters():
+    groups = ProcessGroups.single()
+    rem_model, rem_opt = _build(precision_aware=REMAINDERS_ONLY)
+    ref_model, ref_opt = _build()
+    flat = rem_opt.flat_states[0]
+    assert flat.remainders is not None and flat.masters is None
+    train(rem_model, rem_opt, groups, 6)
+    train(ref_model, ref_opt, groups, 6)
+    torch.testing.assert_close(_masters(rem_opt), _masters(ref_opt), rtol=1e-3, atol=1e-4)
+    # the masters are not the bf16 parameters: the remainders hold real information
+    params = torch.cat([e.model_view().float() for e in rem_opt.main_params])
+    assert not torch.equal(params, _masters(rem_opt))
+    # and the parameters are the masters rounded to bf16
+    hi, _ = split_master(_masters(rem_opt))
+    assert torch.equal(params, hi.float())
+
+
+def test_bf16_gradients_and_moments_train_like_fp32():
+    groups = ProcessGroups.single()
+    model, optimizer = _build(precision_aware=PRECISION_AWARE)
+    flat = optimizer.flat_states[0]
+    assert flat.buffer.grad_data.dtype == torch.bfloat16
+    assert flat.exp_avg.dtype == torch.bfloat16 and flat.exp_avg_sq.dtype == torch.bfloat16
+    ref_model, ref_opt = _build()
+    ours = [h[0] for h in train(model, optimizer, groups, 12)]
+    theirs = [h[0] for h in train(ref_model, ref_opt, groups, 12)]
+    assert ours[-1] < 0.8 * ours[0]
+    for a, b in zip(ours, theirs):
+        assert abs(a - b) <= 0.03 * abs(b)
+
+
+def test_nonfinite_gradient_skips_the_update_on_the_device():
+    model, optimizer = _build(precision_aware=PRECISION_AWARE)
+    groups = ProcessGroups.single()
+    train(model, optimizer, groups, 2)
+    before = (
+        _masters(optimizer),
+        [t.clone() for f in optimizer.flat_states for t in (f.exp_avg, f.exp_avg_sq)],
+    )
+    history = train(model, optimizer, groups, 1, inject_inf_at=(2, 0), start_step=2)
+    ok, norm = history[0][1], history[0][2]
+    assert optimizer.skips_nonfinite_on_device and ok
+    assert isinstance(norm, torch.Tensor) and not bool(torch.isfinite(norm))
+    assert torch.equal(_masters(optimizer), before[0])
+    after = [t for f in optimizer.flat_states for t in (f.exp_avg, f.exp_avg_sq)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before[1]))
+    history = train(model, optimizer, groups, 1, start_step=3)  # and the next step updates again
+    assert bool(torch.isfinite(history[0][2])) and not torch.equal(_masters(optimizer), before[0])
+
+
+def test_state_dict_round_trips_and_loads_across_precisions():
+    groups = ProcessGroups.single()
+    model, optimizer = _build(precision_aware=PRECISION_AWARE)
+    train(model, optimizer, groups, 3)
+    state = optimizer.state_dict()
+    masters = _masters(optimizer)
+    item = next(iter(state["state"].values()))
+    assert item["main_param"].dtype == torch.float32 and item["exp_avg"].dtype == torch.bfloat16
+
+    for precision_aware in (PRECISION_AWARE, None):  # the same, and fp32 moments with fp32 masters
+        fresh_model, fresh = _build(precision_aware=precision_aware)
+        fresh_model.load_state_dict(model.state_dict())
+        fresh.load_state_dict(state)
+        assert torch.equal(_masters(fresh), masters)
+        for e, f in zip(optimizer.main_params, fresh.main_params):
+            assert torch.equal(e.state["exp_avg"].float(), f.state["exp_avg"].float())
+        for p, q in zip(model.parameters(), fresh_model.parameters()):
+            if precision_aware is not None:
+                assert torch.equal(p, q)
+            else:  # the rounding of the same master: ties go to even here, away from zero there
+                torch.testing.assert_close(p.float(), q.float(), rtol=2.0**-7, atol=0.0)
+
+
+def test_memory_is_ten_bytes_per_parameter_with_every_precision_aware_option():
+    model, optimizer = _build(precision_aware=PRECISION_AWARE, hidden=64)
+    report = optimizer.memory_report()
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert report["params"] == 2 * sum(p.numel() for p in model.parameters())
+    assert report["grads"] == 2 * numel
+    assert report["optimizer_state"] == 6 * numel  # bf16 m, bf16 v, int16 remainder
+    _, fp32 = _build(hidden=64)
+    assert fp32.memory_report()["optimizer_state"] == 12 * numel
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(exp_avg_dtype="bf16"), "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
+        (dict(main_grads_dtype="bf16"), "--main-grads-dtype bf16 needs --use-precision-aware-optimizer"),
+        (
+            dict(use_precision_aware_optimizer=True, exp_avg_sq_dtype="fp8"),
+            "--exp-avg-sq-dtype fp8 is not supported",
+        ),
+        (dict(use_precision_aware_optimizer=True, main_params_dtype="fp16"), "--main-params-dtype fp16"),
+        (dict(use_precision_aware_optimizer=True, optimizer="sgd"), "needs --optimizer adam"),
+    ],
+)
+def test_config_errors_name_the_flag(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        OptimizerConfig(**kwargs)
+
+
+def test_precision_aware_needs_bf16():
+    opt_cfg = OptimizerConfig(use_precision_aware_optimizer=True)
+    with pytest.raises(ConfigError, match="--use-precision-aware-optimizer needs --bf16"):
+        DDPConfig().with_training(opt_cfg, PrecisionConfig(fp16=True))
+
+
+def _dp_run(groups, precision_aware):
+    opts = dict(precision_aware or {})
+    model, optimizer = build(groups, bf16=True, distopt=groups.dp_size > 1, optimizer_options=opts)
+    history = train(model, optimizer, groups, 4)
+    return [h[0] for h in history], _masters_by_key(optimizer)
+
+
+def _masters_by_key(optimizer):
+    return {e.key: (e.start, optimizer.master_of(e).float().cpu().clone()) for e in optimizer.main_params}
+
+
+def _distributed_run(precision_aware):
+    groups = initialize_parallel(ParallelConfig())
+    return _dp_run(groups, precision_aware)
+
+
+def test_dp2_distributed_optimizer_matches_dp1_with_remainders():
+    ref_losses, ref_masters = _dp_run(ProcessGroups.single(), REMAINDERS_ONLY)
+    results = run_distributed(_distributed_run, 2, REMAINDERS_ONLY)
+    for losses, masters in results:
+        torch.testing.assert_close(losses, ref_losses, rtol=2e-2, atol=0.0)
+        for key, (start, value) in masters.items():
+            ref = ref_masters[key][1][start : start + value.numel()]
+            torch.testing.assert_close(value, ref, rtol=2e-2, atol=2e-3)
