@@ -17,8 +17,8 @@ One JSON line per run goes to stdout (and to --out).
 Where the time goes (after the timed steps, so they do not disturb the throughput figure):
 
 * ``--phases N``: N more steps with a device synchronisation between the phases of a step
-  (``zero_grad``, ``forward_backward`` with the gradient finalisation, ``optimizer`` step, ``logs``);
-  milliseconds per phase go into the JSON line.
+  (``zero_grad``, ``forward_backward`` with the gradient finalisation, ``optimizer`` step, ``logs``:
+  the step's on-device averaging of the logged losses); milliseconds per phase go into the JSON line.
 * ``--profile-steps N``: N more steps under ``torch.profiler``: device-busy time against wall time
   (the device idles while the host is behind), device time per kernel category (GEMM, attention,
   mcore's Triton kernels, Inductor kernels, the optimizer's multi-tensor kernels, element-wise,
@@ -47,6 +47,7 @@ from mcore.training.gpt import forward_step, model_provider
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.pretrain import Trainer, _flops_per_sample, build_model, check_run_config, setup_backend
+from mcore.utils.async_host import host_floats
 
 
 def synthetic_batches(vocab: int, mbs: int, seq: int, device: torch.device, seed: int):
@@ -272,10 +273,13 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
-    for _ in range(ours.iters):
+    for _ in range(ours.iters):  # no host-device wait inside: the step returns device tensors
         losses, _, grad_norm = trainer.train_step(step_data)
     backend.synchronize()
     step_s = (time.perf_counter() - start) / ours.iters
+    # read after the timing: the last step's loss (averaged over data parallel) and gradient norm
+    final_loss = trainer.reduce_logs([losses])[0].get("lm loss")
+    final_grad_norm = host_floats([grad_norm])[0]
 
     flops = _flops_per_sample(cfg, vocab) * t.global_batch_size
     peak = backend.peak_flops(cfg.precision.params_dtype)
@@ -300,8 +304,8 @@ def main(argv=None) -> int:
         "tflops_per_device": flops / step_s / groups.world_size / 1e12,
         "mfu": (flops / step_s / groups.world_size / peak) if peak else None,
         "peak_mem_gib": mem["peak_allocated"] / 2**30,
-        "lm_loss": losses.get("lm loss"),
-        "grad_norm": grad_norm,
+        "lm_loss": final_loss,
+        "grad_norm": final_grad_norm,
     }
     if cfg.training.compile_layers:
         try:

@@ -328,6 +328,24 @@ def adam_step(
     )
 
 
+def adam_step_flat(
+    grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, *, step, lrs,
+    weight_decays, beta1, beta2, eps, grad_scale=None, skip=None,
+):  # fmt: skip
+    """The reference ``adam_step_flat`` as one Triton launch over every tile of every segment."""
+    tensors = (grads, params, masters, remainders, exp_avgs, exp_avg_sqs, grad_scale, skip)
+    if not _tracing() and len(lrs) <= 4 and _on_kernel_device(*tensors):
+        from .triton_kernels import adam
+
+        fn = adam.adam_step_flat
+    else:
+        fn = reference.adam_step_flat
+    fn(
+        grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, step=step, lrs=lrs,
+        weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps, grad_scale=grad_scale, skip=skip,
+    )  # fmt: skip
+
+
 _TRITON_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
@@ -336,6 +354,7 @@ _TRITON_OPS = {
     "swiglu": swiglu,
     "bias_dropout_add": bias_dropout_add,
     "cross_entropy": cross_entropy,
+    "adam_step_flat": adam_step_flat,
 }
 
 

@@ -299,6 +299,7 @@ def adam_rows(ops, reference, compile_ok: bool) -> list[Row]:
 
 def sweep() -> list[dict]:
     """Time block-size variants of each Triton kernel at the benchmark shapes; print the best."""
+    import triton
     from mcore.backends.cuda.triton_kernels import activations, cross_entropy, norms, rotary
 
     m, h = TOKENS, HIDDEN
@@ -339,8 +340,22 @@ def sweep() -> list[dict]:
         if bm * h // (32 * nw) >= 4
     ]
     run("rms_fwd", 2 * m * h * 2, lambda c: norms.rms_norm_fwd(x, w, 1e-5, DT, c), fwd_cfgs)
-    bwd_cfgs = [dict(c, programs_per_sm=p) for c in fwd_cfgs for p in (2, 4)]
+    # The backward's times include its partial-sum launch (dweight/dbias), as in the table above.
+    bwd_cfgs = norms._bwd_configs(triton.next_power_of_2(h))
     run("rms_bwd", 3 * m * h * 2, lambda c: norms.rms_norm_bwd(dy, x, w, rstd, c), bwd_cfgs)
+    b = _randn(h, scale=0.1)
+    _, mean, lrstd = norms.layer_norm_fwd(x, w, b, 1e-5)
+    run(
+        "ln_bwd",
+        3 * m * h * 2,
+        lambda c: norms.layer_norm_bwd(dy, x, w, True, mean, lrstd, c, bias_dtype=DT),
+        bwd_cfgs,
+    )
+    seed = torch.randint(0, 2**31 - 1, (1,), device="cuda", dtype=torch.int64)
+    _, keep = activations.bda_fwd(x, b, dy, 0.1, seed)
+    bda_cfgs = activations._BDA_BWD_CONFIGS
+    run("bda_bwd", 2 * m * h * 2, lambda c: activations.bda_bwd(dy, keep, 0.1, DT, c), bda_cfgs)
+    run("bda_bwd_eval", m * h * 2, lambda c: activations.bda_bwd(dy, None, 0.1, DT, c), bda_cfgs)
 
     s, b, n, d = SEQ, BATCH, HEADS, HEAD_DIM
     q = _randn(s, b, n, d)

@@ -20,7 +20,6 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--no-bias-swiglu-fusion": "the device backend decides fusions",
     "--no-bias-dropout-fusion": "the device backend decides fusions",
     "--no-rope-fusion": "the device backend decides fusions",
-    "--no-gradient-accumulation-fusion": "the device backend decides fusions",
     "--no-async-tensor-model-parallel-allreduce": "mcore's TP collectives are synchronous",
     "--distributed-backend": "the device backend names its torch.distributed backend",
     "--DDP-impl": "mcore has its own DDP wrapper",

@@ -9,6 +9,9 @@ How gradients flow::
 
     backward of each micro-batch:  param.grad --(post-accumulate hook)--> param.main_grad += grad;
                                    param.grad = None
+                                   (gradient-accumulation fusion: the linear layer's backward already
+                                   added its weight gradient to main_grad; param.grad is a placeholder
+                                   that the hook drops, see below)
     last micro-batch only, with --overlap-grad-reduce: a bucket whose parameters all have their
         gradient is reduced asynchronously (in bucket order, so every rank issues the same sequence)
     finish_grad_sync():            reduce the remaining buckets, wait for all; main_grad now holds
@@ -18,6 +21,15 @@ How gradients flow::
 The schedule runs all but the last micro-batch inside :meth:`DistributedDataParallel.no_sync`, so
 gradient accumulation costs no communication until the last micro-batch. Gradients are averaged
 over ``groups.dp_cp`` (data x context parallel ranks).
+
+Gradient-accumulation fusion (:func:`mcore.tensor_parallel.layers.linear_with_grad_accumulation_fusion`):
+a linear layer whose weight's ``main_grad`` has the weight's dtype computes ``main_grad += dY^T X`` in
+its backward GEMM and returns a placeholder gradient, so that this hook still fires (and marks the
+bucket ready) but skips the add. The layer says so with ``param.grad_added_to_main_grad``, which it
+sets in its forward and which stays set while it keeps fusing (every micro-batch of every step); the
+wrapper initializes it to False. A weight that also gets gradients from other autograd uses (the tied
+word embedding, multiplied in by the output layer) keeps the flag False: the output layer's
+placeholder is zeros and autograd sums it with the embedding's gradient, which the hook adds.
 """
 
 from __future__ import annotations
@@ -67,6 +79,12 @@ class DDPConfig:
     overlap_param_gather: bool = flag(
         False, "Overlap the parameter all-gather with the forward (set from OptimizerConfig).", cli=False
     )
+    contiguous_params: bool = flag(
+        False,
+        "Keep parameters in one contiguous buffer per dtype, laid out like the gradient buffer (set "
+        "from OptimizerConfig: the one-pass optimizer updates whole buffers).",
+        cli=False,
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -84,9 +102,12 @@ class DDPConfig:
         fp16 with dynamic loss scaling turns the NaN check off: an overflow may produce NaN gradients,
         and the loss scaler is what handles it (skip the step, lower the scale).
         """
+        precision.check_with(optimizer)
+        bf16_grads = optimizer.use_precision_aware_optimizer and optimizer.main_grads_dtype == "bf16"
         return dataclasses.replace(
             self,
-            grad_reduce_in_fp32=precision.grads_in_fp32,
+            grad_reduce_in_fp32=precision.grads_in_fp32 and not bf16_grads,
+            contiguous_params=optimizer.uses_flat_adam(precision),
             use_distributed_optimizer=optimizer.use_distributed_optimizer,
             overlap_param_gather=optimizer.overlap_param_gather,
             check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad
@@ -145,7 +166,7 @@ class DistributedDataParallel(torch.nn.Module):
             return ddp_config.use_distributed_optimizer and groups.pp_size > 1 and is_shared_embedding(param)
 
         self.grad_buffers = [
-            GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names)
+            GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names, ddp_config.contiguous_params)
             for (pdt, gdt), params in by_dtype.items()
         ]
         self.buckets: list[Bucket] = [b for buffer in self.grad_buffers for b in buffer.buckets]
@@ -154,6 +175,9 @@ class DistributedDataParallel(torch.nn.Module):
         }
         self._next_bucket = 0
         self._sync_enabled = True
+        for buffer in self.grad_buffers:
+            for param in buffer.params:
+                param.grad_added_to_main_grad = False  # set by fusing layers' forward
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._grad_hook)
             for buffer in self.grad_buffers
@@ -195,7 +219,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_hook(self, param: torch.nn.Parameter) -> None:
         if param.grad is None:
             return
-        param.main_grad.add_(param.grad)
+        if not param.grad_added_to_main_grad:  # else the layer's backward did it; grad is a placeholder
+            param.main_grad.add_(param.grad)
         param.grad = None
         if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
             if self._buffer_of[id(param)].bucket_of(param).mark_ready(param):
@@ -242,19 +267,65 @@ class DistributedDataParallel(torch.nn.Module):
         Raises:
             RuntimeError: a local gradient was NaN before the reduction (``--no-check-for-nan-in-loss-and-grad``
                 turns the check off); the message names the rank and the parameters of the bucket.
+                Not raised here with :attr:`defer_nan_check` (see :meth:`nan_flags`).
         """
         self.start_grad_sync()
         check_nan = self.ddp_config.check_for_nan_in_loss_and_grad
         for bucket in self.buckets:
             bucket.finish_grad_sync(check_nan)
-        flagged = [b for b in self.buckets if b.nan_flag is not None]
-        if flagged and bool(torch.stack([b.nan_flag for b in flagged]).any()):
-            bad = [b for b in flagged if bool(b.nan_flag)]
-            names = [b.buffer.name_of(p) for b in bad for p in b.params]
-            raise RuntimeError(
-                f"NaN in the local gradients on rank {self.groups.rank} before the data-parallel "
-                f"reduction, in a bucket holding {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
-            )
+        if not self.defer_nan_check:
+            flags = self.nan_flags()
+            if flags is not None:
+                self.raise_if_nan(flags.tolist())  # the host waits for the device here
+
+    defer_nan_check: bool = False
+    """False (the default): :meth:`finish_grad_sync` reads the NaN flags on the host and raises at once,
+    which waits for the device. True: it leaves them on the device; the caller reads :meth:`nan_flags`
+    later (a step later, without waiting for the device) and passes them to :meth:`raise_if_nan`. Only
+    for an optimizer that does not apply a non-finite update (``skips_nonfinite_on_device``): the
+    parameters must not take the NaN step before the late check sees it."""
+
+    def nan_flags(self) -> torch.Tensor | None:
+        """This step's NaN flags, one bool per bucket in ``self.buckets`` order (True: the bucket's local
+        gradients held a NaN before the data-parallel reduction), as a device tensor (nothing is read);
+        None when no bucket was checked (``--no-check-for-nan-in-loss-and-grad``). Valid from
+        :meth:`finish_grad_sync` until the next :meth:`zero_grad_buffer`."""
+        if all(b.nan_flag is None for b in self.buckets):
+            return None
+        return torch.stack(
+            [
+                b.nan_flag
+                if b.nan_flag is not None
+                else torch.zeros((), dtype=torch.bool, device=b.grad_data.device)
+                for b in self.buckets
+            ]
+        )
+
+    def raise_if_nan(self, flags, iteration: int | None = None) -> None:
+        """Raise the NaN error if any of ``flags`` is set.
+
+        Args:
+            flags: host values of :meth:`nan_flags` (a list of bools, or a CPU tensor), or None.
+            iteration: the training iteration whose gradients the flags are of (named in the message).
+
+        Raises:
+            RuntimeError: naming the rank, the iteration when given, and the parameters of the buckets.
+        """
+        if flags is None:
+            return
+        if isinstance(flags, torch.Tensor):
+            flags = flags.tolist()
+        if len(flags) != len(self.buckets):
+            raise ValueError(f"{len(flags)} NaN flags for {len(self.buckets)} buckets")
+        bad = [b for b, flag in zip(self.buckets, flags) if flag]
+        if not bad:
+            return
+        names = [b.buffer.name_of(p) for b in bad for p in b.params]
+        when = "" if iteration is None else f" of iteration {iteration}"
+        raise RuntimeError(
+            f"NaN in the local gradients{when} on rank {self.groups.rank} before the data-parallel "
+            f"reduction, in a bucket holding {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+        )
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient buffer and reset the buckets (call before each step's first forward)."""

@@ -304,6 +304,8 @@ def megatron_model_flags(cfg: ModelConfig) -> list[str]:
         if isinstance(value, bool):
             if value != spelling.startswith("--no-"):
                 flags.append(spelling)
+        elif isinstance(value, (tuple, list)):  # nargs="+" (--recompute-modules)
+            flags.extend([spelling, *map(str, value)])
         else:
             flags.extend([spelling, f"{value:g}" if isinstance(value, float) else str(value)])
     return flags

@@ -112,7 +112,7 @@ class SelfAttention(torch.nn.Module):
         self.num_heads = n // ctx.tp_size
         self.num_groups = g // ctx.tp_size
         self.head_dim = d
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.recompute_core_attention = "core_attn" in config.selective_recompute_modules
         self.linear_qkv = build_module(
             submodules.linear_qkv,
             h,
@@ -122,6 +122,7 @@ class SelfAttention(torch.nn.Module):
             gather_output=False,
             sequence_parallel=ctx.sequence_parallel,
             init_method=init_method_normal(config.init_method_std),
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
@@ -136,6 +137,7 @@ class SelfAttention(torch.nn.Module):
             skip_bias_add=True,
             sequence_parallel=ctx.sequence_parallel,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )

@@ -21,6 +21,25 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp")
+"""``--recompute-modules`` names (with ``--recompute-granularity selective``; default ``core_attn``).
+
+Megatron-core's meanings: ``core_attn`` and ``mlp`` recompute the core attention / the whole dense
+MLP with a normal checkpoint; ``layernorm`` recomputes the input and pre-MLP norm outputs with the
+output-discarding checkpoint. ``mlp_act`` (not a Megatron name: Megatron's ``moe_act`` does this for
+MoE experts only) recomputes the dense MLP's activation (GeLU / SwiGLU) output, fc2's input, the
+same way.
+"""
+MEGATRON_ONLY_RECOMPUTE_MODULES = {
+    "moe_act": "mcore has no MoE layers; the dense MLP's activation is 'mlp_act'",
+    "moe": "mcore has no MoE layers",
+    "shared_experts": "mcore has no MoE layers",
+    "mla_up_proj": "mcore has no multi-latent attention",
+    "gdn_norm_out": "mcore has no gated-delta-net layers",
+    "gdp_in_proj": "mcore has no gated-delta-product layers",
+    "gdp_qkv": "mcore has no gated-delta-product layers",
+    "mhc": "mcore has no hyper-connections",
+}
 
 
 def padded_vocab_size(
@@ -87,6 +106,11 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = flag(
         128, "Pad the vocabulary to a multiple of this times the TP size."
     )
+    cross_entropy_loss_fusion: bool = flag(
+        False,
+        "Loss memory: keep only the logits for backward (no fp32 softmax with TP) and write their "
+        "gradient into them (no second logits-sized tensor); mcore's fused vocab-parallel loss.",
+    )
 
     # initialization and dropout
     init_method_std: float = flag(0.02, "Std of the normal init; output projections use std/sqrt(2L).")
@@ -108,6 +132,23 @@ class ModelConfig:
         choices=RECOMPUTE_METHODS,
     )
     recompute_num_layers: int | None = flag(None, "N for --recompute-method (per pipeline stage/chunk).")
+    recompute_modules: tuple[str, ...] | None = flag(
+        None,
+        "Selective recompute: which parts (default core_attn). core_attn: the core attention; "
+        "layernorm: the input/pre-MLP norm outputs; mlp_act: the MLP activation output (fc2's "
+        "input); mlp: the whole MLP. layernorm and mlp_act free the output and recompute it in "
+        "backward (Megatron's output-discarding checkpoint).",
+        nargs="+",
+        metavar="MODULE",
+    )
+
+    # gradients
+    gradient_accumulation_fusion: bool = flag(
+        True,
+        "Do not accumulate the linear layers' weight gradients into the DDP gradient buffer inside "
+        "their backward GEMM (fused only where the buffer has the weight's dtype).",
+        name="--no-gradient-accumulation-fusion",
+    )
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -211,11 +252,53 @@ class ModelConfig:
                 num is None,
                 f"recompute_num_layers={num} applies only to recompute_granularity='full' (got {gran!r})",
             )
+        self._check_recompute_modules()
+
+    def _check_recompute_modules(self) -> None:
+        modules, gran = self.recompute_modules, self.recompute_granularity
+        if modules is None:
+            return
+        check(
+            not isinstance(modules, str) and all(isinstance(m, str) for m in modules),
+            f"recompute_modules={modules!r} (--recompute-modules) must be a list of module names",
+        )
+        shown = list(modules)
+        check(
+            gran == "selective",
+            f"recompute_modules={shown} (--recompute-modules) applies only to "
+            f"recompute_granularity='selective' (got {gran!r}); add --recompute-granularity selective",
+        )
+        for name in modules:
+            if name in MEGATRON_ONLY_RECOMPUTE_MODULES:
+                check(
+                    False,
+                    f"recompute_modules={shown} (--recompute-modules): {name!r} is a Megatron-LM module "
+                    f"mcore does not have ({MEGATRON_ONLY_RECOMPUTE_MODULES[name]}); "
+                    f"choose from {', '.join(RECOMPUTE_MODULES)}",
+                )
+            check(
+                name in RECOMPUTE_MODULES,
+                f"recompute_modules={shown} (--recompute-modules): {name!r} is unknown; "
+                f"choose from {', '.join(RECOMPUTE_MODULES)}",
+            )
+        check(
+            not {"mlp", "mlp_act"} <= set(modules),
+            f"recompute_modules={shown} (--recompute-modules): 'mlp' already recomputes the whole MLP, "
+            "activation included; give 'mlp' or 'mlp_act', not both",
+        )
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
 
     # derived views
+    @property
+    def selective_recompute_modules(self) -> frozenset[str]:
+        """What ``--recompute-granularity selective`` recomputes (``--recompute-modules``, default
+        ``core_attn``); empty for full or no recomputation."""
+        if self.recompute_granularity != "selective":
+            return frozenset()
+        return frozenset(("core_attn",) if self.recompute_modules is None else self.recompute_modules)
+
     @property
     def add_bias_linear(self) -> bool:
         """Biases on every linear layer (Megatron's ``add_bias_linear``)."""
@@ -262,6 +345,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
 
 
 __all__ = [
+    "RECOMPUTE_MODULES",
     "ConfigError",
     "ModelConfig",
     "check_tensor_parallel",

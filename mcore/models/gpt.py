@@ -185,6 +185,7 @@ class GPTModel(torch.nn.Module):
                 init_method=init_method_normal(config.init_method_std),
                 vocab_padded=True,
                 skip_weight_param_allocation=tied and pre_process,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
                 params_dtype=params_dtype,
                 device=self.ctx.device,
             )
@@ -307,6 +308,10 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1).contiguous(), self.groups.tp, label_smoothing
+            logits,
+            labels.transpose(0, 1).contiguous(),
+            self.groups.tp,
+            label_smoothing,
+            overwrite_logits=self.config.cross_entropy_loss_fusion,
         )  # [s, b]
         return loss.transpose(0, 1).contiguous()

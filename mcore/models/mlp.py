@@ -8,6 +8,12 @@ Parameters (``F`` = ffn_hidden_size, ``p`` TP ranks):
   activation ``silu(gate_t) * up_t`` is local. ``.bias`` follows the same layout.
 * ``linear_fc2.weight``: logical ``[h, F]``, row-parallel (rank ``t`` holds columns
   ``[t F/p, (t+1) F/p)``); ``.bias`` ``[h]`` replicated.
+
+``--recompute-granularity selective --recompute-modules mlp_act`` does not keep the activation's
+output (fc2's input, ``[s, b, F/p]``): it is computed under an output-discarding checkpoint
+(:class:`~mcore.tensor_parallel.recompute.CheckpointWithoutOutput`) from fc1's output, which the
+activation's backward needs anyway, freed once fc2 has saved it, and recomputed (the same op of the
+table) just before fc2's backward.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
 from mcore.models.spec import build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mcore.tensor_parallel.recompute import CheckpointWithoutOutput
 from mcore.tensor_parallel.sharding import init_method_normal, scaled_init_method_normal
 
 
@@ -47,6 +54,7 @@ class MLP(torch.nn.Module):
         submodules = submodules or MLPSubmodules()
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        self.recompute_activation = "mlp_act" in config.selective_recompute_modules
         stacked = 2 if config.swiglu else 1
         self.linear_fc1 = build_module(
             submodules.linear_fc1,
@@ -59,6 +67,7 @@ class MLP(torch.nn.Module):
             sequence_parallel=ctx.sequence_parallel,
             init_method=init_method_normal(config.init_method_std),
             num_stacked=stacked,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
@@ -72,18 +81,27 @@ class MLP(torch.nn.Module):
             skip_bias_add=True,
             sequence_parallel=ctx.sequence_parallel,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` (``[s/p, b, h]`` with SP) -> (output of the same shape, the un-added fc2 bias)."""
-        ops = get_ops()
         intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, F/p] or [s, b, 2F/p]
+        if not (self.recompute_activation and self.training):
+            return self.linear_fc2(self.activation(intermediate, bias))
+        act_checkpoint = CheckpointWithoutOutput()
+        intermediate = act_checkpoint.checkpoint(self.activation, intermediate, bias)
+        output, output_bias = self.linear_fc2(intermediate)
+        act_checkpoint.discard_output_and_register_recompute(output)
+        return output, output_bias
+
+    def activation(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``act(x + bias)``: GeLU ``[s, b, F/p]`` or SwiGLU ``[s, b, 2F/p] -> [s, b, F/p]``."""
+        ops = get_ops()
         if self.swiglu:
             if bias is not None:
-                intermediate = intermediate + bias
-            intermediate = ops.swiglu(intermediate)
-        else:
-            intermediate = ops.bias_gelu(intermediate, bias, self.gelu_approximate)
-        return self.linear_fc2(intermediate)
+                x = x + bias
+            return ops.swiglu(x)
+        return ops.bias_gelu(x, bias, self.gelu_approximate)

@@ -7,6 +7,21 @@ Hidden states are ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism). Eac
 
 (``--apply-residual-connection-post-layernorm`` takes the residual after each norm instead.)
 
+Selective recomputation (``--recompute-granularity selective --recompute-modules ...``, Megatron's
+names): ``core_attn`` (the default) checkpoints the core attention (:mod:`mcore.models.attention`);
+``layernorm`` computes ``norm_1``/``norm_2`` under an output-discarding checkpoint
+(:class:`~mcore.tensor_parallel.recompute.CheckpointWithoutOutput`): their outputs are freed once
+the QKV projection / fc1 has saved them and recomputed from ``x`` (kept anyway: the norm's own
+backward needs it) just before that projection's backward; ``mlp_act`` does the same for the MLP
+activation (:mod:`mcore.models.mlp`); ``mlp`` checkpoints the whole MLP.
+
+What ``layernorm`` frees is the tensor the projection saves for its weight gradient, when that is
+the norm output itself (or a view of it). With sequence parallelism the column-parallel linear
+all-gathers the ``[s/p, b, h]`` norm output along ``s`` and, as written today, saves the gathered
+``[s, b, h]`` copy: the checkpoint stays correct but frees only the norm's internals. It frees the
+norm output as well once that linear keeps its un-gathered input and all-gathers it again in
+backward (as Megatron's linear does with sequence parallelism).
+
 Parameter names inside a layer: ``input_layernorm.{weight,bias}``, ``self_attention.*``
 (:mod:`mcore.models.attention`), ``pre_mlp_layernorm.{weight,bias}``, ``mlp.*``
 (:mod:`mcore.models.mlp`). In the block: ``layers.{i}.*`` with ``i`` local to this chunk, and
@@ -16,6 +31,7 @@ Parameter names inside a layer: ``input_layernorm.{weight,bias}``, ``self_attent
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +45,7 @@ from mcore.models.mlp import MLP
 from mcore.models.norms import Norm
 from mcore.models.spec import ModuleSpec, build_module
 from mcore.tensor_parallel.random import get_rng_tracker
-from mcore.tensor_parallel.recompute import checkpoint
+from mcore.tensor_parallel.recompute import CheckpointWithoutOutput, checkpoint
 
 
 @dataclass
@@ -66,6 +82,9 @@ class TransformerLayer(torch.nn.Module):
         self.residual_post_norm = config.apply_residual_connection_post_layernorm
         self.fp32_residual = config.fp32_residual_connection
         self.params_dtype = ctx.params_dtype
+        recompute = config.selective_recompute_modules
+        self.recompute_layernorm = "layernorm" in recompute
+        self.recompute_mlp = "mlp" in recompute
         self.input_layernorm = build_module(submodules.input_layernorm, config, ctx)
         self.self_attention = build_module(submodules.self_attention, config, ctx, layer_number=layer_number)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, ctx)
@@ -78,22 +97,51 @@ class TransformerLayer(torch.nn.Module):
         rotary_freqs: torch.Tensor | None = None,
         inference_context=None,
     ) -> torch.Tensor:
-        normed = self._norm(self.input_layernorm, hidden_states)
+        recompute = self.training and inference_context is None
+        norm_checkpoint = CheckpointWithoutOutput() if recompute and self.recompute_layernorm else None
+        normed = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
         residual = normed if self.residual_post_norm else hidden_states
         attention_out, attention_bias = self.self_attention(
             normed, attention_mask, rotary_freqs, inference_context=inference_context
         )
         hidden_states = self._bias_dropout_add(attention_out, attention_bias, residual)
+        self._discard_norm_output(norm_checkpoint, attention_out, hidden_states)
 
-        normed = self._norm(self.pre_mlp_layernorm, hidden_states)
+        norm_checkpoint = CheckpointWithoutOutput() if recompute and self.recompute_layernorm else None
+        normed = self._norm(self.pre_mlp_layernorm, hidden_states, norm_checkpoint)
         residual = normed if self.residual_post_norm else hidden_states
-        mlp_out, mlp_bias = self.mlp(normed)
-        return self._bias_dropout_add(mlp_out, mlp_bias, residual)
+        if recompute and self.recompute_mlp:
+            mlp_out, mlp_bias = checkpoint(self._mlp_with_bias, normed), None
+        else:
+            mlp_out, mlp_bias = self.mlp(normed)
+        output = self._bias_dropout_add(mlp_out, mlp_bias, residual)
+        self._discard_norm_output(norm_checkpoint, mlp_out, output)
+        return output
 
-    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _norm(
+        self, norm: torch.nn.Module, x: torch.Tensor, recompute: CheckpointWithoutOutput | None = None
+    ) -> torch.Tensor:
+        if recompute is not None:
+            return recompute.checkpoint(functools.partial(self._norm, norm), x)
         out = norm(x)
         # With an fp32 residual stream the branches still compute in the parameter dtype.
         return out.to(self.params_dtype) if self.fp32_residual else out
+
+    def _discard_norm_output(self, recompute, branch_out: torch.Tensor, layer_out: torch.Tensor) -> None:
+        """Free a checkpointed norm output, now saved by the projection that consumed it.
+
+        It is refilled when the gradient reaches the branch output (before that projection's
+        backward), or, when the residual is the norm output itself, the residual sum.
+        """
+        if recompute is not None:
+            recompute.discard_output_and_register_recompute(
+                layer_out if self.residual_post_norm else branch_out
+            )
+
+    def _mlp_with_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP output with its bias added (``--recompute-modules mlp`` checkpoints this)."""
+        out, bias = self.mlp(x)
+        return out if bias is None else out + bias
 
     def _bias_dropout_add(self, x, bias, residual) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
@@ -114,7 +162,7 @@ class TransformerBlock(torch.nn.Module):
     * ``block``: the first ``recompute_num_layers`` layers of this chunk are recomputed one by one,
       the rest keep their activations.
 
-    ``selective`` recomputes only the core attention (inside :class:`SelfAttention`).
+    ``selective`` recomputes parts of every layer, see ``--recompute-modules`` (module docstring).
     """
 
     def __init__(

@@ -13,6 +13,16 @@ that owns ``y``, ``z_y`` (both all-reduced with SUM, in one collective). With la
 
 which needs one more summed statistic, ``sum_j z_j``. The gradient is
 ``softmax(z) - (1-e) onehot(y) - e/V``, computed from the saved local softmax.
+
+Memory. With TP the default path keeps the fp32 softmax ``[s, b, V/p]`` (twice the bf16 logits) and
+its forward makes several fp32 copies of the logits; at TP=1 the backend's ``cross_entropy`` op keeps
+the logits and its backward allocates a second logits-sized tensor for their gradient.
+``overwrite_logits=True`` (``--cross-entropy-loss-fusion``) keeps only the logits and three numbers
+per token: the forward walks the logits in row chunks (fp32 temporaries of one chunk), and the
+backward recomputes the softmax chunk by chunk and writes the gradient into the logits' own storage,
+which it returns. So one logits-sized buffer lives from the output layer to its backward, at any TP
+size. The logits must have no other use after the loss (the model's are internal when it computes
+the loss).
 """
 
 from __future__ import annotations
@@ -72,8 +82,88 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
+_CHUNK_ELEMENTS = 1 << 24
+"""Elements of the fp32 temporaries of one row chunk of :class:`_InPlaceGradCrossEntropy` (64 MiB)."""
+
+
+def _row_chunks(rows: int, width: int):
+    step = max(1, _CHUNK_ELEMENTS // max(width, 1))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+class _InPlaceGradCrossEntropy(torch.autograd.Function):
+    """Vocab-parallel cross-entropy keeping the logits and per-token statistics; the gradient
+    overwrites the logits.
+
+    Per row chunk the forward runs two fused reductions over the logits (``max`` with its index,
+    ``log_softmax`` in fp32) to get the local ``logZ_t`` (log-sum-exp over this rank's slice); the
+    ranks combine them into ``logZ``. The backward recomputes the local softmax (one fused kernel),
+    scales it by ``dloss * exp(logZ_t - logZ)`` (the global softmax times the upstream gradient),
+    subtracts the label terms and writes the result into the logits.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, label_smoothing: float):
+        local_vocab = logits.shape[-1]
+        vocab = local_vocab * group_size(group)
+        start = group_rank(group) * local_vocab
+        z = logits.reshape(-1, local_vocab)
+        flat_labels = labels.reshape(-1)
+        compute = torch.promote_types(logits.dtype, torch.float32)
+        outside = (flat_labels < start) | (flat_labels >= start + local_vocab)
+        local_labels = (flat_labels - start).masked_fill(outside, 0)
+        rows = z.shape[0]
+        local_log_z = torch.empty(rows, dtype=compute, device=z.device)
+        predicted = torch.empty_like(local_log_z)
+        sum_z = torch.empty_like(local_log_z) if label_smoothing > 0 else None
+        for a, b in _row_chunks(rows, local_vocab):
+            chunk = z[a:b]
+            top, where = chunk.max(dim=-1)
+            log_softmax = torch.log_softmax(chunk, dim=-1, dtype=compute)
+            # log-sum-exp = x - log_softmax(x) at any entry; at the max it is exact to rounding
+            local_log_z[a:b] = top.to(compute) - log_softmax.gather(-1, where.unsqueeze(-1)).squeeze(-1)
+            del log_softmax
+            predicted[a:b] = chunk.gather(-1, local_labels[a:b].unsqueeze(-1)).squeeze(-1).to(compute)
+            if sum_z is not None:
+                sum_z[a:b] = chunk.sum(dim=-1, dtype=compute)
+        global_max = all_reduce_in_tensor_model_parallel_group(local_log_z.clone(), group, op="max")
+        stats = [(local_log_z - global_max).exp_(), predicted.masked_fill_(outside, 0.0)]
+        if sum_z is not None:
+            stats.append(sum_z)
+        stats = all_reduce_in_tensor_model_parallel_group(torch.stack(stats), group, op="sum")
+        log_z = global_max + stats[0].log()
+        loss = log_z - stats[1]
+        if label_smoothing > 0:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - stats[2] / vocab)
+        # local softmax * exp(logZ_t - logZ) = the global softmax on this slice
+        ctx.save_for_backward(logits, local_log_z.sub_(log_z), local_labels, outside)
+        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
+        return loss.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, log_ratio, local_labels, outside = ctx.saved_tensors
+        z = logits.detach().reshape(-1, logits.shape[-1])  # written in place: the gradient
+        eps = ctx.label_smoothing
+        upstream = grad_loss.reshape(-1).to(log_ratio.dtype)
+        row_scale = (upstream * log_ratio.exp()).unsqueeze(-1)
+        onehot = ((eps - 1.0) * upstream * (~outside).to(upstream.dtype)).unsqueeze(-1)
+        for a, b in _row_chunks(z.shape[0], z.shape[1]):
+            grad = torch.softmax(z[a:b], dim=-1, dtype=log_ratio.dtype).mul_(row_scale[a:b])
+            grad.scatter_add_(-1, local_labels[a:b].unsqueeze(-1), onehot[a:b])
+            if eps > 0:
+                grad.sub_((eps / ctx.vocab) * upstream[a:b].unsqueeze(-1))
+            z[a:b] = grad
+        return z.view(logits.shape), None, None, None
+
+
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, group=None, label_smoothing: float = 0.0
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    group=None,
+    label_smoothing: float = 0.0,
+    overwrite_logits: bool = False,
 ) -> torch.Tensor:
     """Per-token cross-entropy (fp32) of vocab-parallel logits.
 
@@ -82,12 +172,17 @@ def vocab_parallel_cross_entropy(
         labels: ``[...]`` int64 ids in ``[0, V)``.
         group: the tensor-parallel group (``None`` or size 1: the backend's ``cross_entropy`` op).
         label_smoothing: ``e`` in ``[0, 1)``, as in ``torch.nn.functional.cross_entropy``.
+        overwrite_logits: keep only the logits for backward and write their gradient into them (see
+            the module docstring; at any TP size, instead of the backend's op at TP=1). The logits'
+            values are destroyed by the backward.
 
     Returns:
         ``[...]`` fp32 losses, identical on every TP rank.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    if overwrite_logits:
+        return _InPlaceGradCrossEntropy.apply(logits, labels, group, label_smoothing)
     if group_size(group) == 1:
         return get_ops().cross_entropy(logits, labels, label_smoothing)
     return _VocabParallelCrossEntropy.apply(logits, labels, group, label_smoothing)

@@ -11,6 +11,12 @@ Sequence parallelism: activations outside the TP regions are ``[s/p, b, h]``. A 
 all-gathers its input along ``s`` (gradient: reduce-scatter) and a row-parallel layer reduce-scatters
 its output along ``s`` instead of all-reducing it (gradient: all-gather). See
 :mod:`mcore.tensor_parallel.mappings`.
+
+Gradient-accumulation fusion (``gradient_accumulation_fusion=True``, on by default in models;
+``--no-gradient-accumulation-fusion`` turns it off, as in Megatron): when the weight has a ``main_grad`` (a view into the DDP gradient
+buffer, see :mod:`mcore.distributed.ddp`) of the weight's dtype, the backward accumulates the weight
+gradient into it with one GEMM (``main_grad += dY^T X``, beta=1) instead of producing a gradient
+tensor that the DDP hook then adds. See :func:`linear_with_grad_accumulation_fusion`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,106 @@ from mcore.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from mcore.tensor_parallel.sharding import ZEROS, InitMethod, NormalInit, ParamLayout, make_parameter
+
+
+@torch.library.custom_op("mcore::accumulate_weight_grad_", mutates_args=("main_grad",))
+def _accumulate_weight_grad(
+    main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor
+) -> None:
+    """``main_grad += grad_output_2d^T input_2d`` in place, for compiled graphs.
+
+    Inductor lowers an ``addmm_`` on a graph input to an out-of-place GEMM plus a copy into the input
+    (one more pass over the gradient than the fusion saves); an opaque op that mutates its argument
+    is called in place. Eager code calls ``addmm_`` directly (a custom op costs tens of microseconds).
+    """
+    main_grad.addmm_(grad_output_2d.t(), input_2d)
+
+
+@_accumulate_weight_grad.register_fake
+def _(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
+    return None
+
+
+class _LinearWithGradAccumulationFusion(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward adds ``dY^T X`` into ``main_grad`` in place.
+
+    The weight's gradient is a placeholder: ``torch.empty_like(weight)`` when the caller owns the
+    weight (the DDP hook discards it, see ``weight.grad_added_to_main_grad``), or zeros when the
+    weight is shared with other autograd uses (the tied output layer: autograd sums the placeholder
+    with the embedding's gradient and the hook adds that sum, so zeros keep it exact). A placeholder
+    and not ``None``, so that the post-accumulate-grad hook still fires and marks the bucket ready.
+    The backward has no side effect besides the in-place accumulation, so dynamo can trace it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad, zero_placeholder):
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad = main_grad
+        ctx.zero_placeholder = zero_placeholder
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        input_2d = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            _accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
+        else:
+            ctx.main_grad.addmm_(grad_2d.t(), input_2d)
+        if ctx.zero_placeholder:
+            grad_weight = torch.zeros_like(weight)
+        else:
+            grad_weight = torch.empty_like(weight)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def linear_with_grad_accumulation_fusion(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    gradient_accumulation_fusion: bool,
+    shared_weight: bool = False,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``x [..., in]``, ``weight [out, in]``), fusing the weight
+    gradient into ``weight.main_grad`` when possible.
+
+    Fusion happens when it is enabled, autograd records the call, and ``weight.main_grad`` exists with
+    ``weight``'s dtype (an fp32 ``main_grad`` for bf16 weights needs a mixed-dtype GEMM that torch
+    does not offer in place); otherwise this is ``F.linear`` (no DDP wrapper, inference, fp32 grads).
+
+    The DDP hook learns that ``weight.grad`` is a placeholder from ``weight.grad_added_to_main_grad``.
+    That flag describes the layer that owns the weight, not one backward: it is written here, in the
+    forward (dynamo replays attribute writes made in a compiled forward, but refuses them inside an
+    autograd Function's backward), to True when the owner fuses and back to False when it does not.
+    It is therefore constant over the micro-batches of a step, however the pipeline schedule
+    interleaves their forwards and backwards. A weight used by fusing layers must get no gradient
+    from other autograd uses unless they pass ``shared_weight=True``.
+
+    Args:
+        shared_weight: the weight belongs to another module and has other autograd uses (the tied
+            output layer gets the word embedding): fuse with a zero placeholder and leave the flag
+            alone, so the other uses' gradient still reaches ``main_grad`` through the hook.
+    """
+    main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
+    fuse = (
+        main_grad is not None
+        and main_grad.dtype == weight.dtype
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+    )
+    if not shared_weight:
+        if fuse:
+            weight.grad_added_to_main_grad = True
+        elif getattr(weight, "grad_added_to_main_grad", False) and torch.is_grad_enabled():
+            weight.grad_added_to_main_grad = False  # fusion turned off since the last step
+    if not fuse:
+        return F.linear(x, weight, bias)
+    return _LinearWithGradAccumulationFusion.apply(x, weight, bias, main_grad, shared_weight)
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -51,6 +157,8 @@ class ColumnParallelLinear(torch.nn.Module):
             split over TP (2 for SwiGLU's ``[gate; up]``).
         vocab_padded: the output dim is the padded vocabulary (the output layer).
         skip_weight_param_allocation: create no weight; ``forward`` receives it (tied output layer).
+        gradient_accumulation_fusion: accumulate the weight gradient into ``weight.main_grad`` in the
+            backward (:func:`linear_with_grad_accumulation_fusion`).
         params_dtype, device: dtype and device of the parameters.
     """
 
@@ -68,6 +176,7 @@ class ColumnParallelLinear(torch.nn.Module):
         num_stacked: int = 1,
         vocab_padded: bool = False,
         skip_weight_param_allocation: bool = False,
+        gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ):
@@ -80,6 +189,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         weight_layout = ParamLayout(
             (output_size, input_size),
             partition_dim=0,
@@ -115,7 +225,13 @@ class ColumnParallelLinear(torch.nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, None if self.skip_bias_add else self.bias)
+        y = linear_with_grad_accumulation_fusion(
+            x,
+            weight,
+            None if self.skip_bias_add else self.bias,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            shared_weight=weight is not self.weight,
+        )
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -145,6 +261,8 @@ class RowParallelLinear(torch.nn.Module):
         skip_bias_add: return the bias instead of adding it.
         sequence_parallel: reduce-scatter the output to ``[s/p, b, out]`` (needs input_is_parallel).
         init_method: init of the logical weight (Megatron uses the scaled init for output layers).
+        gradient_accumulation_fusion: accumulate the weight gradient into ``weight.main_grad`` in the
+            backward (:func:`linear_with_grad_accumulation_fusion`).
         params_dtype, device: dtype and device of the parameters.
     """
 
@@ -159,6 +277,7 @@ class RowParallelLinear(torch.nn.Module):
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
+        gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ):
@@ -171,6 +290,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         layout = ParamLayout((output_size, input_size), partition_dim=1, init=init_method or NormalInit(0.02))
         self.weight = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
         self.input_size_per_partition = self.weight.shape[1]
@@ -184,7 +304,9 @@ class RowParallelLinear(torch.nn.Module):
         """``x [..., in/p]`` (or ``[..., in]``) -> ``([..., out]`` (``[s/p, b, out]`` with SP), bias)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear_with_grad_accumulation_fusion(
+            x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion
+        )
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -15,6 +15,7 @@ and padded vocabulary -> model chunks (layout-independent init) -> DDP -> optimi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -47,6 +48,7 @@ from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.metrics import MetricsWriter, Timer, format_train_line
 from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.signals import SignalHandler
+from mcore.utils.async_host import HostValue, host_floats, stage_to_host
 
 
 @dataclasses.dataclass
@@ -202,7 +204,17 @@ def gpt_datasets_provider(cfg: RunConfig, tokenizer, num_samples: Sequence[int])
 
 
 class Trainer:
-    """Runs training and evaluation steps over this rank's model chunks."""
+    """Runs training and evaluation steps over this rank's model chunks.
+
+    A training step never waits for the device (the host keeps issuing work while the device runs):
+    :meth:`train_step` returns the logged values as device tensors, and the caller reads them with
+    :meth:`reduce_logs` when it needs them (at log intervals). With an optimizer that skips a
+    non-finite update on the device (``skips_nonfinite_on_device``) the data-parallel NaN check is
+    deferred as well: each step's NaN flags are staged to the host (:func:`stage_to_host`) and
+    checked during the next step (:meth:`check_nan`), when the device is past them, so the error
+    comes one step late but the parameters never took the NaN step. Otherwise the check stays in
+    :meth:`~mcore.distributed.ddp.DistributedDataParallel.finish_grad_sync` and waits, as before.
+    """
 
     def __init__(
         self,
@@ -224,6 +236,12 @@ class Trainer:
         self.dtype = cfg.precision.params_dtype
         self.device = backend.device(groups.rank)
         self._chunk_modules = [list(chunk.modules()) for chunk in model]
+        self._ddp_chunks = [chunk for chunk in model if isinstance(chunk, DistributedDataParallel)]
+        self.iteration = 0
+        """The iteration of the last :meth:`train_step` (named in a deferred NaN error)."""
+        self._pending_nan: collections.deque[tuple[int, HostValue, list[int], int | None]] = (
+            collections.deque()
+        )
 
     def _train_mode(self) -> None:
         """Put every module in training mode; ``Module.train()`` only when one is not (it sets an
@@ -254,8 +272,9 @@ class Trainer:
             timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
         )
 
-    def _average_logs(self, logs: list[dict]) -> dict[str, float]:
-        """Mean of each logged value over micro-batches and data-parallel ranks (on the last stage)."""
+    def _average_logs(self, logs: list[dict]) -> dict[str, torch.Tensor]:
+        """Mean of each logged value over this rank's micro-batches (on the last stage), as 0-d device
+        tensors: nothing is read on the host, and the data-parallel average is :meth:`reduce_logs`'s."""
         if not logs:
             return {}
         keys = sorted(logs[0])
@@ -263,29 +282,117 @@ class Trainer:
             [torch.stack([log[k].detach().float().reshape(()) for k in keys]) for log in logs]
         )
         mean = values.mean(0).to(self.device)
-        if self.groups.dp is not None and self.groups.dp_size > 1:
-            dist.all_reduce(mean, group=self.groups.dp)
-            mean /= self.groups.dp_size
-        return {k: float(v) for k, v in zip(keys, mean.tolist())}
+        return dict(zip(keys, mean.unbind()))
 
-    def train_step(self, data_iterator) -> tuple[dict[str, float], bool, float | None]:
+    def reduce_logs(self, steps: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+        """The floats of the logs of several steps (from :meth:`train_step`), each averaged over the
+        data-parallel ranks: one collective and one wait for the device for all of them.
+
+        A collective over ``groups.dp`` on the last pipeline stage: every data-parallel rank there calls
+        it with the same steps (elsewhere the logs are empty and nothing is communicated).
+        """
+        out: list[dict[str, float]] = [{} for _ in steps]
+        by_keys: dict[tuple[str, ...], list[int]] = {}
+        for i, logs in enumerate(steps):
+            if logs:
+                by_keys.setdefault(tuple(logs), []).append(i)
+        for keys, indices in by_keys.items():
+            values = torch.stack([torch.stack([steps[i][k] for k in keys]) for i in indices])
+            if self.groups.dp is not None and self.groups.dp_size > 1:
+                dist.all_reduce(values, group=self.groups.dp)
+                values /= self.groups.dp_size
+            for i, row in zip(indices, values.tolist()):
+                out[i] = {k: float(v) for k, v in zip(keys, row)}
+        return out
+
+    def defers_nan_check(self) -> bool:
+        """Whether the NaN check of the gradients is deferred (see the class docstring)."""
+        return bool(getattr(self.optimizer, "skips_nonfinite_on_device", False)) and any(
+            chunk.ddp_config.check_for_nan_in_loss_and_grad for chunk in self._ddp_chunks
+        )
+
+    def train_step(
+        self, data_iterator, iteration: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], bool, float | torch.Tensor | None]:
+        """One optimizer step over a global batch, without waiting for the device.
+
+        Returns ``(logs, update_successful, grad_norm)``: ``logs`` maps each logged name to this rank's
+        micro-batch mean as a 0-d device tensor (read them with :meth:`reduce_logs`; empty off the last
+        pipeline stage); ``update_successful`` and ``grad_norm`` as the optimizer's ``step()`` returned
+        them (``grad_norm`` a float, None, or a 0-d device tensor whose non-finite value means the
+        update was skipped on the device). ``iteration`` (default: one more than the last) names the
+        step in a deferred NaN error.
+        """
+        self.iteration = iteration if iteration is not None else self.iteration + 1
+        deferred = self.defers_nan_check()
+        for chunk in self._ddp_chunks:
+            chunk.defer_nan_check = deferred
+        self.check_nan(wait=False)  # flags of earlier steps that have reached the host already
         self._train_mode()
         self.optimizer.zero_grad()
         logs = self._run_schedule(data_iterator, forward_only=False)
+        # The previous step's flags: the device has this step's forward and backward queued behind
+        # them, so waiting for them does not let it run dry.
+        self.check_nan()
         ok, grad_norm, _ = self.optimizer.step()
+        if deferred:
+            self._stage_nan_check(grad_norm)
         if ok:
             self.scheduler.step(self.batches.current_global_batch_size)
         return self._average_logs(logs), ok, grad_norm
+
+    def _stage_nan_check(self, grad_norm) -> None:
+        """Stage this step's NaN flags (and a tensor gradient norm) for :meth:`check_nan`."""
+        parts, counts = [], []
+        for chunk in self._ddp_chunks:
+            flags = chunk.nan_flags()
+            counts.append(0 if flags is None else flags.numel())
+            if flags is not None:
+                parts.append(flags.float())
+        norm_at = None
+        if isinstance(grad_norm, torch.Tensor):
+            norm_at = sum(counts)
+            parts.append(grad_norm.detach().float().reshape(1).to(self.device))
+        if parts:
+            staged = stage_to_host(torch.cat(parts))
+            self._pending_nan.append((self.iteration, staged, counts, norm_at))
+
+    def check_nan(self, wait: bool = True) -> None:
+        """Raise the NaN error of an earlier step whose deferred NaN check found one (a no-op when
+        nothing is deferred). ``wait=False`` checks only the steps whose flags reached the host.
+
+        Raises:
+            RuntimeError: the DDP message (rank, parameters) naming the iteration; or, when only the
+                global gradient norm is NaN (a NaN on another rank, or made by the reduction), a
+                message naming the iteration and the rank.
+        """
+        while self._pending_nan:
+            iteration, staged, counts, norm_at = self._pending_nan[0]
+            if not wait and not staged.ready():
+                return
+            self._pending_nan.popleft()
+            values = staged.tolist()
+            offset = 0
+            for chunk, count in zip(self._ddp_chunks, counts):
+                if count:
+                    chunk.raise_if_nan(values[offset : offset + count], iteration=iteration)
+                offset += count
+            if norm_at is not None and math.isnan(values[norm_at]):
+                raise RuntimeError(
+                    f"NaN in the gradients of iteration {iteration} on rank {self.groups.rank}: the "
+                    "global gradient norm is NaN (the update was skipped)"
+                )
 
     @torch.no_grad()
     def evaluate(self, data_iterator, iters: int) -> dict[str, float]:
         for chunk in self.model:
             chunk.eval()
+        steps = [
+            self._average_logs(self._run_schedule(data_iterator, forward_only=True)) for _ in range(iters)
+        ]
         totals: dict[str, float] = {}
-        for _ in range(iters):
-            for key, value in self._average_logs(
-                self._run_schedule(data_iterator, forward_only=True)
-            ).items():
+        for logs in self.reduce_logs(steps):
+            for key, value in logs.items():
                 totals[key] = totals.get(key, 0.0) + value / iters
         for chunk in self.model:
             chunk.train()
@@ -426,7 +533,8 @@ def _pretrain(
     train_losses: list[float] = []
     exit_reason = "finished"
     handler = SignalHandler() if t.exit_signal_handler else contextlib.nullcontext()
-    interval_losses: dict[str, float] = {}
+    exit_flags = _ExitFlags(t, handler, trainer.device, start_time)
+    stats = _StepStats(trainer, state, scheduler, train_losses)
     interval_steps = 0
     save_dir = cfg.checkpoint.save
     last_saved = None
@@ -436,23 +544,20 @@ def _pretrain(
         timer.start()
         while not t.skip_train and state.iteration < train_iters:
             batches.update(state.consumed_train_samples)
-            losses, ok, grad_norm = trainer.train_step(train_iter)
+            # The step's results stay on the device (no wait): ``stats`` reads them at log intervals.
+            losses, ok, grad_norm = trainer.train_step(train_iter, iteration=state.iteration + 1)
             state.iteration += 1
             gbs = batches.current_global_batch_size
             state.consumed_train_samples += gbs
             state.floating_point_operations_so_far += flops_per_sample * gbs
             if not ok:
                 state.skipped_iterations += 1
-            if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
-                state.nan_iterations += 1
-            if "lm loss" in losses:
-                train_losses.append(losses["lm loss"])
-            for k, v in losses.items():
-                interval_losses[k] = interval_losses.get(k, 0.0) + v
+            stats.add(losses, ok, grad_norm, gbs)
             interval_steps += 1
 
             if state.iteration % t.log_interval == 0:
                 elapsed = timer.stop()
+                stats.flush()
                 per_iter = elapsed / interval_steps
                 tokens = gbs * cfg.model.seq_length
                 tflops = flops_per_sample * gbs / per_iter / groups.world_size
@@ -462,9 +567,9 @@ def _pretrain(
                     "iteration_time_ms": 1000 * per_iter,
                     "learning_rate": scheduler.get_lr(),
                     "global_batch_size": gbs,
-                    "losses": {k: v / interval_steps for k, v in interval_losses.items()},
-                    "loss_scale": optimizer.loss_scale,
-                    "grad_norm": grad_norm,
+                    "losses": {k: v / interval_steps for k, v in stats.interval_losses.items()},
+                    "loss_scale": host_floats([optimizer.loss_scale])[0],
+                    "grad_norm": stats.grad_norm,
                     "skipped_iterations": state.skipped_iterations,
                     "nan_iterations": state.nan_iterations,
                     "tokens_per_s": tokens / per_iter,
@@ -479,7 +584,7 @@ def _pretrain(
                 flat.update(values["losses"])
                 writer.scalars(state.iteration, flat, prefix="train/")
                 writer.record(state.iteration, flat)
-                interval_losses, interval_steps = {}, 0
+                stats.interval_losses, interval_steps = {}, 0
                 timer.start()
 
             if has_valid and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
@@ -492,18 +597,21 @@ def _pretrain(
                 and cfg.checkpoint.save_interval
                 and state.iteration % cfg.checkpoint.save_interval == 0
             ):
+                stats.flush()  # the saved state counts every step, and no NaN step is saved
                 _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
                 last_saved, saved_now = state.iteration, True
             _finalize_async_save(cfg, blocking=False)
 
-            reason = _exit_reason(t, state, start_time, handler, trainer.device)
+            reason = _exit_reason(t, state, exit_flags)
             if reason:
                 exit_reason = reason
+                stats.flush()
                 if save_dir and not saved_now:
                     _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
                     last_saved = state.iteration
                 break
         else:
+            stats.flush()
             if save_dir and state.iteration > 0 and last_saved != state.iteration:
                 _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
     _finalize_async_save(cfg, blocking=True)
@@ -565,20 +673,108 @@ def _iters_for_samples(t, batches: MicroBatchCalculator) -> int:
     return iters
 
 
-def _exit_reason(t, state: TrainState, start_time: float, handler, device) -> str | None:
-    if t.exit_signal_handler and handler.received(device):
-        return "signal"
+@dataclasses.dataclass
+class _PendingStep:
+    logs: dict[str, torch.Tensor]
+    ok: bool
+    grad_norm: float | torch.Tensor | None
+    global_batch_size: int
+
+
+class _StepStats:
+    """The training steps' results, read on the host only when needed.
+
+    :meth:`add` keeps a step's logs (device tensors) and gradient norm (a float, None, or a lazy 0-d
+    device tensor) without reading them; :meth:`flush` reads every kept step at once (one
+    data-parallel collective, one wait for the device) when a log line, a checkpoint or the end of
+    training needs them, and first raises a deferred NaN error (:meth:`Trainer.check_nan`). Per step,
+    in order, it then does what the loop did after each step before: count NaN/inf losses
+    (``nan_iterations``), append the ``lm loss`` to ``train_losses``, add the losses to the sums of the
+    current log interval; ``grad_norm`` becomes the last step's norm. A lazy norm that is not finite
+    means the optimizer skipped that update on the device: the step counts as skipped, its norm as
+    None (as the optimizer reports a skipped step's), and the LR schedule takes back the step it was
+    advanced by (the host could not know at the time without waiting).
+    """
+
+    def __init__(self, trainer: Trainer, state: TrainState, scheduler: LRScheduler, train_losses: list):
+        self.trainer, self.state, self.scheduler = trainer, state, scheduler
+        self.train_losses = train_losses
+        self.pending: list[_PendingStep] = []
+        self.interval_losses: dict[str, float] = {}
+        self.grad_norm: float | None = None
+
+    def add(self, logs, ok: bool, grad_norm, global_batch_size: int) -> None:
+        self.pending.append(_PendingStep(logs, ok, grad_norm, global_batch_size))
+
+    def flush(self) -> None:
+        self.trainer.check_nan()
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        rows = self.trainer.reduce_logs([p.logs for p in pending])
+        norms = host_floats([p.grad_norm for p in pending])
+        for step, losses, norm in zip(pending, rows, norms):
+            if isinstance(step.grad_norm, torch.Tensor) and norm is not None and not math.isfinite(norm):
+                norm = None
+                if step.ok:
+                    self.state.skipped_iterations += 1
+                    self.scheduler.step(-step.global_batch_size)
+            if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
+                self.state.nan_iterations += 1
+            if "lm loss" in losses:
+                self.train_losses.append(losses["lm loss"])
+            for k, v in losses.items():
+                self.interval_losses[k] = self.interval_losses.get(k, 0.0) + v
+            self.grad_norm = norm
+
+
+class _ExitFlags:
+    """``--exit-signal-handler`` and ``--exit-duration-in-mins`` without waiting for the device.
+
+    Every rank must stop after the same iteration, so the ranks agree on the flags with an all-reduce
+    (MAX). After each iteration :meth:`poll` launches that all-reduce on the device and stages its
+    result to the host (:func:`stage_to_host`); the next :meth:`poll`, one iteration later, reads it
+    (the device is past it by then, so the read hardly waits). Every rank reads the same iteration's
+    agreed flags, so all stop together: one iteration after the signal or the deadline was seen.
+    """
+
+    def __init__(self, t, handler, device: torch.device, start_time: float):
+        self.t, self.handler, self.device, self.start_time = t, handler, device, start_time
+        self.active = bool(t.exit_signal_handler) or t.exit_duration_in_mins is not None
+        self._staged: HostValue | None = None
+
+    def poll(self) -> str | None:
+        """The reason to stop that the ranks agreed on after the previous iteration (or None); then
+        start the agreement on this iteration's flags. A collective when active: every rank calls it
+        after every iteration."""
+        if not self.active:
+            return None
+        reason = None
+        if self._staged is not None:
+            signal_seen, deadline_passed = self._staged.tolist()
+            if signal_seen > 0:
+                reason = "signal"
+            elif deadline_passed > 0:
+                reason = "exit-duration"
+        flags = torch.zeros(2, device=self.device)  # filled on the device: no host-to-device copy
+        if self.t.exit_signal_handler and self.handler.signaled:
+            flags[0].fill_(1.0)
+        minutes = (time.time() - self.start_time) / 60.0
+        if self.t.exit_duration_in_mins is not None and minutes > self.t.exit_duration_in_mins:
+            flags[1].fill_(1.0)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._staged = stage_to_host(flags)
+        return reason
+
+
+def _exit_reason(t, state: TrainState, exit_flags: _ExitFlags) -> str | None:
+    agreed = exit_flags.poll()
+    if agreed == "signal":
+        return agreed
     if t.exit_interval and state.iteration % t.exit_interval == 0:
         return "exit-interval"
-    if t.exit_duration_in_mins is not None:
-        done = torch.tensor(
-            [1.0 if (time.time() - start_time) / 60.0 > t.exit_duration_in_mins else 0.0], device=device
-        )
-        if dist.is_initialized():
-            dist.all_reduce(done, op=dist.ReduceOp.MAX)
-        if done.item() > 0:
-            return "exit-duration"
-    return None
+    return agreed
 
 
 def _evaluate_and_log(

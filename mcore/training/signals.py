@@ -1,7 +1,10 @@
 """``--exit-signal-handler``: turn SIGTERM (a scheduler's preemption notice) into a clean save-and-exit.
 
-The handler only records the signal; the loop checks :meth:`SignalHandler.received` after each step,
-all-reduced over the world so every rank stops after the same iteration, saves, and exits 0.
+The handler only records the signal (:attr:`SignalHandler.signaled`). The training loop agrees on it
+over the world without waiting for the device (``_ExitFlags`` in :mod:`mcore.training.pretrain`: an
+all-reduce on the device after each iteration, read one iteration later), so every rank stops after the
+same iteration, saves, and exits 0. :meth:`SignalHandler.received` is the same agreement at once (it
+waits for the device).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ class SignalHandler:
 
     def _handle(self, signum, frame) -> None:
         self._received = True
+
+    @property
+    def signaled(self) -> bool:
+        """Whether this process got the signal (no communication)."""
+        return self._received
 
     def received(self, device: torch.device) -> bool:
         """Whether any rank got the signal (a collective: every rank must call it each step)."""

@@ -7,11 +7,40 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's CPU interpreter is active (kernels run on CPU tensors, for debugging without a GPU)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fix_interpreter_index() -> None:
+    """Let the interpreter use run-time scalars as ``range`` bounds under NumPy >= 2.4.
+
+    The interpreter holds a scalar as a one-element 1-d array and converts it for ``range`` with
+    ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted"): every
+    kernel that loops up to a program id or a kernel argument failed under ``TRITON_INTERPRET=1``.
+    Wraps the interpreter's tensor patching so that ``__index__`` reads the single element instead.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - layout of another Triton version
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_mcore_index_fix", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._mcore_index_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _fix_interpreter_index()
 
 
 @functools.cache
@@ -117,3 +146,69 @@ class GridLaunch:
         cfg = self.configs[0]
         self.kernel[self.grid_of(cfg)](*args, **constexprs, **cfg)
         return self.parts_of(cfg)
+
+
+# --- persistent grids and partial sums ------------------------------------------------------------
+
+
+def balanced_programs(blocks: int, cap: int) -> int:
+    """Programs for ``blocks`` units of work, at most ``cap``, each doing the same number of steps.
+
+    ``min(blocks, cap)`` programs leave a ragged last step (8192 rows over 264 programs: 8 programs
+    take a 32nd row while 256 wait), which costs a whole step at a fraction of the bandwidth; the
+    fewest programs that need no more steps than ``cap`` does (256 here) split the work evenly.
+    """
+    rounds = triton.cdiv(blocks, max(1, cap))
+    return max(1, triton.cdiv(blocks, rounds))
+
+
+@triton.jit
+def row_range(pid, nprog, M, BLOCK_M: tl.constexpr):
+    """Program ``pid`` of ``nprog``'s contiguous rows ``[lo, hi)``: an equal share (+-1) of the row blocks."""
+    pid = pid.to(tl.int64)
+    nprog = nprog.to(tl.int64)
+    blocks = (M + BLOCK_M - 1) // BLOCK_M  # M may be a constexpr (Triton specialises M == 1)
+    lo = (pid * blocks // nprog) * BLOCK_M
+    hi = tl.minimum((pid + 1) * blocks // nprog * BLOCK_M, M)
+    return lo.to(tl.int32), hi.to(tl.int32)
+
+
+@triton.jit
+def _sum_partials_kernel(PART, OUT0, OUT1, P, N, stride_set, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``OUT{k}[cols] = sum(PART[k, :P, cols])`` in fp32, stored in ``OUT{k}``'s dtype (k = axis 1)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    which = tl.program_id(1)
+    base = PART + which.to(tl.int64) * stride_set
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):  # one step when P <= BLOCK_P: all loads in flight at once
+        r = p0 + tl.arange(0, BLOCK_P)
+        mask = (r < P)[:, None] & cmask[None, :]
+        acc += tl.load(base + r[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=cmask)
+
+
+def sum_partials(part: torch.Tensor, parts: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Finish persistent column sums: ``part[k, :parts].sum(0)`` as ``dtypes[k]``, one small launch.
+
+    ``part`` is ``[sets, rows, N]`` fp32 (contiguous; ``sets`` = ``len(dtypes)``, 1 or 2: e.g. the
+    weight and bias gradients), of which the first ``parts`` rows of each set were written. The
+    rows are summed in a fixed order (deterministic) and each result is cast in the same kernel,
+    so a backward's parameter gradients cost one launch whatever their count and dtypes. The
+    partials were just written (in L2): each program loads all its ``[parts, 16]`` column slice at
+    once (up to 256 rows a step), so the launch costs about one L2 round trip.
+    """
+    sets, _, n = part.shape
+    outs = [torch.empty((n,), dtype=dt, device=part.device) for dt in dtypes]
+    block_n = 16
+    block_p = min(256, next_pow2(parts))
+    grid = (triton.cdiv(n, block_n), sets)
+    _sum_partials_kernel[grid](
+        part, outs[0], outs[-1], parts, n, part.stride(0), BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=4 if block_p * block_n >= 2048 else 1,
+    )  # fmt: skip
+    return outs

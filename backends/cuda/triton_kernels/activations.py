@@ -8,9 +8,11 @@ column block and keep fp32 partial sums (``[row_programs, N]``, finished by one 
 Rounding follows :mod:`mcore.ops.reference`: ``x + bias`` is rounded to the input dtype before the
 activation (it is a separate torch op there), and SwiGLU rounds ``silu(gate)`` before the product.
 
-Dropout draws its mask in the kernel (Philox, ``tl.rand``) from a seed drawn from torch's current
-device generator, so the TP-aware RNG tracker's forks govern it, and the backward regenerates the
-mask from the seed instead of storing it.
+Dropout draws its mask in the kernel (Philox, ``tl.randint4x``) from a seed drawn from torch's
+current device generator, so the TP-aware RNG tracker's forks govern it. The forward also stores the
+mask packed 8 elements a byte (1/16 of a bf16 activation) and the backward reads it: regenerating it
+there cost more time in integer arithmetic than the backward's memory traffic. The bias gradient
+(with or without dropout) is one persistent column-sum pass over ``dy``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GridLaunch, cached_launch, next_pow2, rows_2d, sm_count, use_autotune
+from ._common import (
+    GridLaunch,
+    balanced_programs,
+    cached_launch,
+    next_pow2,
+    row_range,
+    rows_2d,
+    sm_count,
+    sum_partials,
+    use_autotune,
+)
 
 # --- SwiGLU ---------------------------------------------------------------------------------------
 
@@ -286,21 +298,59 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "no
 
 
 @triton.jit
-def _keep_mask(seed, rows, cols0, N, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dropout's keep mask for the tile at ``rows`` x ``cols0 + [0, BLOCK_N)``.
-
-    One Philox call (``randint4x``) serves 4 neighbouring elements of a row, a quarter of the
-    arithmetic of one call an element; the mask depends only on the element's (row, col), so the
-    backward regenerates it whatever its tiling (``cols0`` a multiple of 4).
-    """
-    groups = (N + 3) // 4
-    q = cols0 // 4 + tl.arange(0, BLOCK_N // 4)
-    offs = rows[:, None] * groups + q[None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, offs)
-    r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_M, BLOCK_N))
+def _keep01(r, p):
+    """1 where the uniform draw from Philox's 32 random bits ``r`` keeps the element (``u >= p``)."""
     r = r.to(tl.int32, bitcast=True)
     u = tl.where(r < 0, -r - 1, r).to(tl.float32) * 4.6566127342e-10  # uniform in [0, 1)
-    return u >= p
+    return (u >= p).to(tl.int32)
+
+
+@triton.jit
+def _keep_bits(seed, rows, q, N, p):
+    """Dropout's keep bits ``k0..k7`` (int32 0/1, each ``[rows, q]``) of the columns ``8q + j``.
+
+    Element ``(row, col)`` takes lane ``col % 4`` of the Philox call at counter
+    ``row * cdiv(N, 4) + col // 4``: one call (``randint4x``) serves 4 neighbouring columns, and the
+    mask depends only on the element, not on the tiling. Two calls (even and odd counters) give the
+    8 bits of one mask byte in the same thread, so packing them is element-wise.
+    """
+    offs = rows[:, None] * ((N + 3) // 4) + 2 * q[None, :]
+    a0, a1, a2, a3 = tl.randint4x(seed, offs)
+    b0, b1, b2, b3 = tl.randint4x(seed, offs + 1)
+    return (
+        _keep01(a0, p), _keep01(a1, p), _keep01(a2, p), _keep01(a3, p),
+        _keep01(b0, p), _keep01(b1, p), _keep01(b2, p), _keep01(b3, p),
+    )  # fmt: skip
+
+
+@triton.jit
+def _pack8(k0, k1, k2, k3, k4, k5, k6, k7):
+    """The mask byte: bit ``j`` is ``k_j`` (column ``8q + j``)."""
+    b = k0 | (k1 << 1) | (k2 << 2) | (k3 << 3) | (k4 << 4) | (k5 << 5) | (k6 << 6) | (k7 << 7)
+    return b.to(tl.uint8)
+
+
+@triton.jit
+def _spread8(k0, k1, k2, k3, k4, k5, k6, k7, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N // 8]`` x 8 -> ``[BLOCK_M, BLOCK_N]`` with column ``8q + j`` = ``k_j[:, q]``.
+
+    Nested joins put the outermost join on the fastest axis, so the reshape reads them in
+    bit-reversed order: ``k_j`` enters at position ``rev3(j)``. Joins add per-thread axes (no data
+    movement); the reshape gives each thread 8 neighbouring columns.
+    """
+    t = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
+    return tl.reshape(t, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _unpack8(packed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keep mask ``[BLOCK_M, BLOCK_N]`` (bool) from its packed bytes ``[BLOCK_M, BLOCK_N // 8]``."""
+    b = packed.to(tl.int32)
+    keep = _spread8(
+        b & 1, (b >> 1) & 1, (b >> 2) & 1, (b >> 3) & 1, (b >> 4) & 1, (b >> 5) & 1, (b >> 6) & 1, (b >> 7) & 1,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    return keep != 0
 
 
 @triton.jit
@@ -310,11 +360,13 @@ def _bda_fwd_kernel(
     R,
     Y,
     SEED,
+    MASK,
     M,
     N,
     stride_x,
     stride_r,
     stride_y,
+    stride_mask,
     p,
     scale,
     HAS_BIAS: tl.constexpr,
@@ -326,7 +378,8 @@ def _bda_fwd_kernel(
     cols0 = tl.program_id(1) * BLOCK_N
     cols = cols0 + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    mask = (rows < M)[:, None] & cmask[None, :]
+    rmask = rows < M
+    mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_BIAS:
@@ -334,75 +387,184 @@ def _bda_fwd_kernel(
         x = (x.to(tl.float32) + b.to(tl.float32)[None, :]).to(X.dtype.element_ty)
     t = x.to(tl.float32)
     if DROPOUT:
-        keep = _keep_mask(tl.load(SEED), rows, cols0, N, p, BLOCK_M, BLOCK_N)
+        q = cols0 // 8 + tl.arange(0, BLOCK_N // 8)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_bits(tl.load(SEED), rows, q, N, p)
+        qmask = rmask[:, None] & (q < (N + 7) // 8)[None, :]
+        packed = _pack8(k0, k1, k2, k3, k4, k5, k6, k7)
+        tl.store(MASK + rows64[:, None] * stride_mask + q[None, :], packed, mask=qmask)
+        keep = _spread8(k0, k1, k2, k3, k4, k5, k6, k7, BLOCK_M, BLOCK_N) != 0
         t = tl.where(keep, t * scale, 0.0).to(X.dtype.element_ty).to(tl.float32)
     r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], (r + t).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
+def _bda_bwd_load(
+    DY,
+    MASK,
+    rows,
+    hi,
+    cols,
+    cmask,
+    q,
+    qmask,
+    stride_dy,
+    stride_mask,
+    DROPOUT: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """``dy`` and the packed mask of ``rows``; ``EVICT``: both read once, marked first to leave L2."""
+    rmask = rows < hi
+    rows64 = rows.to(tl.int64)
+    pdy = DY + rows64[:, None] * stride_dy + cols[None, :]
+    pmask = MASK + rows64[:, None] * stride_mask + q[None, :]
+    if EVICT:
+        dy = tl.load(pdy, mask=rmask[:, None] & cmask[None, :], other=0.0, eviction_policy="evict_first")
+    else:
+        dy = tl.load(pdy, mask=rmask[:, None] & cmask[None, :], other=0.0)
+    if DROPOUT:
+        if EVICT:
+            packed = tl.load(
+                pmask, mask=rmask[:, None] & qmask[None, :], other=0, eviction_policy="evict_first"
+            )
+        else:
+            packed = tl.load(pmask, mask=rmask[:, None] & qmask[None, :], other=0)
+    else:
+        packed = tl.zeros([1, 1], dtype=tl.uint8)  # unused
+    return dy, packed
+
+
+@triton.jit
 def _bda_bwd_kernel(
     DY,
+    MASK,
     DX,
     DB,
-    SEED,
     M,
     N,
     stride_dy,
+    stride_mask,
     stride_dx,
-    p,
     scale,
-    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,  # else only dbias = dy.sum(0) (dx is dy itself, not written)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_SM: tl.constexpr,  # sets the grid only
+    PREFETCH: tl.constexpr,  # load the next tile before accumulating this one
+    EVICT: tl.constexpr,  # dy and mask loads marked evict-first
 ):
-    pid_r = tl.program_id(0)
+    # Persistent over [row programs, column blocks]: each program walks its contiguous rows of one
+    # column block, accumulates dbias in a [BLOCK_M, BLOCK_N] fp32 tile (no cross-thread work in the
+    # loop) and writes one reduced row of the [row programs, N] partial sums at the end.
+    lo, hi = row_range(tl.program_id(0), tl.num_programs(0), M, BLOCK_M)
     cols0 = tl.program_id(1) * BLOCK_N
     cols = cols0 + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    seed = tl.load(SEED)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        keep = _keep_mask(seed, rows, cols0, N, p, BLOCK_M, BLOCK_N)
-        dx = tl.where(keep & mask, dy * scale, 0.0)
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_BIAS:
-            db += tl.sum(dx, axis=0)
-    if HAS_BIAS:
-        tl.store(DB + pid_r * N + cols, db, mask=cmask)
+    q = cols0 // 8 + tl.arange(0, BLOCK_N // 8)
+    qmask = q < (N + 7) // 8
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rows = lo + tl.arange(0, BLOCK_M)
+    if PREFETCH:
+        dy_in, packed = _bda_bwd_load(
+            DY, MASK, rows, hi, cols, cmask, q, qmask, stride_dy, stride_mask, DROPOUT
+        )
+    for _ in range(lo, hi, BLOCK_M):
+        if PREFETCH:
+            dy_nx, packed_nx = _bda_bwd_load(
+                DY, MASK, rows + BLOCK_M, hi, cols, cmask, q, qmask, stride_dy, stride_mask, DROPOUT
+            )
+        else:
+            dy_in, packed = _bda_bwd_load(
+                DY, MASK, rows, hi, cols, cmask, q, qmask, stride_dy, stride_mask, DROPOUT
+            )
+        dy = dy_in.to(tl.float32)
+        if DROPOUT:
+            dx = tl.where(_unpack8(packed, BLOCK_M, BLOCK_N), dy * scale, 0.0)
+            mask = (rows < hi)[:, None] & cmask[None, :]
+            tl.store(
+                DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :],
+                dx.to(DX.dtype.element_ty),
+                mask=mask,
+            )
+            acc += dx
+        else:
+            acc += dy
+        if PREFETCH:
+            dy_in, packed = dy_nx, packed_nx
+        rows += BLOCK_M
+    tl.store(DB + tl.program_id(0) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+
+
+_BDA_BWD_CONFIGS = [
+    {"BLOCK_N": bn, "BLOCK_M": bm, "num_warps": w, "PER_SM": per_sm, "PREFETCH": True, "EVICT": True}
+    for bn, bm, w in ((256, 16, 4), (256, 32, 8), (512, 8, 4), (512, 16, 8))
+    for per_sm in (2, 4)
+]
+
+
+def _bda_bwd_launch(tag, m: int, n: int, device: torch.device, config: dict | None):
+    if config is None:  # the training path: built once per shape (the sweep passes explicit configs)
+        key = (_bda_bwd_kernel, tag, m, n, device, use_autotune(m))
+        return cached_launch(key, lambda: _build_bda_bwd_launch(tag, m, n, device, None))
+    return _build_bda_bwd_launch(tag, m, n, device, config)
+
+
+def _build_bda_bwd_launch(tag, m: int, n: int, device: torch.device, config: dict | None):
+    # The partial sums cost SMs * PER_SM * BLOCK_N * 4 bytes (written, then read once), whatever N:
+    # narrow column blocks of many rows keep them small while each program still moves 8 KB a step.
+    sms = sm_count(device)
+    bn = max(8, min(256, next_pow2(n)))
+    default = {
+        "BLOCK_N": bn, "BLOCK_M": max(1, 4096 // bn), "num_warps": 4, "PER_SM": 2, "PREFETCH": True, "EVICT": True,
+    }  # fmt: skip
+    configs = [c for c in _BDA_BWD_CONFIGS if c["BLOCK_N"] <= next_pow2(n)] or [default]
+
+    def grid(cfg):
+        n_cb = triton.cdiv(n, cfg["BLOCK_N"])
+        return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(sms * cfg["PER_SM"], n_cb)), n_cb
+
+    return GridLaunch(
+        _bda_bwd_kernel, tag, m, configs, default, key=["N"], grid=grid, parts=lambda cfg: grid(cfg)[0],
+        config=config,
+    )  # fmt: skip
 
 
 def bda_fwd(x2, bias, r2, p: float, seed: torch.Tensor | None, config=None):
+    """``(y, mask)``: ``mask`` is the dropout keep mask packed 8 columns a byte (None without dropout)."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = _tile_config(n, config)
-    cfg["BLOCK_N"] = max(4, cfg["BLOCK_N"])
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     dropout = seed is not None
+    mask = torch.empty((m, triton.cdiv(n, 8)), dtype=torch.uint8, device=x2.device) if dropout else None
+    cfg = _tile_config(n, config)
+    cfg["BLOCK_N"] = max(8, cfg["BLOCK_N"])
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     _bda_fwd_kernel[grid](
-        x2, x2 if bias is None else bias, r2, y, seed if dropout else x2, m, n,
-        x2.stride(0), r2.stride(0), y.stride(0), p, 1.0 / (1.0 - p) if dropout else 1.0,
-        HAS_BIAS=bias is not None, DROPOUT=dropout, **cfg,
+        x2, x2 if bias is None else bias, r2, y, seed if dropout else x2, mask if dropout else y, m, n,
+        x2.stride(0), r2.stride(0), y.stride(0), mask.stride(0) if dropout else 0,
+        p, 1.0 / (1.0 - p) if dropout else 1.0, HAS_BIAS=bias is not None, DROPOUT=dropout, **cfg,
     )  # fmt: skip
-    return y
+    return y, mask
 
 
-def bda_bwd(dy2, has_bias: bool, p: float, seed: torch.Tensor, config=None):
+def bda_bwd(dy2, mask, p: float, bias_dtype: torch.dtype | None, config=None):
+    """``(dx, dbias)`` of bias-dropout-add: ``dx = dy * keep / (1 - p)`` from the forward's packed
+    ``mask`` (``dx`` is ``dy2`` itself when ``mask`` is None), ``dbias = dx.sum(0)`` in ``bias_dtype``
+    (None: no bias, and no dbias). One pass over ``dy``, then one small launch for ``dbias``."""
     m, n = dy2.shape
-    dx = torch.empty((m, n), dtype=dy2.dtype, device=dy2.device)
-    if config is None and n < 4:
-        config = {"BLOCK_N": 4}
-    launch = _column_bwd_launch(_bda_bwd_kernel, ("bda", has_bias), m, n, dy2.device, config)
-    db = torch.empty((launch.max_parts, n), dtype=torch.float32, device=dy2.device) if has_bias else dx
+    dropout = mask is not None
+    if not dropout and bias_dtype is None:
+        return dy2, None
+    dx = torch.empty((m, n), dtype=dy2.dtype, device=dy2.device) if dropout else dy2
+    launch = _bda_bwd_launch(("bda", dropout), m, n, dy2.device, config)
+    part = torch.empty((1, launch.max_parts, n), dtype=torch.float32, device=dy2.device)
     parts = launch(
-        dy2, dx, db, seed, m, n, dy2.stride(0), dx.stride(0), p, 1.0 / (1.0 - p), HAS_BIAS=has_bias
-    )
-    return dx, (db[:parts].sum(0) if has_bias else None)
+        dy2, mask if dropout else dy2, dx, part, m, n, dy2.stride(0), mask.stride(0) if dropout else 0,
+        dx.stride(0), 1.0 / (1.0 - p) if dropout else 1.0, DROPOUT=dropout,
+    )  # fmt: skip
+    if bias_dtype is None:
+        return dx, None
+    (db,) = sum_partials(part, parts, [bias_dtype])
+    return dx, db
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
@@ -413,26 +575,18 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         if dropout:
             # Drawn from the current device generator (so RNG-tracker forks apply); stays on device.
             seed = torch.randint(0, 2**31 - 1, (1,), device=x.device, dtype=torch.int64)
-        ctx.save_for_backward(seed)
-        ctx.p, ctx.dropout, ctx.x_shape = p, dropout, x.shape
+        y, mask = bda_fwd(x2, bias, r2, p, seed)
+        ctx.save_for_backward(mask)  # 1 bit an element (None without dropout)
+        ctx.p, ctx.x_shape = p, x.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return bda_fwd(x2, bias, r2, p, seed).view(x.shape)
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        (seed,) = ctx.saved_tensors
-        has_bias = ctx.bias_dtype is not None
-        dy2 = rows_2d(dy)
-        if ctx.dropout:
-            dx, db = bda_bwd(dy2, has_bias, ctx.p, seed)
-            dx = dx.view(ctx.x_shape)
-        else:
-            dx = dy
-            db = dy2.sum(0, dtype=torch.float32) if has_bias else None
-        if db is not None and ctx.needs_input_grad[1]:
-            db = db.to(ctx.bias_dtype)
-        else:
-            db = None
+        (mask,) = ctx.saved_tensors
+        bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[1] else None
+        dx, db = bda_bwd(rows_2d(dy), mask, ctx.p, bias_dtype)
+        dx = dx.view(ctx.x_shape) if mask is not None else dy
         return dx, db, dy, None, None
 
 

@@ -16,7 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GridLaunch, cached_launch, next_pow2, rows_2d, sm_count, use_autotune
+from ._common import (
+    GridLaunch,
+    balanced_programs,
+    cached_launch,
+    next_pow2,
+    row_range,
+    rows_2d,
+    sm_count,
+    sum_partials,
+    use_autotune,
+)
 
 MAX_N = 16384
 """The widest row a program keeps in registers; wider rows use the reference op."""
@@ -42,6 +52,25 @@ def _rms_fwd_kernel(
 
 
 @triton.jit
+def _load_rows(A, B, rows, hi, cols, cmask, stride_a, stride_b, EVICT: tl.constexpr):
+    """Rows ``rows`` (those below ``hi``) of ``A`` and ``B`` in their own dtype, and the tile mask.
+
+    ``EVICT``: read once, so marked first to leave L2 (other data, dirty lines especially, stay).
+    """
+    mask = (rows < hi)[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    pa = A + rows64[:, None] * stride_a + cols[None, :]
+    pb = B + rows64[:, None] * stride_b + cols[None, :]
+    if EVICT:
+        a = tl.load(pa, mask=mask, other=0.0, eviction_policy="evict_first")
+        b = tl.load(pb, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        a = tl.load(pa, mask=mask, other=0.0)
+        b = tl.load(pb, mask=mask, other=0.0)
+    return a, b, mask
+
+
+@triton.jit
 def _rms_bwd_kernel(
     DY,
     X,
@@ -57,28 +86,42 @@ def _rms_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_SM: tl.constexpr,  # programs per SM: sets the grid only
+    PREFETCH: tl.constexpr,  # load the next row block before reducing this one
+    EVICT: tl.constexpr,  # x and dy loads marked evict-first
 ):
-    pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK_M
+    # One program per share of SMs walks its contiguous rows; dw stays in fp32 registers and is
+    # written once, as this program's row of the [programs, N] partial sums.
+    lo, hi = row_range(tl.program_id(0), tl.num_programs(0), M, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid * BLOCK_M, M, step):
-        rows = start + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    rows = lo + tl.arange(0, BLOCK_M)
+    if PREFETCH:
+        x_in, dy_in, mask = _load_rows(X, DY, rows, hi, cols, cmask, stride_x, stride_dy, EVICT)
+        rstd = tl.load(RSTD + rows, mask=rows < hi, other=0.0)
+    for _ in range(lo, hi, BLOCK_M):
+        if PREFETCH:
+            nrows = rows + BLOCK_M
+            x_nx, dy_nx, mask_nx = _load_rows(X, DY, nrows, hi, cols, cmask, stride_x, stride_dy, EVICT)
+            rstd_nx = tl.load(RSTD + nrows, mask=nrows < hi, other=0.0)
+        else:
+            x_in, dy_in, mask = _load_rows(X, DY, rows, hi, cols, cmask, stride_x, stride_dy, EVICT)
+            rstd = tl.load(RSTD + rows, mask=rows < hi, other=0.0)
+        x = x_in.to(tl.float32)
+        dy = dy_in.to(tl.float32)
         n = x * rstd[:, None]
         dw += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
         g = dy * w[None, :]
         c = tl.sum(g * n, axis=1) / N
         dx = (g - n * c[:, None]) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW + pid * N + cols, dw, mask=cmask)
+        tl.store(
+            DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
+        )
+        if PREFETCH:
+            x_in, dy_in, mask, rstd = x_nx, dy_nx, mask_nx, rstd_nx
+        rows += BLOCK_M
+    tl.store(DW + tl.program_id(0) * N + cols, dw, mask=cmask)
 
 
 @triton.jit
@@ -137,24 +180,33 @@ def _ln_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_SM: tl.constexpr,  # programs per SM: sets the grid only
+    PREFETCH: tl.constexpr,  # load the next row block before reducing this one
+    EVICT: tl.constexpr,  # x and dy loads marked evict-first
 ):
-    pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK_M
+    lo, hi = row_range(tl.program_id(0), tl.num_programs(0), M, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid * BLOCK_M, M, step):
-        rows = start + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    rows = lo + tl.arange(0, BLOCK_M)
+    if PREFETCH:
+        x_in, dy_in, mask = _load_rows(X, DY, rows, hi, cols, cmask, stride_x, stride_dy, EVICT)
+        mean = tl.load(MEAN + rows, mask=rows < hi, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rows < hi, other=0.0)
+    for _ in range(lo, hi, BLOCK_M):
+        if PREFETCH:
+            nrows = rows + BLOCK_M
+            x_nx, dy_nx, mask_nx = _load_rows(X, DY, nrows, hi, cols, cmask, stride_x, stride_dy, EVICT)
+            mean_nx = tl.load(MEAN + nrows, mask=nrows < hi, other=0.0)
+            rstd_nx = tl.load(RSTD + nrows, mask=nrows < hi, other=0.0)
+        else:
+            x_in, dy_in, mask = _load_rows(X, DY, rows, hi, cols, cmask, stride_x, stride_dy, EVICT)
+            mean = tl.load(MEAN + rows, mask=rows < hi, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=rows < hi, other=0.0)
+        # Masked columns and rows load dy = 0 (and w = 0), so they add nothing to any sum below.
+        dy = dy_in.to(tl.float32)
+        xhat = (x_in.to(tl.float32) - mean[:, None]) * rstd[:, None]
         dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
             db += tl.sum(dy, axis=0)
@@ -162,10 +214,15 @@ def _ln_bwd_kernel(
         c1 = tl.sum(g * xhat, axis=1) / N
         c2 = tl.sum(g, axis=1) / N
         dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW + pid * N + cols, dw, mask=cmask)
+        tl.store(
+            DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
+        )
+        if PREFETCH:
+            x_in, dy_in, mask, mean, rstd = x_nx, dy_nx, mask_nx, mean_nx, rstd_nx
+        rows += BLOCK_M
+    tl.store(DW + tl.program_id(0) * N + cols, dw, mask=cmask)
     if HAS_BIAS:
-        tl.store(DB + pid * N + cols, db, mask=cmask)
+        tl.store(DB + tl.program_id(0) * N + cols, db, mask=cmask)
 
 
 def _fwd_config(n: int, config: dict | None) -> dict:
@@ -179,13 +236,24 @@ def _fwd_config(n: int, config: dict | None) -> dict:
 
 
 def _bwd_configs(block_n: int) -> list[dict]:
+    # Measured on H100 (8192 x 2048 bf16): prefetching always paid, one program an SM and two-row
+    # blocks of 16 warps were much slower; the rest are close, so the tuner picks among them.
     base = max(1, 2048 // block_n)
     out = []
     for bm in (base, 2 * base):
         for w in (2, 4, 8, 16):
-            if 4 <= bm * block_n // (32 * w) <= 16:
-                out += [{"BLOCK_M": bm, "num_warps": w, "PER_SM": per_sm} for per_sm in (4, 8, 16)]
+            if 4 <= bm * block_n // (32 * w) <= 16 and not (bm > 1 and w == 16):
+                out += [
+                    {"BLOCK_M": bm, "num_warps": w, "PER_SM": per_sm, "PREFETCH": True, "EVICT": True}
+                    for per_sm in (2, 4)
+                ]
     return out
+
+
+def _bwd_default(block_n: int) -> dict:
+    base = max(1, 2048 // block_n)
+    warps = int(min(16, max(1, base * block_n // 256)))
+    return {"BLOCK_M": base, "num_warps": warps, "PER_SM": 4, "PREFETCH": True, "EVICT": True}
 
 
 def _bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
@@ -198,17 +266,15 @@ def _bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: 
 
 def _build_bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, config: dict | None):
     block_n = next_pow2(n)
-    base = max(1, 2048 // block_n)
-    default = {"BLOCK_M": base, "num_warps": int(min(16, max(1, base * block_n // 256))), "PER_SM": 4}
     sms = sm_count(device)
 
     def programs(cfg) -> int:
-        return max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sms * cfg["PER_SM"]))
+        return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), sms * cfg["PER_SM"])
 
     if config is not None and "programs_per_sm" in config:  # the sweep's older spelling
         config = {**config, "PER_SM": config.pop("programs_per_sm")}
     return GridLaunch(
-        kernel, (tag, block_n), m, _bwd_configs(block_n), default, key=["N"],
+        kernel, (tag, block_n), m, _bwd_configs(block_n), _bwd_default(block_n), key=["N"],
         grid=lambda cfg: (programs(cfg),), parts=programs, config=config,
     )  # fmt: skip
 
@@ -224,14 +290,16 @@ def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
 
 
 def rms_norm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, config=None):
+    """``(dx, dweight)``: one persistent pass over ``x``/``dy``, then one small launch sums ``dweight``."""
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     launch = _bwd_launch(_rms_bwd_kernel, "rms", m, n, x2.device, config)
-    dw = torch.empty((launch.max_parts, n), dtype=torch.float32, device=x2.device)
+    part = torch.empty((1, launch.max_parts, n), dtype=torch.float32, device=x2.device)
     parts = launch(
-        dy2, x2, weight, rstd, dx, dw, m, n, dy2.stride(0), x2.stride(0), dx.stride(0), BLOCK_N=next_pow2(n)
+        dy2, x2, weight, rstd, dx, part, m, n, dy2.stride(0), x2.stride(0), dx.stride(0), BLOCK_N=next_pow2(n)
     )
-    return dx, dw[:parts].sum(0).to(weight.dtype)
+    (dw,) = sum_partials(part, parts, [weight.dtype])
+    return dx, dw
 
 
 def layer_norm_fwd(x2, weight, bias, eps: float, config=None):
@@ -259,30 +327,20 @@ def layer_norm_fwd(x2, weight, bias, eps: float, config=None):
     return y, mean, rstd
 
 
-def layer_norm_bwd(dy2, x2, weight, has_bias: bool, mean, rstd, config=None):
+def layer_norm_bwd(dy2, x2, weight, has_bias: bool, mean, rstd, config=None, bias_dtype=None):
+    """``(dx, dweight, dbias or None)``, the parameter gradients in ``weight.dtype`` and ``bias_dtype``
+    (default fp32): one persistent pass over ``x``/``dy``, then one small launch sums both."""
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     launch = _bwd_launch(_ln_bwd_kernel, "ln", m, n, x2.device, config)
-    dw = torch.empty((launch.max_parts, n), dtype=torch.float32, device=x2.device)
-    db = torch.empty((launch.max_parts, n), dtype=torch.float32, device=x2.device) if has_bias else dw
+    part = torch.empty((2 if has_bias else 1, launch.max_parts, n), dtype=torch.float32, device=x2.device)
     parts = launch(
-        dy2,
-        x2,
-        weight,
-        mean,
-        rstd,
-        dx,
-        dw,
-        db,
-        m,
-        n,
-        dy2.stride(0),
-        x2.stride(0),
-        dx.stride(0),
-        HAS_BIAS=has_bias,
-        BLOCK_N=next_pow2(n),
-    )
-    return dx, dw[:parts].sum(0), (db[:parts].sum(0) if has_bias else None)
+        dy2, x2, weight, mean, rstd, dx, part[0], part[-1], m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
+        HAS_BIAS=has_bias, BLOCK_N=next_pow2(n),
+    )  # fmt: skip
+    dtypes = [weight.dtype] + ([bias_dtype or torch.float32] if has_bias else [])
+    grads = sum_partials(part, parts, dtypes)
+    return dx, grads[0], (grads[1] if has_bias else None)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -317,10 +375,12 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_bwd(rows_2d(dy), x2, weight, ctx.has_bias, mean, rstd)
+        dx, dw, db = layer_norm_bwd(
+            rows_2d(dy), x2, weight, ctx.has_bias, mean, rstd, bias_dtype=ctx.bias_dtype
+        )
         dx = dx.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        db = db.to(ctx.bias_dtype) if (db is not None and ctx.needs_input_grad[2]) else None
+        dw = dw if ctx.needs_input_grad[1] else None
+        db = db if (db is not None and ctx.needs_input_grad[2]) else None
         return dx, dw, db, None
 
 

@@ -1,0 +1,166 @@
+"""The CUDA backend's norm and bias-dropout-add kernels under Triton's CPU interpreter.
+
+A quick CPU-only check of the persistent backward kernels (row shares that do not divide evenly,
+row blocks of 1 and 2, with and without prefetching, weight/bias gradients through the partial-sum
+kernel, the packed dropout mask): the kernels run on CPU tensors with ``TRITON_INTERPRET=1`` and are
+compared with :mod:`mcore.ops.reference` in float64. It needs Triton installed, so CI (no Triton)
+skips it; the GPU tests of ``test_backend_ops.py`` stay the kernels' real check. The interpreter
+must be switched on before Triton's kernels are defined, so the checks run in a child process.
+
+By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_triton_interpret.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+def test_norm_and_dropout_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _main() -> int:
+    import torch
+    from mcore.backends.cuda.triton_kernels import activations, norms
+
+    from mcore.ops import reference
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.manual_seed(0)
+    bound = {torch.float32: 2e-5, torch.bfloat16: 2.4e-2}  # bf16: the interpreter rounds by truncation
+    failures = []
+
+    def expect(name, errors, tol):
+        print(name, " ".join(f"{e:.1e}" for e in errors))
+        if not all(e <= tol for e in errors):
+            failures.append(f"{name}: {errors} > {tol}")
+
+    def grads(out_fn, args, dy):
+        args = [a.detach().requires_grad_() if a is not None else None for a in args]
+        out = out_fn(*args)
+        return out, torch.autograd.grad(out, [a for a in args if a is not None], dy)
+
+    # On CPU tensors the grid is sized for 4 "SMs": 37 rows over 8 (PER_SM=2) or 4 (PER_SM=1)
+    # programs, 5 rows over fewer programs than SMs, and row blocks of 2 leave a ragged last block.
+    configs = [
+        None,
+        {"BLOCK_M": 1, "num_warps": 4, "PER_SM": 2, "PREFETCH": False},
+        {"BLOCK_M": 2, "num_warps": 4, "PER_SM": 1, "PREFETCH": True},
+    ]
+    for (m, n), dt, cfg in [
+        ((37, 96), torch.float32, configs[0]),
+        ((37, 1000), torch.bfloat16, configs[0]),
+        ((37, 96), torch.bfloat16, configs[1]),
+        ((5, 1000), torch.float32, configs[2]),
+    ]:
+        x = (torch.randn(m, n) * 2 + 0.5).to(dt)
+        w = (torch.randn(n) * 0.3 + 1).to(dt)
+        b = (torch.randn(n) * 0.3).to(torch.float32)  # a bias of another dtype than the weight
+        dy = torch.randn(m, n).to(dt)
+        tag = f"{m}x{n} {dt} {cfg}"
+        _, gold = grads(lambda x, w: reference.rms_norm(x, w, 1e-6), [x.double(), w.double()], dy.double())
+        _, rstd = norms.rms_norm_fwd(x, w, 1e-6, dt)
+        dx, dw = norms.rms_norm_bwd(dy, x, w, rstd, cfg and dict(cfg))
+        assert dx.dtype == dt and dw.dtype == w.dtype
+        expect(f"rms_norm bwd {tag}", [_rel(dx, gold[0]), _rel(dw, gold[1])], bound[dt])
+        for bias in (b, None):
+            args = [x.double(), w.double(), None if bias is None else bias.double()]
+            _, gold = grads(
+                lambda *a: reference.layer_norm(a[0], a[1], a[2] if len(a) > 2 else None, 1e-5),
+                args,
+                dy.double(),
+            )
+            _, mean, rstd = norms.layer_norm_fwd(x, w, bias, 1e-5)
+            dx, dw, db = norms.layer_norm_bwd(
+                dy, x, w, bias is not None, mean, rstd, cfg and dict(cfg), bias_dtype=torch.float32
+            )
+            got = [dx, dw] + ([db] if bias is not None else [])
+            assert (db is None) == (bias is None) and dw.dtype == w.dtype
+            expect(
+                f"layer_norm bwd bias={bias is not None} {tag}",
+                [_rel(g, r) for g, r in zip(got, gold)],
+                bound[dt],
+            )
+
+    # Through autograd (the op table's entry points): RMSNorm and LayerNorm, fp32 weight on bf16 x.
+    x = torch.randn(3, 7, 200).to(torch.bfloat16)
+    w = torch.randn(200) * 0.3 + 1
+    dy = torch.randn(3, 7, 200).to(torch.bfloat16)
+    out, got = grads(lambda x, w: norms.rms_norm(x, w, 1e-5), [x, w], dy.float())
+    _, gold = grads(lambda x, w: reference.rms_norm(x, w, 1e-5), [x.double(), w.double()], dy.double())
+    expect("rms_norm autograd bf16 x, fp32 w", [_rel(g, r) for g, r in zip(got, gold)], bound[torch.bfloat16])
+    out, got = grads(lambda x, w, b: norms.layer_norm(x, w, b, 1e-5), [x, w, w * 0.1], dy)
+    _, gold = grads(
+        lambda x, w, b: reference.layer_norm(x, w, b, 1e-5),
+        [x.double(), w.double(), w.double() * 0.1],
+        dy.double(),
+    )
+    expect(
+        "layer_norm autograd bf16 x, fp32 w/b", [_rel(g, r) for g, r in zip(got, gold)], bound[torch.bfloat16]
+    )
+
+    # bias-dropout-add: eval (the bias gradient's column sum) against the reference ...
+    for (m, n), dt in [((37, 200), torch.float32), ((9, 13), torch.bfloat16)]:
+        x, r, dy = torch.randn(m, n).to(dt), torch.randn(m, n).to(dt), torch.randn(m, n).to(dt)
+        b = torch.randn(n).to(dt)
+        out, got = grads(lambda x, b, r: activations.bias_dropout_add(x, b, r, 0.1, False), [x, b, r], dy)
+        ref, gold = grads(
+            lambda x, b, r: reference.bias_dropout_add(x, b, r, 0.1, False),
+            [x.double(), b.double(), r.double()],
+            dy.double(),
+        )
+        expect(
+            f"bias_dropout_add eval {m}x{n} {dt}",
+            [_rel(out, ref)] + [_rel(g, h) for g, h in zip(got, gold)],
+            bound[dt],
+        )
+    # ... and with dropout: the packed mask agrees with the forward's output, the backward uses it.
+    p = 0.3
+    scale = torch.tensor(1 / (1 - p), dtype=torch.float32)
+    for (m, n), dt, cfg in [
+        ((37, 200), torch.float32, None),
+        (
+            (9, 13),
+            torch.bfloat16,
+            {"BLOCK_N": 16, "BLOCK_M": 4, "num_warps": 1, "PER_SM": 1, "PREFETCH": False},
+        ),
+    ]:
+        x, r, dy = torch.randn(m, n).to(dt), torch.randn(m, n).to(dt), torch.randn(m, n).to(dt)
+        b = torch.randn(n).to(dt)
+        y, mask = activations.bda_fwd(x, b, r, p, torch.tensor([20 + m], dtype=torch.int64))
+        keep = ((mask[:, :, None].int() >> torch.arange(8)) & 1).reshape(m, -1)[:, :n].bool()
+        frac = keep.float().mean().item()
+        if not abs(frac - (1 - p)) < 0.1:
+            failures.append(f"bda keep fraction {frac}")
+        t = (x.float() + b.float()).to(dt).float()
+        want_y = (r.float() + torch.where(keep, (t * scale).to(dt).float(), 0.0)).to(dt)
+        dx, db = activations.bda_bwd(dy, mask, p, dt, cfg)
+        want_dx = torch.where(keep, dy.float() * scale, 0.0)
+        assert db.dtype == dt and dx.dtype == dt
+        errors = [_rel(y, want_y), _rel(dx, want_dx), _rel(db, want_dx.sum(0))]
+        expect(f"bias_dropout_add p={p} {m}x{n} {dt} {cfg}", errors, bound[dt])
+        if not torch.equal(dx == 0, want_dx == 0):
+            failures.append(f"bda dx zeros differ from the mask ({m}x{n})")
+
+    if failures:
+        print("FAILED:\n" + "\n".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
