@@ -121,6 +121,9 @@ def train(model, optimizer, groups, steps: int, inject_inf_at=None, start_step: 
             next(p for p in model.parameters() if p.requires_grad).main_grad.view(-1)[0] = float("inf")
         scale = optimizer.loss_scale
         ok, norm, _ = optimizer.step()
+        norm = (
+            float(norm) if isinstance(norm, torch.Tensor) else norm
+        )  # the one-pass step returns a device tensor
         if isinstance(model, DistributedDataParallel):  # all-gathers still in flight after the step
             model.gathers_in_flight = sum(b.param_handle is not None for b in model.buckets)
         if dist.is_initialized() and dp > 1:

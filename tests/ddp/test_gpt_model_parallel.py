@@ -113,6 +113,9 @@ def _train(tp=1, pp=1, sp=False, configs=({},)):
                 timeout_s=60,
             )
             ok, norm, _ = optimizer.step()
+            norm = (
+                float(norm) if isinstance(norm, torch.Tensor) else norm
+            )  # the one-pass step returns a device tensor
             loss = None
             if groups.is_last_stage:
                 total = torch.stack([log["lm loss"] for log in logs]).mean().reshape(1)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -166,12 +167,12 @@ def test_nonfinite_gradient_skips_the_update_on_the_device():
     history = train(model, optimizer, groups, 1, inject_inf_at=(2, 0), start_step=2)
     ok, norm = history[0][1], history[0][2]
     assert optimizer.skips_nonfinite_on_device and ok
-    assert isinstance(norm, torch.Tensor) and not bool(torch.isfinite(norm))
+    assert not math.isfinite(norm)  # train() reads the lazy device norm
     assert torch.equal(_masters(optimizer), before[0])
     after = [t for f in optimizer.flat_states for t in (f.exp_avg, f.exp_avg_sq)]
     assert all(torch.equal(a, b) for a, b in zip(after, before[1]))
     history = train(model, optimizer, groups, 1, start_step=3)  # and the next step updates again
-    assert bool(torch.isfinite(history[0][2])) and not torch.equal(_masters(optimizer), before[0])
+    assert math.isfinite(history[0][2]) and not torch.equal(_masters(optimizer), before[0])
 
 
 def test_state_dict_round_trips_and_loads_across_precisions():
