@@ -468,6 +468,7 @@ def pretrain(
         backend = setup_backend(cfg)
         world_size = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
         cfg = check_run_config(cfg, backend, world_size)
+        owns_process_group = not dist.is_initialized()
         groups = initialize_parallel(cfg.parallel, backend)
     except (ConfigError, BackendSelectionError, PluginError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -477,6 +478,11 @@ def pretrain(
     except (ConfigError, DataError) as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    finally:
+        # Tear down the groups this call created: left to interpreter exit, a gloo group's threads
+        # were destroyed while joinable now and then ("terminate called without an active exception").
+        if owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _pretrain(
