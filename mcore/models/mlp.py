@@ -91,7 +91,7 @@ class MLP(torch.nn.Module):
         intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, F/p] or [s, b, 2F/p]
         if not (self.recompute_activation and self.training):
             return self.linear_fc2(self.activation(intermediate, bias))
-        act_checkpoint = CheckpointWithoutOutput()
+        act_checkpoint = CheckpointWithoutOutput(preserve_rng_state=False)  # no random numbers
         intermediate = act_checkpoint.checkpoint(self.activation, intermediate, bias)
         output, output_bias = self.linear_fc2(intermediate)
         act_checkpoint.discard_output_and_register_recompute(output)

@@ -98,7 +98,7 @@ class TransformerLayer(torch.nn.Module):
         inference_context=None,
     ) -> torch.Tensor:
         recompute = self.training and inference_context is None
-        norm_checkpoint = CheckpointWithoutOutput() if recompute and self.recompute_layernorm else None
+        norm_checkpoint = self._norm_checkpoint(recompute)
         normed = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
         residual = normed if self.residual_post_norm else hidden_states
         attention_out, attention_bias = self.self_attention(
@@ -107,7 +107,7 @@ class TransformerLayer(torch.nn.Module):
         hidden_states = self._bias_dropout_add(attention_out, attention_bias, residual)
         self._discard_norm_output(norm_checkpoint, attention_out, hidden_states)
 
-        norm_checkpoint = CheckpointWithoutOutput() if recompute and self.recompute_layernorm else None
+        norm_checkpoint = self._norm_checkpoint(recompute)
         normed = self._norm(self.pre_mlp_layernorm, hidden_states, norm_checkpoint)
         residual = normed if self.residual_post_norm else hidden_states
         if recompute and self.recompute_mlp:
@@ -117,6 +117,12 @@ class TransformerLayer(torch.nn.Module):
         output = self._bias_dropout_add(mlp_out, mlp_bias, residual)
         self._discard_norm_output(norm_checkpoint, mlp_out, output)
         return output
+
+    def _norm_checkpoint(self, recompute: bool) -> CheckpointWithoutOutput | None:
+        """An output-discarding checkpoint for the next norm (``--recompute-modules layernorm``)."""
+        if recompute and self.recompute_layernorm:
+            return CheckpointWithoutOutput(preserve_rng_state=False)  # norms draw no random numbers
+        return None
 
     def _norm(
         self, norm: torch.nn.Module, x: torch.Tensor, recompute: CheckpointWithoutOutput | None = None

@@ -95,7 +95,7 @@ class _CheckpointWithoutOutputFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, owner, *args):
         ctx.run_function = run_function
-        ctx.rng = _rng_snapshot()
+        ctx.rng = _rng_snapshot() if owner.preserve_rng_state else None
         ctx.recomputed = None
         with torch.no_grad():
             outputs = run_function(*args)
@@ -141,13 +141,15 @@ def _rerun(ctx, saved_storages: set[int] | None = None) -> tuple[list, tuple]:
             return t
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    backward_rng = _rng_snapshot()
-    _rng_restore(ctx.rng)
+    backward_rng = None if ctx.rng is None else _rng_snapshot()
+    if ctx.rng is not None:
+        _rng_restore(ctx.rng)
     try:
         with torch.enable_grad(), hooks:
             outputs = ctx.run_function(*args)
     finally:
-        _rng_restore(backward_rng)
+        if backward_rng is not None:
+            _rng_restore(backward_rng)
     return args, (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
 
 
@@ -188,6 +190,9 @@ class CheckpointWithoutOutput:
     is ready before the consumer's backward needs ``y``. Outputs that share storage with an
     argument are never discarded.
 
+    ``preserve_rng_state=False`` skips recording and replaying the RNG states (host, device, TP
+    tracker), which costs host time on every call: for functions that draw no random numbers.
+
     Without autograd (``torch.no_grad``, evaluation) ``checkpoint`` just calls ``function`` and the
     discard does nothing. Under ``torch.compile`` (a compiled layer, see the ``compile_layers``
     capability) the call becomes ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
@@ -195,7 +200,8 @@ class CheckpointWithoutOutput:
     recomputes its output in the backward graph, the same saving with no storage tricks.
     """
 
-    def __init__(self):
+    def __init__(self, preserve_rng_state: bool = True):
+        self.preserve_rng_state = preserve_rng_state
         self._ctx = None
         self._outputs: tuple[torch.Tensor, ...] | None = None
         self._sizes: list[int] | None = None
@@ -206,7 +212,9 @@ class CheckpointWithoutOutput:
         if not torch.is_grad_enabled():
             return function(*args)
         if torch.compiler.is_compiling():
-            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(
+                function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state
+            )
         if self._ctx is not None or self._outputs is not None:
             raise RuntimeError("a CheckpointWithoutOutput object checkpoints one call; create a new one")
         outputs = _CheckpointWithoutOutputFunction.apply(function, self, *args)

@@ -60,7 +60,7 @@ def _main() -> int:
     configs = [
         None,
         {"BLOCK_M": 1, "num_warps": 4, "PER_SM": 2, "PREFETCH": False},
-        {"BLOCK_M": 2, "num_warps": 4, "PER_SM": 1, "PREFETCH": True},
+        {"BLOCK_M": 2, "num_warps": 4, "PER_SM": 1, "PREFETCH": True, "STRIDED": True},
     ]
     for (m, n), dt, cfg in [
         ((37, 96), torch.float32, configs[0]),
@@ -137,7 +137,7 @@ def _main() -> int:
         (
             (9, 13),
             torch.bfloat16,
-            {"BLOCK_N": 16, "BLOCK_M": 4, "num_warps": 1, "PER_SM": 1, "PREFETCH": False},
+            {"BLOCK_N": 16, "BLOCK_M": 4, "num_warps": 1, "PER_SM": 1, "PREFETCH": False, "STRIDED": True},
         ),
     ]:
         x, r, dy = torch.randn(m, n).to(dt), torch.randn(m, n).to(dt), torch.randn(m, n).to(dt)

@@ -105,3 +105,27 @@ def test_checkpoint_without_output_keeps_outputs_that_alias_an_input_and_no_grad
         y = ckpt.checkpoint(torch.tanh, x)
         ckpt.discard_output_and_register_recompute(y @ w)
         assert torch.equal(y, torch.tanh(x))
+
+
+def test_checkpoint_without_output_replays_random_numbers():
+    """A function that draws random numbers (dropout, on the default and the TP stream) recomputes
+    the same output (``preserve_rng_state=True``, the default)."""
+    from mcore.tensor_parallel.recompute import CheckpointWithoutOutput
+
+    def run(discard: bool):
+        model_parallel_seed(5, tp_rank=0)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 6, generator=gen).requires_grad_(True)
+        w = torch.randn(6, 3, generator=gen).requires_grad_(True)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            y = ckpt.checkpoint(_block, x, torch.eye(6), 1.0)
+            z = y @ w
+            ckpt.discard_output_and_register_recompute(z)
+        else:
+            z = _block(x, torch.eye(6), 1.0) @ w
+        z.sum().backward()
+        return z.detach(), x.grad, w.grad
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)

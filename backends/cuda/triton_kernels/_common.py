@@ -163,14 +163,24 @@ def balanced_programs(blocks: int, cap: int) -> int:
 
 
 @triton.jit
-def row_range(pid, nprog, M, BLOCK_M: tl.constexpr):
-    """Program ``pid`` of ``nprog``'s contiguous rows ``[lo, hi)``: an equal share (+-1) of the row blocks."""
-    pid = pid.to(tl.int64)
-    nprog = nprog.to(tl.int64)
-    blocks = (M + BLOCK_M - 1) // BLOCK_M  # M may be a constexpr (Triton specialises M == 1)
-    lo = (pid * blocks // nprog) * BLOCK_M
-    hi = tl.minimum((pid + 1) * blocks // nprog * BLOCK_M, M)
-    return lo.to(tl.int32), hi.to(tl.int32)
+def row_range(pid, nprog, M, BLOCK_M: tl.constexpr, STRIDED: tl.constexpr):
+    """Rows of program ``pid`` of ``nprog``, as ``range(lo, hi, step)`` over ``BLOCK_M``-row blocks.
+
+    ``STRIDED``: blocks ``pid, pid + nprog, ...`` (all programs move through the rows together);
+    else a contiguous share (+-1 block) of the rows.
+    """
+    if STRIDED:
+        lo = pid * BLOCK_M
+        hi = (pid * 0 + M).to(tl.int32)  # M may be a constexpr (Triton specialises M == 1)
+        step = nprog * BLOCK_M
+    else:
+        pid = pid.to(tl.int64)
+        nprog = nprog.to(tl.int64)
+        blocks = (M + BLOCK_M - 1) // BLOCK_M
+        lo = ((pid * blocks // nprog) * BLOCK_M).to(tl.int32)
+        hi = tl.minimum((pid + 1) * blocks // nprog * BLOCK_M, M).to(tl.int32)
+        step = BLOCK_M
+    return lo, hi, step
 
 
 @triton.jit
@@ -192,6 +202,10 @@ def _sum_partials_kernel(PART, OUT0, OUT1, P, N, stride_set, BLOCK_P: tl.constex
         tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=cmask)
 
 
+SUM_BLOCK_N = 16
+"""Columns a program of :func:`sum_partials` sums (64-byte row segments)."""
+
+
 def sum_partials(part: torch.Tensor, parts: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
     """Finish persistent column sums: ``part[k, :parts].sum(0)`` as ``dtypes[k]``, one small launch.
 
@@ -200,15 +214,15 @@ def sum_partials(part: torch.Tensor, parts: int, dtypes: list[torch.dtype]) -> l
     rows are summed in a fixed order (deterministic) and each result is cast in the same kernel,
     so a backward's parameter gradients cost one launch whatever their count and dtypes. The
     partials were just written (in L2): each program loads all its ``[parts, 16]`` column slice at
-    once (up to 256 rows a step), so the launch costs about one L2 round trip.
+    once (up to 512 rows a step), so the launch costs about one L2 round trip.
     """
     sets, _, n = part.shape
     outs = [torch.empty((n,), dtype=dt, device=part.device) for dt in dtypes]
-    block_n = 16
-    block_p = min(256, next_pow2(parts))
+    block_n = SUM_BLOCK_N
+    block_p = min(512, next_pow2(parts))
     grid = (triton.cdiv(n, block_n), sets)
     _sum_partials_kernel[grid](
         part, outs[0], outs[-1], parts, n, part.stride(0), BLOCK_P=block_p, BLOCK_N=block_n,
-        num_warps=4 if block_p * block_n >= 2048 else 1,
+        num_warps=max(1, min(8, block_p * block_n // 1024)),
     )  # fmt: skip
     return outs
