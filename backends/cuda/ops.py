@@ -206,6 +206,62 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: f
     return reference.cross_entropy(logits, labels, label_smoothing)
 
 
+def _ce_rows_fit(logits2: torch.Tensor, local_labels: torch.Tensor, outside: torch.Tensor, *rows) -> bool:
+    """The in-place cross-entropy's ``[rows, V_local]`` logits and ``[rows]`` tensors fit the kernels."""
+    return (
+        logits2.dtype in _FLOAT
+        and logits2.dim() == 2
+        and logits2.numel() > 0
+        and logits2.stride(-1) == 1
+        and local_labels.shape == outside.shape == logits2.shape[:1]
+        and local_labels.dtype in (torch.int64, torch.int32)
+        and outside.dtype == torch.bool
+        and all(r.shape == logits2.shape[:1] for r in rows)
+        and _on_kernel_device(logits2, local_labels, outside, *rows)
+    )
+
+
+def cross_entropy_local_stats(
+    logits2: torch.Tensor, local_labels: torch.Tensor, outside: torch.Tensor, with_sum: bool = False
+):
+    """The reference ``cross_entropy_local_stats`` through a Triton kernel: one read of the logits."""
+    if _ce_rows_fit(logits2, local_labels, outside):
+        from .triton_kernels import cross_entropy as ce
+
+        return ce.cross_entropy_local_stats(
+            logits2, local_labels.contiguous(), outside.contiguous(), bool(with_sum)
+        )
+    return reference.cross_entropy_local_stats(logits2, local_labels, outside, with_sum)
+
+
+def cross_entropy_grad_inplace_(
+    logits2: torch.Tensor,
+    local_labels: torch.Tensor,
+    outside: torch.Tensor,
+    log_z: torch.Tensor,
+    dloss: torch.Tensor,
+    label_smoothing: float,
+    vocab_size: int,
+):
+    """The reference ``cross_entropy_grad_inplace_`` through a Triton kernel: one read, one write."""
+    if (
+        log_z.dtype == torch.float32
+        and dloss.dtype in _FLOAT
+        and 0.0 <= label_smoothing < 1.0
+        and vocab_size > 0
+        and _ce_rows_fit(logits2, local_labels, outside, log_z, dloss)
+    ):
+        from .triton_kernels import cross_entropy as ce
+
+        return ce.cross_entropy_grad_inplace_(
+            logits2, local_labels.contiguous(), outside.contiguous(), log_z.contiguous(),
+            dloss.contiguous(), label_smoothing, vocab_size,
+        )  # fmt: skip
+    return reference.cross_entropy_grad_inplace_(
+        logits2, local_labels, outside, log_z, dloss, label_smoothing, vocab_size
+    )
+
+
 # --- attention ------------------------------------------------------------------------------------
 
 
@@ -354,6 +410,8 @@ _TRITON_OPS = {
     "swiglu": swiglu,
     "bias_dropout_add": bias_dropout_add,
     "cross_entropy": cross_entropy,
+    "cross_entropy_local_stats": cross_entropy_local_stats,
+    "cross_entropy_grad_inplace_": cross_entropy_grad_inplace_,
     "adam_step_flat": adam_step_flat,
 }
 

@@ -35,6 +35,10 @@ from typing import Any
 
 import torch
 
+STATE_ALIGN = 16
+"""State indices are laid out congruent to their buffer indices modulo this many elements (a few
+elements of padding per shard at most), so a kernel can walk both spaces in aligned vectors."""
+
 
 @dataclass(frozen=True)
 class Segment:

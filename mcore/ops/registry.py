@@ -23,6 +23,8 @@ OP_NAMES: tuple[str, ...] = (
     "scaled_masked_softmax",
     "attention",
     "cross_entropy",
+    "cross_entropy_local_stats",
+    "cross_entropy_grad_inplace_",
     "adam_step",
     "adam_step_flat",
 )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore.distributed.grad_buffer import GradBuffer
-from mcore.ops.flat import FlatSegments, join_master, split_master
+from mcore.ops.flat import STATE_ALIGN, FlatSegments, join_master, split_master
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class FlatBufferState:
             )
             data_end = max(buffer.buffer_range(p)[1] for p in bucket.params)  # no state for padding
             hi = max(lo, min(hi, data_end))
+            base += (lo - base) % STATE_ALIGN  # state index = buffer index mod STATE_ALIGN
             self._shards.append((lo, hi, base))
             base += hi - lo
         self.numel = base

@@ -18,9 +18,10 @@ Memory. With TP the default path keeps the fp32 softmax ``[s, b, V/p]`` (twice t
 its forward makes several fp32 copies of the logits; at TP=1 the backend's ``cross_entropy`` op keeps
 the logits and its backward allocates a second logits-sized tensor for their gradient.
 ``overwrite_logits=True`` (``--cross-entropy-loss-fusion``) keeps only the logits and three numbers
-per token: the forward walks the logits in row chunks (fp32 temporaries of one chunk), and the
-backward recomputes the softmax chunk by chunk and writes the gradient into the logits' own storage,
-which it returns. So one logits-sized buffer lives from the output layer to its backward, at any TP
+per token: the forward reduces the logits to per-row statistics (op ``cross_entropy_local_stats``),
+and the backward recomputes the softmax and writes the gradient into the logits' own storage (op
+``cross_entropy_grad_inplace_``), which it returns; the reference ops walk row chunks with fp32
+temporaries of one chunk, the CUDA backend's Triton kernels one row per program. So one logits-sized buffer lives from the output layer to its backward, at any TP
 size. The logits must have no other use after the loss (the model's are internal when it computes
 the loss).
 """
@@ -82,25 +83,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-_CHUNK_ELEMENTS = 1 << 24
-"""Elements of the fp32 temporaries of one row chunk of :class:`_InPlaceGradCrossEntropy` (64 MiB)."""
-
-
-def _row_chunks(rows: int, width: int):
-    step = max(1, _CHUNK_ELEMENTS // max(width, 1))
-    for start in range(0, rows, step):
-        yield start, min(start + step, rows)
-
-
 class _InPlaceGradCrossEntropy(torch.autograd.Function):
     """Vocab-parallel cross-entropy keeping the logits and per-token statistics; the gradient
     overwrites the logits.
 
-    Per row chunk the forward runs two fused reductions over the logits (``max`` with its index,
-    ``log_softmax`` in fp32) to get the local ``logZ_t`` (log-sum-exp over this rank's slice); the
-    ranks combine them into ``logZ``. The backward recomputes the local softmax (one fused kernel),
-    scales it by ``dloss * exp(logZ_t - logZ)`` (the global softmax times the upstream gradient),
-    subtracts the label terms and writes the result into the logits.
+    The forward asks the op table for each row's local statistics (``cross_entropy_local_stats``:
+    the log-sum-exp ``logZ_t`` over this rank's slice, the logit at the label, the row sum under
+    label smoothing) and combines them over the ranks into ``logZ``; it keeps the logits and
+    ``logZ``. The backward (``cross_entropy_grad_inplace_``) writes
+    ``dloss * (exp(z - logZ) - (1-e) onehot - e/V)`` into the logits. The reference ops walk row
+    chunks with fp32 temporaries of one chunk; a backend's kernels (Triton on CUDA) read the logits
+    once in the forward, and read and write them once in the backward. The collectives stay here.
     """
 
     @staticmethod
@@ -110,51 +103,32 @@ class _InPlaceGradCrossEntropy(torch.autograd.Function):
         start = group_rank(group) * local_vocab
         z = logits.reshape(-1, local_vocab)
         flat_labels = labels.reshape(-1)
-        compute = torch.promote_types(logits.dtype, torch.float32)
+        # an ignore index (-100) is outside every slice: its loss is logZ, its gradient the softmax
         outside = (flat_labels < start) | (flat_labels >= start + local_vocab)
         local_labels = (flat_labels - start).masked_fill(outside, 0)
-        rows = z.shape[0]
-        local_log_z = torch.empty(rows, dtype=compute, device=z.device)
-        predicted = torch.empty_like(local_log_z)
-        sum_z = torch.empty_like(local_log_z) if label_smoothing > 0 else None
-        for a, b in _row_chunks(rows, local_vocab):
-            chunk = z[a:b]
-            top, where = chunk.max(dim=-1)
-            log_softmax = torch.log_softmax(chunk, dim=-1, dtype=compute)
-            # log-sum-exp = x - log_softmax(x) at any entry; at the max it is exact to rounding
-            local_log_z[a:b] = top.to(compute) - log_softmax.gather(-1, where.unsqueeze(-1)).squeeze(-1)
-            del log_softmax
-            predicted[a:b] = chunk.gather(-1, local_labels[a:b].unsqueeze(-1)).squeeze(-1).to(compute)
-            if sum_z is not None:
-                sum_z[a:b] = chunk.sum(dim=-1, dtype=compute)
+        local_log_z, predicted, sum_z = get_ops().cross_entropy_local_stats(
+            z, local_labels, outside, label_smoothing > 0
+        )
         global_max = all_reduce_in_tensor_model_parallel_group(local_log_z.clone(), group, op="max")
-        stats = [(local_log_z - global_max).exp_(), predicted.masked_fill_(outside, 0.0)]
-        if sum_z is not None:
+        stats = [(local_log_z - global_max).exp_(), predicted]
+        if label_smoothing > 0:
             stats.append(sum_z)
         stats = all_reduce_in_tensor_model_parallel_group(torch.stack(stats), group, op="sum")
         log_z = global_max + stats[0].log()
         loss = log_z - stats[1]
         if label_smoothing > 0:
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - stats[2] / vocab)
-        # local softmax * exp(logZ_t - logZ) = the global softmax on this slice
-        ctx.save_for_backward(logits, local_log_z.sub_(log_z), local_labels, outside)
+        ctx.save_for_backward(logits, log_z, local_labels, outside)
         ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
         return loss.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        logits, log_ratio, local_labels, outside = ctx.saved_tensors
+        logits, log_z, local_labels, outside = ctx.saved_tensors
         z = logits.detach().reshape(-1, logits.shape[-1])  # written in place: the gradient
-        eps = ctx.label_smoothing
-        upstream = grad_loss.reshape(-1).to(log_ratio.dtype)
-        row_scale = (upstream * log_ratio.exp()).unsqueeze(-1)
-        onehot = ((eps - 1.0) * upstream * (~outside).to(upstream.dtype)).unsqueeze(-1)
-        for a, b in _row_chunks(z.shape[0], z.shape[1]):
-            grad = torch.softmax(z[a:b], dim=-1, dtype=log_ratio.dtype).mul_(row_scale[a:b])
-            grad.scatter_add_(-1, local_labels[a:b].unsqueeze(-1), onehot[a:b])
-            if eps > 0:
-                grad.sub_((eps / ctx.vocab) * upstream[a:b].unsqueeze(-1))
-            z[a:b] = grad
+        get_ops().cross_entropy_grad_inplace_(
+            z, local_labels, outside, log_z, grad_loss.reshape(-1), ctx.label_smoothing, ctx.vocab
+        )
         return z.view(logits.shape), None, None, None
 
 

@@ -188,6 +188,26 @@ def _adam_flat_make(mode: str):
     return make
 
 
+def _ce_rows_make(smoothing: bool = False, grad: bool = False):
+    """Inputs of the in-place cross-entropy's two ops: 37 rows of one rank's 96-wide vocabulary
+    slice (of 4 * 96), every fourth label outside it."""
+
+    def make(dtype, gen):
+        rows, width = 37, 96
+        logits = _randn(gen, rows, width, dtype=dtype, scale=3.0)
+        local_labels = torch.randint(0, width, (rows,), generator=gen)
+        outside = torch.arange(rows) % 4 == 1
+        local_labels = local_labels.masked_fill(outside, 0)
+        if not grad:
+            return [logits, local_labels, outside, smoothing], {}
+        # the global log-sum-exp: this slice's plus the other ranks' share
+        log_z = torch.logsumexp(logits.float(), dim=-1) + torch.rand(rows, generator=gen) * 2
+        dloss = torch.rand(rows, generator=gen) + 0.5
+        return [logits, local_labels, outside, log_z, dloss, 0.1 if smoothing else 0.0, 4 * width], {}
+
+    return make
+
+
 OP_CASES: tuple[OpCase, ...] = (
     OpCase(
         "layer_norm",
@@ -284,6 +304,24 @@ OP_CASES: tuple[OpCase, ...] = (
         ),
         grad_args=(0,),
         kind="reduction",
+    ),
+    OpCase(
+        "cross_entropy_local_stats",
+        "cross_entropy_local_stats",
+        _ce_rows_make(smoothing=False),
+        kind="reduction",
+    ),
+    OpCase(
+        "cross_entropy_local_stats_smoothing",
+        "cross_entropy_local_stats",
+        _ce_rows_make(smoothing=True),
+        kind="reduction",
+    ),
+    OpCase("cross_entropy_grad_inplace", "cross_entropy_grad_inplace_", _ce_rows_make(grad=True)),
+    OpCase(
+        "cross_entropy_grad_inplace_smoothing",
+        "cross_entropy_grad_inplace_",
+        _ce_rows_make(smoothing=True, grad=True),
     ),
     OpCase("adam_step", "adam_step", _adam_make, dtypes=(torch.float32,), kind="reduction"),
     OpCase("adam_step_l2", "adam_step", _adam_l2_make, dtypes=(torch.float32,), kind="reduction"),
@@ -391,6 +429,15 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
     our_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     out = fn(*ours, **our_kwargs)
     expected = ref_fn(*ref, **kwargs)
+    if isinstance(expected, tuple):  # several results (cross_entropy_local_stats), no autograd
+        if not isinstance(out, tuple) or len(out) != len(expected):
+            raise ConformanceError(f"{what}: {type(out).__name__} result, reference {len(expected)}-tuple")
+        for i, (got, want) in enumerate(zip(out, expected)):
+            if (got is None) != (want is None):
+                raise ConformanceError(f"{what}: result {i} is {got!r}, reference {want!r}")
+            if want is not None:
+                assert_close(got, want, dtype, case.kind, f"{what}: result {i}")
+        return
     if out.device.type != torch.device(backend.device_type).type:
         raise ConformanceError(f"{what}: result on {out.device}, not on the backend's {backend.device_type}")
     if out.dtype != expected.dtype and dtype == torch.float32:

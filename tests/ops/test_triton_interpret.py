@@ -1,4 +1,4 @@
-"""The CUDA backend's norm and bias-dropout-add kernels under Triton's CPU interpreter.
+"""The CUDA backend's norm, bias-dropout-add and flat AdamW kernels under Triton's CPU interpreter.
 
 A quick CPU-only check of the persistent backward kernels (row shares that do not divide evenly,
 row blocks of 1 and 2, with and without prefetching, weight/bias gradients through the partial-sum
@@ -156,6 +156,60 @@ def _main() -> int:
         expect(f"bias_dropout_add p={p} {m}x{n} {dt} {cfg}", errors, bound[dt])
         if not torch.equal(dx == 0, want_dx == 0):
             failures.append(f"bda dx zeros differ from the mask ({m}x{n})")
+
+    # One-pass AdamW over flat buffers: tiles aligned to 16 elements (full tiles unmasked, ragged first
+    # and last tiles) and unaligned tables (tiles start at the segment), three storages, and the skip flag.
+    from mcore.backends.cuda.triton_kernels import adam
+
+    from mcore.ops.flat import FlatSegments, join_master, split_master
+
+    n = 3 * adam.BLOCK + 500
+    for runs, want_aligned in [
+        (
+            [(5, 5, 2 * adam.BLOCK + 7, 0), (2 * adam.BLOCK + 12, 2 * adam.BLOCK + 28, adam.BLOCK + 300, 1)],
+            True,
+        ),
+        ([(0, 3, adam.BLOCK + 9, 0), (adam.BLOCK + 9, adam.BLOCK + 20, 2 * adam.BLOCK, 1)], False),
+    ]:
+        for mode in ("fp32", "masters", "remainders"):
+            for skip in (False, True):
+                # a consistent state: each segment's master (state space) rounds to its parameter (buffer space)
+                masters, grads = torch.randn(n), torch.randn(n)
+                m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+                params, rem = torch.randn(n).to(torch.bfloat16), torch.zeros(n, dtype=torch.int16)
+                for st, bu, length, _ in runs:
+                    hi, lo = split_master(masters[st : st + length])
+                    params[bu : bu + length], rem[st : st + length] = hi, lo
+                if mode == "fp32":
+                    state = [grads, masters, None, None, m0, v0]
+                elif mode == "masters":
+                    state = [grads, params, masters, None, m0, v0]
+                else:
+                    bf16 = torch.bfloat16
+                    state = [grads.to(bf16), params, None, rem, m0.to(bf16), v0.to(bf16)]
+                hyper = dict(
+                    step=3, lrs=[1e-2, 2e-2], weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
+                    grad_scale=torch.tensor(0.5), skip=torch.tensor(skip),
+                )  # fmt: skip
+                ours = [t.clone() if t is not None else None for t in state]
+                gold = [t.clone() if t is not None else None for t in state]
+                segments = FlatSegments.from_runs(runs)
+                adam.adam_step_flat(*ours, segments, **hyper)
+                reference.adam_step_flat(*gold, FlatSegments.from_runs(runs), **hyper)
+                if adam._tiles(segments, grads.device)[-1] != want_aligned:
+                    failures.append(f"adam tiles aligned != {want_aligned} for {runs}")
+                if mode == "remainders":  # the exact fp32 masters, then the bf16 moments
+                    pairs = [(join_master(ours[1], ours[3]), join_master(gold[1], gold[3]), 1e-6)]
+                    pairs += [(ours[i], gold[i], bound[torch.bfloat16]) for i in (4, 5)]
+                else:
+                    pairs = [(x, y, 1e-6 if x.dtype == torch.float32 else bound[torch.bfloat16])
+                             for x, y in zip(ours, gold) if x is not None]  # fmt: skip
+                errors = [_rel(x, y) for x, y, _ in pairs]
+                print(f"adam_step_flat {mode} aligned={want_aligned} skip={skip}", errors)
+                if not all(e <= tol for e, (_, _, tol) in zip(errors, pairs)):
+                    failures.append(f"adam_step_flat {mode} aligned={want_aligned} skip={skip}: {errors}")
+                if skip and not all(torch.equal(x, y) for x, y in zip(ours, state) if x is not None):
+                    failures.append(f"adam skip changed a buffer ({mode})")
 
     if failures:
         print("FAILED:\n" + "\n".join(failures))

@@ -18,73 +18,51 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore.ops.flat import FlatSegments
+from mcore.ops.flat import STATE_ALIGN, FlatSegments
 
 BLOCK = 4096
+ALIGN = STATE_ALIGN
+"""16 elements (32 bytes of bf16): full tiles use 16-byte vector accesses."""
 MAX_GROUPS = 4
 
 
 @triton.jit
-def _adam_flat_kernel(
-    grad_ptr,
-    param_ptr,
-    master_ptr,
-    rem_ptr,
-    m_ptr,
-    v_ptr,
-    tile_state_ptr,
-    tile_buffer_ptr,
-    tile_len_ptr,
-    tile_group_ptr,
-    scale_ptr,
-    skip_ptr,
-    lr0,
-    lr1,
-    lr2,
-    lr3,
-    wd0,
-    wd1,
-    wd2,
-    wd3,
-    beta1,
-    beta2,
-    eps,
-    bias1,
-    bias2,
-    HAS_MASTER: tl.constexpr,
-    HAS_REM: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    state0 = tl.load(tile_state_ptr + tile)
-    buffer0 = tl.load(tile_buffer_ptr + tile)
-    length = tl.load(tile_len_ptr + tile)
-    group = tl.load(tile_group_ptr + tile)
-    lr = tl.where(group == 0, lr0, tl.where(group == 1, lr1, tl.where(group == 2, lr2, lr3)))
-    wd = tl.where(group == 0, wd0, tl.where(group == 1, wd1, tl.where(group == 2, wd2, wd3)))
-
-    offs = tl.arange(0, BLOCK)
-    mask = offs < length
-    if HAS_SKIP:  # a non-finite gradient norm: every load and store is masked off
-        mask = mask & (tl.load(skip_ptr) == 0)
-    s_offs = state0 + offs
-    b_offs = buffer0 + offs
-
-    g = tl.load(grad_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(scale_ptr)
-    if HAS_MASTER:
-        p = tl.load(master_ptr + s_offs, mask=mask, other=0.0)
-    elif HAS_REM:
-        hi = tl.load(param_ptr + b_offs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
-        rem = tl.load(rem_ptr + s_offs, mask=mask, other=0).to(tl.int32)
-        p = ((hi << 16) + rem).to(tl.float32, bitcast=True)
+def _adam_tile(
+    grad_ptr, param_ptr, master_ptr, rem_ptr, m_ptr, v_ptr, s_offs, b_offs, mask, g_scale,
+    lr, wd, beta1, beta2, eps, bias1, bias2,
+    HAS_MASTER: tl.constexpr, HAS_REM: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """AdamW on one tile's elements; ``MASKED=False`` (a full tile) lets every access vectorise."""
+    if MASKED:
+        g = tl.load(grad_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)
     else:
-        p = tl.load(param_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + b_offs).to(tl.float32)
+    g = g * g_scale
+    if HAS_MASTER:
+        if MASKED:
+            p = tl.load(master_ptr + s_offs, mask=mask, other=0.0)
+        else:
+            p = tl.load(master_ptr + s_offs)
+    elif HAS_REM:
+        if MASKED:
+            hi = tl.load(param_ptr + b_offs, mask=mask, other=0.0)
+            rem = tl.load(rem_ptr + s_offs, mask=mask, other=0)
+        else:
+            hi = tl.load(param_ptr + b_offs)
+            rem = tl.load(rem_ptr + s_offs)
+        hi = hi.to(tl.int16, bitcast=True).to(tl.int32)
+        p = ((hi << 16) + rem.to(tl.int32)).to(tl.float32, bitcast=True)
+    else:
+        if MASKED:
+            p = tl.load(param_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            p = tl.load(param_ptr + b_offs).to(tl.float32)
+    if MASKED:
+        m = tl.load(m_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        m = tl.load(m_ptr + s_offs).to(tl.float32)
+        v = tl.load(v_ptr + s_offs).to(tl.float32)
 
     p = p * (1.0 - lr * wd)
     m = beta1 * m + (1.0 - beta1) * g
@@ -107,20 +85,101 @@ def _adam_flat_kernel(
         tl.store(param_ptr + b_offs, p.to(param_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _adam_flat_kernel(
+    grad_ptr,
+    param_ptr,
+    master_ptr,
+    rem_ptr,
+    m_ptr,
+    v_ptr,
+    tile_state_ptr,
+    tile_buffer_ptr,
+    tile_bounds_ptr,
+    tile_group_ptr,
+    scale_ptr,
+    skip_ptr,
+    lr0,
+    lr1,
+    lr2,
+    lr3,
+    wd0,
+    wd1,
+    wd2,
+    wd3,
+    beta1,
+    beta2,
+    eps,
+    bias1,
+    bias2,
+    HAS_MASTER: tl.constexpr,
+    HAS_REM: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    state0 = tl.load(tile_state_ptr + tile)
+    buffer0 = tl.load(tile_buffer_ptr + tile)
+    if ALIGNED:  # every tile starts on a multiple of ALIGN in both spaces: 16-byte accesses
+        state0 = tl.multiple_of(state0, ALIGN)
+        buffer0 = tl.multiple_of(buffer0, ALIGN)
+    lo = tl.load(tile_bounds_ptr + 2 * tile)
+    hi = tl.load(tile_bounds_ptr + 2 * tile + 1)
+    group = tl.load(tile_group_ptr + tile)
+    lr = tl.where(group == 0, lr0, tl.where(group == 1, lr1, tl.where(group == 2, lr2, lr3)))
+    wd = tl.where(group == 0, wd0, tl.where(group == 1, wd1, tl.where(group == 2, wd2, wd3)))
+    g_scale = 1.0
+    if HAS_SCALE:
+        g_scale = tl.load(scale_ptr)
+    run = True
+    if HAS_SKIP:  # a non-finite gradient norm: nothing is read or written
+        run = tl.load(skip_ptr) == 0
+    if run:
+        offs = tl.arange(0, BLOCK)
+        s_offs = state0 + offs
+        b_offs = buffer0 + offs
+        if (lo == 0) & (hi == BLOCK):
+            _adam_tile(
+                grad_ptr, param_ptr, master_ptr, rem_ptr, m_ptr, v_ptr, s_offs, b_offs, None, g_scale,
+                lr, wd, beta1, beta2, eps, bias1, bias2, HAS_MASTER, HAS_REM, False,
+            )  # fmt: skip
+        else:
+            mask = (offs >= lo) & (offs < hi)
+            _adam_tile(
+                grad_ptr, param_ptr, master_ptr, rem_ptr, m_ptr, v_ptr, s_offs, b_offs, mask, g_scale,
+                lr, wd, beta1, beta2, eps, bias1, bias2, HAS_MASTER, HAS_REM, True,
+            )  # fmt: skip
+
+
 def _tiles(segments: FlatSegments, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The device tile table of ``segments`` (built once, cached on the table)."""
-    key = ("cuda-adam-tiles", BLOCK, str(device))
+    """The device tile table of ``segments`` (built once, cached on the table).
+
+    A tile covers ``BLOCK`` consecutive buffer positions and updates positions ``[lo, hi)`` of them.
+    When every segment's state index differs from its buffer index by a multiple of :data:`ALIGN`,
+    tiles start on multiples of ``ALIGN`` (a segment's first and last tiles are then partial), so
+    the kernel may assume aligned starts and use vector accesses on every full tile; otherwise tiles
+    start at the segment start. Returns (state start, buffer start, [lo, hi] pairs, group) and
+    whether the tiles are aligned.
+    """
+    key = ("cuda-adam-tiles", BLOCK, ALIGN, str(device))
     cached = segments.cache.get(key)
     if cached is not None:
         return cached
-    state, buffer, length, group = [], [], [], []
+    aligned = all((seg.state_start - seg.buffer_start) % ALIGN == 0 for seg in segments.segments)
+    state, buffer, bounds, group = [], [], [], []
     for seg in segments.segments:
-        n = -(-seg.length // BLOCK)
-        starts = np.arange(n, dtype=np.int64) * BLOCK
-        state.append(seg.state_start + starts)
-        buffer.append(seg.buffer_start + starts)
-        length.append(np.minimum(BLOCK, seg.length - starts).astype(np.int32))
-        group.append(np.full(n, seg.group, dtype=np.int32))
+        first = seg.buffer_start - (seg.buffer_start % ALIGN if aligned else 0)
+        end = seg.buffer_start + seg.length
+        starts = np.arange(first, end, BLOCK, dtype=np.int64)
+        lo = np.maximum(seg.buffer_start - starts, 0)
+        hi = np.minimum(end - starts, BLOCK)
+        state.append(starts + (seg.state_start - seg.buffer_start))
+        buffer.append(starts)
+        bounds.append(np.stack([lo, hi], axis=1).reshape(-1))
+        group.append(np.full(len(starts), seg.group, dtype=np.int32))
 
     def to_device(parts, dtype):
         array = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
@@ -129,8 +188,9 @@ def _tiles(segments: FlatSegments, device: torch.device) -> tuple[torch.Tensor, 
     cached = (
         to_device(state, np.int64),
         to_device(buffer, np.int64),
-        to_device(length, np.int32),
+        to_device(bounds, np.int32),
         to_device(group, np.int32),
+        aligned,
     )
     segments.cache[key] = cached
     return cached
@@ -155,7 +215,7 @@ def adam_step_flat(
     skip: torch.Tensor | None = None,
 ) -> None:
     """The reference ``adam_step_flat`` in one Triton launch (up to :data:`MAX_GROUPS` groups)."""
-    tile_state, tile_buffer, tile_len, tile_group = _tiles(segments, grads.device)
+    tile_state, tile_buffer, tile_bounds, tile_group, aligned = _tiles(segments, grads.device)
     tiles = tile_state.numel()
     if tiles == 0:
         return
@@ -171,7 +231,7 @@ def adam_step_flat(
         exp_avg_sqs,
         tile_state,
         tile_buffer,
-        tile_len,
+        tile_bounds,
         tile_group,
         grad_scale if grad_scale is not None else dummy,
         skip.view(torch.uint8) if skip is not None else dummy,
@@ -186,6 +246,8 @@ def adam_step_flat(
         HAS_REM=remainders is not None,
         HAS_SCALE=grad_scale is not None,
         HAS_SKIP=skip is not None,
+        ALIGNED=aligned,
+        ALIGN=ALIGN,
         BLOCK=BLOCK,
         num_warps=8,
     )
