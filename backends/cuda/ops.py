@@ -402,6 +402,42 @@ def adam_step_flat(
     )  # fmt: skip
 
 
+# --- weight-gradient accumulation -----------------------------------------------------------------
+
+_MIXED_ADDMM: dict[torch.device, bool] = {}
+
+
+def _has_mixed_addmm(device: torch.device) -> bool:
+    """Whether this torch offers ``addmm(..., out_dtype=float32, out=...)`` on ``device`` (probed once)."""
+    if device not in _MIXED_ADDMM:
+        try:
+            acc = torch.zeros(8, 8, device=device)
+            a = torch.ones(8, 8, device=device, dtype=torch.bfloat16)
+            torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+            _MIXED_ADDMM[device] = bool(acc[0, 0].item() == 8.0)
+        except (RuntimeError, NotImplementedError, TypeError):
+            _MIXED_ADDMM[device] = False
+    return _MIXED_ADDMM[device]
+
+
+def accumulate_weight_grad(
+    main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor
+) -> None:
+    """The reference ``accumulate_weight_grad``; an fp32 ``main_grad`` for bf16/fp16 activations in one
+    cuBLAS GEMM that accumulates in fp32 into ``main_grad`` (``beta=1``), so the product is never
+    rounded to 16 bits nor written out and read back (Megatron's ``fused_weight_gradient_mlp_cuda``)."""
+    if (
+        main_grad.dtype == torch.float32
+        and grad_output_2d.dtype in (torch.bfloat16, torch.float16)
+        and input_2d.dtype == grad_output_2d.dtype
+        and main_grad.is_cuda
+        and _has_mixed_addmm(main_grad.device)
+    ):
+        torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
+        return
+    reference.accumulate_weight_grad(main_grad, grad_output_2d, input_2d)
+
+
 _TRITON_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
@@ -417,8 +453,13 @@ _TRITON_OPS = {
 
 
 def _build() -> tuple[dict, dict[str, str]]:
-    ops: dict = {"attention": attention, "adam_step": adam_step}
+    ops: dict = {
+        "attention": attention,
+        "adam_step": adam_step,
+        "accumulate_weight_grad": accumulate_weight_grad,
+    }
     providers = {
+        "accumulate_weight_grad": "cublas",
         "attention": "flash-attn" if extensions.flash_attn_func() is not None else "torch-sdpa",
         "adam_step": "apex" if extensions.apex_multi_tensor_adam() is not None else "torch-fused",
     }
@@ -431,5 +472,10 @@ def _build() -> tuple[dict, dict[str, str]]:
 CUDA_OPS, PROVIDERS = _build()
 """The ops this backend overrides (the Triton ones only where Triton is installed) and who serves each."""
 
-ALL_OPS = {**_TRITON_OPS, "attention": attention, "adam_step": adam_step}
+ALL_OPS = {
+    **_TRITON_OPS,
+    "attention": attention,
+    "adam_step": adam_step,
+    "accumulate_weight_grad": accumulate_weight_grad,
+}
 """Every dispatcher, whatever is installed (tests call them directly: they fall back by themselves)."""

@@ -354,6 +354,24 @@ def adam_step_flat(
             params[buffer].copy_(p)
 
 
+def accumulate_weight_grad(
+    main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor
+) -> None:
+    """``main_grad += grad_output_2d^T input_2d`` in place: a linear layer's weight gradient added to
+    its gradient buffer (gradient-accumulation fusion).
+
+    ``main_grad [out, in]``, ``grad_output_2d [T, out]``, ``input_2d [T, in]`` (``T`` tokens). Same
+    dtypes: one GEMM with ``beta=1``. An fp32 ``main_grad`` for bf16/fp16 activations: the product
+    in the activations' dtype, then added, which is what autograd followed by the DDP hook computes
+    (a backend with an in-place mixed-precision GEMM does better: one kernel, no rounding of the
+    product, see the CUDA backend).
+    """
+    if main_grad.dtype == grad_output_2d.dtype == input_2d.dtype:
+        main_grad.addmm_(grad_output_2d.t(), input_2d)
+    else:
+        main_grad.add_(grad_output_2d.t() @ input_2d)
+
+
 REFERENCE_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
@@ -368,4 +386,5 @@ REFERENCE_OPS = {
     "cross_entropy_grad_inplace_": cross_entropy_grad_inplace_,
     "adam_step": adam_step,
     "adam_step_flat": adam_step_flat,
+    "accumulate_weight_grad": accumulate_weight_grad,
 }

@@ -27,6 +27,7 @@ OP_NAMES: tuple[str, ...] = (
     "cross_entropy_grad_inplace_",
     "adam_step",
     "adam_step_flat",
+    "accumulate_weight_grad",
 )
 """Every op name. The signatures and tensor layouts are documented in :mod:`mcore.ops.reference`."""
 

@@ -14,9 +14,9 @@ its output along ``s`` instead of all-reducing it (gradient: all-gather). See
 
 Gradient-accumulation fusion (``gradient_accumulation_fusion=True``, on by default in models;
 ``--no-gradient-accumulation-fusion`` turns it off, as in Megatron): when the weight has a ``main_grad`` (a view into the DDP gradient
-buffer, see :mod:`mcore.distributed.ddp`) of the weight's dtype, the backward accumulates the weight
-gradient into it with one GEMM (``main_grad += dY^T X``, beta=1) instead of producing a gradient
-tensor that the DDP hook then adds. See :func:`linear_with_grad_accumulation_fusion`.
+buffer, see :mod:`mcore.distributed.ddp`), the backward accumulates the weight gradient into it
+(``main_grad += dY^T X``, the backend's ``accumulate_weight_grad``: one GEMM with beta=1) instead of
+producing a gradient tensor that the DDP hook then adds. See :func:`linear_with_grad_accumulation_fusion`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mcore.backend import get_ops
 from mcore.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -36,17 +37,17 @@ from mcore.tensor_parallel.mappings import (
 )
 from mcore.tensor_parallel.sharding import ZEROS, InitMethod, NormalInit, ParamLayout, make_parameter
 
-# ``main_grad += grad_output_2d^T input_2d`` in place, as an operator for compiled graphs: Inductor
-# lowers an ``addmm_`` on a graph input to an out-of-place GEMM plus a copy into the input (one more
-# pass over the gradient than the fusion saves), but calls an opaque operator that mutates its
-# argument in place. Eager code calls ``addmm_`` directly. A plain library definition, not
+# ``main_grad += grad_output_2d^T input_2d`` in place (the backend's ``accumulate_weight_grad``), as
+# an operator for compiled graphs: Inductor lowers an ``addmm_`` on a graph input to an out-of-place
+# GEMM plus a copy into the input (one more pass over the gradient than the fusion saves), but calls
+# an opaque operator that mutates its argument in place. Eager code calls the op table directly. A plain library definition, not
 # ``torch.library.custom_op``: its Python wrapper adds ~25 us per call, this ~2 (measured on a host).
 _LIBRARY = torch.library.Library("mcore", "FRAGMENT")
 _LIBRARY.define("accumulate_weight_grad_(Tensor(a!) main_grad, Tensor grad_output_2d, Tensor input_2d) -> ()")
 
 
 def _accumulate_weight_grad_impl(main_grad, grad_output_2d, input_2d) -> None:
-    main_grad.addmm_(grad_output_2d.t(), input_2d)
+    get_ops().accumulate_weight_grad(main_grad, grad_output_2d, input_2d)
 
 
 def _accumulate_weight_grad_fake(main_grad, grad_output_2d, input_2d) -> None:
@@ -86,7 +87,7 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
         if torch.compiler.is_compiling():
             torch.ops.mcore.accumulate_weight_grad_.default(ctx.main_grad, grad_2d, input_2d)
         else:
-            ctx.main_grad.addmm_(grad_2d.t(), input_2d)
+            get_ops().accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
         if ctx.zero_placeholder:
             grad_weight = torch.zeros_like(weight)
         else:
@@ -105,9 +106,11 @@ def linear_with_grad_accumulation_fusion(
     """``F.linear(x, weight, bias)`` (``x [..., in]``, ``weight [out, in]``), fusing the weight
     gradient into ``weight.main_grad`` when possible.
 
-    Fusion happens when it is enabled, autograd records the call, and ``weight.main_grad`` exists with
-    ``weight``'s dtype (an fp32 ``main_grad`` for bf16 weights needs a mixed-dtype GEMM that torch
-    does not offer in place); otherwise this is ``F.linear`` (no DDP wrapper, inference, fp32 grads).
+    Fusion happens when it is enabled, autograd records the call, and ``weight.main_grad`` exists;
+    otherwise this is ``F.linear`` (no DDP wrapper, inference). The backend's
+    ``accumulate_weight_grad`` does the accumulation: for an fp32 ``main_grad`` of bf16 weights (the
+    default ``--bf16`` run) the CUDA backend accumulates in fp32 inside the GEMM; the reference adds
+    the bf16 product, as the unfused path would.
 
     The DDP hook learns that ``weight.grad`` is a placeholder from ``weight.grad_added_to_main_grad``.
     That flag describes the layer that owns the weight, not one backward: it is written here, in the
@@ -123,12 +126,7 @@ def linear_with_grad_accumulation_fusion(
             alone, so the other uses' gradient still reaches ``main_grad`` through the hook.
     """
     main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
-    fuse = (
-        main_grad is not None
-        and main_grad.dtype == weight.dtype
-        and weight.requires_grad
-        and torch.is_grad_enabled()
-    )
+    fuse = main_grad is not None and weight.requires_grad and torch.is_grad_enabled()
     if not shared_weight:
         if fuse:
             weight.grad_added_to_main_grad = True

@@ -317,8 +317,15 @@ def backend():
 
 
 def test_every_op_has_cases():
-    # the Adam steps and the in-place cross-entropy's two ops have their own tests (test_cross_entropy_ops.py)
-    others = {"adam_step", "adam_step_flat", "cross_entropy_local_stats", "cross_entropy_grad_inplace_"}
+    # the Adam steps, the in-place cross-entropy's two ops (test_cross_entropy_ops.py) and the weight-gradient
+    # accumulation (tests/tensor_parallel/test_grad_accumulation_fusion.py) have their own tests
+    others = {
+        "adam_step",
+        "adam_step_flat",
+        "cross_entropy_local_stats",
+        "cross_entropy_grad_inplace_",
+        "accumulate_weight_grad",
+    }
     assert {c.op for c in CASES} | others == set(OP_NAMES)
 
 

@@ -32,6 +32,7 @@ from mcore.tensor_parallel.layers import (
     linear_with_grad_accumulation_fusion,
 )
 from mcore.testing.distributed import run_distributed
+from mcore.testing.distributed import test_backend_name as selected_backend_name
 
 SEQ, MBS, VOCAB, NUM_MICRO = 8, 2, 64, 4
 MODEL = dict(
@@ -207,17 +208,21 @@ def _column_row_grads(model, wrap_config=None, steps=3):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_fusion_skipped_when_main_grad_has_another_dtype():
-    """bf16 weights with fp32 main grads (--bf16 with gradients in fp32): ordinary gradients."""
+def test_fp32_main_grads_of_bf16_weights_fuse_exactly():
+    """bf16 weights with fp32 main grads (--bf16, gradients in fp32, Megatron's default): fused through
+    the op table's ``accumulate_weight_grad``; the reference op adds the bf16 product as the unfused
+    path does, so the buffers are bit-identical."""
     fp32_grads = DDPConfig(grad_reduce_in_fp32=True)
     fused_model = _ColumnRow(True, torch.bfloat16)
     fused = _column_row_grads(fused_model, fp32_grads)
-    unfused = _column_row_grads(_ColumnRow(False, torch.bfloat16), fp32_grads)
+    unfused_model = _ColumnRow(False, torch.bfloat16)
+    unfused = _column_row_grads(unfused_model, fp32_grads)
     assert all(g.dtype == torch.float32 for g in fused.values())
     _assert_grads_close(fused, unfused, rtol=0, atol=0)
-    assert not any(p.grad_added_to_main_grad for p in fused_model.parameters())
+    assert fused_model.fc1.weight.grad_added_to_main_grad and fused_model.fc2.weight.grad_added_to_main_grad
+    assert not any(getattr(p, "grad_added_to_main_grad", False) for p in unfused_model.parameters())
 
-    # bf16 main grads (the weights' dtype): fused, and close to the unfused bf16 accumulation
+    # bf16 main grads (the weights' dtype): fused, and close to the fp32 accumulation
     fused_bf16_model = _ColumnRow(True, torch.bfloat16)
     fused_bf16 = _column_row_grads(fused_bf16_model, DDPConfig())
     assert fused_bf16_model.fc1.weight.grad_added_to_main_grad
@@ -225,6 +230,27 @@ def test_fusion_skipped_when_main_grad_has_another_dtype():
     for name, value in fused_bf16.items():
         assert value.dtype == torch.bfloat16
         torch.testing.assert_close(value.float(), fused[name], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+def test_accumulate_weight_grad_op(dtypes):
+    """The selected backend's ``accumulate_weight_grad`` adds dY^T X in place, to the dtype's accuracy
+    (an fp32 buffer of bf16 products: at most the bf16 rounding of the product)."""
+    from mcore.plugins.manager import select_backend
+
+    backend = select_backend(selected_backend_name())
+    grad_dtype, act_dtype = dtypes
+    device = backend.device(0)
+    gen = torch.Generator().manual_seed(5)
+    dy, x = torch.randn(64, 24, generator=gen), torch.randn(64, 40, generator=gen)
+    start = torch.randn(24, 40, generator=gen)
+    main_grad = start.to(device, grad_dtype, copy=True)
+    storage = main_grad.data_ptr()
+    backend.ops.accumulate_weight_grad(main_grad, dy.to(device, act_dtype), x.to(device, act_dtype))
+    want = start.double() + dy.to(act_dtype).double().t() @ x.to(act_dtype).double()
+    assert main_grad.data_ptr() == storage
+    tol = 1e-5 if act_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(main_grad.double().cpu(), want, rtol=tol, atol=tol * 8)
 
 
 def test_fusion_skipped_without_main_grad():
