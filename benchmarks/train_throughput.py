@@ -101,6 +101,38 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+def idle_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int = 10) -> dict:
+    """Where the device waits for the host: the idle gaps between kernels.
+
+    Returns idle milliseconds per step in gaps shorter than 20 us (launch latency) and longer, and the
+    longer gaps summed by the kernel that ended each one (the host was late to launch it) with the
+    kernel before it, largest first: the host code between the two is the one to speed up.
+    """
+    short_us, long_us, by_pair = 0.0, 0.0, {}
+    end, last = None, None
+    for name, a, b in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and a > end:
+            gap = a - end
+            if gap < 20.0:
+                short_us += gap
+            else:
+                long_us += gap
+                entry = by_pair.setdefault((last[:60], name[:60]), [0, 0.0])
+                entry[0] += 1
+                entry[1] += gap
+        if end is None or b > end:
+            end, last = b, name
+    per_step = lambda us: round(us / steps / 1000.0, 3)  # noqa: E731
+    return {
+        "idle_ms_per_step_short_gaps": per_step(short_us),
+        "idle_ms_per_step_gaps_over_20us": per_step(long_us),
+        "largest": [
+            {"before": k[0], "after": k[1], "gaps_per_step": round(n / steps, 2), "ms_per_step": per_step(us)}
+            for k, (n, us) in sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
+    }
+
+
 def summarize_kernels(kernels: list[tuple[str, float, float]], steps: int, wall_s: float, top: int = 15):
     """``kernels``: (name, start_us, end_us) of every device kernel in ``steps`` steps of ``wall_s``."""
     per_name: dict[str, list[float]] = {}
@@ -159,6 +191,7 @@ def profile_steps(step, steps: int, backend, out_file: str | None) -> dict:
             continue
         kernels.append((evt.name, evt.time_range.start, evt.time_range.end))
     summary = summarize_kernels(kernels, steps, wall)
+    summary["idle_gaps"] = idle_gaps(kernels, steps)
     summary["host_top_level_op_ms_per_step"] = round(host_us / steps / 1000.0, 3)
     if out_file:
         averages = prof.key_averages()

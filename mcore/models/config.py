@@ -111,6 +111,12 @@ class ModelConfig:
         "Loss memory: keep only the logits for backward (no fp32 softmax with TP) and write their "
         "gradient into them (no second logits-sized tensor); mcore's fused vocab-parallel loss.",
     )
+    output_layer_loss_chunks: int = flag(
+        0,
+        "Compute the output layer and loss over this many chunks of tokens and recompute each chunk's "
+        "logits in backward, so the full logits never exist (saves s*b*V/p logits memory for one more "
+        "output-layer GEMM); 0: off",
+    )
 
     # initialization and dropout
     init_method_std: float = flag(0.02, "Std of the normal init; output projections use std/sqrt(2L).")
@@ -222,6 +228,12 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             check(0.0 <= value < 1.0, f"{name}={value} must be in [0, 1)")
+        chunks = self.output_layer_loss_chunks
+        check(
+            isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 0,
+            f"output_layer_loss_chunks={chunks!r} (--output-layer-loss-chunks) must be an integer >= 0 "
+            "(0: off, N: the output layer and loss over N chunks of tokens)",
+        )
         self._check_recompute()
 
     def _check_recompute(self) -> None:

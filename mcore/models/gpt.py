@@ -58,6 +58,7 @@ from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, T
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
+from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
 from mcore.tensor_parallel.sharding import (
     ShardSpec,
     build_shard_specs,
@@ -304,6 +305,16 @@ class GPTModel(torch.nn.Module):
         weight = None
         if self.share_embeddings_and_output_weights and self.pre_process:
             weight = self.embedding.word_embeddings.weight
+        if labels is not None and self.config.output_layer_loss_chunks > 0:
+            loss = output_layer_cross_entropy(  # the logits only ever exist one chunk at a time
+                self.output_layer,
+                hidden_states,
+                labels.transpose(0, 1).contiguous(),
+                num_chunks=self.config.output_layer_loss_chunks,
+                weight=weight,
+                label_smoothing=label_smoothing,
+            )  # [s, b]
+            return loss.transpose(0, 1).contiguous()
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, Vp/p]
         if labels is None:
             return logits.transpose(0, 1).contiguous()

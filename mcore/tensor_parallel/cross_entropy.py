@@ -24,6 +24,10 @@ and the backward recomputes the softmax and writes the gradient into the logits'
 temporaries of one chunk, the CUDA backend's Triton kernels one row per program. So one logits-sized buffer lives from the output layer to its backward, at any TP
 size. The logits must have no other use after the loss (the model's are internal when it computes
 the loss).
+
+``--output-layer-loss-chunks`` (:mod:`mcore.tensor_parallel.output_loss`) goes one step further with
+the same two ops and :func:`combine_local_stats`: the output layer and the loss run over chunks of
+tokens and each chunk's logits are recomputed in backward, so no logits-sized buffer is kept at all.
 """
 
 from __future__ import annotations
@@ -32,6 +36,39 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_rank, group_size
+
+
+def local_label_masks(
+    flat_labels: torch.Tensor, start: int, local_vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local_labels, outside)`` of labels for the vocabulary slice ``[start, start + local_vocab)``:
+    ``outside`` is True where the label is not in the slice (an ignore index of -100 is outside every
+    slice: its loss is ``logZ``, its gradient the softmax), ``local_labels = label - start`` (0 there).
+    """
+    outside = (flat_labels < start) | (flat_labels >= start + local_vocab)
+    return (flat_labels - start).masked_fill(outside, 0), outside
+
+
+def combine_local_stats(
+    local_log_z: torch.Tensor,
+    predicted: torch.Tensor,
+    sum_z: torch.Tensor | None,
+    group,
+    label_smoothing: float,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(loss, logZ)`` from every TP rank's ``cross_entropy_local_stats`` (op table):
+    one MAX and one SUM all-reduce over ``group``. ``vocab`` is the whole (padded) vocabulary."""
+    global_max = all_reduce_in_tensor_model_parallel_group(local_log_z.clone(), group, op="max")
+    stats = [(local_log_z - global_max).exp_(), predicted]
+    if label_smoothing > 0:
+        stats.append(sum_z)
+    stats = all_reduce_in_tensor_model_parallel_group(torch.stack(stats), group, op="sum")
+    log_z = global_max + stats[0].log()
+    loss = log_z - stats[1]
+    if label_smoothing > 0:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - stats[2] / vocab)
+    return loss, log_z
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -102,22 +139,11 @@ class _InPlaceGradCrossEntropy(torch.autograd.Function):
         vocab = local_vocab * group_size(group)
         start = group_rank(group) * local_vocab
         z = logits.reshape(-1, local_vocab)
-        flat_labels = labels.reshape(-1)
-        # an ignore index (-100) is outside every slice: its loss is logZ, its gradient the softmax
-        outside = (flat_labels < start) | (flat_labels >= start + local_vocab)
-        local_labels = (flat_labels - start).masked_fill(outside, 0)
+        local_labels, outside = local_label_masks(labels.reshape(-1), start, local_vocab)
         local_log_z, predicted, sum_z = get_ops().cross_entropy_local_stats(
             z, local_labels, outside, label_smoothing > 0
         )
-        global_max = all_reduce_in_tensor_model_parallel_group(local_log_z.clone(), group, op="max")
-        stats = [(local_log_z - global_max).exp_(), predicted]
-        if label_smoothing > 0:
-            stats.append(sum_z)
-        stats = all_reduce_in_tensor_model_parallel_group(torch.stack(stats), group, op="sum")
-        log_z = global_max + stats[0].log()
-        loss = log_z - stats[1]
-        if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - stats[2] / vocab)
+        loss, log_z = combine_local_stats(local_log_z, predicted, sum_z, group, label_smoothing, vocab)
         ctx.save_for_backward(logits, log_z, local_labels, outside)
         ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
         return loss.view(labels.shape)

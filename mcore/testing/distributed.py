@@ -107,6 +107,26 @@ def _rank_main(fn_ref, args, kwargs, rank, world_size, port, backend_name, resul
         results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
+def _skip_without_devices(backend_name: str, world_size: int) -> None:
+    """Skip (pytest) a run on the accelerator that ``MCORE_TEST_BACKEND`` names when the machine has
+    fewer devices than ranks: collective libraries refuse two ranks on one device. CPU runs (gloo,
+    simulated devices) never skip."""
+    import torch
+
+    if backend_name == "cpu" or os.environ.get("MCORE_TEST_BACKEND") != backend_name:
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return
+    count = accelerator.device_count()
+    if count < world_size:
+        import pytest
+
+        pytest.skip(
+            f"needs {world_size} {backend_name} devices for {world_size} ranks; this machine has {count}"
+        )
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -121,9 +141,10 @@ def run_distributed(
     ``rank_setup``, a module-level function, runs in each rank before the backend is selected (for
     instance installing a simulated device module that a plugin's availability check needs).
     """
+    backend_name = backend or test_backend_name()
+    _skip_without_devices(backend_name, world_size)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    backend_name = backend or test_backend_name()
     results = context.Queue()
     port = free_port()
     procs = [
