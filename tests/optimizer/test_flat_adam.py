@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from mcore.backend import current_backend
 from mcore.config.fields import ConfigError
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups
@@ -115,14 +116,18 @@ def test_flat_path_equals_per_parameter_path(clip_grad):
     groups = ProcessGroups.single()
     a = train(flat_model, flat_opt, groups, 5)
     b = train(ref_model, ref_opt, groups, 5)
-    if clip_grad == 0.0:
+    # Bit for bit when one arithmetic serves both paths (the reference ops); a kernel backend's
+    # one-pass kernel and its per-tensor fused Adam round differently (sqrt(v/b2) vs sqrt(v)/sqrt(b2)).
+    ops = current_backend().ops
+    same_arithmetic = {ops.provider("adam_step_flat"), ops.provider("adam_step")} == {"reference"}
+    if clip_grad == 0.0 and same_arithmetic:
         assert torch.equal(_masters(flat_opt), _masters(ref_opt))
         assert [h[0] for h in a] == [h[0] for h in b]
+        for p, q in zip(flat_model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=0.0, atol=0.0)
     else:  # the clipping coefficient is computed on the device in fp32 instead of on the host
         torch.testing.assert_close(_masters(flat_opt), _masters(ref_opt), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(float(a[-1][2]), b[-1][2], rtol=1e-5, atol=0.0)
-    for p, q in zip(flat_model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0.0, atol=0.0) if clip_grad == 0.0 else None
 
 
 def test_remainder_masters_track_fp32_masters():

@@ -141,8 +141,15 @@ class GridLaunch:
 
     def __call__(self, *args, **constexprs) -> int:
         if self.tuner is not None:
+            # The first call tunes (or finds Triton's cached choice for) this launch's shape; later
+            # calls launch that config directly: the autotuner's per-call bookkeeping costs host time
+            # on every step, and a launch object serves one shape.
             self.tuner[lambda meta: self.grid_of(meta)](*args, **constexprs)
-            return self.parts_of(self.tuner.best_config.kwargs)
+            best = self.tuner.best_config
+            self.configs = [{**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}]
+            self.tuner = None
+            self.max_parts = self.parts_of(best.kwargs)
+            return self.max_parts
         cfg = self.configs[0]
         self.kernel[self.grid_of(cfg)](*args, **constexprs, **cfg)
         return self.parts_of(cfg)
