@@ -188,6 +188,12 @@ def _adam_flat_make(mode: str):
     return make
 
 
+def _accumulate_weight_grad_make(dtype, gen):
+    """An fp32 gradient buffer ``[24, 40]`` (the mixed case for half dtypes) += ``dY^T X`` over 64 tokens."""
+    main_grad = _randn(gen, 24, 40)
+    return [main_grad, _randn(gen, 64, 24, dtype=dtype), _randn(gen, 64, 40, dtype=dtype)], {}
+
+
 def _ce_rows_make(smoothing: bool = False, grad: bool = False):
     """Inputs of the in-place cross-entropy's two ops: 37 rows of one rank's 96-wide vocabulary
     slice (of 4 * 96), every fourth label outside it."""
@@ -342,6 +348,9 @@ OP_CASES: tuple[OpCase, ...] = (
         dtypes=(torch.float32,),
         kind="reduction",
     ),
+    OpCase(
+        "accumulate_weight_grad", "accumulate_weight_grad", _accumulate_weight_grad_make, kind="reduction"
+    ),
 )
 """Every op of :data:`mcore.ops.registry.OP_NAMES` appears at least once."""
 
@@ -393,6 +402,14 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         ):
             for i, (got, want) in enumerate(zip(got_list, want_list)):
                 assert_close(got, want, dtype, case.kind, f"{what}: {group}[{i}]")
+        return
+
+    if case.op == "accumulate_weight_grad":  # in place: compare the accumulated buffer
+        ours = [t.to(device) for t in args]
+        ref = [t.float().clone() for t in args]
+        fn(*ours, **kwargs)
+        ref_fn(*ref, **kwargs)
+        assert_close(ours[0], ref[0], dtype, case.kind, f"{what}: main_grad")
         return
 
     if case.op == "adam_step_flat":  # in place over flat buffers: compare every updated buffer
