@@ -125,6 +125,18 @@ def linear_with_grad_accumulation_fusion(
             output layer gets the word embedding): fuse with a zero placeholder and leave the flag
             alone, so the other uses' gradient still reaches ``main_grad`` through the hook.
     """
+    main_grad = fusion_main_grad(weight, gradient_accumulation_fusion, shared_weight)
+    if main_grad is None:
+        return F.linear(x, weight, bias)
+    return _LinearWithGradAccumulationFusion.apply(x, weight, bias, main_grad, shared_weight)
+
+
+def fusion_main_grad(
+    weight: torch.Tensor, gradient_accumulation_fusion: bool, shared_weight: bool
+) -> torch.Tensor | None:
+    """The ``main_grad`` a fusing layer accumulates ``weight``'s gradient into, or None (no fusion:
+    disabled, no DDP buffer, no autograd), after writing ``weight.grad_added_to_main_grad`` as
+    :func:`linear_with_grad_accumulation_fusion` describes (left alone for a shared weight)."""
     main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
     fuse = main_grad is not None and weight.requires_grad and torch.is_grad_enabled()
     if not shared_weight:
@@ -132,9 +144,7 @@ def linear_with_grad_accumulation_fusion(
             weight.grad_added_to_main_grad = True
         elif getattr(weight, "grad_added_to_main_grad", False) and torch.is_grad_enabled():
             weight.grad_added_to_main_grad = False  # fusion turned off since the last step
-    if not fuse:
-        return F.linear(x, weight, bias)
-    return _LinearWithGradAccumulationFusion.apply(x, weight, bias, main_grad, shared_weight)
+    return main_grad if fuse else None
 
 
 class ColumnParallelLinear(torch.nn.Module):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from mcore.backend import get_ops
 from mcore.tensor_parallel.cross_entropy import combine_local_stats, local_label_masks
+from mcore.tensor_parallel.layers import fusion_main_grad
 from mcore.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -157,15 +158,9 @@ def linear_cross_entropy(
     if tuple(labels.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"labels of shape {tuple(labels.shape)} given for hidden states {tuple(x.shape)}")
     # the placeholder protocol of linear_with_grad_accumulation_fusion (flag written in the forward)
-    main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
-    fuse = main_grad is not None and weight.requires_grad and torch.is_grad_enabled()
-    if not shared_weight:
-        if fuse:
-            weight.grad_added_to_main_grad = True
-        elif getattr(weight, "grad_added_to_main_grad", False) and torch.is_grad_enabled():
-            weight.grad_added_to_main_grad = False  # fusion turned off since the last step
+    main_grad = fusion_main_grad(weight, gradient_accumulation_fusion, shared_weight)
     return _ChunkedLinearCrossEntropy.apply(
-        x, weight, labels, group, label_smoothing, num_chunks, main_grad if fuse else None, shared_weight
+        x, weight, labels, group, label_smoothing, num_chunks, main_grad, shared_weight
     )
 
 
