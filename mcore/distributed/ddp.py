@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -178,8 +179,12 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.grad_buffers:
             for param in buffer.params:
                 param.grad_added_to_main_grad = False  # set by fusing layers' forward
+        # Parameters keep their hooks on the C++ side, where the garbage collector cannot follow them: a
+        # bound method there would make model -> parameter -> hook -> DDP -> model an uncollectable
+        # cycle that keeps the buffers and the process groups (with their threads) alive until exit.
+        grad_hook = _weak_method(self._grad_hook)
         self._hooks = [
-            param.register_post_accumulate_grad_hook(self._grad_hook)
+            param.register_post_accumulate_grad_hook(grad_hook)
             for buffer in self.grad_buffers
             for param in buffer.params
         ]
@@ -372,6 +377,18 @@ class DistributedDataParallel(torch.nn.Module):
     @property
     def grad_bytes(self) -> int:
         return sum(buffer.grad_bytes for buffer in self.grad_buffers)
+
+
+def _weak_method(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` as a function that holds its object weakly (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,6 +12,7 @@ Slurm ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -224,9 +225,19 @@ def initialize_parallel(
 
 
 def destroy_parallel() -> None:
-    """Tear down torch.distributed and tell plugins the run is over."""
+    """Tell plugins the run is over, tear down torch.distributed and end its communication threads.
+
+    Callers first drop their own references to :class:`ProcessGroups` and to what holds group handles
+    (models, DDP wrappers, optimizers). Why: ``destroy_process_group`` forgets the groups, but a gloo
+    group's worker threads live until its last Python handle is freed. Left to interpreter shutdown,
+    a worker still releasing the tensors of a finished collective needs the GIL while the interpreter
+    is being torn down, and the process aborts ("terminate called without an active exception",
+    pytorch/pytorch#179291). The collection below frees handles held in reference cycles while the
+    interpreter is whole; a handle's destructor releases the GIL while it joins its workers.
+    """
     from mcore.plugins.manager import plugin_manager
 
     plugin_manager().hook.mcore_on_shutdown(backend=current_backend())
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()

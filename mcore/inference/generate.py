@@ -212,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gen.output_json:
             with open(gen.output_json, "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=2)
+    del generator, groups  # they hold the group handles that destroy_parallel must free
     destroy_parallel()
     return 0
 

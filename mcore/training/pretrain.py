@@ -35,7 +35,7 @@ from mcore.data.loader import build_pretraining_data_loader
 from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
-from mcore.distributed.groups import LaunchEnv, ProcessGroups, initialize_parallel
+from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
 from mcore.models.config import padded_vocab_size, validate_model_parallel
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
@@ -479,10 +479,10 @@ def pretrain(
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
-        # Tear down the groups this call created: left to interpreter exit, a gloo group's threads
-        # were destroyed while joinable now and then ("terminate called without an active exception").
-        if owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+        # Tear down what this call set up, while the interpreter is whole (see destroy_parallel).
+        if owns_process_group:
+            groups = None  # noqa: F841 - the last handle of every subgroup must go before the collection
+            destroy_parallel()
 
 
 def _pretrain(

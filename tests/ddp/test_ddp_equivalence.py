@@ -108,3 +108,23 @@ def test_distributed_optimizer_state_is_one_over_dp():
     assert sum(sharded) == replicated  # every element's moments live on exactly one rank
     for per_rank in sharded:
         assert per_rank == pytest.approx(replicated / 4, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["allreduce-overlap", "distopt-overlap-gather"])
+def test_trained_model_is_freed_by_the_garbage_collector(name):
+    """Nothing outside the model, its optimizer and the caller keeps a DDP model alive.
+
+    The gradient hooks sit on the parameters' C++ side, which the collector cannot traverse; had they
+    held DDP strongly, the model, its buffers and its process groups (gloo worker threads) would live
+    until interpreter exit, where a worker releasing a finished collective aborts the process.
+    """
+    import gc
+    import weakref
+
+    groups = ProcessGroups.single()
+    model, optimizer = build(groups, **CONFIGS[name])
+    train(model, optimizer, groups, 2)
+    alive = weakref.ref(model)
+    del model, optimizer
+    gc.collect()
+    assert alive() is None

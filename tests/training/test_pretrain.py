@@ -217,6 +217,53 @@ def test_megatron_style_launch_script_runs_under_torchrun(tmp_path):
     assert "iteration        4/       4" in proc.stdout
 
 
+_THREADS_AFTER_PRETRAIN = """
+import os, sys
+from mcore.training.gpt import forward_step, model_provider
+from mcore.training.pretrain import pretrain
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+pretrain(model_provider, forward_step, argv=sys.argv[1:])
+print(f"threads rank {os.environ['RANK']}: before {before} after {threads()}", flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
+def test_pretrain_under_torchrun_leaves_no_communication_threads(tmp_path):
+    """Every gloo worker thread ends before pretrain returns.
+
+    A worker left to interpreter shutdown can need the GIL while the interpreter is torn down and
+    abort the process (seen as a flaky "terminate called without an active exception" after a
+    finished run); counting threads makes that race a deterministic check.
+    """
+    script = tmp_path / "train.py"
+    script.write_text(_THREADS_AFTER_PRETRAIN)
+    argv = [
+        "--device-backend", "cpu", "--tensor-model-parallel-size", "2", "--num-layers", "2",
+        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--lr", "1e-3",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-workers", "0",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), *argv],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = [line.split() for line in proc.stdout.splitlines() if line.startswith("threads rank")]
+    assert len(counts) == 2, proc.stdout[-3000:]
+    for _, _, rank, _, before, _, after in counts:
+        assert int(after) <= int(before), f"rank {rank}: {before} threads before pretrain, {after} after"
+
+
 def test_unknown_flag_exits_with_one_message(capsys):
     with pytest.raises(SystemExit) as err:
         pretrain(model_provider, forward_step, argv=["--num-layers", "2", "--hiden-size", "8"])
