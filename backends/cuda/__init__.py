@@ -50,6 +50,19 @@ TRITON_CAPABILITIES = (
 """Capabilities the Triton kernels add (only where Triton is installed)."""
 
 
+class _CUDAGraph:
+    """``torch.cuda.CUDAGraph`` behind the backend's graph interface (``capture(pool)``, ``replay()``)."""
+
+    def __init__(self):
+        self._graph = torch.cuda.CUDAGraph()
+
+    def capture(self, pool=None):
+        return torch.cuda.graph(self._graph, pool=pool)
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
 class CUDABackend(BackendBase):
     name = "cuda"
     device_type = "cuda"
@@ -66,7 +79,7 @@ class CUDABackend(BackendBase):
     def capabilities(self) -> frozenset[str]:
         from mcore.backends.cuda import extensions
 
-        caps = {"fp16", "fp32", "flash_attention", "fused_adam", "compile_layers"}
+        caps = {"fp16", "fp32", "flash_attention", "fused_adam", "compile_layers", "device_graphs"}
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             caps.add("bf16")
         if extensions.triton_available():
@@ -80,6 +93,20 @@ class CUDABackend(BackendBase):
         from mcore.backends.cuda.compile import compile_layer
 
         return compile_layer(module, **kwargs)
+
+    # --- device graphs (capability ``device_graphs``, used by mcore.models.layer_graphs) -----------
+
+    def graph(self) -> _CUDAGraph:
+        """A CUDA graph: ``with g.capture(pool): ...`` records, ``g.replay()`` launches it again."""
+        return _CUDAGraph()
+
+    def graph_pool(self):
+        """A memory-pool handle that several captures share (``torch.cuda.graph_pool_handle``)."""
+        return torch.cuda.graph_pool_handle()
+
+    def side_stream(self):
+        """A context running its work on a fresh stream (warm-up before a capture, as torch advises)."""
+        return torch.cuda.stream(torch.cuda.Stream())
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         if not torch.cuda.is_available() or dtype not in (torch.bfloat16, torch.float16):

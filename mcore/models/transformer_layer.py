@@ -41,6 +41,7 @@ from mcore.backend import get_ops
 from mcore.models.attention import SelfAttention
 from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
+from mcore.models.layer_graphs import LayerGraphs
 from mcore.models.mlp import MLP
 from mcore.models.norms import Norm
 from mcore.models.spec import ModuleSpec, build_module
@@ -191,6 +192,8 @@ class TransformerBlock(torch.nn.Module):
             for i in range(num_layers)
         )
         self.final_layernorm = Norm(config, ctx) if post_process else None
+        self.layer_graphs: LayerGraphs | None = None
+        """Device graphs of the layers (``--cuda-graph-impl local``), attached by the training setup."""
 
     def forward(
         self,
@@ -206,6 +209,10 @@ class TransformerBlock(torch.nn.Module):
                 )
         elif self.recompute_method is not None and self.training and torch.is_grad_enabled():
             hidden_states = self._recomputed_forward(hidden_states, attention_mask, rotary_freqs)
+        elif self.layer_graphs is not None and self.layer_graphs.applies(
+            hidden_states, (attention_mask, rotary_freqs)
+        ):
+            hidden_states = self.layer_graphs(hidden_states, (attention_mask, rotary_freqs))
         else:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, attention_mask, rotary_freqs)

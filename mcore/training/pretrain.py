@@ -33,10 +33,11 @@ from mcore.data.builder import build_train_valid_test_datasets
 from mcore.data.errors import DataError
 from mcore.data.loader import build_pretraining_data_loader
 from mcore.data.tokenizers import build_tokenizer
-from mcore.distributed.ddp import DistributedDataParallel
+from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
 from mcore.models.config import padded_vocab_size, validate_model_parallel
+from mcore.models.layer_graphs import LayerGraphs
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
 from mcore.pipeline.schedules import get_forward_backward_func
@@ -121,7 +122,40 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
         raise ConfigError(f"--fp16: backend {backend.name!r} does not support fp16")
     if cfg.scheduler.lr is None and not training.skip_train:
         raise ConfigError("--lr is required")
+    if training.cuda_graph_impl == "local":
+        _check_layer_graphs(cfg, backend)
     return cfg.replace(training=training)
+
+
+def _check_layer_graphs(cfg: RunConfig, backend: DeviceBackend) -> None:
+    """What ``--cuda-graph-impl local`` (:mod:`mcore.models.layer_graphs`) cannot replay."""
+    model, parallel = cfg.model, cfg.parallel
+    flag = "--cuda-graph-impl local"
+    if "device_graphs" not in backend.capabilities():
+        raise ConfigError(f"{flag}: backend {backend.name!r} has no device graphs")
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"{flag} keeps one micro-batch's layer activations at a time: it needs "
+            f"--pipeline-model-parallel-size 1 (got {parallel.pipeline_model_parallel_size})"
+        )
+    if cfg.training.compile_layers:
+        raise ConfigError(f"{flag} and --compile-layers: choose one")
+    if model.recompute_granularity == "full":
+        raise ConfigError(f"{flag}: --recompute-granularity full recomputes across layers; use selective")
+    if model.attention_dropout > 0.0:
+        raise ConfigError(
+            f"{flag}: --attention-dropout {model.attention_dropout} draws from the tensor-parallel RNG "
+            "stream, whose state swaps cannot be captured; use --attention-dropout 0"
+        )
+    if model.hidden_dropout > 0.0 and parallel.sequence_parallel:
+        raise ConfigError(
+            f"{flag}: --hidden-dropout {model.hidden_dropout} with --sequence-parallel draws from the "
+            "tensor-parallel RNG stream, whose state swaps cannot be captured"
+        )
+    if cfg.optimizer.overlap_param_gather:
+        raise ConfigError(
+            f"{flag}: --overlap-param-gather waits for parameters in module hooks that a replay skips"
+        )
 
 
 def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable, vocab_size: int):
@@ -135,6 +169,9 @@ def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable,
         for chunk in chunks:
             for layer in chunk.decoder.layers:
                 backend.compile_layer(layer)
+    if cfg.training.cuda_graph_impl == "local":
+        for chunk in chunks:
+            chunk.decoder.layer_graphs = LayerGraphs(chunk.decoder.layers, current_backend())
     ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
     return [DistributedDataParallel(chunk, ddp_config, groups) for chunk in chunks]
 
@@ -239,6 +276,12 @@ class Trainer:
         self._ddp_chunks = [chunk for chunk in model if isinstance(chunk, DistributedDataParallel)]
         self.iteration = 0
         """The iteration of the last :meth:`train_step` (named in a deferred NaN error)."""
+        self.steps_run = 0
+        """Training steps this trainer ran (the device graphs are captured after the warm-up ones)."""
+        decoders = [getattr(unwrap_model(chunk), "decoder", None) for chunk in model]
+        self._layer_graphs = [
+            d.layer_graphs for d in decoders if getattr(d, "layer_graphs", None) is not None
+        ]
         self._pending_nan: collections.deque[tuple[int, HostValue, list[int], int | None]] = (
             collections.deque()
         )
@@ -329,6 +372,11 @@ class Trainer:
             chunk.defer_nan_check = deferred
         self.check_nan(wait=False)  # flags of earlier steps that have reached the host already
         self._train_mode()
+        if self.steps_run >= self.cfg.training.cuda_graph_warmup_steps:
+            for graphs in self._layer_graphs:
+                if not graphs.captured:
+                    graphs.arm()  # captured in this step's first forward
+        self.steps_run += 1
         self.optimizer.zero_grad()
         logs = self._run_schedule(data_iterator, forward_only=False)
         # The previous step's flags: the device has this step's forward and backward queued behind

@@ -1,0 +1,201 @@
+"""Device graphs of transformer layers (``--cuda-graph-impl local``): capture once, replay every step.
+
+An eager layer costs the host one Python dispatch per kernel (tens of them per layer, forward and
+backward); when the host is slower than the device, the device idles between kernels. A device
+graph records a layer's kernels once and replays them with one host call, so the layers' host time
+per micro-batch drops to two replays per layer. The embedding, the output layer, the loss, the
+gradient hooks and the optimizer stay eager.
+
+What is captured, per transformer layer ``i`` of a block (backend capability ``"device_graphs"``)::
+
+    forward graph F_i:   Y_i = layer_i(X_i, mask, rotary)              X_1: a static [s, b, h] buffer
+    backward graph B_i:  (dX_i, dW_i, ...) = vjp of F_i at dY_i       dY_n: a static [s, b, h] buffer
+
+with the layers chained through their static tensors: ``X_{i+1}`` is ``Y_i`` and ``dY_i`` is
+``dX_{i+1}``, so nothing is copied between layers. The graphs are captured in the order they run
+(``F_1 .. F_n``, then ``B_n .. B_1``) into one memory pool, so a replay never overwrites memory that a
+later replay of the same step still reads. A micro-batch's forward copies its input into ``X_1`` and
+replays ``F_1 .. F_n``; its backward copies the incoming gradient into ``dY_n`` and replays
+``B_n .. B_1``. A layer's saved activations live in the pool and the next forward replay overwrites
+them, so only one micro-batch may be between its forward and its backward at a time: the
+no-pipelining schedule (forward, backward, next micro-batch).
+
+Weight gradients fused into ``main_grad`` (gradient-accumulation fusion) are accumulated by the
+backward graph itself (``main_grad`` is a view of the persistent DDP buffer, so its address is fixed);
+autograd then receives a fresh placeholder, as in eager mode, which the DDP hook discards. The other
+parameter gradients (biases, norms) leave the graph as static tensors that autograd accumulates and
+the DDP hook adds to ``main_grad``. The hooks, and the bucketed reductions they start, run eagerly.
+
+Capture happens lazily, in the first training forward of the step after :meth:`LayerGraphs.arm`
+(the trainer arms after ``--cuda-graph-warmup-steps`` eager steps). Before capturing, each layer runs
+forward and backward on the sample input on a side stream (lazy initialisation and autotuning must
+not be captured); those backward passes accumulate into ``main_grad``, which is zero at that point of
+the step (the step's first forward precedes its first backward), so it is zeroed again afterwards.
+
+Calls that do not match what was captured run the eager layers: evaluation (no autograd), another
+input shape or dtype, a mask or rotary table that is present when it was absent at capture (or the
+reverse), or a layer in eval mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def _signature(hidden: torch.Tensor, extras: Sequence[torch.Tensor | None]) -> tuple:
+    def sig(t):
+        return None if t is None else (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+    return (sig(hidden), *(sig(t) for t in extras))
+
+
+class _CapturedLayer:
+    """The two graphs of one layer and the static tensors they read and write."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer = layer
+        self.params = tuple(p for p in layer.parameters() if p.requires_grad)
+        self.static_input: torch.Tensor | None = None  # X_i
+        self.static_output: torch.Tensor | None = None  # Y_i
+        self.static_grad_output: torch.Tensor | None = None  # dY_i
+        self.static_grads: tuple[torch.Tensor | None, ...] = ()  # dX_i, then one per parameter
+        self.placeholder: tuple[bool, ...] = ()  # per parameter: its gradient went to main_grad
+        self.forward_graph: Any = None
+        self.backward_graph: Any = None
+
+
+class _ReplayLayer(torch.autograd.Function):
+    """Autograd node of one captured layer: inputs ``(hidden, *params)``, output the layer output."""
+
+    @staticmethod
+    def forward(ctx, captured: _CapturedLayer, hidden: torch.Tensor, *params):
+        ctx.captured = captured
+        if hidden.data_ptr() != captured.static_input.data_ptr():  # else the previous layer's Y
+            captured.static_input.copy_(hidden)
+        captured.forward_graph.replay()
+        return captured.static_output.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        captured: _CapturedLayer = ctx.captured
+        if grad_output.data_ptr() != captured.static_grad_output.data_ptr():  # else the next layer's dX
+            captured.static_grad_output.copy_(grad_output)
+        captured.backward_graph.replay()
+        grads = []
+        for g, param, placeholder in zip(captured.static_grads[1:], captured.params, captured.placeholder):
+            if placeholder:
+                # The graph already added this gradient to main_grad; hand autograd a fresh tensor
+                # it can keep without a copy (the static one is the graph's: autograd would clone
+                # the whole weight), which the DDP hook then discards.
+                grads.append(torch.empty_like(param))
+            else:
+                grads.append(None if g is None else g.detach())
+        grad_input = captured.static_grads[0]
+        return (None, None if grad_input is None else grad_input.detach(), *grads)
+
+
+class LayerGraphs:
+    """Captures and replays the layers of one :class:`~mcore.models.transformer_layer.TransformerBlock`.
+
+    Args:
+        layers: the block's layers, in forward order.
+        backend: a backend with the ``"device_graphs"`` capability: ``graph()`` returns an object with
+            a ``capture(pool)`` context manager and ``replay()``; ``graph_pool()`` a memory-pool handle
+            shared by captures; ``side_stream()`` a context manager running work on a fresh stream.
+        warmup_iters: forward/backward passes per layer on a side stream before capturing.
+    """
+
+    def __init__(self, layers: Sequence[torch.nn.Module], backend, warmup_iters: int = 2):
+        if "device_graphs" not in backend.capabilities():
+            raise ValueError(f"backend {backend.name!r} has no device graphs (capability 'device_graphs')")
+        self.layers = list(layers)
+        self.backend = backend
+        self.warmup_iters = warmup_iters
+        self.armed = False
+        self.replays = 0
+        """Micro-batch forwards served by the graphs (for tests and logs)."""
+        self._captured: list[_CapturedLayer] | None = None
+        self._signature: tuple | None = None
+        self._static_extras: list[torch.Tensor | None] = []
+
+    @property
+    def captured(self) -> bool:
+        return self._captured is not None
+
+    def arm(self) -> None:
+        """Capture at the next training forward (call at the start of a step, before its forwards)."""
+        self.armed = True
+
+    def applies(self, hidden: torch.Tensor, extras: Sequence[torch.Tensor | None]) -> bool:
+        """Whether this forward call runs (or, armed, captures) the graphs."""
+        if not (
+            torch.is_grad_enabled() and hidden.requires_grad and all(layer.training for layer in self.layers)
+        ):
+            return False
+        if self._captured is None:
+            return self.armed
+        return _signature(hidden, extras) == self._signature
+
+    def __call__(self, hidden: torch.Tensor, extras: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        if self._captured is None:
+            self._capture(hidden, extras)
+        else:  # the graphs read the mask and rotary table at their capture-time addresses
+            for static, given in zip(self._static_extras, extras):
+                if static is not None and given.data_ptr() != static.data_ptr():
+                    static.copy_(given)
+        for captured in self._captured:
+            hidden = _ReplayLayer.apply(captured, hidden, *captured.params)
+        self.replays += 1
+        return hidden
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _capture(self, hidden: torch.Tensor, extras: Sequence[torch.Tensor | None]) -> None:
+        backend = self.backend
+        layers = [_CapturedLayer(layer) for layer in self.layers]
+        extras = [None if t is None else t.detach().clone() for t in extras]
+
+        backend.synchronize()
+        with backend.side_stream():
+            sample = hidden.detach().clone().requires_grad_(True)
+            for c in layers:
+                for _ in range(self.warmup_iters):
+                    out = c.layer(sample, *extras)
+                    torch.autograd.grad(out, (sample, *c.params), torch.zeros_like(out), allow_unused=True)
+                    del out
+        backend.synchronize()
+
+        pool = backend.graph_pool()
+        previous = hidden.detach().clone()
+        for c in layers:  # X_{i+1} is Y_i: a leaf view of it, so that B_{i+1} stops at dX_{i+1}
+            c.static_input = previous.detach().requires_grad_(True)
+            c.forward_graph = backend.graph()
+            with c.forward_graph.capture(pool):
+                c.static_output = c.layer(c.static_input, *extras)
+            previous = c.static_output
+        grad_output = torch.empty_like(layers[-1].static_output)
+        for c in reversed(layers):  # dY_i is dX_{i+1}
+            c.static_grad_output = grad_output
+            c.backward_graph = backend.graph()
+            with c.backward_graph.capture(pool):
+                c.static_grads = torch.autograd.grad(
+                    c.static_output, (c.static_input, *c.params), grad_output, allow_unused=True
+                )
+            # Set by the fusing layers' forward: these weights' gradients went to main_grad in the graph.
+            c.placeholder = tuple(bool(getattr(p, "grad_added_to_main_grad", False)) for p in c.params)
+            grad_output = c.static_grads[0]
+        backend.synchronize()
+
+        # The warm-up passes accumulated into main_grad, which was zero (see the module docstring).
+        for c in layers:
+            for p in c.params:
+                main_grad = getattr(p, "main_grad", None)
+                if main_grad is not None:
+                    main_grad.zero_()
+        self._captured, self._static_extras = layers, extras
+        self._signature = _signature(hidden, extras)
+        self.armed = False
