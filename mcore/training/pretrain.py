@@ -140,8 +140,13 @@ def _check_layer_graphs(cfg: RunConfig, backend: DeviceBackend) -> None:
         )
     if cfg.training.compile_layers:
         raise ConfigError(f"{flag} and --compile-layers: choose one")
-    if model.recompute_granularity == "full":
-        raise ConfigError(f"{flag}: --recompute-granularity full recomputes across layers; use selective")
+    if model.recompute_granularity is not None:
+        # The backward graph is captured with torch.autograd.grad; a recomputed region backpropagates
+        # with its own backward() call, which accumulates into .grad instead of returning gradients.
+        raise ConfigError(
+            f"{flag}: --recompute-granularity {model.recompute_granularity} cannot be captured "
+            "(a recomputed region runs its own backward pass); drop the recompute flags"
+        )
     if model.attention_dropout > 0.0:
         raise ConfigError(
             f"{flag}: --attention-dropout {model.attention_dropout} draws from the tensor-parallel RNG "

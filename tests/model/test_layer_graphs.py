@@ -4,7 +4,7 @@ On CPU: the layouts the graphs cannot replay are refused with one message naming
 backend without device graphs is refused. On a GPU (``MCORE_TEST_BACKEND=cuda``, or any machine with
 CUDA): training with the layers replayed from graphs follows the eager run's losses and gradient
 norms step for step, including gradient accumulation, fused weight gradients, the distributed
-optimizer and selective recomputation, and the graphs really served the forwards.
+optimizer, a Llama layout and precision-aware optimizer state, and the graphs really served the forwards.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class _GraphBackend:
         (["--pipeline-model-parallel-size", "2", "--num-layers", "4"], "--pipeline-model-parallel-size 1 (got 2)"),
         (["--compile-layers"], "--compile-layers: choose one"),
         (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], "--recompute-granularity full"),
+        (["--recompute-granularity", "selective"], "--recompute-granularity selective"),
         (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
         (["--hidden-dropout", "0.1", "--sequence-parallel", "--tensor-model-parallel-size", "2"], "--sequence-parallel"),
         (["--use-distributed-optimizer", "--overlap-param-gather"], "--overlap-param-gather"),
@@ -105,12 +106,12 @@ def _run(tmp_path, name: str, extra: list[str]):
     [
         ["--global-batch-size", "4"],  # two micro-batches per step
         ["--global-batch-size", "4", "--use-distributed-optimizer", "--overlap-grad-reduce"],
-        ["--global-batch-size", "2", "--recompute-granularity", "selective",
-         "--recompute-modules", "core_attn", "layernorm", "mlp_act", "--normalization", "RMSNorm",
-         "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear"],
+        ["--global-batch-size", "2", "--normalization", "RMSNorm", "--swiglu",
+         "--position-embedding-type", "rope", "--disable-bias-linear", "--group-query-attention",
+         "--num-query-groups", "2"],
         ["--global-batch-size", "4", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
     ],
-    ids=["accumulation", "distopt-overlap", "llama-recompute", "precision-aware"],
+    ids=["accumulation", "distopt-overlap", "llama", "precision-aware"],
 )  # fmt: skip
 def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     os.environ.setdefault("MCORE_TEST_BACKEND", "cuda")
