@@ -10,13 +10,14 @@ optimizer, a Llama layout and precision-aware optimizer state, and the graphs re
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mcore.config.fields import ConfigError
+from mcore.testing.distributed import run_distributed
 from mcore.training.configs import parse_run_config
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import check_run_config, pretrain
@@ -85,6 +86,7 @@ def test_eager_layouts_are_unaffected():
 
 
 def _run(tmp_path, name: str, extra: list[str]):
+    """Train on CUDA; returns (losses, gradient norms, the model chunks built)."""
     models = []
 
     def provider(*args, **kwargs):
@@ -92,7 +94,7 @@ def _run(tmp_path, name: str, extra: list[str]):
         models.append(model)
         return model
 
-    log = tmp_path / f"{name}.jsonl"
+    log = Path(tmp_path) / f"{name}.jsonl"
     argv = [*_BASE, "--device-backend", "cuda", "--bf16", "--log-json", str(log), *extra]
     result = pretrain(provider, forward_step, argv=argv)
     records = [json.loads(line) for line in log.read_text().splitlines() if '"train"' in line]
@@ -114,7 +116,6 @@ def _run(tmp_path, name: str, extra: list[str]):
     ids=["accumulation", "distopt-overlap", "llama", "precision-aware"],
 )  # fmt: skip
 def test_graph_replay_follows_the_eager_run(tmp_path, extra):
-    os.environ.setdefault("MCORE_TEST_BACKEND", "cuda")
     eager_losses, eager_norms, _ = _run(tmp_path, "eager", extra)
     graph_losses, graph_norms, models = _run(
         tmp_path, "graphs", [*extra, "--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"]
@@ -125,5 +126,25 @@ def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     assert graphs.replays == (8 - 2) * micro_batches  # every forward after the warm-up steps
     assert len(eager_losses) == len(graph_losses) == 8
     # The same kernels run in the same order; bf16 atomics in attention backward may differ slightly.
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(torch.tensor(graph_norms), torch.tensor(eager_norms), rtol=2e-2, atol=1e-3)
+
+
+def _tp_run(log_dir: str, name: str, extra: list[str]):
+    losses, norms, models = _run(log_dir, name, extra)
+    graphs = models[0].decoder.layer_graphs
+    return losses, norms, None if graphs is None else graphs.replays
+
+
+@needs_cuda
+def test_tensor_parallel_graph_replay_follows_the_eager_run(tmp_path):
+    """TP=2 with sequence parallelism: the collectives inside the layers are captured too."""
+    extra = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"]
+    eager = run_distributed(_tp_run, 2, str(tmp_path), "eager", extra, backend="cuda")
+    graphs = run_distributed(
+        _tp_run, 2, str(tmp_path), "graphs", [*extra, "--cuda-graph-impl", "local"], backend="cuda"
+    )
+    (eager_losses, eager_norms, _), (graph_losses, graph_norms, replays) = eager[-1], graphs[-1]
+    assert replays == (8 - 3) * 2  # the default 3 warm-up steps, two micro-batches per step
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(torch.tensor(graph_norms), torch.tensor(eager_norms), rtol=2e-2, atol=1e-3)
