@@ -23,7 +23,8 @@ Where the time goes (after the timed steps, so they do not disturb the throughpu
   (the device idles while the host is behind), device time per kernel category (GEMM, attention,
   mcore's Triton kernels, Inductor kernels, the optimizer's multi-tensor kernels, element-wise,
   reductions, copies) and the top kernels go into the JSON line (``profile``) and to stdout;
-  ``--profile-out FILE`` also writes the profiler's full tables (device and host time per op).
+  ``--profile-out FILE`` also writes the profiler's full tables (device and host time per op),
+  ``--profile-trace FILE`` the Chrome trace of the profiled steps.
 * with ``--compile-layers``, dynamo's counters (frames compiled, graphs, graph breaks) go into the
   JSON line, to show that compilation engaged.
 """
@@ -167,7 +168,9 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], steps: int, wall_
     }
 
 
-def profile_steps(step, steps: int, backend, out_file: str | None) -> dict:
+def profile_steps(
+    step, steps: int, backend, out_file: str | None, top: int = 15, trace_file: str | None = None
+) -> dict:
     """Run ``step()`` ``steps`` times under torch.profiler; summarize device kernels (see module doc)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,9 +193,11 @@ def profile_steps(step, steps: int, backend, out_file: str | None) -> dict:
                 host_us += evt.time_range.elapsed_us()
             continue
         kernels.append((evt.name, evt.time_range.start, evt.time_range.end))
-    summary = summarize_kernels(kernels, steps, wall)
+    summary = summarize_kernels(kernels, steps, wall, top=top)
     summary["idle_gaps"] = idle_gaps(kernels, steps)
     summary["host_top_level_op_ms_per_step"] = round(host_us / steps / 1000.0, 3)
+    if trace_file:
+        prof.export_chrome_trace(trace_file)
     if out_file:
         averages = prof.key_averages()
         with open(out_file, "w") as f:
@@ -249,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--phases", type=int, default=0, help="steps timed phase by phase (see doc)")
     parser.add_argument("--profile-steps", type=int, default=0, help="steps under torch.profiler")
     parser.add_argument("--profile-out", default=None, help="write the profiler's tables here")
+    parser.add_argument("--profile-top", type=int, default=15, help="kernels listed in the profile summary")
+    parser.add_argument("--profile-trace", default=None, help="write the profiled steps' Chrome trace here")
     ours, rest = parser.parse_known_args(argv)
     rest += [
         "--tokenizer-type",
@@ -360,7 +367,12 @@ def main(argv=None) -> int:
     if ours.profile_steps > 0:
         try:
             extra["profile"] = profile_steps(
-                lambda: trainer.train_step(step_data), ours.profile_steps, backend, ours.profile_out
+                lambda: trainer.train_step(step_data),
+                ours.profile_steps,
+                backend,
+                ours.profile_out,
+                top=ours.profile_top,
+                trace_file=ours.profile_trace,
             )
         except Exception:
             traceback.print_exc()

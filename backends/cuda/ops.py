@@ -96,6 +96,24 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return reference.layer_norm(x, weight, bias, eps)
 
 
+def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The reference ``rms_norm_with_residual``; the Triton backward adds the residual's gradient."""
+    if _norm_fits(x, weight):
+        from .triton_kernels import norms
+
+        return norms.rms_norm_with_residual(x, weight, eps)
+    return reference.rms_norm_with_residual(x, weight, eps)
+
+
+def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+    """The reference ``layer_norm_with_residual``; the Triton backward adds the residual's gradient."""
+    if _norm_fits(x, weight, bias):
+        from .triton_kernels import norms
+
+        return norms.layer_norm_with_residual(x, weight, bias, eps)
+    return reference.layer_norm_with_residual(x, weight, bias, eps)
+
+
 # --- rotary ---------------------------------------------------------------------------------------
 
 
@@ -441,6 +459,8 @@ def accumulate_weight_grad(
 _TRITON_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
+    "layer_norm_with_residual": layer_norm_with_residual,
+    "rms_norm_with_residual": rms_norm_with_residual,
     "rotary_embedding": rotary_embedding,
     "bias_gelu": bias_gelu,
     "swiglu": swiglu,

@@ -43,5 +43,20 @@ class Norm(torch.nn.Module):
             return get_ops().layer_norm(x, self.weight, self.bias, self.eps)
         return get_ops().rms_norm(x, self.weight, self.eps)
 
+    def forward_with_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x), x)``: for a pre-norm layer, whose residual stream is the norm's input.
+
+        The ``*_with_residual`` op may sum the two uses' gradients of ``x`` inside the norm's backward
+        (no separate add). It serves only when the provider of the norm itself provides it too: a
+        backend or adaptor that overrides just ``rms_norm`` keeps its kernel for the norm.
+        """
+        ops = get_ops()
+        name = "layer_norm" if self.kind == "LayerNorm" else "rms_norm"
+        if ops.provider(f"{name}_with_residual") != ops.provider(name):
+            return self(x), x
+        if self.kind == "LayerNorm":
+            return ops.layer_norm_with_residual(x, self.weight, self.bias, self.eps)
+        return ops.rms_norm_with_residual(x, self.weight, self.eps)
+
     def extra_repr(self) -> str:
         return f"{self.kind}({self.weight.shape[0]}, eps={self.eps})"

@@ -100,8 +100,7 @@ class TransformerLayer(torch.nn.Module):
     ) -> torch.Tensor:
         recompute = self.training and inference_context is None
         norm_checkpoint = self._norm_checkpoint(recompute)
-        normed = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
-        residual = normed if self.residual_post_norm else hidden_states
+        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states, norm_checkpoint)
         attention_out, attention_bias = self.self_attention(
             normed, attention_mask, rotary_freqs, inference_context=inference_context
         )
@@ -109,8 +108,7 @@ class TransformerLayer(torch.nn.Module):
         self._discard_norm_output(norm_checkpoint, attention_out, hidden_states)
 
         norm_checkpoint = self._norm_checkpoint(recompute)
-        normed = self._norm(self.pre_mlp_layernorm, hidden_states, norm_checkpoint)
-        residual = normed if self.residual_post_norm else hidden_states
+        normed, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states, norm_checkpoint)
         if recompute and self.recompute_mlp:
             mlp_out, mlp_bias = checkpoint(self._mlp_with_bias, normed), None
         else:
@@ -124,6 +122,22 @@ class TransformerLayer(torch.nn.Module):
         if recompute and self.recompute_layernorm:
             return CheckpointWithoutOutput(preserve_rng_state=False)  # norms draw no random numbers
         return None
+
+    def _norm_and_residual(
+        self, norm: torch.nn.Module, x: torch.Tensor, recompute: CheckpointWithoutOutput | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm's output and the residual for the branch that follows.
+
+        The residual is the norm's input (pre-norm) or output (``--apply-residual-connection-post-
+        layernorm``). Pre-norm without recomputation or an fp32 residual stream asks the norm for both
+        (:meth:`Norm.forward_with_residual`), so the two uses' gradients are summed in its backward.
+        """
+        if not self.residual_post_norm and recompute is None and not self.fp32_residual:
+            forward_with_residual = getattr(norm, "forward_with_residual", None)
+            if forward_with_residual is not None:
+                return forward_with_residual(x)
+        normed = self._norm(norm, x, recompute)
+        return normed, (normed if self.residual_post_norm else x)
 
     def _norm(
         self, norm: torch.nn.Module, x: torch.Tensor, recompute: CheckpointWithoutOutput | None = None

@@ -37,6 +37,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype) * weight
 
 
+def layer_norm_with_residual(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer_norm(x), x)``: a pre-norm layer's norm output and its residual stream.
+
+    One op for both uses of ``x`` lets a backend add the residual's gradient to the norm's input
+    gradient inside the norm's backward pass; here autograd adds the two.
+    """
+    return layer_norm(x, weight, bias, eps), x
+
+
+def rms_norm_with_residual(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x), x)``: see :func:`layer_norm_with_residual`."""
+    return rms_norm(x, weight, eps), x
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -375,6 +393,8 @@ def accumulate_weight_grad(
 REFERENCE_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
+    "layer_norm_with_residual": layer_norm_with_residual,
+    "rms_norm_with_residual": rms_norm_with_residual,
     "rotary_embedding": rotary_embedding,
     "bias_gelu": bias_gelu,
     "swiglu": swiglu,

@@ -16,6 +16,8 @@ REFERENCE = "reference"
 OP_NAMES: tuple[str, ...] = (
     "layer_norm",
     "rms_norm",
+    "layer_norm_with_residual",
+    "rms_norm_with_residual",
     "rotary_embedding",
     "bias_gelu",
     "swiglu",

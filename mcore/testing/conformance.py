@@ -233,6 +233,23 @@ OP_CASES: tuple[OpCase, ...] = (
         kind="reduction",
     ),
     OpCase(
+        "layer_norm_with_residual",
+        "layer_norm_with_residual",
+        lambda dt, g: (
+            [_randn(g, 3, 5, 64, dtype=dt), _randn(g, 64, dtype=dt), _randn(g, 64, dtype=dt)],
+            {"eps": 1e-5},
+        ),
+        grad_args=(0, 1, 2),
+        kind="reduction",
+    ),
+    OpCase(
+        "rms_norm_with_residual",
+        "rms_norm_with_residual",
+        lambda dt, g: ([_randn(g, 3, 5, 64, dtype=dt), (1 + _randn(g, 64, scale=0.1)).to(dt)], {"eps": 1e-6}),
+        grad_args=(0, 1),
+        kind="reduction",
+    ),
+    OpCase(
         "rotary_embedding",
         "rotary_embedding",
         lambda dt, g: ([_randn(g, 6, 2, 4, 32, dtype=dt), rotary_freqs(6, 32)], {}),
@@ -446,7 +463,7 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
     our_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     out = fn(*ours, **our_kwargs)
     expected = ref_fn(*ref, **kwargs)
-    if isinstance(expected, tuple):  # several results (cross_entropy_local_stats), no autograd
+    if isinstance(expected, tuple):  # several results (cross_entropy_local_stats, the *_with_residual norms)
         if not isinstance(out, tuple) or len(out) != len(expected):
             raise ConformanceError(f"{what}: {type(out).__name__} result, reference {len(expected)}-tuple")
         for i, (got, want) in enumerate(zip(out, expected)):
@@ -454,17 +471,23 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
                 raise ConformanceError(f"{what}: result {i} is {got!r}, reference {want!r}")
             if want is not None:
                 assert_close(got, want, dtype, case.kind, f"{what}: result {i}")
+        _check_grads(case, what, out, expected, ours, ref, dtype, device, gen)
         return
     if out.device.type != torch.device(backend.device_type).type:
         raise ConformanceError(f"{what}: result on {out.device}, not on the backend's {backend.device_type}")
     if out.dtype != expected.dtype and dtype == torch.float32:
         raise ConformanceError(f"{what}: result dtype {out.dtype}, reference {expected.dtype}")
     assert_close(out, expected, dtype, case.kind, f"{what}: output")
+    _check_grads(case, what, (out,), (expected,), ours, ref, dtype, device, gen)
+
+
+def _check_grads(case: OpCase, what: str, outs, expected, ours, ref, dtype, device, gen) -> None:
+    """Backpropagate one random cotangent per result through both; compare ``case.grad_args``' grads."""
     if not case.grad_args:
         return
-    cotangent = torch.randn(expected.shape, generator=gen)
-    (out.float() * cotangent.to(device)).sum().backward()
-    (expected.float() * cotangent).sum().backward()
+    cotangents = [torch.randn(want.shape, generator=gen) for want in expected]
+    sum((got.float() * c.to(device)).sum() for got, c in zip(outs, cotangents)).backward()
+    sum((want.float() * c).sum() for want, c in zip(expected, cotangents)).backward()
     for i in case.grad_args:
         if ours[i].grad is None:
             raise ConformanceError(f"{what}: no gradient for argument {i}")

@@ -128,3 +128,40 @@ def test_trained_model_is_freed_by_the_garbage_collector(name):
     del model, optimizer
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_small_gradients_are_added_in_batches_before_anything_reads_them(overlap, monkeypatch):
+    """Gradients no larger than ``_BATCHED_ADD_MAX_ELEMENTS`` are queued by the hook and added with one
+    multi-tensor add at the end of each backward pass (or before a bucket's reduction starts); larger
+    ones are added at once. Either way ``main_grad`` equals the sum of the micro-batches' gradients."""
+    import copy
+
+    from mcore.distributed import ddp as ddp_module
+    from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
+
+    monkeypatch.setattr(ddp_module, "_BATCHED_ADD_MAX_ELEMENTS", 16)  # the 16x16 weight is not small
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    wrapped = DistributedDataParallel(
+        copy.deepcopy(plain),
+        DDPConfig(overlap_grad_reduce=overlap, ddp_bucket_size=40 if overlap else None),
+        ProcessGroups.single(),
+    )
+    adds = []
+    real_foreach_add = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda a, b: (adds.append(len(a)), real_foreach_add(a, b)))
+    xs = [torch.randn(5, 6) for _ in range(2)]
+    for x in xs:
+        plain(x).square().sum().backward()
+    with wrapped.no_sync():
+        wrapped(xs[0]).square().sum().backward()
+    assert not wrapped._queued_adds  # flushed when that backward ended
+    wrapped(xs[1]).square().sum().backward()
+    wrapped.finish_grad_sync()
+    assert not wrapped._queued_adds
+    small = [p for p in wrapped.module.parameters() if p.numel() <= 16]
+    assert sum(adds) == 2 * len(small) and len(adds) < 2 * len(small)  # batched, every small one twice
+    for (name, p), ref in zip(wrapped.module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.main_grad, ref.grad, msg=name)
+        assert p.grad is None

@@ -104,6 +104,16 @@ def _cases() -> list[Case]:
         Case("rms_norm", "fp32_weight_4x256", rms_args((4,), 256, torch.float32), grad=(0, 1), scale=1.5),
         Case("rms_norm", "8192x2048", rms_args((8192,), 2048), grad=(0, 1), scale=1.5, big=True),
     ]
+    # (norm(x), x): the backward sums the residual's gradient into dx
+    c += [
+        Case("layer_norm_with_residual", "3x37x96", norm_args((3, 37), 96), grad=(0, 1, 2)),
+        Case("layer_norm_with_residual", "no_bias_5x1000", norm_args((5,), 1000, bias=False), grad=(0, 1)),
+        Case("layer_norm_with_residual", "8192x2048", norm_args((8192,), 2048), grad=(0, 1, 2), big=True),
+        Case("rms_norm_with_residual", "3x37x96", rms_args((3, 37), 96), grad=(0, 1), scale=1.5),
+        Case(
+            "rms_norm_with_residual", "8192x2048", rms_args((8192,), 2048), grad=(0, 1), scale=1.5, big=True
+        ),
+    ]
 
     def rotary_args(s, b, n, d, r, freqs_shape="s11r", noncontig=False):
         def make(gen, dt, dev):
@@ -279,17 +289,22 @@ def check_case(fn: Callable, case: Case, dtype: torch.dtype, device, seed: int =
 
     out = fn(*args, **kwargs)
     gold = getattr(reference, case.op)(*gold_args, **gold_kwargs)
-    assert out.shape == gold.shape, (out.shape, gold.shape)
-    expected_dtype = getattr(reference, case.op)(
+    expected = getattr(reference, case.op)(
         *[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()}
-    ).dtype
-    assert out.dtype == expected_dtype, (out.dtype, expected_dtype)
+    )
+    # ops with several outputs (the norms' ``*_with_residual``) are checked output by output
+    outs, golds, expected = (t if isinstance(t, tuple) else (t,) for t in (out, gold, expected))
+    assert len(outs) == len(golds)
     bound = BOUNDS[dtype] * case.scale
-    errors = {"out": _rel_err(out, gold)}
+    errors = {}
+    for k, (o, g, e) in enumerate(zip(outs, golds, expected)):
+        assert o.shape == g.shape, (k, o.shape, g.shape)
+        assert o.dtype == e.dtype, (k, o.dtype, e.dtype)
+        errors["out" if len(outs) == 1 else f"out{k}"] = _rel_err(o, g)
     if case.grad:
-        dy = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
-        grads = torch.autograd.grad(out, [args[i] for i in case.grad], dy)
-        gold_grads = torch.autograd.grad(gold, [gold_args[i] for i in case.grad], dy.double())
+        dys = [torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype) for o in outs]
+        grads = torch.autograd.grad(outs, [args[i] for i in case.grad], dys)
+        gold_grads = torch.autograd.grad(golds, [gold_args[i] for i in case.grad], [d.double() for d in dys])
         for i, g, gg in zip(case.grad, grads, gold_grads):
             assert g.dtype == args[i].dtype and g.shape == args[i].shape
             errors[f"grad{i}"] = _rel_err(g, gg)
@@ -426,6 +441,8 @@ def test_cuda_op_providers(cuda_backend):
     for op in (
         "rms_norm",
         "layer_norm",
+        "rms_norm_with_residual",
+        "layer_norm_with_residual",
         "rotary_embedding",
         "swiglu",
         "bias_gelu",
@@ -447,6 +464,8 @@ def test_cuda_op_matches_reference(cuda_backend, case, dtype):
     [
         "rms_norm",
         "layer_norm",
+        "rms_norm_with_residual",
+        "layer_norm_with_residual",
         "rotary_embedding",
         "swiglu",
         "bias_gelu",
@@ -461,6 +480,7 @@ def test_cuda_ops_run_their_triton_kernels(cuda_backend, op):
     args, kwargs = case.make(torch.Generator().manual_seed(0), torch.bfloat16, torch.device("cuda"))
     args = [a.requires_grad_() if i == 0 else a for i, a in enumerate(args)]
     out = cuda_backend.ops[op](*args, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
     assert "Function" in type(out.grad_fn).__name__, type(out.grad_fn).__name__
 
 

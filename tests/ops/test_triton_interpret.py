@@ -114,6 +114,37 @@ def _main() -> int:
         "layer_norm autograd bf16 x, fp32 w/b", [_rel(g, r) for g, r in zip(got, gold)], bound[torch.bfloat16]
     )
 
+    # (norm(x), x) with the residual's gradient added in the norm's backward pass: a strided x (the
+    # kernels read rows with their stride), a residual gradient with its own row stride.
+    base = (torch.randn(37, 2 * 200) * 2 + 0.5).to(torch.bfloat16)
+    x = base[:, :200]
+    w = torch.randn(200).to(torch.bfloat16) * 0.3 + 1
+    dy = torch.randn(37, 200).to(torch.bfloat16)
+    dres = torch.randn(37, 300).to(torch.bfloat16)[:, 50:250]
+    for name, fused, plain in [
+        ("rms_norm", lambda x, w: norms.rms_norm_with_residual(x, w, 1e-5), reference.rms_norm_with_residual),
+        (
+            "layer_norm",
+            lambda x, w: norms.layer_norm_with_residual(x, w, w * 0.1, 1e-5),
+            lambda x, w, eps: reference.layer_norm_with_residual(x, w, w * 0.1, eps),
+        ),
+    ]:
+        xa, wa = x.detach().requires_grad_(), w.detach().requires_grad_()
+        out, res = fused(xa, wa)
+        assert res.data_ptr() == xa.data_ptr() and res.shape == xa.shape
+        got = torch.autograd.grad((out, res), [xa, wa], (dy, dres))
+        xg, wg = x.double().requires_grad_(), w.double().requires_grad_()
+        gold = torch.autograd.grad(plain(xg, wg, 1e-5), [xg, wg], (dy.double(), dres.double()))
+        expect(
+            f"{name}_with_residual autograd bf16",
+            [_rel(g, r) for g, r in zip(got, gold)],
+            bound[torch.bfloat16],
+        )
+        # only the residual used: its gradient passes through unchanged
+        xa = x.detach().requires_grad_()
+        (only,) = torch.autograd.grad(fused(xa, wa)[1], [xa], dres)
+        assert torch.equal(only, dres), name
+
     # bias-dropout-add: eval (the bias gradient's column sum) against the reference ...
     for (m, n), dt in [((37, 200), torch.float32), ((9, 13), torch.bfloat16)]:
         x, r, dy = torch.randn(m, n).to(dt), torch.randn(m, n).to(dt), torch.randn(m, n).to(dt)
