@@ -188,6 +188,10 @@ class LayerGraphs:
             # Set by the fusing layers' forward: these weights' gradients went to main_grad in the graph.
             c.placeholder = tuple(bool(getattr(p, "grad_added_to_main_grad", False)) for p in c.params)
             grad_output = c.static_grads[0]
+            # The captured forward's autograd graph is not needed any more; kept, it would keep the
+            # parameters' gradient accumulators (autograd nodes) alive, bound to the capture stream,
+            # so every later backward would accumulate there, behind cross-stream waits.
+            c.static_output = c.static_output.detach()
         backend.synchronize()
 
         # The warm-up passes accumulated into main_grad, which was zero (see the module docstring).

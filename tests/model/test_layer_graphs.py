@@ -122,6 +122,9 @@ def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     )
     graphs = models[0].decoder.layer_graphs
     assert graphs is not None and graphs.captured
+    # no captured forward keeps its autograd graph (and with it the parameters' gradient accumulators,
+    # bound to the capture stream)
+    assert all(c.static_output.grad_fn is None for c in graphs._captured)
     micro_batches = 2 if "4" in extra[extra.index("--global-batch-size") + 1] else 1
     assert graphs.replays == (8 - 2) * micro_batches  # every forward after the warm-up steps
     assert len(eager_losses) == len(graph_losses) == 8
