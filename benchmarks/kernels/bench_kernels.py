@@ -120,9 +120,10 @@ def _fwd_bwd(fn: Callable, make: Callable, grad_idx: tuple[int, ...]):
         args[i] = args[i].detach().requires_grad_()
     fwd = lambda: fn(*args)
     out = fwd()
-    dy = torch.randn_like(out)
+    outs = out if isinstance(out, tuple) else (out,)  # several outputs: a gradient for each
+    dys = [torch.randn_like(o) for o in outs]
     inputs = [args[i] for i in grad_idx]
-    bwd = lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
+    bwd = lambda: torch.autograd.grad(outs, inputs, dys, retain_graph=True)
     return fwd, bwd
 
 
@@ -210,6 +211,13 @@ def op_rows(ops, reference, compile_ok: bool, only: set[str] | None, copy_bw: fl
             "layer_norm", f"{m}x{h}", ops.layer_norm, reference.layer_norm,
             lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), _randn(h, scale=0.1), 1e-5), (0, 1, 2),
             2 * m * h * e, 3 * m * h * e, compile_ok,
+        )  # fmt: skip
+    if want("layer_norm_with_residual"):  # backward: + the residual's gradient read, no separate add
+        rows += run_op(
+            "layer_norm_with_residual", f"{m}x{h}", ops.layer_norm_with_residual,
+            reference.layer_norm_with_residual,
+            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), _randn(h, scale=0.1), 1e-5), (0, 1, 2),
+            2 * m * h * e, 4 * m * h * e, compile_ok,
         )  # fmt: skip
     if want("rotary_embedding"):
         s, b, n, d = SEQ, BATCH, HEADS, HEAD_DIM
