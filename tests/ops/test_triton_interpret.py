@@ -78,6 +78,9 @@ def _main() -> int:
         dx, dw = norms.rms_norm_bwd(dy, x, w, rstd, cfg and dict(cfg))
         assert dx.dtype == dt and dw.dtype == w.dtype
         expect(f"rms_norm bwd {tag}", [_rel(dx, gold[0]), _rel(dw, gold[1])], bound[dt])
+        dres = torch.randn(m, n).to(dt)  # the residual's gradient, added to dx in the same pass
+        dx, _ = norms.rms_norm_bwd(dy, x, w, rstd, cfg and dict(cfg), dres2=dres)
+        expect(f"rms_norm bwd + residual grad {tag}", [_rel(dx, gold[0] + dres.double())], bound[dt])
         for bias in (b, None):
             args = [x.double(), w.double(), None if bias is None else bias.double()]
             _, gold = grads(
@@ -96,6 +99,18 @@ def _main() -> int:
                 [_rel(g, r) for g, r in zip(got, gold)],
                 bound[dt],
             )
+            dx, _, _ = norms.layer_norm_bwd(
+                dy,
+                x,
+                w,
+                bias is not None,
+                mean,
+                rstd,
+                cfg and dict(cfg),
+                bias_dtype=torch.float32,
+                dres2=dres,
+            )
+            expect(f"layer_norm bwd + residual grad {tag}", [_rel(dx, gold[0] + dres.double())], bound[dt])
 
     # Through autograd (the op table's entry points): RMSNorm and LayerNorm, fp32 weight on bf16 x.
     x = torch.randn(3, 7, 200).to(torch.bfloat16)
