@@ -10,6 +10,7 @@ optimizer, a Llama layout and precision-aware optimizer state, and the graphs re
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -151,3 +152,25 @@ def test_tensor_parallel_graph_replay_follows_the_eager_run(tmp_path):
     assert replays == (8 - 3) * 2  # the default 3 warm-up steps, two micro-batches per step
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(torch.tensor(graph_norms), torch.tensor(eager_norms), rtol=2e-2, atol=1e-3)
+
+
+@needs_cuda
+def test_hidden_dropout_draws_a_new_mask_on_every_replay(tmp_path):
+    """Hidden dropout without sequence parallelism is captured: the bias-dropout-add kernel reads a
+    seed that a captured ``randint`` draws from the generator's graph-safe Philox state, so each
+    replay drops other elements (a frozen seed would reuse one mask for the whole run)."""
+    extra = ["--global-batch-size", "2", "--hidden-dropout", "0.1"]
+    eager_losses, _, _ = _run(tmp_path, "eager", extra)
+    losses, _, models = _run(tmp_path, "graphs", [*extra, "--cuda-graph-impl", "local"])
+    graphs = models[0].decoder.layer_graphs
+    assert graphs.replays == 8 - 3
+    assert all(math.isfinite(x) for x in losses)
+    # different masks than eager: close, not equal
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=5e-2, atol=5e-2)
+    layer = graphs._captured[0]
+    outputs = []
+    for _ in range(2):  # the same static input, two replays
+        layer.forward_graph.replay()
+        outputs.append(layer.static_output.clone())
+    torch.cuda.synchronize()
+    assert not torch.equal(outputs[0], outputs[1])
