@@ -214,40 +214,27 @@ def _ce_rows_make(smoothing: bool = False, grad: bool = False):
     return make
 
 
+def _layer_norm_make(dtype, gen):
+    """``x [3, 5, 64]``, weight and bias ``[64]``."""
+    x = _randn(gen, 3, 5, 64, dtype=dtype)
+    return [x, _randn(gen, 64, dtype=dtype), _randn(gen, 64, dtype=dtype)], {"eps": 1e-5}
+
+
+def _rms_norm_make(dtype, gen):
+    """``x [3, 5, 64]``, a weight near one ``[64]``."""
+    x = _randn(gen, 3, 5, 64, dtype=dtype)
+    return [x, (1 + _randn(gen, 64, scale=0.1)).to(dtype)], {"eps": 1e-6}
+
+
 OP_CASES: tuple[OpCase, ...] = (
-    OpCase(
-        "layer_norm",
-        "layer_norm",
-        lambda dt, g: (
-            [_randn(g, 3, 5, 64, dtype=dt), _randn(g, 64, dtype=dt), _randn(g, 64, dtype=dt)],
-            {"eps": 1e-5},
-        ),
-        grad_args=(0, 1, 2),
-        kind="reduction",
+    # the *_with_residual variants return (norm(x), x): the same inputs, gradients through both
+    *(
+        OpCase(op, op, _layer_norm_make, grad_args=(0, 1, 2), kind="reduction")
+        for op in ("layer_norm", "layer_norm_with_residual")
     ),
-    OpCase(
-        "rms_norm",
-        "rms_norm",
-        lambda dt, g: ([_randn(g, 3, 5, 64, dtype=dt), (1 + _randn(g, 64, scale=0.1)).to(dt)], {"eps": 1e-6}),
-        grad_args=(0, 1),
-        kind="reduction",
-    ),
-    OpCase(
-        "layer_norm_with_residual",
-        "layer_norm_with_residual",
-        lambda dt, g: (
-            [_randn(g, 3, 5, 64, dtype=dt), _randn(g, 64, dtype=dt), _randn(g, 64, dtype=dt)],
-            {"eps": 1e-5},
-        ),
-        grad_args=(0, 1, 2),
-        kind="reduction",
-    ),
-    OpCase(
-        "rms_norm_with_residual",
-        "rms_norm_with_residual",
-        lambda dt, g: ([_randn(g, 3, 5, 64, dtype=dt), (1 + _randn(g, 64, scale=0.1)).to(dt)], {"eps": 1e-6}),
-        grad_args=(0, 1),
-        kind="reduction",
+    *(
+        OpCase(op, op, _rms_norm_make, grad_args=(0, 1), kind="reduction")
+        for op in ("rms_norm", "rms_norm_with_residual")
     ),
     OpCase(
         "rotary_embedding",
