@@ -227,7 +227,9 @@ def threads():
 
 before = threads()
 pretrain(model_provider, forward_step, argv=sys.argv[1:])
-print(f"threads rank {os.environ['RANK']}: before {before} after {threads()}", flush=True)
+# One file per rank: both ranks share torchrun's stdout, where their lines can interleave.
+with open(f"threads_rank{os.environ['RANK']}.txt", "w") as f:
+    f.write(f"{before} {threads()}")
 """
 
 
@@ -258,10 +260,11 @@ def test_pretrain_under_torchrun_leaves_no_communication_threads(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    counts = [line.split() for line in proc.stdout.splitlines() if line.startswith("threads rank")]
-    assert len(counts) == 2, proc.stdout[-3000:]
-    for _, _, rank, _, before, _, after in counts:
-        assert int(after) <= int(before), f"rank {rank}: {before} threads before pretrain, {after} after"
+    for rank in range(2):
+        report = tmp_path / f"threads_rank{rank}.txt"
+        assert report.exists(), f"rank {rank} wrote no thread count\n" + proc.stdout[-3000:]
+        before, after = map(int, report.read_text().split())
+        assert after <= before, f"rank {rank}: {before} threads before pretrain, {after} after"
 
 
 def test_unknown_flag_exits_with_one_message(capsys):
