@@ -10,10 +10,12 @@ Parameters (``F`` = ffn_hidden_size, ``p`` TP ranks):
   ``[t F/p, (t+1) F/p)``); ``.bias`` ``[h]`` replicated.
 
 ``--recompute-granularity selective --recompute-modules mlp_act`` does not keep the activation's
-output (fc2's input, ``[s, b, F/p]``): it is computed under an output-discarding checkpoint
-(:class:`~mcore.tensor_parallel.recompute.CheckpointWithoutOutput`) from fc1's output, which the
-activation's backward needs anyway, freed once fc2 has saved it, and recomputed (the same op of the
-table) just before fc2's backward.
+output (fc2's input, ``[s, b, F/p]``): fc2 saves a recipe for it
+(:class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`), and fc2's backward recomputes it
+(the same op of the table) from fc1's output, which the activation's own backward keeps anyway.
+The op should therefore keep its input, not ``x + bias``, for backward, as the fused kernels and
+the reference ``bias_gelu`` do; a SwiGLU with a bias adds the bias outside the op, so its
+recipe keeps fc1's output on top of the sum the op saves.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from mcore.backend import get_ops
 from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
 from mcore.models.spec import build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mcore.tensor_parallel.recompute import CheckpointWithoutOutput
+from mcore.tensor_parallel.recompute import RecomputeWhenSaved
 from mcore.tensor_parallel.sharding import init_method_normal, scaled_init_method_normal
 
 
@@ -89,13 +92,16 @@ class MLP(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` (``[s/p, b, h]`` with SP) -> (output of the same shape, the un-added fc2 bias)."""
         intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, F/p] or [s, b, 2F/p]
-        if not (self.recompute_activation and self.training):
+        if not (self.recompute_activation and self.training and torch.is_grad_enabled()):
             return self.linear_fc2(self.activation(intermediate, bias))
-        act_checkpoint = CheckpointWithoutOutput(preserve_rng_state=False)  # no random numbers
-        intermediate = act_checkpoint.checkpoint(self.activation, intermediate, bias)
-        output, output_bias = self.linear_fc2(intermediate)
-        act_checkpoint.discard_output_and_register_recompute(output)
-        return output, output_bias
+        if torch.compiler.is_compiling():  # a recompute region: the partitioner recomputes it
+            activated = torch.utils.checkpoint.checkpoint(
+                self.activation, intermediate, bias, use_reentrant=False, preserve_rng_state=False
+            )
+            return self.linear_fc2(activated)
+        activated = self.activation(intermediate, bias)
+        with RecomputeWhenSaved(activated, self.activation, intermediate, bias):
+            return self.linear_fc2(activated)
 
     def activation(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``act(x + bias)``: GeLU ``[s, b, F/p]`` or SwiGLU ``[s, b, 2F/p] -> [s, b, F/p]``."""

@@ -9,18 +9,18 @@ Hidden states are ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism). Eac
 
 Selective recomputation (``--recompute-granularity selective --recompute-modules ...``, Megatron's
 names): ``core_attn`` (the default) checkpoints the core attention (:mod:`mcore.models.attention`);
-``layernorm`` computes ``norm_1``/``norm_2`` under an output-discarding checkpoint
-(:class:`~mcore.tensor_parallel.recompute.CheckpointWithoutOutput`): their outputs are freed once
-the QKV projection / fc1 has saved them and recomputed from ``x`` (kept anyway: the norm's own
-backward needs it) just before that projection's backward; ``mlp_act`` does the same for the MLP
-activation (:mod:`mcore.models.mlp`); ``mlp`` checkpoints the whole MLP.
+``layernorm`` keeps neither norm output: the QKV projection and fc1 save a recipe for it
+(:class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`), and it is recomputed from ``x``
+(kept anyway: the norm's own backward needs it) when that projection's backward reads it;
+``mlp_act`` does the same for the MLP activation (:mod:`mcore.models.mlp`); ``mlp`` checkpoints the
+whole MLP. ``layernorm`` and ``mlp_act`` run no backward pass of their own, so they also work with
+device graphs (``--cuda-graph-impl local``) and keep the fused norm-and-residual op.
 
 What ``layernorm`` frees is the tensor the projection saves for its weight gradient, when that is
 the norm output itself (or a view of it). With sequence parallelism the column-parallel linear
 all-gathers the ``[s/p, b, h]`` norm output along ``s`` and, as written today, saves the gathered
-``[s, b, h]`` copy: the checkpoint stays correct but frees only the norm's internals. It frees the
-norm output as well once that linear keeps its un-gathered input and all-gathers it again in
-backward (as Megatron's linear does with sequence parallelism).
+``[s, b, h]`` copy, so nothing is freed. It would be once that linear keeps its un-gathered input
+and all-gathers it again in backward (as Megatron's linear does with sequence parallelism).
 
 Parameter names inside a layer: ``input_layernorm.{weight,bias}``, ``self_attention.*``
 (:mod:`mcore.models.attention`), ``pre_mlp_layernorm.{weight,bias}``, ``mlp.*``
@@ -31,11 +31,11 @@ Parameter names inside a layer: ``input_layernorm.{weight,bias}``, ``self_attent
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from mcore.backend import get_ops
 from mcore.models.attention import SelfAttention
@@ -46,7 +46,7 @@ from mcore.models.mlp import MLP
 from mcore.models.norms import Norm
 from mcore.models.spec import ModuleSpec, build_module
 from mcore.tensor_parallel.random import get_rng_tracker
-from mcore.tensor_parallel.recompute import CheckpointWithoutOutput, checkpoint
+from mcore.tensor_parallel.recompute import RecomputeWhenSaved, checkpoint
 
 
 @dataclass
@@ -98,66 +98,62 @@ class TransformerLayer(torch.nn.Module):
         rotary_freqs: torch.Tensor | None = None,
         inference_context=None,
     ) -> torch.Tensor:
-        recompute = self.training and inference_context is None
-        norm_checkpoint = self._norm_checkpoint(recompute)
-        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states, norm_checkpoint)
-        attention_out, attention_bias = self.self_attention(
-            normed, attention_mask, rotary_freqs, inference_context=inference_context
-        )
+        recompute = self.training and inference_context is None and torch.is_grad_enabled()
+        recompute_norm = recompute and self.recompute_layernorm
+        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states, recompute_norm)
+        with self._recompute_norm_when_saved(recompute_norm, normed, self.input_layernorm, hidden_states):
+            attention_out, attention_bias = self.self_attention(
+                normed, attention_mask, rotary_freqs, inference_context=inference_context
+            )
+        del normed  # with recomputation nothing else holds it: its memory is free from here on
         hidden_states = self._bias_dropout_add(attention_out, attention_bias, residual)
-        self._discard_norm_output(norm_checkpoint, attention_out, hidden_states)
 
-        norm_checkpoint = self._norm_checkpoint(recompute)
-        normed, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states, norm_checkpoint)
-        if recompute and self.recompute_mlp:
-            mlp_out, mlp_bias = checkpoint(self._mlp_with_bias, normed), None
-        else:
-            mlp_out, mlp_bias = self.mlp(normed)
-        output = self._bias_dropout_add(mlp_out, mlp_bias, residual)
-        self._discard_norm_output(norm_checkpoint, mlp_out, output)
-        return output
-
-    def _norm_checkpoint(self, recompute: bool) -> CheckpointWithoutOutput | None:
-        """An output-discarding checkpoint for the next norm (``--recompute-modules layernorm``)."""
-        if recompute and self.recompute_layernorm:
-            return CheckpointWithoutOutput(preserve_rng_state=False)  # norms draw no random numbers
-        return None
+        normed, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states, recompute_norm)
+        with self._recompute_norm_when_saved(recompute_norm, normed, self.pre_mlp_layernorm, hidden_states):
+            if recompute and self.recompute_mlp:
+                mlp_out, mlp_bias = checkpoint(self._mlp_with_bias, normed), None
+            else:
+                mlp_out, mlp_bias = self.mlp(normed)
+        del normed
+        return self._bias_dropout_add(mlp_out, mlp_bias, residual)
 
     def _norm_and_residual(
-        self, norm: torch.nn.Module, x: torch.Tensor, recompute: CheckpointWithoutOutput | None
+        self, norm: torch.nn.Module, x: torch.Tensor, recompute: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The norm's output and the residual for the branch that follows.
 
         The residual is the norm's input (pre-norm) or output (``--apply-residual-connection-post-
-        layernorm``). Pre-norm without recomputation or an fp32 residual stream asks the norm for both
+        layernorm``). Pre-norm without an fp32 residual stream asks the norm for both
         (:meth:`Norm.forward_with_residual`), so the two uses' gradients are summed in its backward.
+        A recomputed norm under ``torch.compile`` is a recompute region instead (see
+        :class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`).
         """
-        if not self.residual_post_norm and recompute is None and not self.fp32_residual:
+        if recompute and torch.compiler.is_compiling():
+            normed = torch.utils.checkpoint.checkpoint(
+                self._norm, norm, x, use_reentrant=False, preserve_rng_state=False
+            )
+            return normed, (normed if self.residual_post_norm else x)
+        if not self.residual_post_norm and not self.fp32_residual:
             forward_with_residual = getattr(norm, "forward_with_residual", None)
             if forward_with_residual is not None:
                 return forward_with_residual(x)
-        normed = self._norm(norm, x, recompute)
+        normed = self._norm(norm, x)
         return normed, (normed if self.residual_post_norm else x)
 
-    def _norm(
-        self, norm: torch.nn.Module, x: torch.Tensor, recompute: CheckpointWithoutOutput | None = None
-    ) -> torch.Tensor:
-        if recompute is not None:
-            return recompute.checkpoint(functools.partial(self._norm, norm), x)
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = norm(x)
         # With an fp32 residual stream the branches still compute in the parameter dtype.
         return out.to(self.params_dtype) if self.fp32_residual else out
 
-    def _discard_norm_output(self, recompute, branch_out: torch.Tensor, layer_out: torch.Tensor) -> None:
-        """Free a checkpointed norm output, now saved by the projection that consumed it.
+    def _recompute_norm_when_saved(self, recompute: bool, normed, norm, x):
+        """``--recompute-modules layernorm``: the branch saves a recipe for ``normed``, not ``normed``.
 
-        It is refilled when the gradient reaches the branch output (before that projection's
-        backward), or, when the residual is the norm output itself, the residual sum.
+        It is recomputed from ``x`` (kept anyway: the norm's own backward reads it) when the branch's
+        first projection needs it for its weight gradient.
         """
-        if recompute is not None:
-            recompute.discard_output_and_register_recompute(
-                layer_out if self.residual_post_norm else branch_out
-            )
+        if not recompute or torch.compiler.is_compiling():  # compiled: a recompute region instead
+            return contextlib.nullcontext()
+        return RecomputeWhenSaved(normed, self._norm, norm, x)
 
     def _mlp_with_bias(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP output with its bias added (``--recompute-modules mlp`` checkpoints this)."""

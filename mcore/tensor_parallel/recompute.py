@@ -5,15 +5,15 @@ during backward. Dropout inside ``fn`` must draw the same masks both times, so t
 the host (torch) RNG state, the device RNG state and every stream of the TP RNG tracker, and the
 recompute installs them before calling ``fn`` and restores the backward-time states afterwards.
 
-:class:`CheckpointWithoutOutput` (Megatron's class of that name) goes one step further for cheap
-functions whose *output* is what the next op saves (a norm before a linear layer, the MLP
-activation before ``linear_fc2``): the output's storage is freed once that consumer has saved it,
-and refilled by recomputation in a gradient hook that runs before the consumer's backward.
+:class:`RecomputeWhenSaved` serves cheap functions whose *output* is what the next op saves (a
+norm before a linear layer, the MLP activation before ``linear_fc2``; Megatron's
+``CheckpointWithoutOutput`` use): while the consumer runs, autograd saves a recipe instead of the
+output, and the output is recomputed when backward unpacks it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,188 +84,114 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     return _CheckpointFunction.apply(function, *args)
 
 
-class _CheckpointWithoutOutputFunction(torch.autograd.Function):
-    """Forward: ``function(*args)`` under no_grad, keeping the tensor arguments and the RNG states.
+# The saved-tensor hooks active when a RecomputeWhenSaved context opens: it passes every tensor it
+# does not replace on to them (an activation counter, CPU offloading), since only the innermost
+# pair of hooks is called. Private in torch (dynamo uses it); without it nothing is chained.
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
-    Backward: backpropagate through the recomputed ``function``. The recomputation normally ran
-    already, in the gradient hook of :meth:`CheckpointWithoutOutput.discard_output_and_register_recompute`
-    (it also refilled the discarded output); otherwise it runs here.
+
+class _Recipe:
+    """What autograd keeps in place of a recomputable tensor: the recomputation and the view of it."""
+
+    __slots__ = ("source", "size", "stride", "offset")
+
+    def __init__(self, source: RecomputeWhenSaved, tensor: torch.Tensor):
+        self.source = source
+        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
+
+
+class _OuterPacked:
+    """A tensor packed by the saved-tensor hooks that were active outside."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class RecomputeWhenSaved:
+    """Inside this context, autograd saves ``output`` as a recipe; backward recomputes it.
+
+    ``output = function(*args)`` must be cheap and draw no random numbers (a norm, the MLP
+    activation), and ``args`` should be tensors that backward keeps anyway (the residual stream the
+    norm's own backward reads, fc1's output that the activation's backward reads)::
+
+        y = norm(x)                                    # computed as usual, with autograd
+        with RecomputeWhenSaved(y, norm, x):
+            z, _ = linear(y)                           # saves a recipe, not y
+        del y                                          # y's memory is free now
+
+    Every tensor that an op inside the context saves for backward and that lies in ``output``'s
+    storage (``output`` itself or a view of it) is replaced by a recipe holding ``function``,
+    ``args`` and the view's geometry. When backward unpacks it, ``function(*args)`` runs again
+    without autograd and the view is taken from the fresh result; the recomputation is shared by
+    the views unpacked while it is alive. No separate backward pass runs (unlike a checkpoint), so
+    it composes with ``torch.autograd.grad``, device-graph capture (the recomputation is captured
+    with the backward) and outer recomputation. Tensors it does not replace go to the saved-tensor
+    hooks that were active outside it, if any.
+
+    The context does nothing without autograd (``torch.no_grad``, evaluation), under
+    ``torch.compile`` (make ``output`` a recompute region there, with
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the partitioner then
+    recomputes it in the compiled backward), and when ``output`` does not own its storage
+    (a view, or an alias of an argument): then it is saved as usual.
     """
 
-    @staticmethod
-    def forward(ctx, run_function, owner, *args):
-        ctx.run_function = run_function
-        ctx.rng = _rng_snapshot() if owner.preserve_rng_state else None
-        ctx.recomputed = None
-        with torch.no_grad():
-            outputs = run_function(*args)
-        ctx.tensor_index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
-        ctx.save_for_backward(*(args[i] for i in ctx.tensor_index))
-        owner._ctx = ctx
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if ctx.recomputed is None:  # the output was not discarded: recompute now
-            ctx.recomputed = _rerun(ctx)
-        args, outputs = ctx.recomputed
-        ctx.recomputed = None
-        pairs = [
-            (o, g)
-            for o, g in zip(outputs, grads)
-            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-        ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *(a.grad if isinstance(a, torch.Tensor) else None for a in args))
-
-
-def _rerun(ctx, saved_storages: set[int] | None = None) -> tuple[list, tuple]:
-    """Run ``ctx.run_function`` again on the saved arguments with autograd, under the forward's RNG.
-
-    ``saved_storages``: if given, receives the storage addresses of the tensors the recomputation
-    saves for its own backward.
-    """
-    if not torch.autograd._is_checkpoint_valid():
-        raise RuntimeError("recompute checkpoints do not support torch.autograd.grad(); use backward()")
-    args = list(ctx.others)
-    for i, saved in zip(ctx.tensor_index, ctx.saved_tensors):
-        args[i] = saved.detach().requires_grad_(saved.requires_grad)
-    if saved_storages is None:
-        hooks = contextlib.nullcontext()
-    else:
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved_storages.add(t.untyped_storage().data_ptr())
-            return t
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    backward_rng = None if ctx.rng is None else _rng_snapshot()
-    if ctx.rng is not None:
-        _rng_restore(ctx.rng)
-    try:
-        with torch.enable_grad(), hooks:
-            outputs = ctx.run_function(*args)
-    finally:
-        if backward_rng is not None:
-            _rng_restore(backward_rng)
-    return args, (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-
-
-def _same_layout(out: torch.Tensor, new: torch.Tensor, out_storage_bytes: int) -> bool:
-    """``new``'s storage holds ``new`` exactly where ``out``'s held ``out``."""
-    return (
-        new.untyped_storage().nbytes() == out_storage_bytes
-        and new.dtype == out.dtype
-        and new.device == out.device
-        and new.size() == out.size()
-        and new.stride() == out.stride()
-        and new.storage_offset() == out.storage_offset()
-    )
-
-
-class CheckpointWithoutOutput:
-    """Run a function without keeping its graph, and free its output once the consumer saved it.
-
-    Megatron-core's ``CheckpointWithoutOutput`` (``--recompute-modules layernorm``/``moe_act``). Use
-    one object per call site and step::
-
-        ckpt = CheckpointWithoutOutput()
-        y = ckpt.checkpoint(norm, x)           # keeps x (and the RNG states), not norm's internals
-        z, _ = linear(y)                       # the consumer saves y for its weight gradient
-        ckpt.discard_output_and_register_recompute(z)   # y's storage is freed now
-
-    In backward, a hook on ``z``'s gradient recomputes ``norm(x)`` and puts it into ``y``'s storage
-    before ``linear``'s backward reads it, then backpropagates through the recomputed graph when
-    ``y``'s gradient arrives. Every view of ``y`` saved by the consumer sees the refilled storage,
-    and version counters are untouched: the recomputed memory is handed over to ``y``'s storage
-    (``UntypedStorage._swap_data_ptr_``, as Megatron's zero-copy ``share_storage``), or copied into
-    it where that is not possible. So the memory saved is ``y``
-    itself (plus whatever ``function`` would have saved internally); ``function``'s tensor arguments
-    are kept, which costs nothing when they are saved anyway (the residual stream, fc1's output).
-
-    Rules for the caller: ``y`` must not be read after the discard except through the consumer's
-    saved tensors, and ``z`` must be computed from ``y`` by the consumer, so that ``z``'s gradient
-    is ready before the consumer's backward needs ``y``. Outputs that share storage with an
-    argument are never discarded.
-
-    ``preserve_rng_state=False`` skips recording and replaying the RNG states (host, device, TP
-    tracker), which costs host time on every call: for functions that draw no random numbers.
-
-    Without autograd (``torch.no_grad``, evaluation) ``checkpoint`` just calls ``function`` and the
-    discard does nothing. Under ``torch.compile`` (a compiled layer, see the ``compile_layers``
-    capability) the call becomes ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
-    which dynamo traces as a recompute region: the partitioner then saves ``function``'s inputs and
-    recomputes its output in the backward graph, the same saving with no storage tricks.
-    """
-
-    def __init__(self, preserve_rng_state: bool = True):
-        self.preserve_rng_state = preserve_rng_state
-        self._ctx = None
-        self._outputs: tuple[torch.Tensor, ...] | None = None
-        self._sizes: list[int] | None = None
-        self._input_storages: set[int] = set()
-
-    def checkpoint(self, function: Callable[..., Any], *args: Any) -> Any:
-        """``function(*args)`` (one tensor or a tuple of tensors), recomputable without its output."""
-        if not torch.is_grad_enabled():
-            return function(*args)
-        if torch.compiler.is_compiling():
-            return torch.utils.checkpoint.checkpoint(
-                function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state
+    def __init__(self, output: torch.Tensor, function: Callable[..., torch.Tensor], *args: Any):
+        self.function, self.args = function, args
+        self._outer = None
+        self._hooks = None
+        self._latest: weakref.ref | None = None
+        self._active = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if not self._active:
+            return
+        storage = output.untyped_storage()
+        self._ptr, self._dtype, self._shape = storage.data_ptr(), output.dtype, output.shape
+        self._active = (
+            output.is_contiguous()
+            and output.storage_offset() == 0
+            and storage.nbytes() == output.numel() * output.element_size()
+            and not any(
+                isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self._ptr for a in args
             )
-        if self._ctx is not None or self._outputs is not None:
-            raise RuntimeError("a CheckpointWithoutOutput object checkpoints one call; create a new one")
-        outputs = _CheckpointWithoutOutputFunction.apply(function, self, *args)
-        self._outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-        self._input_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        return outputs
+        )
 
-    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
-        """Free the output's storage now; refill it when ``hook_tensor``'s gradient is computed.
+    def __enter__(self) -> RecomputeWhenSaved:
+        if self._active:
+            self._outer = _top_saved_tensor_hooks(False) if _top_saved_tensor_hooks is not None else None
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        return self
 
-        Does nothing when ``checkpoint`` did not record a graph (no autograd, ``torch.compile``) or
-        when ``hook_tensor`` does not require a gradient (no backward will need the output).
-        """
-        if self._outputs is None or self._ctx is None or not hook_tensor.requires_grad:
-            self._outputs = None
-            return
-        self._sizes = []
-        for out in self._outputs:
-            storage = out.untyped_storage()
-            self._sizes.append(storage.nbytes())
-            if storage.data_ptr() not in self._input_storages:
-                storage.resize_(0)
-        hook_tensor.register_hook(self._recompute)
+    def __exit__(self, *exc) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
 
-    def _recompute(self, grad: torch.Tensor) -> None:
-        ctx = self._ctx
-        if ctx is None:  # already refilled (the hook tensor's gradient was computed twice)
-            return
-        self._ctx = None
-        saved_storages: set[int] = set()
-        args, outputs = _rerun(ctx, saved_storages)
-        keep = saved_storages | {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        with torch.no_grad():
-            for out, size, new in zip(self._outputs, self._sizes, outputs):
-                storage = out.untyped_storage()
-                if storage.nbytes() == size:  # never discarded (aliases an argument)
-                    continue
-                # The backward through the recomputed graph needs ``new``'s autograd node, not its
-                # values (unless that graph saved them), so ``new``'s memory can become ``out``'s.
-                new_storage = new.untyped_storage()
-                free_new = new_storage.data_ptr() not in keep
-                if free_new and _same_layout(out, new, size) and hasattr(storage, "_swap_data_ptr_"):
-                    storage._swap_data_ptr_(new_storage)  # zero-copy; version counters untouched
-                    continue
-                storage.resize_(size)
-                # Write through a fresh alias: ``out``'s own version counter (and its saved views')
-                # stays as the consumer recorded it.
-                alias = torch.empty(0, dtype=out.dtype, device=out.device)
-                alias.set_(storage, out.storage_offset(), out.size(), out.stride())
-                alias.copy_(new.detach())
-                if free_new:
-                    new_storage.resize_(0)
-        ctx.recomputed = (args, outputs)
-        self._outputs = self._sizes = None
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.dtype == self._dtype and tensor.untyped_storage().data_ptr() == self._ptr:
+            return _Recipe(self, tensor)
+        if self._outer is not None:
+            return _OuterPacked(self._outer[0](tensor))
+        return tensor
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Recipe):
+            return self._recomputed().as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _OuterPacked):
+            return self._outer[1](packed.value)
+        return packed
+
+    def _recomputed(self) -> torch.Tensor:
+        output = self._latest() if self._latest is not None else None
+        if output is None:
+            with torch.no_grad():
+                output = self.function(*self.args)
+            if output.shape != self._shape or output.dtype != self._dtype or not output.is_contiguous():
+                raise RuntimeError(
+                    f"recomputing {getattr(self.function, '__qualname__', self.function)} gave a "
+                    f"{output.dtype} tensor of shape {tuple(output.shape)}, not the contiguous "
+                    f"{self._dtype} {tuple(self._shape)} computed in forward"
+                )
+            self._latest = weakref.ref(output)
+        return output

@@ -127,6 +127,11 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
     return cfg.replace(training=training)
 
 
+# Selective recompute modules that device graphs can capture: they recompute inside the backward pass
+# that reads them (mcore.tensor_parallel.recompute.RecomputeWhenSaved) and run no backward of their own.
+GRAPH_SAFE_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act"})
+
+
 def _check_layer_graphs(cfg: RunConfig, backend: DeviceBackend) -> None:
     """What ``--cuda-graph-impl local`` (:mod:`mcore.models.layer_graphs`) cannot replay."""
     model, parallel = cfg.model, cfg.parallel
@@ -140,12 +145,19 @@ def _check_layer_graphs(cfg: RunConfig, backend: DeviceBackend) -> None:
         )
     if cfg.training.compile_layers:
         raise ConfigError(f"{flag} and --compile-layers: choose one")
-    if model.recompute_granularity is not None:
-        # The backward graph is captured with torch.autograd.grad; a recomputed region backpropagates
+    captured_recompute = model.selective_recompute_modules - GRAPH_SAFE_RECOMPUTE_MODULES
+    if model.recompute_granularity == "full" or captured_recompute:
+        # The backward graph is captured with torch.autograd.grad; a checkpointed region backpropagates
         # with its own backward() call, which accumulates into .grad instead of returning gradients.
+        # layernorm and mlp_act recompute inside the backward that reads them, which is captured.
+        what = (
+            "--recompute-granularity full"
+            if model.recompute_granularity == "full"
+            else f"--recompute-modules {' '.join(sorted(captured_recompute))}"
+        )
         raise ConfigError(
-            f"{flag}: --recompute-granularity {model.recompute_granularity} cannot be captured "
-            "(a recomputed region runs its own backward pass); drop the recompute flags"
+            f"{flag}: {what} cannot be captured (a checkpointed region runs its own backward pass); "
+            "--recompute-granularity selective --recompute-modules layernorm mlp_act can"
         )
     if model.attention_dropout > 0.0:
         raise ConfigError(

@@ -49,7 +49,9 @@ class _GraphBackend:
         (["--pipeline-model-parallel-size", "2", "--num-layers", "4"], "--pipeline-model-parallel-size 1 (got 2)"),
         (["--compile-layers"], "--compile-layers: choose one"),
         (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], "--recompute-granularity full"),
-        (["--recompute-granularity", "selective"], "--recompute-granularity selective"),
+        (["--recompute-granularity", "selective"], "--recompute-modules core_attn cannot be captured"),
+        (["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"],
+         "--recompute-modules mlp cannot be captured"),
         (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
         (["--hidden-dropout", "0.1", "--sequence-parallel", "--tensor-model-parallel-size", "2"], "--sequence-parallel"),
         (["--use-distributed-optimizer", "--overlap-param-gather"], "--overlap-param-gather"),
@@ -60,6 +62,13 @@ def test_layouts_the_graphs_cannot_replay_are_refused(extra, message):
     with pytest.raises(ConfigError, match="--cuda-graph-impl local") as err:
         check_run_config(cfg, _GraphBackend(), world_size=2)
     assert message in str(err.value)
+
+
+def test_recompute_inside_the_backward_is_accepted():
+    """``layernorm`` and ``mlp_act`` recompute in the backward pass that reads them: capturable."""
+    argv = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp_act"]
+    cfg = parse_run_config([*_BASE, "--cuda-graph-impl", "local", *argv])
+    check_run_config(cfg, _GraphBackend(), world_size=1)
 
 
 def test_backend_without_device_graphs_is_refused():
@@ -113,8 +122,13 @@ def _run(tmp_path, name: str, extra: list[str]):
          "--position-embedding-type", "rope", "--disable-bias-linear", "--group-query-attention",
          "--num-query-groups", "2"],
         ["--global-batch-size", "4", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+        ["--global-batch-size", "4", "--recompute-granularity", "selective",
+         "--recompute-modules", "layernorm", "mlp_act"],
+        ["--global-batch-size", "2", "--normalization", "RMSNorm", "--swiglu",
+         "--position-embedding-type", "rope", "--disable-bias-linear", "--recompute-granularity",
+         "selective", "--recompute-modules", "layernorm", "mlp_act"],
     ],
-    ids=["accumulation", "distopt-overlap", "llama", "precision-aware"],
+    ids=["accumulation", "distopt-overlap", "llama", "precision-aware", "recompute", "llama-recompute"],
 )  # fmt: skip
 def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     eager_losses, eager_norms, _ = _run(tmp_path, "eager", extra)

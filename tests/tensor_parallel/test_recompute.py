@@ -1,5 +1,8 @@
 """Recomputation replays the host, device and TP-tracker random streams (Megatron's CheckpointFunction)."""
 
+import contextlib
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -40,92 +43,124 @@ def test_checkpoint_without_grad_just_calls():
     assert torch.equal(out, torch.full((2,), 2.0))
 
 
-# -- CheckpointWithoutOutput (--recompute-modules layernorm / mlp_act) ---------------------------------
+# -- RecomputeWhenSaved (--recompute-modules layernorm / mlp_act) --------------------------------------
+
+_CALLS = []
 
 
-def _norm_then_linear(x, w, ln_w, use_ckpt: bool, nested: bool = False):
-    """``tanh(layer_norm(x)) @ w``; the norm output is what the matmul saves (and what is discarded)."""
-    from mcore.tensor_parallel.recompute import CheckpointWithoutOutput
-
-    def body(x, w):
-        norm = lambda t: torch.tanh(F.layer_norm(t, (t.shape[-1],), ln_w))  # noqa: E731
-        if not use_ckpt:
-            return norm(x) @ w
-        ckpt = CheckpointWithoutOutput()
-        y = ckpt.checkpoint(norm, x)
-        z = y @ w
-        ckpt.discard_output_and_register_recompute(z)
-        _norm_then_linear.discarded = y.untyped_storage().nbytes() == 0 if torch.is_grad_enabled() else None
-        return z
-
-    return checkpoint(body, x, w) if nested else body(x, w)
+def _norm(x, ln_w):
+    """The recomputable producer (it keeps ``x`` and its statistics, not its output), counting calls."""
+    _CALLS.append(x.shape)
+    return F.layer_norm(x, (x.shape[-1],), ln_w)
 
 
-def _grads(use_ckpt: bool, nested: bool = False):
+def _inputs():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 8, generator=gen).requires_grad_(True)
     w = torch.randn(8, 4, generator=gen).requires_grad_(True)
     ln_w = torch.randn(8, generator=gen).requires_grad_(True)
-    z = _norm_then_linear(x, w, ln_w, use_ckpt, nested)
-    (z * torch.arange(20.0).view(5, 4)).sum().backward()
-    return z.detach(), x.grad, w.grad, ln_w.grad
+    return x, w, ln_w
 
 
-def test_checkpoint_without_output_frees_the_output_and_gives_the_same_gradients():
-    plain = _grads(False)
-    discarding = _grads(True)
-    assert _norm_then_linear.discarded, "the norm output's storage was not freed"
-    for a, b in zip(plain, discarding):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+def _norm_then_linear(recompute: bool, consumer=lambda y, w: y @ w):
+    """(output, grads of x, w, ln_w, activation bytes kept, producer calls in backward)."""
+    from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+    from mcore.testing.memory import SavedActivations
+
+    x, w, ln_w = _inputs()
+    with SavedActivations(exclude=(w, ln_w)) as saved:
+        y = _norm(x, ln_w)
+        with RecomputeWhenSaved(y, _norm, x, ln_w) if recompute else contextlib.nullcontext():
+            z = consumer(y, w)
+        del y
+    kept = saved.nbytes()
+    saved.clear()
+    _CALLS.clear()
+    (z * torch.arange(float(z.numel())).view_as(z)).sum().backward()
+    return z.detach(), x.grad, w.grad, ln_w.grad, kept, len(_CALLS)
 
 
-def test_checkpoint_without_output_inside_a_full_checkpoint():
-    """The no-grad forward of the outer checkpoint does not discard; its backward replay does."""
-    plain = _grads(False)
-    nested = _grads(True, nested=True)
-    assert _norm_then_linear.discarded  # set by the replay in backward
-    for a, b in zip(plain, nested):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-
-
-def test_checkpoint_without_output_keeps_outputs_that_alias_an_input_and_no_grad_calls():
-    from mcore.tensor_parallel.recompute import CheckpointWithoutOutput
-
-    x = torch.randn(3, 4, requires_grad=True)
-    w = torch.randn(4, 4, requires_grad=True)
-    ckpt = CheckpointWithoutOutput()
-    y = ckpt.checkpoint(lambda t: t.view(12).view(3, 4), x)
-    z = y @ w
-    ckpt.discard_output_and_register_recompute(z)
-    assert y.untyped_storage().nbytes() == x.untyped_storage().nbytes()  # not freed: it is x
-    z.sum().backward()
-    torch.testing.assert_close(x.grad, w.sum(1).expand(3, 4))
-    with torch.no_grad():
-        ckpt = CheckpointWithoutOutput()
-        y = ckpt.checkpoint(torch.tanh, x)
-        ckpt.discard_output_and_register_recompute(y @ w)
-        assert torch.equal(y, torch.tanh(x))
-
-
-def test_checkpoint_without_output_replays_random_numbers():
-    """A function that draws random numbers (dropout, on the default and the TP stream) recomputes
-    the same output (``preserve_rng_state=True``, the default)."""
-    from mcore.tensor_parallel.recompute import CheckpointWithoutOutput
-
-    def run(discard: bool):
-        model_parallel_seed(5, tp_rank=0)
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(4, 6, generator=gen).requires_grad_(True)
-        w = torch.randn(6, 3, generator=gen).requires_grad_(True)
-        if discard:
-            ckpt = CheckpointWithoutOutput()
-            y = ckpt.checkpoint(_block, x, torch.eye(6), 1.0)
-            z = y @ w
-            ckpt.discard_output_and_register_recompute(z)
-        else:
-            z = _block(x, torch.eye(6), 1.0) @ w
-        z.sum().backward()
-        return z.detach(), x.grad, w.grad
-
-    for a, b in zip(run(False), run(True)):
+def test_recompute_when_saved_keeps_a_recipe_and_gives_the_same_gradients():
+    *plain, kept_plain, calls_plain = _norm_then_linear(False)
+    *recomputing, kept, calls = _norm_then_linear(True)
+    for a, b in zip(plain, recomputing):
         assert torch.equal(a, b)
+    assert kept_plain - kept == 5 * 8 * 4, "the matmul still keeps the norm output"
+    assert calls_plain == 0 and calls == 1
+
+
+def test_recompute_when_saved_rebuilds_saved_views():
+    """The consumer saves views (a transpose, a slice): each is taken from the recomputed output."""
+
+    def consumer(y, w):
+        return y.t().t()[1:] @ w + (y[:, :4] * y[:, 4:]).sum(-1, keepdim=True)[1:]
+
+    *plain, _, _ = _norm_then_linear(False, consumer)
+    *recomputing, _, calls = _norm_then_linear(True, consumer)
+    for a, b in zip(plain, recomputing):
+        assert torch.equal(a, b)
+    assert calls >= 1
+
+
+def test_recompute_when_saved_passes_other_tensors_to_the_outer_hooks():
+    """Tensors it does not replace reach the saved-tensor hooks that were active outside."""
+    from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+
+    x, w, ln_w = _inputs()
+    outer = []
+
+    def pack(t):
+        outer.append(t.shape)
+        return ("outer", t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1]):
+        y = _norm(x, ln_w)
+        with RecomputeWhenSaved(y, _norm, x, ln_w):
+            u = torch.sin(w)  # saves w: passed on
+            z = y @ u  # saves y (replaced) and u (passed on)
+    assert torch.Size([5, 8]) not in outer[-2:] and outer[-2:] == [torch.Size([8, 4])] * 2
+    z.sum().backward()
+    torch.testing.assert_close(w.grad, torch.cos(w) * (_norm(x, ln_w).detach().t() @ torch.ones(5, 4)))
+
+
+def test_recompute_when_saved_is_inactive_without_autograd_and_for_aliases():
+    from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+
+    x, w, ln_w = _inputs()
+    with torch.no_grad(), RecomputeWhenSaved(x * 2, _norm, x, ln_w) as ctx:
+        assert not ctx._active
+    view = x[1:]  # does not own its storage
+    assert not RecomputeWhenSaved(view, lambda t: t[1:], x)._active
+    same = x.view(40).view(5, 8)  # aliases its argument
+    assert not RecomputeWhenSaved(same, lambda t: t.view(40).view(5, 8), x)._active
+
+
+def test_recompute_when_saved_with_autograd_grad_and_inside_a_checkpoint():
+    """No backward pass of its own: torch.autograd.grad works (device-graph capture uses it), and so
+    does a full checkpoint around it (recorded in the checkpoint's backward replay)."""
+    from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+
+    def body(x, w, ln_w, recompute):
+        y = _norm(x, ln_w)
+        with RecomputeWhenSaved(y, _norm, x, ln_w) if recompute else contextlib.nullcontext():
+            return y @ w
+
+    x, w, ln_w = _inputs()
+    expected = torch.autograd.grad(body(x, w, ln_w, False).sum(), (x, w, ln_w))
+    got = torch.autograd.grad(body(x, w, ln_w, True).sum(), (x, w, ln_w))
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    checkpoint(body, x, w, ln_w, True).sum().backward()
+    for a, b in zip(expected, (x.grad, w.grad, ln_w.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_recompute_when_saved_rejects_a_different_recomputation():
+    from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+
+    x, w, _ = _inputs()
+    y = torch.tanh(x)
+    with RecomputeWhenSaved(y, lambda t: torch.tanh(t[:, :4]), x):
+        z = y @ w
+    with pytest.raises(RuntimeError, match=r"shape \(5, 4\), not the contiguous torch.float32 \(5, 8\)"):
+        z.sum().backward()
