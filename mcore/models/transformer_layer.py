@@ -16,11 +16,10 @@ names): ``core_attn`` (the default) checkpoints the core attention (:mod:`mcore.
 whole MLP. ``layernorm`` and ``mlp_act`` run no backward pass of their own, so they also work with
 device graphs (``--cuda-graph-impl local``) and keep the fused norm-and-residual op.
 
-What ``layernorm`` frees is the tensor the projection saves for its weight gradient, when that is
-the norm output itself (or a view of it). With sequence parallelism the column-parallel linear
-all-gathers the ``[s/p, b, h]`` norm output along ``s`` and, as written today, saves the gathered
-``[s, b, h]`` copy, so nothing is freed. It would be once that linear keeps its un-gathered input
-and all-gathers it again in backward (as Megatron's linear does with sequence parallelism).
+What ``layernorm`` frees is the tensor the projection saves for its weight gradient. With sequence
+parallelism the column-parallel linear all-gathers the ``[s/p, b, h]`` norm output along ``s`` and
+keeps a recipe (all-gather this rank's norm output again) whose argument, the local norm output,
+becomes the norm's own recipe: the layer keeps neither.
 
 Parameter names inside a layer: ``input_layernorm.{weight,bias}``, ``self_attention.*``
 (:mod:`mcore.models.attention`), ``pre_mlp_layernorm.{weight,bias}``, ``mlp.*``

@@ -10,7 +10,10 @@ tensors (:func:`~mcore.tensor_parallel.sharding.initialize_parameters`), so valu
 Sequence parallelism: activations outside the TP regions are ``[s/p, b, h]``. A column-parallel layer
 all-gathers its input along ``s`` (gradient: reduce-scatter) and a row-parallel layer reduce-scatters
 its output along ``s`` instead of all-reducing it (gradient: all-gather). See
-:mod:`mcore.tensor_parallel.mappings`.
+:mod:`mcore.tensor_parallel.mappings`. The column-parallel layer keeps its ``[s/p, b, in]`` input,
+not the gathered ``[s, b, in]``, for the weight gradient and all-gathers it again in backward
+(:class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`): one more all-gather per layer and
+backward pass, for ``1/p`` of the activation memory.
 
 Gradient-accumulation fusion (``gradient_accumulation_fusion=True``, on by default in models;
 ``--no-gradient-accumulation-fusion`` turns it off, as in Megatron): when the weight has a ``main_grad`` (a view into the DDP gradient
@@ -21,11 +24,14 @@ producing a gradient tensor that the DDP hook then adds. See :func:`linear_with_
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from mcore.backend import get_ops
 from mcore.tensor_parallel.mappings import (
+    all_gather_along_sequence,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -35,6 +41,7 @@ from mcore.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from mcore.tensor_parallel.recompute import RecomputeWhenSaved
 from mcore.tensor_parallel.sharding import ZEROS, InitMethod, NormalInit, ParamLayout, make_parameter
 
 # ``main_grad += grad_output_2d^T input_2d`` in place (the backend's ``accumulate_weight_grad``), as
@@ -147,6 +154,22 @@ def fusion_main_grad(
     return main_grad if fuse else None
 
 
+def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool):
+    """A column-parallel layer's full input, and the context to compute with it in.
+
+    With sequence parallelism ``x [s/p, b, in]`` is all-gathered along ``s`` (gradient:
+    reduce-scatter). The layer's weight gradient needs the gathered ``[s, b, in]``; inside the
+    returned context autograd keeps ``x`` instead and gathers it again when backward reads it
+    (:class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`), as Megatron's linear does: one
+    more all-gather in backward for ``1/p`` of the memory. Without it, ``x`` is the full input
+    (gradient: all-reduce over TP) and the context does nothing.
+    """
+    if not sequence_parallel:
+        return copy_to_tensor_model_parallel_region(x, group), contextlib.nullcontext()
+    total = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
+    return total, RecomputeWhenSaved(total, all_gather_along_sequence, x, group)
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A + b`` with ``A`` split by columns over the TP ranks.
 
@@ -231,17 +254,15 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"weight of shape {tuple(weight.shape)} given, expected "
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = linear_with_grad_accumulation_fusion(
-            x,
-            weight,
-            None if self.skip_bias_add else self.bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            shared_weight=weight is not self.weight,
-        )
+        total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
+        with saved_input:
+            y = linear_with_grad_accumulation_fusion(
+                total,
+                weight,
+                None if self.skip_bias_add else self.bias,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                shared_weight=weight is not self.weight,
+            )
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)

@@ -253,6 +253,11 @@ def gather_from_sequence_parallel_region(
     return _GatherFromSequenceParallel.apply(x, group, tensor_parallel_output_grad)
 
 
+def all_gather_along_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s/p, ...] -> [s, ...]`` in rank order, outside autograd (a recipe's recomputation)."""
+    return x if _is_trivial(group) else _gather_first(x, group)
+
+
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Sum partial results and keep this rank's ``1/p`` of the sequence dim (gradient: all-gather)."""
     return x if _is_trivial(group) else _ReduceScatterToSequenceParallel.apply(x, group)

@@ -31,10 +31,8 @@ import torch.nn.functional as F
 
 from mcore.backend import get_ops
 from mcore.tensor_parallel.cross_entropy import combine_local_stats, local_label_masks
-from mcore.tensor_parallel.layers import fusion_main_grad
+from mcore.tensor_parallel.layers import column_parallel_input, fusion_main_grad
 from mcore.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     group_rank,
     group_size,
 )
@@ -134,8 +132,9 @@ def linear_cross_entropy(
 
     Args:
         hidden: the output layer's input ``[s, b, h]`` (``[s/p, b, h]`` with ``sequence_parallel``:
-            all-gathered along ``s``, gradient reduce-scattered; otherwise the gradient is
-            all-reduced over TP, as a column-parallel layer does).
+            all-gathered along ``s``, gradient reduce-scattered, and kept un-gathered for backward;
+            otherwise the gradient is all-reduced over TP), as a column-parallel layer does it
+            (:func:`~mcore.tensor_parallel.layers.column_parallel_input`).
         weight: ``[V/p, h]``, this rank's vocabulary rows (possibly the tied word embedding).
         labels: ``[s, b]`` int64 ids in ``[0, V)`` (or an ignore index outside it, e.g. -100).
         num_chunks: chunks of the ``s*b`` token rows (at least 1; at most one row each).
@@ -151,17 +150,15 @@ def linear_cross_entropy(
         raise ValueError(f"num_chunks={num_chunks} ({FLAG}) must be a positive integer")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    if sequence_parallel:
-        x = gather_from_sequence_parallel_region(hidden, group, tensor_parallel_output_grad=True)
-    else:
-        x = copy_to_tensor_model_parallel_region(hidden, group)
+    x, saved_input = column_parallel_input(hidden, group, sequence_parallel)
     if tuple(labels.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"labels of shape {tuple(labels.shape)} given for hidden states {tuple(x.shape)}")
     # the placeholder protocol of linear_with_grad_accumulation_fusion (flag written in the forward)
     main_grad = fusion_main_grad(weight, gradient_accumulation_fusion, shared_weight)
-    return _ChunkedLinearCrossEntropy.apply(
-        x, weight, labels, group, label_smoothing, num_chunks, main_grad, shared_weight
-    )
+    with saved_input:
+        return _ChunkedLinearCrossEntropy.apply(
+            x, weight, labels, group, label_smoothing, num_chunks, main_grad, shared_weight
+        )
 
 
 def output_layer_cross_entropy(

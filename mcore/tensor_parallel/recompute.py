@@ -127,8 +127,14 @@ class RecomputeWhenSaved:
     without autograd and the view is taken from the fresh result; the recomputation is shared by
     the views unpacked while it is alive. No separate backward pass runs (unlike a checkpoint), so
     it composes with ``torch.autograd.grad``, device-graph capture (the recomputation is captured
-    with the backward) and outer recomputation. Tensors it does not replace go to the saved-tensor
-    hooks that were active outside it, if any.
+    with the backward) and outer recomputation. ``function`` may be a collective (the sequence-
+    parallel all-gather of a linear layer's input): every rank unpacks at the same point of its
+    backward.
+
+    Tensors it does not replace go to the saved-tensor hooks that were active outside it, if any,
+    and so do the recipe's tensor arguments: they are kept *as if saved* there. Contexts nest
+    that way: the all-gather's recipe inside a linear layer keeps the local norm output, which the
+    enclosing norm context turns into a recipe of its own.
 
     The context does nothing without autograd (``torch.no_grad``, evaluation), under
     ``torch.compile`` (make ``output`` a recompute region there, with
@@ -139,6 +145,7 @@ class RecomputeWhenSaved:
 
     def __init__(self, output: torch.Tensor, function: Callable[..., torch.Tensor], *args: Any):
         self.function, self.args = function, args
+        self._saved_args: tuple | None = None  # the arguments as the outer hooks packed them
         self._outer = None
         self._hooks = None
         self._latest: weakref.ref | None = None
@@ -167,15 +174,21 @@ class RecomputeWhenSaved:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
+        self.args = None  # the recipes hold the arguments as packed, or nothing needs them
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.dtype == self._dtype and tensor.untyped_storage().data_ptr() == self._ptr:
+            if self._saved_args is None:
+                self._saved_args = tuple(self._pack_outer(a) for a in self.args)
             return _Recipe(self, tensor)
-        if self._outer is not None:
-            return _OuterPacked(self._outer[0](tensor))
-        return tensor
+        return self._pack_outer(tensor)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def _pack_outer(self, value: Any) -> Any:
+        if self._outer is None or not isinstance(value, torch.Tensor):
+            return value
+        return _OuterPacked(self._outer[0](value))
+
+    def _unpack(self, packed: Any) -> Any:
         if isinstance(packed, _Recipe):
             return self._recomputed().as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, _OuterPacked):
@@ -185,8 +198,9 @@ class RecomputeWhenSaved:
     def _recomputed(self) -> torch.Tensor:
         output = self._latest() if self._latest is not None else None
         if output is None:
+            args = tuple(self._unpack(a) for a in self._saved_args)
             with torch.no_grad():
-                output = self.function(*self.args)
+                output = self.function(*args)
             if output.shape != self._shape or output.dtype != self._dtype or not output.is_contiguous():
                 raise RuntimeError(
                     f"recomputing {getattr(self.function, '__qualname__', self.function)} gave a "

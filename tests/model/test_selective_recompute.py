@@ -111,14 +111,13 @@ def _step(model: GPTModel):
 def _discarded_bytes(cfg: ModelConfig, modules, tp: int = 1, sp: bool = False) -> int:
     """The least that ``modules`` must free per model: the tensors they stop keeping (fp32).
 
-    ``layernorm`` with sequence parallelism is not counted: the QKV projection and fc1 all-gather
-    the norm output and save the gathered copy, which the layer cannot discard (see the report in
-    :mod:`mcore.models.transformer_layer`), so only the norm's own internals go.
+    With sequence parallelism the QKV projection and fc1 keep this rank's ``[s/p, b, h]`` norm
+    output (for the all-gather in backward), which ``layernorm`` then recomputes.
     """
     tokens = SEQ * BATCH
     per_layer = 0
-    if "layernorm" in modules and not sp:
-        per_layer += 2 * tokens * cfg.hidden_size
+    if "layernorm" in modules:
+        per_layer += 2 * (tokens // tp if sp else tokens) * cfg.hidden_size
     if "mlp_act" in modules:
         per_layer += tokens * cfg.ffn_hidden_size // tp
     if "mlp" in modules:  # at least fc1's output and the activation output

@@ -103,24 +103,57 @@ def test_recompute_when_saved_rebuilds_saved_views():
 
 
 def test_recompute_when_saved_passes_other_tensors_to_the_outer_hooks():
-    """Tensors it does not replace reach the saved-tensor hooks that were active outside."""
+    """Tensors it does not replace, and the recipe's arguments, reach the hooks active outside."""
     from mcore.tensor_parallel.recompute import RecomputeWhenSaved
 
     x, w, ln_w = _inputs()
     outer = []
 
     def pack(t):
-        outer.append(t.shape)
+        outer.append(t.untyped_storage().data_ptr())
         return ("outer", t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1]):
         y = _norm(x, ln_w)
+        start = len(outer)
         with RecomputeWhenSaved(y, _norm, x, ln_w):
             u = torch.sin(w)  # saves w: passed on
-            z = y @ u  # saves y (replaced) and u (passed on)
-    assert torch.Size([5, 8]) not in outer[-2:] and outer[-2:] == [torch.Size([8, 4])] * 2
+            z = y @ u  # saves y (replaced: its arguments x and ln_w are passed on) and u (passed on)
+    inside = outer[start:]
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert ptr(y) not in inside
+    assert sorted(inside) == sorted([ptr(w), ptr(x), ptr(ln_w), ptr(u)])
     z.sum().backward()
     torch.testing.assert_close(w.grad, torch.cos(w) * (_norm(x, ln_w).detach().t() @ torch.ones(5, 4)))
+
+
+def test_nested_recipes_keep_only_the_innermost_argument():
+    """A recipe whose argument is itself recomputable (the sequence-parallel gather of a norm
+    output): the inner recipe's argument becomes the outer recipe; only ``x`` stays."""
+    from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+    from mcore.testing.memory import SavedActivations
+
+    def gather(t):  # stands in for the all-gather along the sequence
+        return torch.cat([t, t * 2])
+
+    results = []
+    for recompute in (False, True):
+        x, w, ln_w = _inputs()
+        with SavedActivations(exclude=(w, ln_w)) as saved:
+            y = _norm(x, ln_w)
+            with RecomputeWhenSaved(y, _norm, x, ln_w) if recompute else contextlib.nullcontext():
+                g = gather(y)
+                with RecomputeWhenSaved(g, gather, y) if recompute else contextlib.nullcontext():
+                    z = g @ w
+            del y, g
+        kept = saved.nbytes()
+        saved.clear()
+        z.sum().backward()
+        results.append((kept, x.grad, w.grad, ln_w.grad))
+    (kept_plain, *plain), (kept, *recomputing) = results
+    for a, b in zip(plain, recomputing):
+        assert torch.equal(a, b)
+    assert kept_plain - kept == 4 * (10 * 8), "the gathered copy is still kept"
 
 
 def test_recompute_when_saved_is_inactive_without_autograd_and_for_aliases():

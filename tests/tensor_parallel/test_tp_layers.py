@@ -20,6 +20,7 @@ from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mcore.tensor_parallel.sharding import build_shard_specs
 from mcore.testing.distributed import run_distributed
+from mcore.testing.memory import SavedActivations
 
 TP = 2
 S, B, H, OUT = 4, 3, 6, 8  # sequence, batch, in features, out features (all divisible by TP)
@@ -118,7 +119,11 @@ def _check_layers(group, rank) -> dict[str, float]:
             )
             specs = _set_from_full(layer, {"weight": w_col, "bias": b_col}, rank)
             x = (x_full.chunk(TP, 0)[rank] if sp else x_full).clone().requires_grad_(True)
-            y, bias = layer(x)
+            with SavedActivations(exclude=layer.parameters()) as saved:
+                y, bias = layer(x)
+            # for its weight gradient the layer keeps x, never the all-gathered [s, b, h] (with SP)
+            errors[f"kept_column_stacked{stacked}_sp{sp}"] = saved.nbytes() - x.numel() * x.element_size()
+            saved.clear()
             assert bias is None
             y_ref, gx_ref, (gw_ref, gb_ref) = reference(lambda x, w, b: F.linear(x, w, b), w_col, b_col)
             y.backward(_out_features(specs["weight"], grad_out))
@@ -251,6 +256,12 @@ def test_parallel_layers_match_single_device(errors, prefix):
     bad = {k: v for k, v in errors.items() if k.startswith(prefix) and v > 1e-5}
     assert not bad, bad
     assert any(k.startswith(prefix) for k in errors)
+
+
+def test_column_parallel_layer_keeps_only_its_local_input(errors):
+    """With sequence parallelism the input is all-gathered again in backward, not kept gathered."""
+    kept = {k: v for k, v in errors.items() if k.startswith("kept_column")}
+    assert len(kept) == 4 and all(v == 0 for v in kept.values()), kept
 
 
 def test_vocab_parallel_cross_entropy_matches_torch(errors):
