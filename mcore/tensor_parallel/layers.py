@@ -245,15 +245,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self, x: torch.Tensor, weight: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [..., in]`` (``[s/p, b, in]`` with SP) -> ``([..., out/p] or [..., out], bias)``."""
-        if weight is None:
-            if self.weight is None:
-                raise ValueError("this ColumnParallelLinear has no weight of its own: pass weight=")
-            weight = self.weight
-        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
-            raise ValueError(
-                f"weight of shape {tuple(weight.shape)} given, expected "
-                f"{(self.output_size_per_partition, self.input_size)}"
-            )
+        weight = self.resolve_weight(weight)
         total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
         with saved_input:
             y = linear_with_grad_accumulation_fusion(
@@ -266,6 +258,19 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
+
+    def resolve_weight(self, weight: torch.Tensor | None) -> torch.Tensor:
+        """The weight a call computes with: ``weight`` (checked to be ``[out/p, in]``) or the layer's own."""
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("this ColumnParallelLinear has no weight of its own: pass weight=")
+            return self.weight
+        if tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} given, expected "
+                f"{(self.output_size_per_partition, self.input_size)}"
+            )
+        return weight
 
     def extra_repr(self) -> str:
         return (

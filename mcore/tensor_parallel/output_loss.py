@@ -179,15 +179,7 @@ def output_layer_cross_entropy(
             f"{FLAG} supports an output layer without bias and without gather_output "
             f"(got bias={layer.bias is not None}, gather_output={layer.gather_output})"
         )
-    if weight is None:
-        if layer.weight is None:
-            raise ValueError("this ColumnParallelLinear has no weight of its own: pass weight=")
-        weight = layer.weight
-    elif tuple(weight.shape) != (layer.output_size_per_partition, layer.input_size):
-        raise ValueError(
-            f"weight of shape {tuple(weight.shape)} given, expected "
-            f"{(layer.output_size_per_partition, layer.input_size)}"
-        )
+    weight = layer.resolve_weight(weight)
     return linear_cross_entropy(
         hidden,
         weight,
