@@ -347,6 +347,7 @@ def main(argv=None) -> int:
         # Device graphs keep activations in their own pool, which the allocated peak does not see
         # during a replay: compare graph runs by what the allocator holds.
         "reserved_gib": mem["reserved"] / 2**30,
+        "peak_reserved_gib": mem.get("peak_reserved", 0) / 2**30,
         "lm_loss": final_loss,
         "grad_norm": final_grad_norm,
     }

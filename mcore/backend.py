@@ -60,7 +60,8 @@ class DeviceBackend(Protocol):
         """Restore a state returned by :meth:`get_rng_state`."""
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes: ``allocated``, ``reserved``, ``peak_allocated`` (zeros where unknown)."""
+        """Bytes: ``allocated``, ``reserved``, ``peak_allocated`` (zeros where unknown); optionally
+        ``peak_reserved``."""
 
     def reset_peak_memory_stats(self) -> None:
         """Restart ``peak_allocated`` from the current allocation."""
@@ -120,6 +121,7 @@ class BackendBase:
             "allocated": int(module.memory_allocated()),
             "reserved": int(module.memory_reserved()),
             "peak_allocated": int(module.max_memory_allocated()),
+            "peak_reserved": int(getattr(module, "max_memory_reserved", lambda: 0)()),
         }
 
     def reset_peak_memory_stats(self) -> None:

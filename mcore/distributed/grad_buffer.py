@@ -67,6 +67,14 @@ class Bucket:
         self.grad_started = False
         self.param_handle = None
         self.nan_flag: torch.Tensor | None = None
+        self.local_norm_sq: torch.Tensor | None = None
+        """``||grad_data||^2`` (fp32, on the device) as the NaN check read it, when no reduction follows;
+        the optimizer's clipping norm may use it instead of reading the gradients again, as long as
+        :attr:`local_norm_version` is still the buffer's version (see
+        ``FlatBufferState.grad_norm_squared``). None otherwise."""
+        self.local_norm_version = -1
+        """The gradient buffer's version counter (bumped by every in-place write to any of its views)
+        when :attr:`local_norm_sq` was taken."""
 
     @property
     def numel(self) -> int:
@@ -87,6 +95,7 @@ class Bucket:
         self.grad_handle = None
         self.grad_started = False
         self.nan_flag = None
+        self.local_norm_sq = None
 
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
         """Record that ``param``'s gradient is complete; return True when the whole bucket is."""
@@ -110,9 +119,13 @@ class Bucket:
             # cannot cancel into a NaN; overflow gives inf), and it is one read of the bucket with no
             # temporary: ``isnan(grad_data).any()`` also wrote and re-read a bool per element (1.3 GB
             # at 1.3B parameters). Megatron checks the bucket's norm the same way.
-            self.nan_flag = torch.isnan(torch.linalg.vector_norm(self.grad_data))
+            norm = torch.linalg.vector_norm(self.grad_data, dtype=torch.float32)
+            self.nan_flag = torch.isnan(norm)
         comm = self.buffer.comm
         if not comm.active:
+            if check_for_nan:
+                self.local_norm_sq = norm.square()
+                self.local_norm_version = self.grad_data._version
             return
         op = dist.ReduceOp.SUM
         if comm.average_in_collective:

@@ -84,6 +84,9 @@ class FlatBufferState:
             (p.state_start, p.buffer_start, p.length, p.group) for p in self.pieces.values()
         )
         self._norm_views = self._merged_grad_views([p for p in self.pieces.values() if p.counts_in_norm])
+        counted = sum(p.length for p in self.pieces.values() if p.counts_in_norm)
+        self._norm_is_whole_buffer = counted == sum(param.numel() for param in buffer.params)
+        """Every gradient element of the buffer counts in the norm (its buckets' norms are this state's)."""
 
         device = buffer.grad_data.device
         m_dtype, v_dtype = moment_dtypes
@@ -130,10 +133,27 @@ class FlatBufferState:
                 runs.append([piece.buffer_start, piece.buffer_start + piece.length])
         return [self.buffer.grad_data[lo:hi] for lo, hi in runs]
 
-    def grad_norm_squared(self) -> torch.Tensor | None:
-        """Sum of squares (fp32, on the device) of the gradients that count in the global norm."""
+    def grad_norm_squared(self, reuse_bucket_norms: bool = False) -> torch.Tensor | None:
+        """Sum of squares (fp32, on the device) of the gradients that count in the global norm.
+
+        ``reuse_bucket_norms``: the caller knows that no collective changes the gradients after DDP's
+        NaN check (one rank: no data-parallel reduction, no pipeline or tensor-parallel gradient
+        all-reduce). If every bucket then holds the squared norm that check computed
+        (``Bucket.local_norm_sq``), no in-place write reached the buffer since the last of them (its
+        version counter), and every gradient of the buffer counts, their sum is returned and the
+        gradients are not read a second time (2.6 GB a step at 1.3 G bf16 parameters). Bucket padding
+        is zero and adds nothing.
+        """
         if not self._norm_views:
             return None
+        buckets = self.buffer.buckets
+        if (
+            reuse_bucket_norms
+            and self._norm_is_whole_buffer
+            and all(b.local_norm_sq is not None for b in buckets)
+            and self.buffer.grad_data._version == max(b.local_norm_version for b in buckets)
+        ):
+            return torch.stack([b.local_norm_sq for b in buckets]).sum()
         norms = torch._foreach_norm(self._norm_views, 2.0, dtype=torch.float32)
         return torch.stack(norms).square().sum()
 

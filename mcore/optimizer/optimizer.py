@@ -359,7 +359,13 @@ class MegatronOptimizer:
         norm non-finite when it reads it.
         """
         cfg = self.config
-        partial = [s for s in (flat.grad_norm_squared() for flat in self.flat_states) if s is not None]
+        # On one rank no collective touches the gradients after DDP's NaN check, which has read them
+        # already: its bucket norms give the clipping norm without a second read.
+        single_rank = self.groups.world_size == 1
+        partial = [
+            s for s in (flat.grad_norm_squared(reuse_bucket_norms=single_rank) for flat in self.flat_states)
+            if s is not None
+        ]
         norm_sq = torch.stack(partial).sum() if partial else torch.zeros((), device=self._device)
         norm_sq = norm_sq.reshape(1)
         group = self._norm_group()

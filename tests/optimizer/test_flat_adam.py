@@ -42,13 +42,15 @@ PRECISION_AWARE = dict(
 REMAINDERS_ONLY = dict(use_precision_aware_optimizer=True)  # fp32 grads and moments, remainder masters
 
 
-def _build(groups=None, *, precision_aware=None, contiguous=True, clip_grad=0.5, distopt=False, hidden=16):
+def _build(
+    groups=None, *, precision_aware=None, contiguous=True, clip_grad=0.5, distopt=False, hidden=16, ddp=None
+):
     groups = groups or ProcessGroups.single()
     opt_cfg = OptimizerConfig(
         weight_decay=0.1, clip_grad=clip_grad, use_distributed_optimizer=distopt, **(precision_aware or {})
     )
     prec = PrecisionConfig(bf16=True)
-    ddp_cfg = DDPConfig().with_training(opt_cfg, prec)
+    ddp_cfg = DDPConfig(**(ddp or {})).with_training(opt_cfg, prec)
     if not contiguous:  # the per-parameter path: parameters outside a flat buffer
         ddp_cfg = DDPConfig(grad_reduce_in_fp32=True)
     model = DistributedDataParallel(make_model(hidden, dtype=torch.bfloat16), ddp_cfg, groups)
@@ -127,7 +129,53 @@ def test_flat_path_equals_per_parameter_path(clip_grad):
             torch.testing.assert_close(p, q, rtol=0.0, atol=0.0)
     else:  # the clipping coefficient is computed on the device in fp32 instead of on the host
         torch.testing.assert_close(_masters(flat_opt), _masters(ref_opt), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(float(a[-1][2]), b[-1][2], rtol=1e-5, atol=0.0)
+        if clip_grad > 0.0:  # without clipping neither path computes a norm
+            torch.testing.assert_close(float(a[-1][2]), b[-1][2], rtol=1e-5, atol=0.0)
+        else:
+            assert a[-1][2] is None and b[-1][2] is None
+
+
+@pytest.mark.parametrize("precision_aware", [None, PRECISION_AWARE], ids=["fp32-grads", "bf16-grads"])
+def test_one_rank_clipping_norm_is_the_nan_checks_bucket_norms(monkeypatch, precision_aware):
+    """On one rank DDP's NaN check has already read every gradient: the clipping norm is the sum of
+    its buckets' squared norms (no second read of the gradients), and equals the norm read again."""
+    several_buckets = dict(ddp_bucket_size=100)
+    reused_model, reused_opt = _build(precision_aware=precision_aware, ddp=several_buckets)
+    read_model, read_opt = _build(
+        precision_aware=precision_aware, ddp=dict(several_buckets, check_for_nan_in_loss_and_grad=False)
+    )
+    assert len(reused_model.buckets) >= 2
+    reads = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: reads.append(1) or foreach_norm(*a, **k))
+    groups = ProcessGroups.single()
+    reused = train(reused_model, reused_opt, groups, 4)
+    assert reads == []
+    read = train(read_model, read_opt, groups, 4)
+    assert reads
+    for (loss_a, _, norm_a, _), (loss_b, _, norm_b, _) in zip(reused, read):
+        torch.testing.assert_close(float(norm_a), float(norm_b), rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(_masters(reused_opt), _masters(read_opt), rtol=1e-5, atol=1e-7)
+
+
+def test_clipping_norm_reads_the_gradients_when_a_piece_does_not_count():
+    """A parameter outside the norm (a tensor-parallel duplicate on rank > 0) means the bucket norms
+    are not the clipping norm: the optimizer reads the gradients that count."""
+    model, optimizer = _build(precision_aware=PRECISION_AWARE)
+    flat = optimizer.flat_states[0]
+    assert flat._norm_is_whole_buffer
+    first = next(iter(flat.pieces))
+    piece = flat.pieces[first]
+    flat.pieces[first] = type(piece)(piece.buffer_start, piece.state_start, piece.length, piece.group, False)
+    counted = [p for p in flat.pieces.values() if p.counts_in_norm]
+    flat._norm_views = flat._merged_grad_views(counted)
+    flat._norm_is_whole_buffer = False
+    for bucket in flat.buffer.buckets:
+        bucket.local_norm_sq = torch.full((), 1e6)
+    expected = sum(float(v.float().square().sum()) for v in flat._norm_views)
+    got = flat.grad_norm_squared(reuse_bucket_norms=True)
+    torch.testing.assert_close(float(got), expected, rtol=1e-6, atol=1e-12)
 
 
 def test_remainder_masters_track_fp32_masters():
