@@ -11,9 +11,10 @@ Sequence parallelism: activations outside the TP regions are ``[s/p, b, h]``. A 
 all-gathers its input along ``s`` (gradient: reduce-scatter) and a row-parallel layer reduce-scatters
 its output along ``s`` instead of all-reducing it (gradient: all-gather). See
 :mod:`mcore.tensor_parallel.mappings`. The column-parallel layer keeps its ``[s/p, b, in]`` input,
-not the gathered ``[s, b, in]``, for the weight gradient and all-gathers it again in backward
-(:class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`): one more all-gather per layer and
-backward pass, for ``1/p`` of the activation memory.
+not the gathered ``[s, b, in]``, for the weight gradient and all-gathers it again in backward, as
+Megatron does: one more all-gather per layer and backward pass, for ``1/p`` of the activation memory.
+That all-gather runs under the dgrad GEMM, and the reduce-scatter of the input gradient under the
+weight-gradient GEMM (:class:`_SequenceParallelColumnLinear`).
 
 Gradient-accumulation fusion (``gradient_accumulation_fusion=True``, on by default in models;
 ``--no-gradient-accumulation-fusion`` turns it off, as in Megatron): when the weight has a ``main_grad`` (a view into the DDP gradient
@@ -40,6 +41,8 @@ from mcore.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    start_all_gather_along_sequence,
+    start_reduce_scatter_along_sequence,
 )
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved
 from mcore.tensor_parallel.sharding import ZEROS, InitMethod, NormalInit, ParamLayout, make_parameter
@@ -90,16 +93,63 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        input_2d = x.reshape(-1, x.shape[-1])
-        if torch.compiler.is_compiling():
-            torch.ops.mcore.accumulate_weight_grad_.default(ctx.main_grad, grad_2d, input_2d)
-        else:
-            get_ops().accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
-        if ctx.zero_placeholder:
-            grad_weight = torch.zeros_like(weight)
-        else:
-            grad_weight = torch.empty_like(weight)
+        grad_weight = _weight_grad(ctx, weight, grad_2d, x.reshape(-1, x.shape[-1]))
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def _weight_grad(ctx, weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
+    """``dW = dY^T X``: accumulated into ``ctx.main_grad`` (returning the placeholder that
+    :class:`_LinearWithGradAccumulationFusion` describes), or returned when ``ctx.main_grad`` is None."""
+    if ctx.main_grad is None:
+        return grad_2d.t().matmul(input_2d)
+    if torch.compiler.is_compiling():
+        torch.ops.mcore.accumulate_weight_grad_.default(ctx.main_grad, grad_2d, input_2d)
+    else:
+        get_ops().accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
+    return torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """A column-parallel ``F.linear`` of a sequence-parallel input, with Megatron's overlap.
+
+    Shapes: ``x_t [s/p, b, in]`` (this rank's part of the sequence), ``weight [out/p, in]``::
+
+        forward:   X = all_gather_s(x_t)           [s, b, in]
+                   Y = X W^T + bias                [s, b, out/p]
+        backward:  X = all_gather_s(x_t)           started first, runs under the dgrad GEMM
+                   dX = dY W                       [s, b, in]
+                   dx_t = reduce_scatter_s(dX)     started next, runs under the weight-gradient GEMM
+                   main_grad += dY^T X  (or dW = dY^T X),  dbias = sum dY
+
+    Autograd keeps ``x_t``, not ``X``: ``1/p`` of the input's memory for one more all-gather, which
+    the dgrad GEMM hides. ``main_grad``/``zero_placeholder`` as in :class:`_LinearWithGradAccumulationFusion`
+    (``main_grad`` None: the weight gradient is returned).
+    """
+
+    @staticmethod
+    def forward(ctx, x_local, weight, bias, main_grad, zero_placeholder, group):
+        ctx.save_for_backward(x_local, weight)
+        ctx.main_grad = main_grad
+        ctx.zero_placeholder = zero_placeholder
+        ctx.has_bias = bias is not None
+        ctx.group = group
+        return F.linear(all_gather_along_sequence(x_local, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_local, weight = ctx.saved_tensors
+        gather = start_all_gather_along_sequence(x_local, ctx.group)
+        scatter = None
+        if ctx.needs_input_grad[0]:
+            scatter = start_reduce_scatter_along_sequence(grad_output.matmul(weight), ctx.group)
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        total = gather.wait()
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = _weight_grad(ctx, weight, grad_2d, total.reshape(-1, total.shape[-1]))
+        grad_input = None if scatter is None else scatter.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def linear_with_grad_accumulation_fusion(
@@ -246,15 +296,21 @@ class ColumnParallelLinear(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [..., in]`` (``[s/p, b, in]`` with SP) -> ``([..., out/p] or [..., out], bias)``."""
         weight = self.resolve_weight(weight)
-        total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
-        with saved_input:
-            y = linear_with_grad_accumulation_fusion(
-                total,
-                weight,
-                None if self.skip_bias_add else self.bias,
-                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                shared_weight=weight is not self.weight,
-            )
+        bias = None if self.skip_bias_add else self.bias
+        shared_weight = weight is not self.weight
+        if self.sequence_parallel and group_size(self.tp_group) > 1 and torch.is_grad_enabled():
+            main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
+            y = _SequenceParallelColumnLinear.apply(x, weight, bias, main_grad, shared_weight, self.tp_group)
+        else:
+            total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
+            with saved_input:
+                y = linear_with_grad_accumulation_fusion(
+                    total,
+                    weight,
+                    bias,
+                    gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                    shared_weight=shared_weight,
+                )
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)

@@ -266,6 +266,59 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.
 # -- plain collectives (no autograd) ----------------------------------------------------------------
 
 
+class _Pending:
+    """A collective's output and the work to wait on before reading it (``None``: already complete)."""
+
+    __slots__ = ("output", "work", "_input")
+
+    def __init__(self, output: torch.Tensor, work=None, input: torch.Tensor | None = None):
+        self.output = output
+        self.work = work
+        self._input = input  # alive until the collective is done with it
+
+    def wait(self) -> torch.Tensor:
+        """The output, once the collective has written it: on a device backend the current stream
+        waits for the communication stream; the host does not block."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = self._input = None
+        return self.output
+
+
+def _launch(collective, out: torch.Tensor, x: torch.Tensor, group) -> _Pending:
+    # Asynchronous where it can overlap with the computation that follows; a traced graph (dynamo)
+    # gets the synchronous form, which it can capture.
+    if torch.compiler.is_compiling():
+        collective(out, x, group=group)
+        return _Pending(out)
+    return _Pending(out, collective(out, x, group=group, async_op=True), x)
+
+
+def start_all_gather_along_sequence(x: torch.Tensor, group) -> _Pending:
+    """Start ``[s/p, ...] -> [s, ...]`` (rank order), outside autograd; ``.wait()`` returns it."""
+    if _is_trivial(group):
+        return _Pending(x)
+    x = x.contiguous()
+    out = torch.empty((group_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return _launch(_all_gather_single, out, x, group)
+
+
+def start_reduce_scatter_along_sequence(x: torch.Tensor, group) -> _Pending:
+    """Start the sum over the TP ranks of ``x [s, ...]``, keeping this rank's ``[s/p, ...]``, outside
+    autograd; ``.wait()`` returns it."""
+    if _is_trivial(group):
+        return _Pending(x)
+    size = group_size(group)
+    if x.shape[0] % size:
+        raise ValueError(
+            f"sequence length {x.shape[0]} is not divisible by tensor_model_parallel_size={size} "
+            "(sequence parallelism splits the sequence over the TP ranks)"
+        )
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return _launch(_reduce_scatter_single, out, x, group)
+
+
 def all_reduce_in_tensor_model_parallel_group(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """All-reduce ``x`` in place over the TP group (``op``: ``"sum"`` or ``"max"``); no autograd."""
     if not _is_trivial(group):

@@ -112,28 +112,33 @@ def _check_layers(group, rank) -> dict[str, float]:
 
     grad_h = _randn(S, B, H, seed=7)
 
-    for stacked in (1, 2):
-        for sp in (False, True):
-            layer = ColumnParallelLinear(
-                H, OUT, tp_group=group, sequence_parallel=sp, num_stacked=stacked, device=device()
-            )
-            specs = _set_from_full(layer, {"weight": w_col, "bias": b_col}, rank)
-            x = (x_full.chunk(TP, 0)[rank] if sp else x_full).clone().requires_grad_(True)
-            with SavedActivations(exclude=layer.parameters()) as saved:
-                y, bias = layer(x)
-            # for its weight gradient the layer keeps x, never the all-gathered [s, b, h] (with SP)
-            errors[f"kept_column_stacked{stacked}_sp{sp}"] = saved.nbytes() - x.numel() * x.element_size()
-            saved.clear()
-            assert bias is None
-            y_ref, gx_ref, (gw_ref, gb_ref) = reference(lambda x, w, b: F.linear(x, w, b), w_col, b_col)
-            y.backward(_out_features(specs["weight"], grad_out))
-            gx_expected = gx_ref.chunk(TP, 0)[rank] if sp else gx_ref
-            errors[f"column_stacked{stacked}_sp{sp}"] = max(
-                rel_err(y, _out_features(specs["weight"], y_ref)),
-                rel_err(x.grad, gx_expected),
-                rel_err(layer.weight.grad, specs["weight"].shard(gw_ref)),
-                rel_err(layer.bias.grad, specs["bias"].shard(gb_ref)),
-            )
+    for stacked, sp, fused in ((1, False, False), (1, True, False), (2, False, False), (2, True, False),
+                               (1, True, True), (2, False, True)):  # fmt: skip
+        layer = ColumnParallelLinear(
+            H, OUT, tp_group=group, sequence_parallel=sp, num_stacked=stacked, device=device(),
+            gradient_accumulation_fusion=fused,
+        )  # fmt: skip
+        specs = _set_from_full(layer, {"weight": w_col, "bias": b_col}, rank)
+        if fused:  # a DDP buffer's view: the backward accumulates the weight gradient into it
+            layer.weight.main_grad = torch.full_like(layer.weight, 0.5)
+        x = (x_full.chunk(TP, 0)[rank] if sp else x_full).clone().requires_grad_(True)
+        with SavedActivations(exclude=layer.parameters()) as saved:
+            y, bias = layer(x)
+        # for its weight gradient the layer keeps x, never the all-gathered [s, b, h] (with SP)
+        name = f"stacked{stacked}_sp{sp}" + ("_fused" if fused else "")
+        errors[f"kept_column_{name}"] = saved.nbytes() - x.numel() * x.element_size()
+        saved.clear()
+        assert bias is None
+        y_ref, gx_ref, (gw_ref, gb_ref) = reference(lambda x, w, b: F.linear(x, w, b), w_col, b_col)
+        y.backward(_out_features(specs["weight"], grad_out))
+        gx_expected = gx_ref.chunk(TP, 0)[rank] if sp else gx_ref
+        weight_grad = layer.weight.main_grad - 0.5 if fused else layer.weight.grad
+        errors[f"column_{name}"] = max(
+            rel_err(y, _out_features(specs["weight"], y_ref)),
+            rel_err(x.grad, gx_expected),
+            rel_err(weight_grad, specs["weight"].shard(gw_ref)),
+            rel_err(layer.bias.grad, specs["bias"].shard(gb_ref)),
+        )
 
     layer = ColumnParallelLinear(
         H, OUT, tp_group=group, gather_output=True, skip_bias_add=True, device=device()
@@ -261,7 +266,7 @@ def test_parallel_layers_match_single_device(errors, prefix):
 def test_column_parallel_layer_keeps_only_its_local_input(errors):
     """With sequence parallelism the input is all-gathered again in backward, not kept gathered."""
     kept = {k: v for k, v in errors.items() if k.startswith("kept_column")}
-    assert len(kept) == 4 and all(v == 0 for v in kept.values()), kept
+    assert len(kept) == 6 and all(v == 0 for v in kept.values()), kept
 
 
 def test_vocab_parallel_cross_entropy_matches_torch(errors):
