@@ -363,7 +363,8 @@ class MegatronOptimizer:
         # already: its bucket norms give the clipping norm without a second read.
         single_rank = self.groups.world_size == 1
         partial = [
-            s for s in (flat.grad_norm_squared(reuse_bucket_norms=single_rank) for flat in self.flat_states)
+            s
+            for s in (flat.grad_norm_squared(reuse_bucket_norms=single_rank) for flat in self.flat_states)
             if s is not None
         ]
         norm_sq = torch.stack(partial).sum() if partial else torch.zeros((), device=self._device)
