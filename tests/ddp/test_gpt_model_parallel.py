@@ -19,6 +19,7 @@ from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import initialize_parallel
 from mcore.models.config import ModelConfig
+from mcore.models.context import default_device
 from mcore.models.gpt import GPTModel
 from mcore.optimizer import OptimizerConfig, PrecisionConfig, build_optimizer
 from mcore.pipeline import get_forward_backward_func
@@ -53,7 +54,7 @@ def _batches(step, dp_rank, dp_size):
     gen = torch.Generator().manual_seed(10 + step)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
     per_rank = GLOBAL_BATCH // dp_size
-    mine = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    mine = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(default_device())
     return [(mine[i : i + MBS, :-1], mine[i : i + MBS, 1:]) for i in range(0, per_rank, MBS)]
 
 
