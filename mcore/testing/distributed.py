@@ -107,11 +107,14 @@ def _rank_main(fn_ref, args, kwargs, rank, world_size, port, backend_name, resul
         results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
-def _skip_without_devices(backend_name: str, world_size: int) -> None:
+def skip_without_devices(world_size: int, backend_name: str | None = None) -> None:
     """Skip (pytest) a run on the accelerator that ``MCORE_TEST_BACKEND`` names when the machine has
     fewer devices than ranks: collective libraries refuse two ranks on one device. CPU runs (gloo,
-    simulated devices) never skip."""
+    simulated devices) never skip. ``backend_name``: the run's backend (default: the test backend).
+    :func:`run_distributed` calls it; a test that launches its ranks itself calls it first."""
     import torch
+
+    backend_name = backend_name or test_backend_name()
 
     if backend_name == "cpu" or os.environ.get("MCORE_TEST_BACKEND") != backend_name:
         return
@@ -142,7 +145,7 @@ def run_distributed(
     instance installing a simulated device module that a plugin's availability check needs).
     """
     backend_name = backend or test_backend_name()
-    _skip_without_devices(backend_name, world_size)
+    skip_without_devices(world_size, backend_name)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORKSERVER_PRELOAD)
     results = context.Queue()

@@ -26,7 +26,7 @@ from mcore.checkpoint import (  # noqa: E402
 )
 from mcore.checkpoint.format import list_tmp_dirs, read_tracker  # noqa: E402
 from mcore.distributed.groups import ProcessGroups  # noqa: E402
-from mcore.testing.distributed import DistributedTestError, free_port, run_distributed  # noqa: E402
+from mcore.testing.distributed import DistributedTestError, free_port, run_distributed, skip_without_devices  # noqa: E402
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 HERE = Path(__file__).parent
@@ -93,6 +93,7 @@ def test_a_save_killed_midway_keeps_the_previous_checkpoint_and_training_resumes
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
+    skip_without_devices(2)  # the ranks are launched here, not by run_distributed
     save = tmp_path / "ckpt"
     script = tmp_path / "run.py"
     script.write_text(

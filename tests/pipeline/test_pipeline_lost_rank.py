@@ -73,6 +73,7 @@ def _dies_mid_step(dying_rank, die_at_microbatch, timeout_s, how, report_path):
 
 def _run_expecting_one_survivor(dying_rank, timeout_s, how, tmp_path):
     """Start 2 ranks; return the survivor's (rank, outcome, message, seconds) from its report file."""
+    harness.skip_without_devices(2)  # the ranks are started here, not by run_distributed
     context = multiprocessing.get_context("forkserver")
     report = str(tmp_path / "survivor.json")
     port = harness.free_port()

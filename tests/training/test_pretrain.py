@@ -223,13 +223,20 @@ from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import pretrain
 
 def threads():
-    return len(os.listdir("/proc/self/task"))
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
 
 before = threads()
 pretrain(model_provider, forward_step, argv=sys.argv[1:])
 # One file per rank: both ranks share torchrun's stdout, where their lines can interleave.
 with open(f"threads_rank{os.environ['RANK']}.txt", "w") as f:
-    f.write(f"{before} {threads()}")
+    f.write(f"{len(before)} {len(threads())}\\n{' '.join(sorted(threads()))}")
 """
 
 
@@ -263,8 +270,9 @@ def test_pretrain_under_torchrun_leaves_no_communication_threads(tmp_path):
     for rank in range(2):
         report = tmp_path / f"threads_rank{rank}.txt"
         assert report.exists(), f"rank {rank} wrote no thread count\n" + proc.stdout[-3000:]
-        before, after = map(int, report.read_text().split())
-        assert after <= before, f"rank {rank}: {before} threads before pretrain, {after} after"
+        counts, names = report.read_text().split("\n")
+        before, after = map(int, counts.split())
+        assert after <= before, f"rank {rank}: {before} threads before pretrain, {after} after: {names}"
 
 
 def test_unknown_flag_exits_with_one_message(capsys):
