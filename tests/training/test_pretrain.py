@@ -223,13 +223,17 @@ from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import pretrain
 
 def threads():
+    # torch's per-device autograd threads (pt_autograd_N, started by the first backward on a machine
+    # with GPUs, even for CPU tensors) and the GPU driver's own threads (cuda*) are not ours to end.
     names = []
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
+                name = f.read().strip()
         except OSError:  # the thread ended meanwhile
-            pass
+            continue
+        if not name.startswith(("pt_autograd_", "cuda")):
+            names.append(name)
     return names
 
 before = threads()
