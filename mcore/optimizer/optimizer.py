@@ -362,11 +362,8 @@ class MegatronOptimizer:
         # On one rank no collective touches the gradients after DDP's NaN check, which has read them
         # already: its bucket norms give the clipping norm without a second read.
         single_rank = self.groups.world_size == 1
-        partial = [
-            s
-            for s in (flat.grad_norm_squared(reuse_bucket_norms=single_rank) for flat in self.flat_states)
-            if s is not None
-        ]
+        partial = [flat.grad_norm_squared(reuse_bucket_norms=single_rank) for flat in self.flat_states]
+        partial = [s for s in partial if s is not None]
         norm_sq = torch.stack(partial).sum() if partial else torch.zeros((), device=self._device)
         norm_sq = norm_sq.reshape(1)
         group = self._norm_group()

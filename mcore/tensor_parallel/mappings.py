@@ -83,13 +83,17 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(out.chunk(size, dim=0), dim=-1).contiguous()
 
 
-def _split_first(x: torch.Tensor, group) -> torch.Tensor:
-    size, rank = group_size(group), group_rank(group)
+def _check_sequence_divisible(x: torch.Tensor, size: int) -> None:
     if x.shape[0] % size:
         raise ValueError(
             f"sequence length {x.shape[0]} is not divisible by tensor_model_parallel_size={size} "
             "(sequence parallelism splits the sequence over the TP ranks)"
         )
+
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    size, rank = group_size(group), group_rank(group)
+    _check_sequence_divisible(x, size)
     return x.chunk(size, dim=0)[rank].contiguous()
 
 
@@ -103,11 +107,7 @@ def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
 
 def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
-    if x.shape[0] % size:
-        raise ValueError(
-            f"sequence length {x.shape[0]} is not divisible by tensor_model_parallel_size={size} "
-            "(sequence parallelism splits the sequence over the TP ranks)"
-        )
+    _check_sequence_divisible(x, size)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x, group=group)
@@ -309,11 +309,7 @@ def start_reduce_scatter_along_sequence(x: torch.Tensor, group) -> _Pending:
     if _is_trivial(group):
         return _Pending(x)
     size = group_size(group)
-    if x.shape[0] % size:
-        raise ValueError(
-            f"sequence length {x.shape[0]} is not divisible by tensor_model_parallel_size={size} "
-            "(sequence parallelism splits the sequence over the TP ranks)"
-        )
+    _check_sequence_divisible(x, size)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     return _launch(_reduce_scatter_single, out, x, group)
