@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 
 from mcore.backend import get_ops
 from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
 from mcore.models.spec import build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+from mcore.tensor_parallel.recompute import RecomputeWhenSaved, compiled_recompute_region
 from mcore.tensor_parallel.sharding import init_method_normal, scaled_init_method_normal
 
 
@@ -94,11 +93,8 @@ class MLP(torch.nn.Module):
         intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, F/p] or [s, b, 2F/p]
         if not (self.recompute_activation and self.training and torch.is_grad_enabled()):
             return self.linear_fc2(self.activation(intermediate, bias))
-        if torch.compiler.is_compiling():  # a recompute region: the partitioner recomputes it
-            activated = torch.utils.checkpoint.checkpoint(
-                self.activation, intermediate, bias, use_reentrant=False, preserve_rng_state=False
-            )
-            return self.linear_fc2(activated)
+        if torch.compiler.is_compiling():
+            return self.linear_fc2(compiled_recompute_region(self.activation, intermediate, bias))
         activated = self.activation(intermediate, bias)
         with RecomputeWhenSaved(activated, self.activation, intermediate, bias):
             return self.linear_fc2(activated)

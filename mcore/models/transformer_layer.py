@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 
 from mcore.backend import get_ops
 from mcore.models.attention import SelfAttention
@@ -45,7 +44,7 @@ from mcore.models.mlp import MLP
 from mcore.models.norms import Norm
 from mcore.models.spec import ModuleSpec, build_module
 from mcore.tensor_parallel.random import get_rng_tracker
-from mcore.tensor_parallel.recompute import RecomputeWhenSaved, checkpoint
+from mcore.tensor_parallel.recompute import RecomputeWhenSaved, checkpoint, compiled_recompute_region
 
 
 @dataclass
@@ -128,9 +127,7 @@ class TransformerLayer(torch.nn.Module):
         :class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`).
         """
         if recompute and torch.compiler.is_compiling():
-            normed = torch.utils.checkpoint.checkpoint(
-                self._norm, norm, x, use_reentrant=False, preserve_rng_state=False
-            )
+            normed = compiled_recompute_region(self._norm, norm, x)
             return normed, (normed if self.residual_post_norm else x)
         if not self.residual_post_norm and not self.fp32_residual:
             forward_with_residual = getattr(norm, "forward_with_residual", None)
@@ -150,7 +147,7 @@ class TransformerLayer(torch.nn.Module):
         It is recomputed from ``x`` (kept anyway: the norm's own backward reads it) when the branch's
         first projection needs it for its weight gradient.
         """
-        if not recompute or torch.compiler.is_compiling():  # compiled: a recompute region instead
+        if not recompute:  # (under torch.compile the context is inactive: a recompute region instead)
             return contextlib.nullcontext()
         return RecomputeWhenSaved(normed, self._norm, norm, x)
 

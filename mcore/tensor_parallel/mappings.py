@@ -91,6 +91,17 @@ def _check_sequence_divisible(x: torch.Tensor, size: int) -> None:
         )
 
 
+def _gathered_buffer(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``[size * s, ...]`` output of an all-gather of ``x [s, ...]`` along the first dim."""
+    return torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+
+def _scattered_buffer(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``[s / size, ...]`` output of a reduce-scatter of ``x [s, ...]`` along the first dim."""
+    _check_sequence_divisible(x, size)
+    return torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+
 def _split_first(x: torch.Tensor, group) -> torch.Tensor:
     size, rank = group_size(group), group_rank(group)
     _check_sequence_divisible(x, size)
@@ -98,18 +109,15 @@ def _split_first(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
-    size = group_size(group)
     x = x.contiguous()
-    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    out = _gathered_buffer(x, group_size(group))
     _all_gather_single(out, x, group=group)
     return out
 
 
 def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
-    size = group_size(group)
-    _check_sequence_divisible(x, size)
+    out = _scattered_buffer(x, group_size(group))
     x = x.contiguous()
-    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x, group=group)
     return out
 
@@ -299,8 +307,7 @@ def start_all_gather_along_sequence(x: torch.Tensor, group) -> _Pending:
     if _is_trivial(group):
         return _Pending(x)
     x = x.contiguous()
-    out = torch.empty((group_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return _launch(_all_gather_single, out, x, group)
+    return _launch(_all_gather_single, _gathered_buffer(x, group_size(group)), x, group)
 
 
 def start_reduce_scatter_along_sequence(x: torch.Tensor, group) -> _Pending:
@@ -308,11 +315,8 @@ def start_reduce_scatter_along_sequence(x: torch.Tensor, group) -> _Pending:
     autograd; ``.wait()`` returns it."""
     if _is_trivial(group):
         return _Pending(x)
-    size = group_size(group)
-    _check_sequence_divisible(x, size)
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return _launch(_reduce_scatter_single, out, x, group)
+    out = _scattered_buffer(x, group_size(group))
+    return _launch(_reduce_scatter_single, out, x.contiguous(), group)
 
 
 def all_reduce_in_tensor_model_parallel_group(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:

@@ -109,6 +109,14 @@ class _OuterPacked:
         self.value = value
 
 
+def compiled_recompute_region(function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``function(*args)`` as a recompute region of a traced graph: what :class:`RecomputeWhenSaved`
+    does in eager mode, for code under ``torch.compile`` (where saved-tensor hooks do not apply). The
+    partitioner keeps ``args`` and recomputes the output in the compiled backward; ``function`` must
+    draw no random numbers."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False)
+
+
 class RecomputeWhenSaved:
     """Inside this context, autograd saves ``output`` as a recipe; backward recomputes it.
 
@@ -137,9 +145,8 @@ class RecomputeWhenSaved:
     enclosing norm context turns into a recipe of its own.
 
     The context does nothing without autograd (``torch.no_grad``, evaluation), under
-    ``torch.compile`` (make ``output`` a recompute region there, with
-    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the partitioner then
-    recomputes it in the compiled backward), and when ``output`` does not own its storage
+    ``torch.compile`` (compute ``output`` with :func:`compiled_recompute_region` there: the
+    partitioner then recomputes it in the compiled backward), and when ``output`` does not own its storage
     (a view, or an alias of an argument): then it is saved as usual.
     """
 
