@@ -312,11 +312,12 @@ def main(argv=None) -> int:
     backend.reset_peak_memory_stats()
     if dist.is_initialized():
         dist.barrier()
-    start = time.perf_counter()
+    start, start_unix = time.perf_counter(), time.time()
     for _ in range(ours.iters):  # no host-device wait inside: the step returns device tensors
         losses, _, grad_norm = trainer.train_step(step_data)
     backend.synchronize()
     step_s = (time.perf_counter() - start) / ours.iters
+    timed_unix = [start_unix, time.time()]
     # read after the timing: the last step's loss (averaged over data parallel) and gradient norm
     final_loss = trainer.reduce_logs([losses])[0].get("lm loss")
     final_grad_norm = host_floats([grad_norm])[0]
@@ -350,6 +351,8 @@ def main(argv=None) -> int:
         "peak_reserved_gib": mem.get("peak_reserved", 0) / 2**30,
         "lm_loss": final_loss,
         "grad_norm": final_grad_norm,
+        # wall-clock bounds of the timed steps, to line them up with an outside power or energy log
+        "timed_unix": timed_unix,
     }
     if cfg.training.compile_layers:
         try:

@@ -14,7 +14,8 @@ clears the L2 cache before every repetition.
 
     python benchmarks/kernels/bench_kernels.py [--sweep] [--skip-compile] [--json FILE]
 
-``--sweep`` also times block-size variants of each Triton kernel and prints the best ones.
+``--sweep`` also times block-size variants of each Triton kernel (kernel time from the profiler, L2
+flushed) and prints the best ones; ``--sweep-kernels NAME ...`` limits it to those kernels.
 """
 
 from __future__ import annotations
@@ -219,6 +220,12 @@ def op_rows(ops, reference, compile_ok: bool, only: set[str] | None, copy_bw: fl
             lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), _randn(h, scale=0.1), 1e-5), (0, 1, 2),
             2 * m * h * e, 4 * m * h * e, compile_ok,
         )  # fmt: skip
+    if want("rms_norm_with_residual"):
+        rows += run_op(
+            "rms_norm_with_residual", f"{m}x{h}", ops.rms_norm_with_residual, reference.rms_norm_with_residual,
+            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), 1e-5), (0, 1),
+            2 * m * h * e, 4 * m * h * e, compile_ok,
+        )  # fmt: skip
     if want("rotary_embedding"):
         s, b, n, d = SEQ, BATCH, HEADS, HEAD_DIM
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
@@ -305,20 +312,29 @@ def adam_rows(ops, reference, compile_ok: bool) -> list[Row]:
 # --- sweep ----------------------------------------------------------------------------------------
 
 
-def sweep() -> list[dict]:
-    """Time block-size variants of each Triton kernel at the benchmark shapes; print the best."""
+def sweep(kernels: set[str] | None = None) -> list[dict]:
+    """Time block-size variants of each Triton kernel (or only of ``kernels``, names as printed) at
+    the benchmark shapes; print the best."""
     import triton
     from mcore.backends.cuda.triton_kernels import activations, cross_entropy, norms, rotary
 
     m, h = TOKENS, HIDDEN
     out = []
 
+    def device_us(fn: Callable) -> float:
+        # Kernel time (profiler) where it works: a wall-clock time would also count the host's launch
+        # gaps, which exceed the kernels of the small ops and would hide their differences.
+        us = kernel_us(fn, iters=20)
+        return us if us is not None else bench(fn, warmup=10, rep=50) * 1e3
+
     def run(kernel: str, nbytes: int, fn_of_cfg: Callable, configs: list[dict]):
+        if kernels is not None and kernel not in kernels:
+            return
         best = None
         for cfg in configs:
             try:
                 fn_of_cfg(dict(cfg))  # compile
-                us = bench(lambda cfg=cfg: fn_of_cfg(dict(cfg)), warmup=10, rep=50) * 1e3
+                us = device_us(lambda cfg=cfg: fn_of_cfg(dict(cfg)))
             except Exception as err:
                 print(f"  sweep {kernel} {cfg}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
                 continue
@@ -328,7 +344,7 @@ def sweep() -> list[dict]:
                 best = rec
         default = None
         try:
-            default = bench(lambda: fn_of_cfg(None), warmup=10, rep=50) * 1e3
+            default = device_us(lambda: fn_of_cfg(None))
         except Exception:
             pass
         if best:
@@ -358,6 +374,16 @@ def sweep() -> list[dict]:
         3 * m * h * 2,
         lambda c: norms.layer_norm_bwd(dy, x, w, True, mean, lrstd, c, bias_dtype=DT),
         bwd_cfgs,
+    )
+    # With the residual stream's gradient added to dx (the pre-norm layer's fused form): one more read.
+    dres = _randn(m, h)
+    res_cfgs = norms._bwd_configs(triton.next_power_of_2(h), with_residual=True)
+    run("rms_bwd_res", 4 * m * h * 2, lambda c: norms.rms_norm_bwd(dy, x, w, rstd, c, dres2=dres), res_cfgs)
+    run(
+        "ln_bwd_res",
+        4 * m * h * 2,
+        lambda c: norms.layer_norm_bwd(dy, x, w, True, mean, lrstd, c, bias_dtype=DT, dres2=dres),
+        res_cfgs,
     )
     seed = torch.randint(0, 2**31 - 1, (1,), device="cuda", dtype=torch.int64)
     _, keep = activations.bda_fwd(x, b, dy, 0.1, seed)
@@ -408,6 +434,7 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true", help="also time block-size variants")
+    parser.add_argument("--sweep-kernels", nargs="*", help="sweep only these kernels (e.g. ln_bwd_res)")
     parser.add_argument("--skip-compile", action="store_true", help="no torch.compile column")
     parser.add_argument("--only", nargs="*", help="op names to run (default: all)")
     parser.add_argument("--json", help="write the rows here")
@@ -436,7 +463,7 @@ def main(argv=None) -> int:
     header = HEADER
     print("\n" + header, flush=True)  # rows stream as they finish; the table is repeated at the end
     rows = op_rows(ops, reference, not args.skip_compile, set(args.only) if args.only else None, copy_bw)
-    sweep_out = sweep() if args.sweep else []
+    sweep_out = sweep(set(args.sweep_kernels) if args.sweep_kernels else None) if args.sweep else []
     print(
         f"\nkernel micro-benchmarks on {props.name}; copy {copy_bw / 1e12:.2f} TB/s ({time.time() - t0:.0f} s)"
     )

@@ -60,7 +60,7 @@ def _main() -> int:
     configs = [
         None,
         {"BLOCK_M": 1, "num_warps": 4, "PER_SM": 2, "PREFETCH": False},
-        {"BLOCK_M": 2, "num_warps": 4, "PER_SM": 1, "PREFETCH": True, "STRIDED": True},
+        {"BLOCK_M": 2, "num_warps": 4, "PER_SM": 1, "PREFETCH": True, "STRIDED": True, "DRES_EARLY": True},
     ]
     for (m, n), dt, cfg in [
         ((37, 96), torch.float32, configs[0]),

@@ -81,9 +81,9 @@ def _load_rows(A, B, rows, hi, cols, cmask, stride_a, stride_b, EVICT: tl.conste
 
 @triton.jit
 def _load_residual_grad(DRES, rows, stride, cols, mask):
-    """The residual stream's gradient for these rows, in fp32 (read once: evict-first)."""
+    """The residual stream's gradient for these rows, in its own dtype (read once: evict-first)."""
     ptr = DRES + rows.to(tl.int64)[:, None] * stride + cols[None, :]
-    return tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    return tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -108,6 +108,7 @@ def _rms_bwd_kernel(
     PREFETCH: tl.constexpr,  # load the next row block before reducing this one
     EVICT: tl.constexpr,  # x and dy loads marked evict-first
     STRIDED: tl.constexpr,  # rows interleaved between programs (else a contiguous share each)
+    DRES_EARLY: tl.constexpr = False,  # issue the DRES load before the row reductions, not after
 ):
     # A persistent program walks its row blocks; dw stays in fp32 registers and is written once,
     # as this program's row of the [programs, N] partial sums.
@@ -128,6 +129,8 @@ def _rms_bwd_kernel(
         else:
             x_in, dy_in, mask = _load_rows(X, DY, rows, hi, cols, cmask, stride_x, stride_dy, EVICT)
             rstd = tl.load(RSTD + rows, mask=rows < hi, other=0.0)
+        if HAS_DRES and DRES_EARLY:
+            dres = _load_residual_grad(DRES, rows, stride_dres, cols, mask)
         x = x_in.to(tl.float32)
         dy = dy_in.to(tl.float32)
         n = x * rstd[:, None]
@@ -136,7 +139,9 @@ def _rms_bwd_kernel(
         c = tl.sum(g * n, axis=1) / N
         dx = (g - n * c[:, None]) * rstd[:, None]
         if HAS_DRES:
-            dx += _load_residual_grad(DRES, rows, stride_dres, cols, mask)
+            if not DRES_EARLY:
+                dres = _load_residual_grad(DRES, rows, stride_dres, cols, mask)
+            dx += dres.to(tl.float32)
         tl.store(
             DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
         )
@@ -208,6 +213,7 @@ def _ln_bwd_kernel(
     PREFETCH: tl.constexpr,  # load the next row block before reducing this one
     EVICT: tl.constexpr,  # x and dy loads marked evict-first
     STRIDED: tl.constexpr,  # rows interleaved between programs (else a contiguous share each)
+    DRES_EARLY: tl.constexpr = False,  # issue the DRES load before the row reductions, not after
 ):
     lo, hi, step = row_range(tl.program_id(0), tl.num_programs(0), M, BLOCK_M, STRIDED)
     cols = tl.arange(0, BLOCK_N)
@@ -230,6 +236,8 @@ def _ln_bwd_kernel(
             x_in, dy_in, mask = _load_rows(X, DY, rows, hi, cols, cmask, stride_x, stride_dy, EVICT)
             mean = tl.load(MEAN + rows, mask=rows < hi, other=0.0)
             rstd = tl.load(RSTD + rows, mask=rows < hi, other=0.0)
+        if HAS_DRES and DRES_EARLY:
+            dres = _load_residual_grad(DRES, rows, stride_dres, cols, mask)
         # Masked columns and rows load dy = 0 (and w = 0), so they add nothing to any sum below.
         dy = dy_in.to(tl.float32)
         xhat = (x_in.to(tl.float32) - mean[:, None]) * rstd[:, None]
@@ -241,7 +249,9 @@ def _ln_bwd_kernel(
         c2 = tl.sum(g, axis=1) / N
         dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DRES:
-            dx += _load_residual_grad(DRES, rows, stride_dres, cols, mask)
+            if not DRES_EARLY:
+                dres = _load_residual_grad(DRES, rows, stride_dres, cols, mask)
+            dx += dres.to(tl.float32)
         tl.store(
             DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
         )
@@ -263,16 +273,20 @@ def _fwd_config(n: int, config: dict | None) -> dict:
     return {"BLOCK_N": block_n, **cfg}
 
 
-def _bwd_configs(block_n: int) -> list[dict]:
+def _bwd_configs(block_n: int, with_residual: bool = False) -> list[dict]:
     # Measured on H100 (8192 x 2048 bf16, benchmarks/kernels): prefetching always paid (-10%), and
     # interleaved rows beat contiguous shares (-3%); one program an SM, and row blocks of 2 on 16
-    # warps, were much slower. The rest are within a few percent: the tuner picks among them.
+    # warps, were much slower. The rest are within a few percent: the tuner picks among them. With
+    # the residual's gradient, its load goes either before the row reductions (its latency hidden
+    # under them, 2 more bytes an element held in registers) or after them.
     base = max(1, 2048 // block_n)
     out = []
     for bm in (base, 2 * base):
         for w in (2, 4, 8, 16):
             if 4 <= bm * block_n // (32 * w) <= 16 and not (bm > 1 and w == 16):
                 out += [dict(_BWD_FIXED, BLOCK_M=bm, num_warps=w, PER_SM=per_sm) for per_sm in (2, 4)]
+    if with_residual:
+        out = [dict(cfg, DRES_EARLY=early) for cfg in out for early in (False, True)]
     return out
 
 
@@ -306,7 +320,7 @@ def _build_bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, co
     if config is not None and "programs_per_sm" in config:  # the sweep's older spelling
         config = {**config, "PER_SM": config.pop("programs_per_sm")}
     return GridLaunch(
-        kernel, (tag, block_n), m, _bwd_configs(block_n), _bwd_default(block_n), key=["N"],
+        kernel, (tag, block_n), m, _bwd_configs(block_n, tag.endswith("+res")), _bwd_default(block_n), key=["N"],
         grid=lambda cfg: (programs(cfg),), parts=programs, config=config,
     )  # fmt: skip
 
