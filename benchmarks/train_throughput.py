@@ -38,6 +38,7 @@ import time
 import traceback
 
 import torch
+from plain_reference import ReferenceShape, time_reference  # noqa: E402  (benchmarks/, next to this file)
 
 from mcore.distributed.groups import LaunchEnv, initialize_parallel
 from mcore.models.config import padded_vocab_size
@@ -256,6 +257,13 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-out", default=None, help="write the profiler's tables here")
     parser.add_argument("--profile-top", type=int, default=15, help="kernels listed in the profile summary")
     parser.add_argument("--profile-trace", default=None, help="write the profiled steps' Chrome trace here")
+    parser.add_argument(
+        "--reference",
+        choices=("none", "plain", "plain-eager"),
+        default="none",
+        help="first time the plain-PyTorch GPT (plain_reference.py; plain: under torch.compile) at the "
+        "same shapes in this process, and report mcore's tokens/s over its (one process, classic GPT)",
+    )
     ours, rest = parser.parse_known_args(argv)
     rest += [
         "--tokenizer-type",
@@ -279,10 +287,20 @@ def main(argv=None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
     cfg = check_run_config(cfg, backend, world)
     groups = initialize_parallel(cfg.parallel, backend)
-    model_parallel_seed(cfg.training.seed, groups.tp_rank, groups.pp_rank)
     # NullTokenizer's vocabulary is vocab_size + 1 (its EOD); pad as Megatron would.
     vocab = padded_vocab_size(ours.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
     t = cfg.training
+    reference = None
+    if ours.reference != "none":
+        reference = time_reference(
+            reference_shape(cfg, groups.world_size, vocab),
+            backend,
+            compile=ours.reference == "plain",
+            warmup=ours.warmup,
+            iters=ours.iters,
+        )
+        _emit(reference, ours.out)
+    model_parallel_seed(cfg.training.seed, groups.tp_rank, groups.pp_rank)
     model = build_model(cfg, groups, model_provider, vocab)
     optimizer = build_optimizer(cfg.optimizer, cfg.precision, model, groups, lr=1e-4)
     batches = MicroBatchCalculator(
@@ -354,6 +372,8 @@ def main(argv=None) -> int:
         # wall-clock bounds of the timed steps, to line them up with an outside power or energy log
         "timed_unix": timed_unix,
     }
+    if reference is not None:
+        result["of_reference"] = result["tokens_per_s"] / reference["tokens_per_s"]
     if cfg.training.compile_layers:
         try:
             result["dynamo"] = dynamo_counters()
@@ -383,6 +403,37 @@ def main(argv=None) -> int:
     if is_last and extra:
         _emit({"peer": ours.label, **extra}, ours.out)
     return 0
+
+
+def reference_shape(cfg, world_size: int, vocab: int) -> ReferenceShape:
+    """The plain reference at this run's sizes; it models one process of the classic GPT only."""
+    m = cfg.model
+    differs = {
+        "--normalization": m.normalization != "LayerNorm",
+        "--swiglu": m.swiglu,
+        "--position-embedding-type": m.position_embedding_type != "learned_absolute",
+        "--group-query-attention": m.group_query_attention,
+        "--disable-bias-linear": m.disable_bias_linear,
+        "--untie-embeddings-and-output-weights": m.untie_embeddings_and_output_weights,
+        "world size": world_size != 1,
+        "--micro-batch-size/--global-batch-size": cfg.training.global_batch_size
+        != cfg.training.micro_batch_size,
+    }
+    bad = [name for name, d in differs.items() if d]
+    if bad:
+        raise SystemExit(
+            "--reference: the plain reference is the classic GPT (LayerNorm, GeLU, learned positions, "
+            f"biases, tied output layer) on one process with one micro-batch a step; this run differs in {', '.join(bad)}"
+        )
+    return ReferenceShape(
+        layers=m.num_layers,
+        hidden=m.hidden_size,
+        heads=m.num_attention_heads,
+        ffn_hidden=m.ffn_hidden_size or 4 * m.hidden_size,
+        seq=m.seq_length,
+        micro_batch=cfg.training.micro_batch_size,
+        vocab=vocab,
+    )
 
 
 def _emit(record: dict, out: str | None) -> None:

@@ -1,6 +1,8 @@
 """Every command in the README's code blocks is run by a test (or by CI itself), and the launch
 scripts it names run, scaled down, under torchrun."""
 
+import json
+import math
 import os
 import pathlib
 import re
@@ -104,36 +106,47 @@ def test_example_launch_scripts_run_scaled_down(tmp_path, script, extra):
     assert "iteration        2/       2" in proc.stdout
 
 
-def test_throughput_benchmark_runs_on_cpu():
-    proc = subprocess.run(
+TINY_GPT = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 2 --vocab-size 100 --warmup 1 --iters 1"
+).split()
+
+
+def _throughput(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             "python",
             str(REPO / "benchmarks" / "train_throughput.py"),
             "--device-backend",
             "cpu",
-            "--num-layers",
-            "2",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "2",
-            "--seq-length",
-            "16",
-            "--max-position-embeddings",
-            "16",
-            "--micro-batch-size",
-            "2",
-            "--vocab-size",
-            "100",
-            "--warmup",
-            "1",
-            "--iters",
-            "1",
+            *TINY_GPT,
+            *args,
         ],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def test_throughput_benchmark_runs_on_cpu():
+    proc = _throughput()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"tokens_per_s"' in proc.stdout
+
+
+def test_throughput_benchmark_times_the_plain_reference_in_the_same_process():
+    proc = _throughput("--reference", "plain-eager")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    reference, ours = lines[0], lines[1]
+    assert reference["peer"] == "plain-eager" and reference["tokens_per_s"] > 0
+    assert math.isfinite(reference["lm_loss"])
+    assert ours["of_reference"] == ours["tokens_per_s"] / reference["tokens_per_s"]
+
+
+def test_throughput_reference_refuses_a_model_it_does_not_model():
+    proc = _throughput("--reference", "plain", "--swiglu")
+    assert proc.returncode != 0
+    assert "this run differs in --swiglu" in proc.stderr
+    assert '"tokens_per_s"' not in proc.stdout
