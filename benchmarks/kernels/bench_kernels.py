@@ -201,31 +201,26 @@ def op_rows(ops, reference, compile_ok: bool, only: set[str] | None, copy_bw: fl
     def want(name):
         return only is None or name in only
 
-    if want("rms_norm"):
-        rows += run_op(
-            "rms_norm", f"{m}x{h}", ops.rms_norm, reference.rms_norm,
-            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), 1e-5), (0, 1),
-            2 * m * h * e, 3 * m * h * e, compile_ok,
-        )  # fmt: skip
-    if want("layer_norm"):
-        rows += run_op(
-            "layer_norm", f"{m}x{h}", ops.layer_norm, reference.layer_norm,
-            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), _randn(h, scale=0.1), 1e-5), (0, 1, 2),
-            2 * m * h * e, 3 * m * h * e, compile_ok,
-        )  # fmt: skip
-    if want("layer_norm_with_residual"):  # backward: + the residual's gradient read, no separate add
-        rows += run_op(
-            "layer_norm_with_residual", f"{m}x{h}", ops.layer_norm_with_residual,
-            reference.layer_norm_with_residual,
-            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), _randn(h, scale=0.1), 1e-5), (0, 1, 2),
-            2 * m * h * e, 4 * m * h * e, compile_ok,
-        )  # fmt: skip
-    if want("rms_norm_with_residual"):
-        rows += run_op(
-            "rms_norm_with_residual", f"{m}x{h}", ops.rms_norm_with_residual, reference.rms_norm_with_residual,
-            lambda: (_randn(m, h), _randn(h, scale=0.1).add_(1), 1e-5), (0, 1),
-            2 * m * h * e, 4 * m * h * e, compile_ok,
-        )  # fmt: skip
+    def norm_inputs(with_bias: bool) -> Callable:
+        def make():
+            x, w = _randn(m, h), _randn(h, scale=0.1).add_(1)
+            return (x, w, _randn(h, scale=0.1), 1e-5) if with_bias else (x, w, 1e-5)
+
+        return make
+
+    # The *_with_residual forms return (norm(x), x): their backward also reads the residual stream's
+    # gradient and adds it to dx as it writes it (one more [m, h] read, no separate add kernel).
+    for name, with_bias, bwd_tensors in (
+        ("rms_norm", False, 3),
+        ("layer_norm", True, 3),
+        ("layer_norm_with_residual", True, 4),
+        ("rms_norm_with_residual", False, 4),
+    ):
+        if want(name):
+            rows += run_op(
+                name, f"{m}x{h}", getattr(ops, name), getattr(reference, name), norm_inputs(with_bias),
+                (0, 1, 2) if with_bias else (0, 1), 2 * m * h * e, bwd_tensors * m * h * e, compile_ok,
+            )  # fmt: skip
     if want("rotary_embedding"):
         s, b, n, d = SEQ, BATCH, HEADS, HEAD_DIM
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
