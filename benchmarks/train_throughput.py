@@ -38,6 +38,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 from plain_reference import ReferenceShape, time_reference  # noqa: E402  (benchmarks/, next to this file)
 
 from mcore.distributed.groups import LaunchEnv, initialize_parallel
@@ -198,6 +199,11 @@ def profile_steps(
     summary["idle_gaps"] = idle_gaps(kernels, steps)
     summary["host_top_level_op_ms_per_step"] = round(host_us / steps / 1000.0, 3)
     if trace_file:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            stem, dot, ext = trace_file.rpartition(".")  # one trace per rank: trace.rank1.json
+            trace_file = (
+                f"{stem}.rank{dist.get_rank()}.{ext}" if dot else f"{trace_file}.rank{dist.get_rank()}"
+            )
         prof.export_chrome_trace(trace_file)
     if out_file:
         averages = prof.key_averages()
@@ -282,7 +288,6 @@ def main(argv=None) -> int:
     ]
     cfg = parse_run_config(rest, prog="train_throughput.py")
     backend = setup_backend(cfg)
-    import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
     cfg = check_run_config(cfg, backend, world)
