@@ -39,7 +39,18 @@ def record(path: str, period_s: float = 0.01) -> None:
 
 
 def per_step(log: str, outputs: list[str]) -> list[dict]:
-    samples = [tuple(map(float, line.split())) for line in open(log) if not line.startswith("#")]
+    samples = []
+    with open(log) as f:
+        for number, line in enumerate(f, 1):
+            if line.startswith("#") or not line.strip():
+                continue
+            try:
+                sample = tuple(map(float, line.split()))
+            except ValueError:
+                sample = ()
+            if len(sample) != 4:
+                raise SystemExit(f"{log}:{number}: not an energy sample (unix_s energy_mJ power_mW sm_MHz)")
+            samples.append(sample)
     if len(samples) < 2:
         raise SystemExit(f"{log}: fewer than two energy samples")
     times = [s[0] for s in samples]

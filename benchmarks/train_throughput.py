@@ -39,7 +39,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from plain_reference import ReferenceShape, time_reference  # noqa: E402  (benchmarks/, next to this file)
+from plain_reference import ReferenceShape, time_reference  # benchmarks/, next to this file
 
 from mcore.distributed.groups import LaunchEnv, initialize_parallel
 from mcore.models.config import padded_vocab_size

@@ -49,3 +49,6 @@ def test_energy_log_gives_joules_and_watts_per_timed_step(tmp_path):
     out.write_text(json.dumps(late) + "\n")
     with pytest.raises(SystemExit, match="fall outside"):
         energy_log.per_step(str(log), [str(out)])
+    log.write_text(log.read_text() + "101.0 12 oops\n")
+    with pytest.raises(SystemExit, match=r"energy.txt:52: not an energy sample"):
+        energy_log.per_step(str(log), [str(out)])

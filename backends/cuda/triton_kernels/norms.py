@@ -317,10 +317,14 @@ def _build_bwd_launch(kernel, tag: str, m: int, n: int, device: torch.device, co
     def programs(cfg) -> int:
         return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), sms * cfg["PER_SM"])
 
+    with_residual = tag.endswith("+res")
+    default = _bwd_default(block_n)
+    if with_residual:  # the tuner's choice for both norms on H100 (benchmarks/kernels/RESULTS.md)
+        default = dict(default, DRES_EARLY=True)
     if config is not None and "programs_per_sm" in config:  # the sweep's older spelling
         config = {**config, "PER_SM": config.pop("programs_per_sm")}
     return GridLaunch(
-        kernel, (tag, block_n), m, _bwd_configs(block_n, tag.endswith("+res")), _bwd_default(block_n), key=["N"],
+        kernel, (tag, block_n), m, _bwd_configs(block_n, with_residual), default, key=["N"],
         grid=lambda cfg: (programs(cfg),), parts=programs, config=config,
     )  # fmt: skip
 
