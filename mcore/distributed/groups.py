@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from mcore.backend import DeviceBackend, current_backend
@@ -54,6 +55,12 @@ class ProcessGroups:
     replica: gradient norms are reduced over it); ``dp_cp`` spans dp x cp (gradients are averaged
     over it); ``embedding`` joins the first and last pipeline stage (tied embedding gradients).
     A group is ``None`` when the job is a single process.
+
+    ``device`` is the one device this rank computes on: :func:`initialize_parallel` asks the backend
+    for it once, from the *local* rank (``--local-rank``, else the launcher's ``LOCAL_RANK`` /
+    ``SLURM_LOCALID``), and makes it current. The model, the trainer and the pipeline schedule all
+    read it here, so they cannot disagree (a global rank indexes the wrong device on the second node,
+    or whenever a node runs fewer processes than it has devices).
     """
 
     topology: Topology
@@ -67,11 +74,15 @@ class ProcessGroups:
     world: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = field(default=(0,))
     embedding_ranks: tuple[int, ...] = field(default=(0,))
+    device: torch.device = field(default_factory=lambda: current_backend().device(0))
 
     @classmethod
-    def single(cls) -> ProcessGroups:
-        """The groups of a one-process job (every size is 1, every collective a no-op)."""
-        return cls(topology=Topology.create(1, 0))
+    def single(cls, device: torch.device | None = None) -> ProcessGroups:
+        """The groups of a one-process job (every size is 1, every collective a no-op), on
+        ``device`` (default: the current backend's device of local rank 0)."""
+        if device is None:
+            return cls(topology=Topology.create(1, 0))
+        return cls(topology=Topology.create(1, 0), device=device)
 
     # sizes and ranks along each axis
     @property
@@ -174,11 +185,14 @@ def initialize_parallel(
         cp=config.context_parallel_size,
         order=config.parallel_order,
     )
-    if world_size == 1 and not dist.is_initialized():
-        return ProcessGroups(topology=topology)
-
+    # The one place the device is derived (ProcessGroups.device): from the local rank, never the
+    # global one, and made current before any process group or parameter is created.
     local_rank = config.local_rank if config.local_rank is not None else launch.local_rank
+    device = backend.device(local_rank)
     backend.set_device(local_rank)
+    if world_size == 1 and not dist.is_initialized():
+        return ProcessGroups(topology=topology, device=device)
+
     timeout = timedelta(minutes=config.distributed_timeout_minutes)
     pm = plugin_manager()
 
@@ -221,6 +235,7 @@ def initialize_parallel(
         world=dist.group.WORLD,
         pp_ranks=tuple(topology.group_of("pp")),
         embedding_ranks=tuple(next(g for g in embedding_lists if topology.group_of("pp")[0] in g)),
+        device=device,
     )
 
 

@@ -48,7 +48,7 @@ from mcore.config.fields import ConfigError, check
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.config import ModelConfig, check_tensor_parallel
-from mcore.models.context import BuildContext, default_device
+from mcore.models.context import BuildContext
 from mcore.models.embeddings import LanguageModelEmbedding
 from mcore.models.mlp import MLP, MLPSubmodules
 from mcore.models.norms import Norm
@@ -107,7 +107,7 @@ class GPTModel(torch.nn.Module):
         sequence_parallel: split activations along the sequence outside TP regions
             (``--sequence-parallel``; needs TP > 1).
         params_dtype: parameter dtype (fp32; bf16/fp16 for mixed precision).
-        device: where to create the parameters (default: the backend's current device).
+        device: where to create the parameters (default: ``groups.device``, this rank's device).
         seed: initialization seed (``--seed``); weights depend only on it, not on the layout.
         layer_spec: the transformer-layer spec (default :func:`gpt_layer_spec`).
 
@@ -158,7 +158,7 @@ class GPTModel(torch.nn.Module):
             tp_rank=groups.tp_rank,
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
-            device=device if device is not None else default_device(),
+            device=device if device is not None else groups.device,
         )
         self.input_tensor: torch.Tensor | None = None
 

@@ -18,7 +18,6 @@ from torch import nn
 
 from mcore.backend import current_backend
 from mcore.config.fields import ConfigError, check
-from mcore.distributed.groups import LaunchEnv
 from mcore.pipeline.p2p import PipelineStats, StageCommunicator
 from mcore.pipeline.tables import BACKWARD, FORWARD, Op, check_model_chunks, pipeline_timeline
 
@@ -285,7 +284,7 @@ def _run_pipeline(
             "(one per chunk), or None"
         )
     backend = current_backend()
-    device = backend.device(LaunchEnv.from_environ().local_rank)
+    device = groups.device
     if stats is not None:
         backend.synchronize()
     start = time.perf_counter()

@@ -288,7 +288,7 @@ class Trainer:
         vp = len(model)
         self.schedule = get_forward_backward_func(groups.pp_size, vp)
         self.dtype = cfg.precision.params_dtype
-        self.device = backend.device(groups.rank)
+        self.device = groups.device
         self._chunk_modules = [list(chunk.modules()) for chunk in model]
         self._ddp_chunks = [chunk for chunk in model if isinstance(chunk, DistributedDataParallel)]
         self.iteration = 0
