@@ -288,7 +288,8 @@ def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
 
             Served for fp32 masters and moments (fp32 parameters, or fp32 masters beside bf16/fp16
             ones); the precision-aware storage (remainders, bf16 moments) runs the reference. The
-            kernel has no device-side skip, so a ``skip`` flag is read on the host here (one sync).
+            kernel has no device-side skip, so a ``skip`` flag (and a device ``step`` counter) is read
+            on the host here (one sync).
             """
             fp32_state = remainders is None and exp_avgs.dtype == exp_avg_sqs.dtype == torch.float32
             if not fp32_state or (masters is None and params.dtype != torch.float32):
@@ -300,6 +301,8 @@ def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
                 return
             if skip is not None and bool(skip):
                 return
+            if isinstance(step, torch.Tensor):  # the optimizer's device counter (read with the skip)
+                step = int(step)
             beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
             for seg in segments.segments:
                 state = slice(seg.state_start, seg.state_start + seg.length)

@@ -86,6 +86,22 @@ class FlatSegments:
         return sum(s.length for s in self.segments)
 
 
+def bias_corrections(step: int | torch.Tensor, beta1: float, beta2: float) -> tuple[Any, Any]:
+    """Adam's bias corrections ``(1 - beta1^t, 1 - beta2^t)`` for step ``t`` (counted from 1).
+
+    ``step`` is a host int (Python floats are returned, double precision), or a 0-d integer tensor
+    on the device: the number of updates applied so far, counted there, so that a step skipped on the
+    device (a non-finite gradient norm) does not advance it and the host never reads the decision.
+    Then the corrections are float64 0-d tensors on that device, the same values as the host's
+    double arithmetic (``pow`` of doubles on both sides). A tensor ``t = 0`` (every step so far
+    skipped) gives a correction of 0: the update it would divide is discarded by the skip anyway.
+    """
+    if isinstance(step, torch.Tensor):
+        t = step.to(torch.float64)
+        return 1.0 - torch.pow(beta1, t), 1.0 - torch.pow(beta2, t)
+    return 1.0 - beta1**step, 1.0 - beta2**step
+
+
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``master`` -> (bf16 parameter, int16 remainder) with ``join_master`` inverting it exactly."""
     bits = master.contiguous().view(torch.int32)

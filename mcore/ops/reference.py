@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mcore.ops.flat import FlatSegments, join_master, split_master
+from mcore.ops.flat import FlatSegments, bias_corrections, join_master, split_master
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -326,7 +326,7 @@ def adam_step_flat(
     exp_avg_sqs: torch.Tensor,
     segments: FlatSegments,
     *,
-    step: int,
+    step: int | torch.Tensor,
     lrs: Sequence[float],
     weight_decays: Sequence[float],
     beta1: float,
@@ -354,10 +354,12 @@ def adam_step_flat(
 
     the arithmetic of :func:`adam_step`, so fp32 state gives the same bits. ``skip`` (a 0-d bool
     device tensor) true leaves everything untouched: the decision (a non-finite gradient norm, say)
-    stays on the device and the host never waits for it.
+    stays on the device and the host never waits for it. ``t = step`` is a host int or a 0-d integer
+    device tensor counting the updates applied, this one included (the optimizer's counter, which a
+    skipped step does not advance); see :func:`mcore.ops.flat.bias_corrections`.
     """
-    bias1 = 1.0 - beta1**step
-    bias2 = 1.0 - beta2**step
+    bias1, bias2 = bias_corrections(step, beta1, beta2)
+    on_device = isinstance(step, torch.Tensor)
     for seg in segments.segments:
         state = slice(seg.state_start, seg.state_start + seg.length)
         buffer = slice(seg.buffer_start, seg.buffer_start + seg.length)
@@ -378,7 +380,10 @@ def adam_step_flat(
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         denom = (v / bias2).sqrt_().add_(eps)
-        p.addcdiv_(m, denom, value=-lr / bias1)
+        if on_device:  # value * m / denom, as addcdiv computes it, with the factor read on the device
+            p.addcdiv_(m * (-lr / bias1).to(torch.float32), denom)
+        else:
+            p.addcdiv_(m, denom, value=-lr / bias1)
         if skip is not None:  # select, not branch: the host never reads the device flag
             p, m, v = torch.where(skip, p0, p), torch.where(skip, m0, m), torch.where(skip, v0, v)
         exp_avgs[state].copy_(m)

@@ -158,7 +158,6 @@ class MegatronOptimizer:
         """One-pass Adam over flat buffers (``adam_step_flat``): bf16/fp32 parameters in DDP buffers."""
         self.skips_nonfinite_on_device = self.flat
         """A non-finite gradient norm skips the update on the device; :meth:`step` never waits for it."""
-        self._step_count = 0
         self.main_params: list[MainParam] = []
         for key, _, param, chunk in named:
             entry = self._make_main_param(key, param, chunk, group_of[id(param)], tp_rank)
@@ -172,6 +171,9 @@ class MegatronOptimizer:
             self._init_state()
         device = next((p.model_param.device for p in self.main_params), None)
         self._device = device or torch.device("cpu")
+        self._applied_steps = torch.zeros((), dtype=torch.int64, device=self._device)
+        """Flat path: Adam's step ``t``, the number of updates applied, counted on the device (a step
+        skipped there does not advance it); the entries' ``state["step"]`` mirror it in state dicts."""
 
     # ----------------------------------------------------------------------------------------------
     # construction
@@ -376,12 +378,17 @@ class MegatronOptimizer:
                 if bucket.nan_flag is not None:
                     skip = skip | bucket.nan_flag
         scale = None
+        if self.grad_scaler is not None:  # a static --loss-scale with bf16: unscale in the kernel
+            grad_norm = grad_norm * self.grad_scaler.inv_scale
+            scale = torch.full((), self.grad_scaler.inv_scale, dtype=torch.float32, device=grad_norm.device)
         if cfg.clip_grad > 0.0:
-            scale = torch.clamp(cfg.clip_grad / (grad_norm + 1e-6), max=1.0)
-        self._step_count += 1
-        for entry in self.main_params:
-            entry.state["step"] += 1
-        step = max((e.state["step"] for e in self.main_params), default=self._step_count)
+            clip = torch.clamp(cfg.clip_grad / (grad_norm + 1e-6), max=1.0)
+            scale = clip if scale is None else scale * clip
+        # Adam's t counts applied updates only: advanced on the device by the skip decision, so a
+        # skipped step leaves the bias correction where it was (as the per-parameter path, which
+        # returns before its update, does) and the host never waits for the decision.
+        self._applied_steps.add_((~skip).to(torch.int64))
+        step = self._applied_steps
         lrs = [group["lr"] for group in self.param_groups]
         wds = [group["weight_decay"] for group in self.param_groups]
         adam_step_flat = get_ops().adam_step_flat
@@ -485,9 +492,17 @@ class MegatronOptimizer:
     # ----------------------------------------------------------------------------------------------
     # state
 
+    def _sync_flat_steps(self) -> None:
+        """Flat path: copy the device step counter into the entries' ``state["step"]`` (waits for it)."""
+        if self.flat:
+            step = int(self._applied_steps.item())
+            for entry in self.main_params:
+                entry.state["step"] = step
+
     def state_dict(self) -> dict[str, Any]:
         """Per-parameter state (layout in the module docstring); tensors are this rank's pieces."""
         self.finish_param_sync()
+        self._sync_flat_steps()
         names = self._all_keys()
         state = {}
         for entry in self.main_params:
@@ -624,6 +639,8 @@ class MegatronOptimizer:
                     entry.state[name] = item[name]
             if "main_param" in item:  # for fp32 params: the model param itself
                 self._set_master(entry, item["main_param"][piece])
+        if self.flat:
+            self._applied_steps.fill_(max((e.state.get("step", 0) for e in self.main_params), default=0))
         self.finish_param_sync()
         if self.distributed:  # parameters whose masters changed must reach every data-parallel rank
             if not self.flat:  # (the flat path's _set_master rounded them into the parameters already)

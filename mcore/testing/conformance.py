@@ -145,8 +145,9 @@ def _adam_l2_make(dtype, gen):
     return args, {**hyper, "step": 1, "decoupled_weight_decay": False}
 
 
-def _adam_flat_make(mode: str):
-    """Flat buffers of 1500 elements, three segments (two groups, one gap), in one of three storages."""
+def _adam_flat_make(mode: str, device_step: bool = False):
+    """Flat buffers of 1500 elements, three segments (two groups, one gap), in one of three storages;
+    ``device_step``: the step as a 0-d integer tensor on the device (the optimizer's counter)."""
 
     def make(dtype, gen):
         from mcore.ops.flat import FlatSegments, split_master
@@ -180,8 +181,8 @@ def _adam_flat_make(mode: str):
                 exp_avg_sqs.to(torch.bfloat16),
             ]
         hyper = dict(
-            step=3, lrs=[1e-2, 2e-2], weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
-            grad_scale=torch.tensor(0.5), skip=torch.tensor(False),
+            step=torch.tensor(3) if device_step else 3, lrs=[1e-2, 2e-2], weight_decays=[0.1, 0.0],
+            beta1=0.9, beta2=0.95, eps=1e-8, grad_scale=torch.tensor(0.5), skip=torch.tensor(False),
         )  # fmt: skip
         return [*tensors, segments], hyper
 
@@ -349,6 +350,13 @@ OP_CASES: tuple[OpCase, ...] = (
         "adam_flat_precision_aware",
         "adam_step_flat",
         _adam_flat_make("remainders"),
+        dtypes=(torch.float32,),
+        kind="reduction",
+    ),
+    OpCase(
+        "adam_flat_device_step",
+        "adam_step_flat",
+        _adam_flat_make("masters", device_step=True),
         dtypes=(torch.float32,),
         kind="reduction",
     ),

@@ -234,7 +234,9 @@ def _main() -> int:
                     bf16 = torch.bfloat16
                     state = [grads.to(bf16), params, None, rem, m0.to(bf16), v0.to(bf16)]
                 hyper = dict(
-                    step=3, lrs=[1e-2, 2e-2], weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
+                    # the optimizer's device step counter (bias corrections read by the kernel) or an int
+                    step=torch.tensor(3) if mode == "masters" else 3, lrs=[1e-2, 2e-2],
+                    weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
                     grad_scale=torch.tensor(0.5), skip=torch.tensor(skip),
                 )  # fmt: skip
                 ours = [t.clone() if t is not None else None for t in state]

@@ -310,3 +310,97 @@ def test_dp2_distributed_optimizer_matches_dp1_with_remainders():
         for key, (start, value) in masters.items():
             ref = ref_masters[key][1][start : start + value.numel()]
             torch.testing.assert_close(value, ref, rtol=2e-2, atol=2e-3)
+
+
+def _steps_of(optimizer) -> set[int]:
+    return {item["step"] for item in optimizer.state_dict()["state"].values()}
+
+
+@pytest.mark.parametrize("precision_aware", [None, PRECISION_AWARE], ids=["fp32-state", "precision-aware"])
+def test_a_step_skipped_on_the_device_does_not_advance_adam_t(precision_aware):
+    """Steps 0..4 with an inf gradient at step 2 (skipped on the device) train exactly like steps 0, 1,
+    3, 4 without it: Adam's t, hence the bias correction, counts applied updates only. The
+    per-parameter path (which returns before its update) gives the same masters."""
+    groups = ProcessGroups.single()
+    skipped_model, skipped = _build(precision_aware=precision_aware, clip_grad=0.0)
+    history = train(skipped_model, skipped, groups, 5, inject_inf_at=(2, 0))
+    assert skipped.skips_nonfinite_on_device and all(h[1] for h in history)  # no host read
+    clean_model, clean = _build(precision_aware=precision_aware, clip_grad=0.0)
+    train(clean_model, clean, groups, 2)
+    train(clean_model, clean, groups, 2, start_step=3)
+    assert torch.equal(_masters(skipped), _masters(clean))
+    for p, q in zip(skipped_model.parameters(), clean_model.parameters()):
+        assert torch.equal(p, q)
+    assert _steps_of(skipped) == _steps_of(clean) == {4}
+
+    ops = current_backend().ops
+    if precision_aware is None and {ops.provider("adam_step_flat"), ops.provider("adam_step")} == {
+        "reference"
+    }:
+        ref_model, ref = _build(contiguous=False, clip_grad=0.0)
+        assert not ref.flat
+        train(ref_model, ref, groups, 2)
+        train(ref_model, ref, groups, 2, start_step=3)
+        assert torch.equal(_masters(skipped), _masters(ref))
+        assert _steps_of(ref) == {4}
+
+
+def test_the_step_counter_survives_a_state_dict_round_trip():
+    groups = ProcessGroups.single()
+    model, optimizer = _build(clip_grad=0.0)
+    train(model, optimizer, groups, 3, inject_inf_at=(1, 0))
+    state = optimizer.state_dict()
+    fresh_model, fresh = _build(clip_grad=0.0)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh.load_state_dict(state)
+    assert _steps_of(fresh) == {2}
+    train(model, optimizer, groups, 2, start_step=3)
+    train(fresh_model, fresh, groups, 2, start_step=3)
+    assert torch.equal(_masters(fresh), _masters(optimizer))
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 10, 1000])
+def test_flat_reference_with_a_device_step_equals_the_host_step(step):
+    """``step`` as a 0-d device tensor (the optimizer's counter) gives the host int's bits."""
+    gen = torch.Generator().manual_seed(step)
+    n = 1000
+    tensors = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
+    tensors += [torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01]
+    segments = FlatSegments.from_runs([(0, 0, 400, 0), (400, 400, 600, 1)])
+    kw = dict(lrs=[0.01, 0.02], weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8)
+    host = [t.clone() for t in tensors]
+    device = [t.clone() for t in tensors]
+    reference.adam_step_flat(host[0], host[1], None, None, host[2], host[3], segments, step=step, **kw)
+    reference.adam_step_flat(
+        device[0], device[1], None, None, device[2], device[3], segments, step=torch.tensor(step), **kw
+    )
+    for a, b in zip(host, device):
+        assert torch.equal(a, b)
+
+
+def test_static_loss_scale_with_bf16_is_unscaled_on_the_flat_path():
+    """bf16 with ``--loss-scale``: the one-pass step divides the gradients by the scale (the norm it
+    reports and clips with is the unscaled one), as the per-parameter path does."""
+    groups = ProcessGroups.single()
+    scaled_model, scaled = build(groups, bf16=True, loss_scale=1024.0, clip_grad=0.5)
+    plain_model, plain = build(groups, bf16=True, clip_grad=0.5)
+    assert scaled.flat and plain.flat
+    a = train(scaled_model, scaled, groups, 4)
+    b = train(plain_model, plain, groups, 4)
+    for (_, _, norm_a, _), (_, _, norm_b, _) in zip(a, b):
+        torch.testing.assert_close(norm_a, norm_b, rtol=1e-3, atol=0.0)
+    torch.testing.assert_close(_masters(scaled), _masters(plain), rtol=1e-4, atol=1e-6)
+
+
+def test_fp16_overflow_skip_leaves_adam_t_and_weights_as_without_the_step():
+    """fp16 (the per-parameter path, a static loss scale so later steps scale alike): an overflowing
+    step is skipped and training continues exactly as if the step had not been there."""
+    groups = ProcessGroups.single()
+    skipped_model, skipped = build(groups, fp16=True, loss_scale=64.0, clip_grad=0.0)
+    history = train(skipped_model, skipped, groups, 5, inject_inf_at=(2, 0))
+    assert [h[1] for h in history] == [True, True, False, True, True]
+    clean_model, clean = build(groups, fp16=True, loss_scale=64.0, clip_grad=0.0)
+    train(clean_model, clean, groups, 2)
+    train(clean_model, clean, groups, 2, start_step=3)
+    assert torch.equal(_masters(skipped), _masters(clean))
+    assert _steps_of(skipped) == _steps_of(clean) == {4}

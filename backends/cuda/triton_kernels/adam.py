@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore.ops.flat import STATE_ALIGN, FlatSegments
+from mcore.ops.flat import STATE_ALIGN, FlatSegments, bias_corrections
 
 BLOCK = 4096
 ALIGN = STATE_ALIGN
@@ -99,6 +99,7 @@ def _adam_flat_kernel(
     tile_group_ptr,
     scale_ptr,
     skip_ptr,
+    bias_ptr,
     lr0,
     lr1,
     lr2,
@@ -116,6 +117,7 @@ def _adam_flat_kernel(
     HAS_REM: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_SKIP: tl.constexpr,
+    BIAS_ON_DEVICE: tl.constexpr,
     ALIGNED: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -137,6 +139,9 @@ def _adam_flat_kernel(
     run = True
     if HAS_SKIP:  # a non-finite gradient norm: nothing is read or written
         run = tl.load(skip_ptr) == 0
+    if BIAS_ON_DEVICE:  # the step counter lives on the device: its corrections are read from there
+        bias1 = tl.load(bias_ptr)
+        bias2 = tl.load(bias_ptr + 1)
     if run:
         offs = tl.arange(0, BLOCK)
         s_offs = state0 + offs
@@ -205,7 +210,7 @@ def adam_step_flat(
     exp_avg_sqs: torch.Tensor,
     segments: FlatSegments,
     *,
-    step: int,
+    step: int | torch.Tensor,
     lrs,
     weight_decays,
     beta1: float,
@@ -214,11 +219,20 @@ def adam_step_flat(
     grad_scale: torch.Tensor | None = None,
     skip: torch.Tensor | None = None,
 ) -> None:
-    """The reference ``adam_step_flat`` in one Triton launch (up to :data:`MAX_GROUPS` groups)."""
+    """The reference ``adam_step_flat`` in one Triton launch (up to :data:`MAX_GROUPS` groups).
+
+    A ``step`` tensor (the optimizer's device counter of applied updates) gives the bias corrections
+    as two fp32 values in device memory (float64 ``pow`` on the device, then rounded, as the host
+    rounds its doubles), read by every program: no host read."""
     tile_state, tile_buffer, tile_bounds, tile_group, aligned = _tiles(segments, grads.device)
     tiles = tile_state.numel()
     if tiles == 0:
         return
+    bias1, bias2 = bias_corrections(step, beta1, beta2)
+    bias_on_device = isinstance(step, torch.Tensor)
+    if bias_on_device:
+        bias = torch.stack([bias1, bias2]).to(device=grads.device, dtype=torch.float32)
+        bias1 = bias2 = 1.0  # placeholders: the kernel reads ``bias``
     lrs = list(lrs) + [0.0] * (MAX_GROUPS - len(lrs))
     wds = list(weight_decays) + [0.0] * (MAX_GROUPS - len(weight_decays))
     dummy = exp_avgs  # a valid pointer for the arguments a constexpr switches off
@@ -235,17 +249,19 @@ def adam_step_flat(
         tile_group,
         grad_scale if grad_scale is not None else dummy,
         skip.view(torch.uint8) if skip is not None else dummy,
+        bias if bias_on_device else dummy,
         *[float(x) for x in lrs[:MAX_GROUPS]],
         *[float(x) for x in wds[:MAX_GROUPS]],
         float(beta1),
         float(beta2),
         float(eps),
-        float(1.0 - beta1**step),
-        float(1.0 - beta2**step),
+        float(bias1),
+        float(bias2),
         HAS_MASTER=masters is not None,
         HAS_REM=remainders is not None,
         HAS_SCALE=grad_scale is not None,
         HAS_SKIP=skip is not None,
+        BIAS_ON_DEVICE=bias_on_device,
         ALIGNED=aligned,
         ALIGN=ALIGN,
         BLOCK=BLOCK,
