@@ -22,6 +22,13 @@ class CheckpointConfig:
     finetune: bool = flag(
         False, "Load weights only and start at iteration 0 (implies no optimizer/RNG load)."
     )
+    allow_vocab_resize: bool = flag(
+        False,
+        "Load a checkpoint trained with another vocabulary (tokenizer size or type): the word embedding "
+        "and output layer keep the rows of the ids both vocabularies have; the other rows (new ids, "
+        "padding) start at zero (weights, fp32 masters, Adam moments); rows beyond the new size are "
+        "dropped. Without it such a checkpoint is refused.",
+    )
     async_save: bool = flag(
         False, "Write checkpoints in the background; the loop waits only for the device-to-host copy."
     )

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, vocab_rows_kept, zero_rows_from
 from mcore.checkpoint.format import (
     TRACKER,
     CheckpointError,
@@ -57,6 +58,9 @@ class ShardReader:
             self.index.setdefault((rec["name"], rec["kind"]), []).append((rec, Placement.from_json(rec)))
         self._open: dict[str, dict] = {}
         self._verified: set[tuple[str, str]] = set()
+        self.vocab_rows_kept: int | None = None
+        """With ``--allow-vocab-resize`` across a vocabulary change: vocabulary rows from this one on
+        start at zero (:mod:`mcore.checkpoint.compat`)."""
 
     # -- what is there ------------------------------------------------------------------------------
 
@@ -149,6 +153,8 @@ class ShardReader:
                 f"{self.dir}: the shards of {what} cover {written} of the {required} elements this rank needs "
                 f"(read from {', '.join(files) or 'no file'}): shards are missing or overlap"
             )
+        if vocab_padded and self.vocab_rows_kept is not None:
+            zero_rows_from(dest, wanted, self.vocab_rows_kept)
 
     def close(self) -> None:
         self._open.clear()
@@ -229,6 +235,8 @@ def load_checkpoint(
     state_cls: type | None = None,
     seed: int | None = None,
     strict: bool = True,
+    run_config=None,
+    tokenizer_vocab_size: int | None = None,
 ):
     """Load ``config.load`` (the tracker's iteration, or ``--ckpt-step``) into this rank's model chunks,
     optimizer and scheduler, at the current layout, and return the training state (collective).
@@ -238,6 +246,8 @@ def load_checkpoint(
     ``--no-load-rng``: keep the current seeds. RNG states are restored only when the layout is the
     saved one; otherwise every RNG is reseeded with ``seed + iteration`` (logged once).
     ``strict``: a checkpoint tensor that no rank of this model uses is an error (else a warning).
+    ``run_config`` (this run's ``RunConfig``) and ``tokenizer_vocab_size``: the checkpoint's model and
+    vocabulary are compared with them first (:mod:`mcore.checkpoint.compat`; ``--allow-vocab-resize``).
 
     Returns:
         ``state_cls(**saved_train_state)`` (a dict when ``state_cls`` is None); a fresh
@@ -271,7 +281,24 @@ def load_checkpoint(
     now = _layout_now(model, optimizer, groups)
     same_layout = all(meta["layout"].get(k) == v for k, v in now.items())
 
+    resized = []
+    if run_config is not None:  # every rank has the same metadata: all raise alike, no collective
+        resized = check_compatible(
+            path,
+            meta,
+            run_config,
+            tokenizer_vocab_size=tokenizer_vocab_size,
+            allow_vocab_resize=bool(getattr(config, "allow_vocab_resize", False)),
+        )
     reader = ShardReader(path, meta)
+    if resized:
+        reader.vocab_rows_kept = vocab_rows_kept(meta, tokenizer_vocab_size)
+        kept = reader.vocab_rows_kept
+        log0(
+            f"  {VOCAB_FLAG}: "
+            + "; ".join(resized)
+            + ("" if kept is None else f"; vocabulary rows >= {kept} start at zero")
+        )
     error = None
     optim_state = rng_states = None
     try:

@@ -484,14 +484,17 @@ def _flops_per_sample(cfg: RunConfig, vocab_size: int) -> float:
     )
 
 
-def _load_checkpoint(cfg: RunConfig, model, optimizer, scheduler, groups) -> TrainState:
+def _load_checkpoint(
+    cfg: RunConfig, model, optimizer, scheduler, groups, tokenizer_vocab_size: int | None = None
+) -> TrainState:
     if not cfg.checkpoint.load:
         return TrainState()
     from mcore.checkpoint import load_checkpoint
 
     return load_checkpoint(
-        cfg.checkpoint, model, optimizer, scheduler, groups, state_cls=TrainState, seed=cfg.training.seed
-    )
+        cfg.checkpoint, model, optimizer, scheduler, groups, state_cls=TrainState, seed=cfg.training.seed,
+        run_config=cfg, tokenizer_vocab_size=tokenizer_vocab_size,
+    )  # fmt: skip
 
 
 def _save_checkpoint(
@@ -583,7 +586,7 @@ def _pretrain(
         train_iters=t.train_iters,
         train_samples=t.train_samples,
     )
-    state = _load_checkpoint(cfg, model, optimizer, scheduler, groups)
+    state = _load_checkpoint(cfg, model, optimizer, scheduler, groups, tokenizer.vocab_size)
     batches.update(state.consumed_train_samples)
     (_, has_valid, has_test), (train_iter, valid_iter, test_iter) = build_data_iterators(
         cfg, groups, tokenizer, datasets_provider, state, backend, len(model)
