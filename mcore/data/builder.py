@@ -25,7 +25,7 @@ from mcore.config.fields import ConfigError
 from mcore.data.blended_dataset import BlendedDataset
 from mcore.data.config import DataConfig
 from mcore.data.gpt_dataset import GPTDataset, GPTDatasetConfig
-from mcore.data.indexed_dataset import IndexedDataset
+from mcore.data.indexed_dataset import IndexedDataset, check_token_ids
 from mcore.data.mock_dataset import MockGPTDataset, MockLowLevelDataset
 from mcore.data.splits import SPLIT_NAMES, normalize, parse_blend, parse_split, split_matrix, split_ranges
 from mcore.data.tokenizers import Tokenizer
@@ -130,7 +130,10 @@ def _split_datasets(cls, low, path, matrix, sizes, config: GPTDatasetConfig) -> 
 
 
 def _open(prefix: str, config: GPTDatasetConfig) -> IndexedDataset:
-    return IndexedDataset(prefix, multimodal=False, mmap=config.mmap_bin_files)
+    dataset = IndexedDataset(prefix, multimodal=False, mmap=config.mmap_bin_files)
+    if config.tokenizer is not None:  # ids the model cannot embed: fail here, naming the file
+        check_token_ids(dataset, config.tokenizer.vocab_size)
+    return dataset
 
 
 def _build_blend(

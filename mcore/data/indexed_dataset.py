@@ -375,6 +375,54 @@ class IndexedDataset:
         return dict(cached)
 
 
+SAMPLE_WINDOWS = 64
+SAMPLE_WINDOW_TOKENS = 4096
+
+
+def check_token_ids(
+    dataset: IndexedDataset,
+    vocab_size: int,
+    *,
+    windows: int = SAMPLE_WINDOWS,
+    window_tokens: int = SAMPLE_WINDOW_TOKENS,
+) -> None:
+    """Sample-check that the dataset's token ids are in ``[0, vocab_size)`` (the tokenizer's ids).
+
+    The index records no largest id, so this reads ``windows`` runs of ``window_tokens`` consecutive
+    tokens spread evenly over the ``.bin`` (first and last tokens included; the whole file when it is
+    that small): at most 256 Ki tokens (0.5 MiB of uint16), whatever the dataset's size. A dataset
+    tokenized with another tokenizer has ids out of range nearly everywhere, so a sample finds it;
+    the embedding checks every batch on the device as well
+    (:func:`mcore.tensor_parallel.layers.assert_ids_in_vocab`).
+
+    Raises:
+        DataError: naming the ``.bin``, the offending id, its token index and byte offset, and the bound.
+    """
+    itemsize = dataset.dtype.itemsize
+    total = dataset._bin_size // itemsize
+    if total == 0:
+        return
+    path = bin_path(dataset.path_prefix)
+    tokens = np.memmap(path, dtype=dataset.dtype, mode="r", shape=(total,))
+    if total <= windows * window_tokens:
+        starts, length = np.zeros(1, dtype=np.int64), total
+    else:
+        starts, length = np.linspace(0, total - window_tokens, windows).astype(np.int64), window_tokens
+    try:
+        for start in starts:
+            chunk = np.asarray(tokens[start : start + length])
+            bad = (chunk < 0) | (chunk >= vocab_size)
+            if bad.any():
+                i = int(start) + _first_true(bad)
+                raise DataError(
+                    f"{path}: token id {tokens[i].item()} at token {i} (byte offset {i * itemsize}) is outside "
+                    f"the tokenizer's vocabulary [0, {vocab_size}): {dataset.path_prefix} was tokenized with "
+                    "another tokenizer (give the --tokenizer-type/--vocab-size it was preprocessed with)"
+                )
+    finally:
+        del tokens
+
+
 def _digest(path: str, size: int) -> str:
     md5 = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as f:

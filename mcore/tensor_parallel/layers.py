@@ -415,6 +415,26 @@ class RowParallelLinear(torch.nn.Module):
         )
 
 
+def assert_ids_in_vocab(ids: torch.Tensor, vocab_size: int) -> None:
+    """Fail unless every id is in ``[0, vocab_size)``, without waiting for the device.
+
+    ``torch._assert_async``: the condition is computed and asserted on the device, so the host never
+    synchronizes. On the CPU (and wherever the check runs eagerly) it raises a ``RuntimeError`` with
+    the message below at once; on an accelerator a failed assert aborts the process from the device,
+    as an out-of-range index does in Megatron. Which dataset file and which id: the sample check made
+    when the dataset was opened names them (:func:`mcore.data.indexed_dataset.check_token_ids`).
+    """
+    if ids.numel() == 0:
+        return
+    low, high = torch.aminmax(ids)
+    torch._assert_async(
+        (low >= 0) & (high < vocab_size),
+        f"token id out of range: every input id must be in [0, {vocab_size}) (the padded vocabulary of "
+        "the model); the data was tokenized with a larger vocabulary than --tokenizer-type/--vocab-size "
+        "give (check the dataset against its tokenizer)",
+    )
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """An embedding table split by vocabulary rows over the TP ranks.
 
@@ -460,7 +480,12 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_end_index = self.vocab_start_index + per_rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [b, s]`` -> ``[b, s, h]`` (or ``[s/p, b, h]`` with ``reduce_scatter_embeddings``)."""
+        """``ids [b, s]`` -> ``[b, s, h]`` (or ``[s/p, b, h]`` with ``reduce_scatter_embeddings``).
+
+        Every id must be in ``[0, V)``: checked on the device (:func:`assert_ids_in_vocab`), since with
+        TP > 1 an id no rank owns would silently embed as zeros and at TP = 1 fail as a bare index error.
+        """
+        assert_ids_in_vocab(ids, self.num_embeddings)
         if self.tp_size > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
