@@ -205,6 +205,7 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
         ofile = optim_file(tp, pp, dp)
         specs = optimizer_key_specs(model)
         tensors, records = {}, []
+        optimizer.sync_step_counters()  # Adam's t is counted on the device (skipped steps excluded)
         for entry in optimizer.main_params:
             spec = specs[entry.key]
             if not spec.is_main_replica:

@@ -492,8 +492,9 @@ class MegatronOptimizer:
     # ----------------------------------------------------------------------------------------------
     # state
 
-    def _sync_flat_steps(self) -> None:
-        """Flat path: copy the device step counter into the entries' ``state["step"]`` (waits for it)."""
+    def sync_step_counters(self) -> None:
+        """Flat path: copy the device step counter into the entries' ``state["step"]`` (waits for the
+        device). Call before reading ``main_params[i].state`` directly (a checkpoint save does)."""
         if self.flat:
             step = int(self._applied_steps.item())
             for entry in self.main_params:
@@ -502,7 +503,7 @@ class MegatronOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """Per-parameter state (layout in the module docstring); tensors are this rank's pieces."""
         self.finish_param_sync()
-        self._sync_flat_steps()
+        self.sync_step_counters()
         names = self._all_keys()
         state = {}
         for entry in self.main_params:
