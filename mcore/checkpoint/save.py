@@ -214,7 +214,9 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
             stats = {k: v for k, v in entry.state.items() if isinstance(v, torch.Tensor)}
             scalars = {k: v for k, v in entry.state.items() if not isinstance(v, torch.Tensor)}
             if entry.owns_copy:
-                stats["main_param"] = entry.main
+                # master_of: with --use-precision-aware-optimizer the fp32 master is the bf16 parameter
+                # plus a 16-bit remainder (entry.main is None); the checkpoint stores the fp32 value.
+                stats["main_param"] = optimizer.master_of(entry)
             for kind, value in stats.items():
                 key = f"{spec.name}/{kind}"
                 t = _host_copy(value.reshape(-1))
