@@ -77,7 +77,7 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eag
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise ConversionError(
-            "the parity check needs the 'transformers' package (pip install 'mcore[hf]')"
+            "the parity check needs the 'transformers' package (pip install 'mcore-train[hf]')"
         ) from None
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

@@ -10,7 +10,7 @@ Subclass :class:`BackendConformance` in a test module of your plugin and name yo
 ``pytest`` then runs, against ``select_backend("mychip")``:
 
 * **ops**: every op of the table (:data:`OP_CASES`: norms, rotary with partial/position-id angles,
-  activations, masked softmax, attention with causal/padding/explicit masks, GQA/MQA, a KV-cache
+  activations, attention with causal/padding/explicit masks, GQA/MQA, a KV-cache
   shape, cross-entropy, the Adam step) on the backend's device, against the pure-PyTorch
   references computed in fp32 on the CPU from the same inputs, forward and input gradients, in
   fp32 and in each of bf16/fp16 the backend claims (:data:`TOLERANCES` per dtype);
@@ -281,20 +281,6 @@ OP_CASES: tuple[OpCase, ...] = (
             {"p": 0.0, "training": True},
         ),
         grad_args=(0, 1, 2),
-    ),
-    OpCase(
-        "scaled_masked_softmax",
-        "scaled_masked_softmax",
-        lambda dt, g: ([_randn(g, 2, 2, 64, 64, dtype=dt), _document_mask(2, 64), 0.5], {}),
-        grad_args=(0,),
-        kind="reduction",
-    ),
-    OpCase(
-        "scaled_softmax_no_mask",
-        "scaled_masked_softmax",
-        lambda dt, g: ([_randn(g, 2, 2, 32, 64, dtype=dt), None, 1.0], {}),
-        grad_args=(0,),
-        kind="reduction",
     ),
     _attention_case("attention_causal"),
     _attention_case("attention_gqa", n=8, g=2),
