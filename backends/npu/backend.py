@@ -20,9 +20,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from mcore.backends.npu.hccl import HCCLSettings, apply_hccl_env_defaults, process_group_options
 
 from mcore.backend import BackendBase
-from mcore.backends.npu.hccl import HCCLSettings, apply_hccl_env_defaults, process_group_options
 from mcore.config.fields import ConfigError
 
 log = logging.getLogger("mcore.backends.npu")
