@@ -122,7 +122,7 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
         raise ConfigError(f"--fp16: backend {backend.name!r} does not support fp16")
     if cfg.scheduler.lr is None and not training.skip_train:
         raise ConfigError("--lr is required")
-    if training.cuda_graph_impl == "local":
+    if training.device_graph_impl == "local":
         _check_layer_graphs(cfg, backend)
     return cfg.replace(training=training)
 
@@ -186,7 +186,7 @@ def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable,
         for chunk in chunks:
             for layer in chunk.decoder.layers:
                 backend.compile_layer(layer)
-    if cfg.training.cuda_graph_impl == "local":
+    if cfg.training.device_graph_impl == "local":
         for chunk in chunks:
             chunk.decoder.layer_graphs = LayerGraphs(chunk.decoder.layers, current_backend())
     ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
@@ -389,7 +389,7 @@ class Trainer:
             chunk.defer_nan_check = deferred
         self.check_nan(wait=False)  # flags of earlier steps that have reached the host already
         self._train_mode()
-        if self.steps_run >= self.cfg.training.cuda_graph_warmup_steps:
+        if self.steps_run >= self.cfg.training.device_graph_warmup_steps:
             for graphs in self._layer_graphs:
                 if not graphs.captured:
                     graphs.arm()  # captured in this step's first forward

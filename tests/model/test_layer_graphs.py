@@ -87,7 +87,7 @@ def test_unknown_graph_implementation_names_the_value(capsys):
 
 def test_eager_layouts_are_unaffected():
     cfg = parse_run_config(_BASE)
-    assert cfg.training.cuda_graph_impl == "none"
+    assert cfg.training.device_graph_impl == "none"
     check_run_config(cfg, SimpleNamespace(name="cpu", capabilities=lambda: frozenset({"fp32"})), world_size=1)
 
 
