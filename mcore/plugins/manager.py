@@ -106,7 +106,14 @@ def new_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     pm.add_hookspecs(hookspecs)
     pm.register(BackendMethods(), name=BACKEND_METHODS)
     if load_entry_points:
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if not entry_points:
+            raise PluginError(
+                f"no mcore backend plugin is installed (entry-point group {ENTRY_POINT_GROUP!r} is empty): "
+                "mcore is imported from a source folder that was never installed; run "
+                "`pip install -e .` in the repository"
+            )
+        for ep in entry_points:
             if pm.has_plugin(ep.name):
                 continue
             try:
