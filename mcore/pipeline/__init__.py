@@ -7,7 +7,7 @@
 * :mod:`mcore.pipeline.layout`: which layers each (virtual) stage holds, and building model chunks.
 
 The tied word embedding's gradients (first and last stage) are summed over ``groups.embedding`` by
-:func:`mcore.distributed.finalize.allreduce_embedding_grads`, part of the ``finalize_grads_func``.
+:func:`mcore.distributed.finalize.all_reduce_embedding_grads`, part of the ``finalize_grads_func``.
 """
 
 from mcore.pipeline.layout import build_model_chunks, stage_layer_ranges
