@@ -40,7 +40,7 @@ from mcore.models.config import padded_vocab_size, validate_model_parallel
 from mcore.models.layer_graphs import LayerGraphs
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
-from mcore.pipeline.schedules import get_forward_backward_func
+from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
 from mcore.tensor_parallel.random import model_parallel_seed
 from mcore.training.configs import RunConfig, parse_run_config
@@ -313,23 +313,25 @@ class Trainer:
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
         return self.schedule(
-            forward_step_func=self.forward_step,
-            data_iterator=data_iterator,
-            model=self.model,
-            num_microbatches=self.batches.num_microbatches,
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=self.cfg.training.micro_batch_size,
-            hidden_size=self.cfg.model.hidden_size,
-            groups=self.groups,
-            sequence_parallel=self.cfg.parallel.sequence_parallel,
-            dtype=self.dtype,
-            forward_only=forward_only,
-            grad_scale_func=None if forward_only else self.optimizer.scale_loss,
-            no_sync_func=None if forward_only else [chunk.no_sync for chunk in self.model],
-            finalize_grads_func=None
-            if forward_only
-            else functools.partial(finalize_model_grads, groups=self.groups),
-            timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
+            ForwardBackwardArgs(
+                forward_step_func=self.forward_step,
+                data_iterator=data_iterator,
+                model=self.model,
+                num_microbatches=self.batches.num_microbatches,
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                hidden_size=self.cfg.model.hidden_size,
+                groups=self.groups,
+                sequence_parallel=self.cfg.parallel.sequence_parallel,
+                dtype=self.dtype,
+                forward_only=forward_only,
+                grad_scale_func=None if forward_only else self.optimizer.scale_loss,
+                no_sync_func=None if forward_only else [chunk.no_sync for chunk in self.model],
+                finalize_grads_func=None
+                if forward_only
+                else functools.partial(finalize_model_grads, groups=self.groups),
+                timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
+            )
         )
 
     def _average_logs(self, logs: list[dict]) -> dict[str, torch.Tensor]:
