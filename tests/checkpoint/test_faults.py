@@ -42,7 +42,7 @@ def _copy(tp2pp2_run, tmp_path) -> Path:
 def _single_process_model(*extra: str, optimizer: bool = False):
     """A TP=1/PP=1 model (and optimizer) of the test configuration in this process (no torch.distributed)."""
     from mcore.optimizer import build_optimizer
-    from mcore.training.configs import parse_run_config
+    from mcore.training.run_config import parse_run_config
     from mcore.training.gpt import model_provider
     from mcore.training.pretrain import build_model
 

@@ -19,7 +19,7 @@ import torch
 
 from mcore.config.fields import ConfigError
 from mcore.testing.distributed import run_distributed
-from mcore.training.configs import parse_run_config
+from mcore.training.run_config import parse_run_config
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import check_run_config, pretrain
 
