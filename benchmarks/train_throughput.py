@@ -45,11 +45,11 @@ from mcore.distributed.groups import LaunchEnv, initialize_parallel
 from mcore.models.config import padded_vocab_size
 from mcore.optimizer import build_optimizer
 from mcore.tensor_parallel.random import model_parallel_seed
-from mcore.training.run_config import parse_run_config
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.pretrain import Trainer, _flops_per_sample, build_model, check_run_config, setup_backend
+from mcore.training.run_config import parse_run_config
 from mcore.utils.async_host import host_floats
 
 

@@ -43,11 +43,11 @@ from mcore.pipeline.layout import build_model_chunks
 from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
 from mcore.tensor_parallel.random import model_parallel_seed
-from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.flops import gpt_flops
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.metrics import MetricsWriter, Timer, format_train_line
 from mcore.training.microbatches import MicroBatchCalculator
+from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.signals import SignalHandler
 from mcore.utils.async_host import HostValue, host_floats, stage_to_host
 

@@ -19,9 +19,9 @@ import torch
 
 from mcore.config.fields import ConfigError
 from mcore.testing.distributed import run_distributed
-from mcore.training.run_config import parse_run_config
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import check_run_config, pretrain
+from mcore.training.run_config import parse_run_config
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
