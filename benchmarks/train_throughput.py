@@ -2,8 +2,8 @@
 
 It runs the real training path (GPTModel chunks, mcore's DDP wrapper, the mixed-precision optimizer
 with fp32 master weights and the backend's fused Adam, the pipeline schedule) on synthetic tokens, with
-any Megatron flags. Run it in the same device call as the baselines (../shared/bench/peer_bench.py) so
-the ratio is trustworthy::
+any Megatron flags. ``--reference plain`` times the plain-PyTorch model (:mod:`plain_reference`) in the
+same process first, so the ratio is trustworthy::
 
     python benchmarks/train_throughput.py --device-backend cuda --bf16 \
         --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \

@@ -1,7 +1,7 @@
 """The NPU device backend: Ascend NPUs through torch_npu, HCCL for torch.distributed.
 
 torch_npu registers itself as the ``npu`` device type and ``torch.npu`` as its device module
-(reference §1.1), so RNG, memory statistics and synchronization go through ``torch.npu`` exactly as
+(torch_npu's documented runtime API), so RNG, memory statistics and synchronization go through ``torch.npu`` exactly as
 the CUDA backend's go through ``torch.cuda``. Nothing here runs at import: torch_npu is imported the
 first time the backend is asked whether it is available, so listing backends on a machine without
 torch_npu costs nothing and says why the NPU is unavailable.
@@ -113,7 +113,7 @@ class NPUBackend(BackendBase):
         return torch.device("npu", local_rank % max(1, self._module().device_count()))
 
     def set_device(self, local_rank: int) -> None:
-        # HCCL needs the device set before init_process_group (reference §2.1).
+        # HCCL needs the device set before init_process_group (torch_npu's distributed notes).
         npu = self._module()
         npu.set_device(local_rank % max(1, npu.device_count()))
 
@@ -130,7 +130,7 @@ class NPUBackend(BackendBase):
         if module is None:
             return frozenset()
         caps = {"fp16", "fp32"}
-        if torch.npu.is_bf16_supported():  # False on 910A (reference §5.2)
+        if torch.npu.is_bf16_supported():  # False on 910A
             caps.add("bf16")
         for op, capability in (
             ("npu_rms_norm", "fused_rms_norm"),
@@ -144,8 +144,8 @@ class NPUBackend(BackendBase):
         return frozenset(caps)
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
-        # No peak figure for Ascend 910B appears in the reference material (perf-anchors.md lists it
-        # as "not read"), so MFU is not reported rather than computed against a guessed number.
+        # No verified peak figure for Ascend 910B is at hand, so MFU is not reported rather than
+        # computed against a guessed number.
         return None
 
     # --- set-up methods (mcore.backend.BackendHooks), called for this backend when it is selected ---

@@ -1,6 +1,6 @@
 """HCCL settings: per-group ``ProcessGroupHCCL.Options`` and the HCCL environment defaults.
 
-Two mechanisms, as in the reference (§2.2-2.4):
+Two mechanisms, as torch_npu documents them:
 
 * **Per-communicator options** (``hccl_config``) travel as ``pg_options`` of ``init_process_group`` /
   ``new_group``; they override the environment for that group. mcore asks for them through the
@@ -112,7 +112,7 @@ def hccl_env_defaults(timeout_minutes: float, environ: Mapping[str, str] = os.en
       When the run's timeout is longer than the 1836 s default, raise it to match, so the device does
       not abort before torch's watchdog (the timeout the user asked for). Skipped in AIV expansion mode,
       whose range ends at 1091 s.
-    * ``HCCL_EVENT_TIMEOUT`` must exceed ``HCCL_EXEC_TIMEOUT`` (reference §5.7): set with the same
+    * ``HCCL_EVENT_TIMEOUT`` must exceed ``HCCL_EXEC_TIMEOUT`` (CANN's rule): set with the same
       32 s margin as torch_npu's defaults whenever the exec timeout is raised.
 
     Raises:

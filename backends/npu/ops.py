@@ -1,7 +1,8 @@
 """CANN fused ops behind mcore's op table: each adapter turns mcore's op contract into torch_npu's.
 
-mcore's contract is :mod:`mcore.ops.reference` (layouts, mask polarity, scale, GQA). torch_npu's is
-``shared/reference/torch_npu-api.md`` §3. The differences each adapter bridges:
+mcore's contract is :mod:`mcore.ops.reference` (layouts, mask polarity, scale, GQA). torch_npu's is its
+op-plugin signatures (``op_plugin_functions.yaml``) and the CANN op documentation; the simulated
+ops (:mod:`mcore.backends.npu.simulated.ops`) restate both. The differences each adapter bridges:
 
 ========================  ===========================================================================
 op                        conversion
@@ -54,7 +55,7 @@ MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
 
 # cos/sin broadcast patterns npu_rotary_mul accepts in "half" mode (1 = full leading dim, 0 = size 1):
-# BNSD -> 11SD, B1SD, BNSD; BSND -> 1S1D, BS1D, BSND; SBND -> S11D, SB1D, SBND (reference §3.2).
+# BNSD -> 11SD, B1SD, BNSD; BSND -> 1S1D, BS1D, BSND; SBND -> S11D, SB1D, SBND (npu_fusion_attention's mask shapes).
 _ROTARY_PATTERNS = {(0, 0, 1), (1, 0, 1), (1, 1, 1), (0, 1, 0), (1, 1, 0), (1, 0, 0)}
 
 
