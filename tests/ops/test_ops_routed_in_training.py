@@ -5,41 +5,18 @@ select, must call each op at least once (a vendor's kernel for an op is never si
 from __future__ import annotations
 
 from mcore.ops.registry import OP_NAMES
-from mcore.plugins import hookimpl
-from mcore.plugins.hookspecs import PLUGIN_API_VERSION
 from mcore.plugins.manager import plugin_manager, register_plugin
 from mcore.testing.conformance import TRAINING_ARGV, training_rank
 from mcore.testing.distributed import run_distributed
-
-CALLED: set[str] = set()
-
-
-class OpTracer:
-    """A plugin for any backend: wraps every op with a counter (what a tracing plugin does)."""
-
-    MCORE_PLUGIN_API_VERSION = PLUGIN_API_VERSION
-
-    @hookimpl
-    def mcore_register_ops(self, backend, registry):
-        for name in OP_NAMES:
-            registry.wrap(name, _recording(name), provider="op-tracer")
-
-
-def _recording(name):
-    def wrap(inner):
-        def traced(*args, **kwargs):
-            CALLED.add(name)
-            return inner(*args, **kwargs)
-
-        return traced
-
-    return wrap
+from mcore.testing.op_trace import OpCallRecorder
 
 
 def traced_training(argv: list[str]) -> list[str]:
-    register_plugin(plugin_manager(), OpTracer(), "op-tracer")
+    """A rank: register a recorder wrapping every op (a tracing plugin), train, name the ops called."""
+    recorder = OpCallRecorder()
+    register_plugin(plugin_manager(), recorder, "op-recorder")
     training_rank(argv)
-    return sorted(CALLED)
+    return sorted(recorder.calls)
 
 
 LLAMA_TP2 = [*TRAINING_ARGV, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]

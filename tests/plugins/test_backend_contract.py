@@ -11,11 +11,12 @@ import torch
 
 from mcore.backend import CPUBackend, DeviceGraphs, LayerCompiler, current_backend, set_current_backend
 from mcore.ops import reference
-from mcore.ops.registry import OP_NAMES, REFERENCE, OpConflictError, OpRegistry
+from mcore.ops.registry import REFERENCE, OpConflictError, OpRegistry
 from mcore.plugins import hookimpl
 from mcore.plugins.hookspecs import PLUGIN_API_VERSION
 from mcore.plugins.manager import installed_backends, new_plugin_manager, register_plugin, select_backend
 from mcore.testing.conformance import ConformanceError, check_optional_interfaces
+from mcore.testing.op_trace import OpCallRecorder
 
 
 def _double_rms(x, w, eps):
@@ -86,19 +87,8 @@ def test_registry_reads_provider_and_current_implementation():
 def test_wrappers_receive_the_replacement_stack_in_order_and_never_hide_it():
     registry = OpRegistry(reference.REFERENCE_OPS)
     calls = []
-
-    def tracer(tag):
-        def wrap(inner):
-            def traced(*args, **kwargs):
-                calls.append(tag)
-                return inner(*args, **kwargs)
-
-            return traced
-
-        return wrap
-
-    registry.wrap("rms_norm", tracer("outer-declared-first"), provider="tracer")
-    registry.wrap("rms_norm", tracer("second"), provider="profiler")
+    registry.wrap("rms_norm", _counting("outer-declared-first", calls), provider="tracer")
+    registry.wrap("rms_norm", _counting("second", calls), provider="profiler")
     registry.override("rms_norm", _double_rms, provider="chip")  # after the wraps: still below them
     table = registry.freeze()
     x, w = torch.randn(3, 8), torch.randn(8)
@@ -133,24 +123,17 @@ def test_two_providers_replacing_one_op_stays_an_error_wrapping_does_not_conflic
 
 
 def test_a_tracing_plugin_wraps_whatever_serves_each_op_of_any_backend():
-    seen: list[str] = []
-
-    def trace_every_op(backend, registry):
-        for name in OP_NAMES:
-            registry.wrap(name, _counting(name, seen), provider="tracer")
-
-    pm = _manager(
-        _Module(mcore_backends=lambda: [ChipBackend(), CPUBackend()]),
-        _Module(mcore_register_ops=trace_every_op),
-    )
+    recorder = OpCallRecorder(provider="tracer")
+    pm = _manager(_Module(mcore_backends=lambda: [ChipBackend(), CPUBackend()]))
+    register_plugin(pm, recorder, "tracer")
     for name, provider in (("chip", "chip"), ("cpu", REFERENCE)):
         backend = select_backend(name, pm=pm, activate=False)
         x, w = torch.randn(2, 4), torch.randn(4)
-        seen.clear()
+        recorder.calls.clear()
         out = backend.ops.rms_norm(x, w, 1e-6)
         expected = _double_rms(x, w, 1e-6) if name == "chip" else reference.rms_norm(x, w, 1e-6)
         torch.testing.assert_close(out, expected)
-        assert seen == ["rms_norm"]
+        assert recorder.calls == {"rms_norm": 1}
         assert backend.ops.provider("rms_norm") == provider and backend.ops.wrappers("swiglu") == ("tracer",)
 
 
