@@ -80,7 +80,9 @@ def test_the_op_table_of_the_doc_is_the_registry_with_the_references_signatures(
             if param.kind is param.KEYWORD_ONLY and "*" not in expected:
                 expected.append("*")
             expected.append(param.name)
-        assert signature == ", ".join(expected), f"{name}: the doc says ({signature}), the reference ({expected})"
+        assert signature == ", ".join(expected), (
+            f"{name}: the doc says ({signature}), the reference ({expected})"
+        )
 
 
 # --- docs/architecture.md: what may import what -----------------------------------------------------
