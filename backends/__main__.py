@@ -6,7 +6,13 @@ import argparse
 import sys
 
 from mcore.plugins.hookspecs import PLUGIN_API_VERSION
-from mcore.plugins.manager import PluginError, installed_backends, plugin_manager, resolve_ops
+from mcore.plugins.manager import (
+    BACKEND_METHODS,
+    PluginError,
+    installed_backends,
+    plugin_manager,
+    resolve_ops,
+)
 
 
 def report(out=sys.stdout) -> int:
@@ -17,7 +23,8 @@ def report(out=sys.stdout) -> int:
         print(f"error: {err}", file=out)
         return 1
     print(
-        f"mcore plugin API {PLUGIN_API_VERSION}; plugins: {', '.join(n for n, _ in pm.list_name_plugin())}",
+        f"mcore plugin API {PLUGIN_API_VERSION}; plugins: "
+        + ", ".join(n for n, _ in pm.list_name_plugin() if n != BACKEND_METHODS),
         file=out,
     )
     for name, backend in sorted(backends.items(), key=lambda kv: -kv[1].priority):
@@ -33,7 +40,7 @@ def report(out=sys.stdout) -> int:
         print(f"  capabilities: {', '.join(sorted(backend.capabilities())) or '-'}", file=out)
         resolve_ops(backend, pm)
         for op_name, entry in backend.ops:
-            print(f"  op {op_name:<22} {entry.provider}", file=out)
+            print(f"  op {op_name:<22} {entry.describe()}", file=out)
     return 0
 
 

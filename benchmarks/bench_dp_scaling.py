@@ -2,8 +2,8 @@
 
 Not a test (pytest does not collect it). Launch once per world size, e.g. on a 2-GPU machine::
 
-    torchrun --nproc_per_node 1 tests/ddp/bench_dp_scaling.py --device-backend cuda
-    torchrun --nproc_per_node 2 tests/ddp/bench_dp_scaling.py --device-backend cuda
+    torchrun --nproc_per_node 1 benchmarks/bench_dp_scaling.py --device-backend cuda
+    torchrun --nproc_per_node 2 benchmarks/bench_dp_scaling.py --device-backend cuda
 
 Each rank trains GPT-2 small (12 layers, hidden 768, 12 heads, seq 1024, vocab 50304, bf16) on random
 tokens with a fixed per-device batch (``--micro-batch-size`` x ``--num-microbatches``), so per-device

@@ -1,7 +1,7 @@
 """The plain-PyTorch GPT that mcore's training throughput is measured against, in the same process.
 
 It is what a careful user writes without a framework, and what the CUDA performance targets are
-stated against (the ``plain`` peer of ``../shared/bench/peer_bench.py``): pre-LayerNorm GPT-2 blocks
+stated against: pre-LayerNorm GPT-2 blocks
 (``nn.LayerNorm``; one ``nn.Linear`` for Q, K and V; causal ``scaled_dot_product_attention``; a tanh
 GeLU MLP), learned positions, the output layer tied to the token embedding, bf16 parameters and
 bf16 AdamW state (torch's fused AdamW), the whole model under ``torch.compile``, the loss over fp32

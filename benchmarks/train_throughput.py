@@ -2,8 +2,8 @@
 
 It runs the real training path (GPTModel chunks, mcore's DDP wrapper, the mixed-precision optimizer
 with fp32 master weights and the backend's fused Adam, the pipeline schedule) on synthetic tokens, with
-any Megatron flags. Run it in the same device call as the baselines (../shared/bench/peer_bench.py) so
-the ratio is trustworthy::
+any Megatron flags. ``--reference plain`` times the plain-PyTorch model (:mod:`plain_reference`) in the
+same process first, so the ratio is trustworthy::
 
     python benchmarks/train_throughput.py --device-backend cuda --bf16 \
         --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
@@ -45,11 +45,11 @@ from mcore.distributed.groups import LaunchEnv, initialize_parallel
 from mcore.models.config import padded_vocab_size
 from mcore.optimizer import build_optimizer
 from mcore.tensor_parallel.random import model_parallel_seed
-from mcore.training.configs import parse_run_config
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.pretrain import Trainer, _flops_per_sample, build_model, check_run_config, setup_backend
+from mcore.training.run_config import parse_run_config
 from mcore.utils.async_host import host_floats
 
 

@@ -7,6 +7,14 @@ capabilities (``"bf16" in backend.capabilities()``), never for vendor names.
 
 :class:`BackendBase` implements the parts every backend shares on top of ``torch.get_device_module``,
 so a plugin for a PyTorch device type (``cuda``, ``npu``, ``xpu``, a PrivateUse1 device) is a few lines.
+:class:`CPUBackend` is the default backend, part of the core: it computes on the host with the
+reference ops and gloo; a backend whose tensors live on the host (a simulator, a tracer) subclasses it.
+
+Beyond :class:`DeviceBackend`, a backend may offer optional interfaces, each behind a capability
+string the core checks before calling it (:class:`LayerCompiler`: ``compile_layers``;
+:class:`DeviceGraphs`: ``device_graphs``), and per-backend set-up methods (:class:`BackendHooks`)
+that mcore calls for the selected backend only. :class:`BackendBase` gives every one of them a
+documented default, so a subclass overrides only what it does differently.
 
 The active backend is process state (like ``torch.distributed``'s default group): set once by
 :func:`mcore.plugins.manager.select_backend`, read through :func:`current_backend` and
@@ -16,6 +24,8 @@ single-device code and tests work without set-up.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -71,6 +81,61 @@ class DeviceBackend(Protocol):
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         """Dense peak FLOP/s of one device for ``dtype`` matmuls (for MFU), or None if unknown."""
+
+
+@runtime_checkable
+class LayerCompiler(Protocol):
+    """Optional, behind capability ``compile_layers`` (``--compile-layers``)."""
+
+    def compile_layer(self, module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        """Compile one transformer layer in place and return it. Default (:class:`BackendBase`):
+        raise ``NotImplementedError``; the core asks for the capability first."""
+
+
+@runtime_checkable
+class DeviceGraphs(Protocol):
+    """Optional, behind capability ``device_graphs`` (``--cuda-graph-impl local``,
+    :mod:`mcore.models.layer_graphs`)."""
+
+    def graph(self) -> Any:
+        """A new graph: ``with g.capture(pool): ...`` records the device work, ``g.replay()`` launches
+        it again. Default: raise ``NotImplementedError``."""
+
+    def graph_pool(self) -> Any:
+        """A memory-pool handle that several captures share (passed to ``capture``). Default: None."""
+
+    def side_stream(self) -> contextlib.AbstractContextManager:
+        """A context manager running its work on a fresh stream (the warm-up before a capture).
+        Default: a context that changes nothing."""
+
+
+@runtime_checkable
+class BackendHooks(Protocol):
+    """Per-backend set-up, called by mcore for the selected backend only (never broadcast).
+
+    Each method runs right before the pluggy hook of the same moment (:mod:`mcore.plugins.hookspecs`),
+    which stays for plugins that act on every backend (a tracer wrapping ops, a profiler). A backend
+    without these methods (one that implements only :class:`DeviceBackend`) is treated as having the
+    defaults of :class:`BackendBase`, which do nothing.
+    """
+
+    def register_ops(self, registry: Any) -> None:
+        """Replace ops of the table (``registry.override(name, fn, provider=...)``), before any
+        ``mcore_register_ops`` hook. Default: none (the reference ops)."""
+
+    def on_activate(self) -> None:
+        """This backend became the current one (before ``mcore_backend_activated``); idempotent."""
+
+    def configure(self, configs: dict[str, Any]) -> None:
+        """Check the run's frozen configs (raise ``ConfigError`` naming the value) and set process
+        settings that must precede torch.distributed (before ``mcore_configure``). Default: nothing."""
+
+    def process_group_options(self, axis: str) -> Any:
+        """``pg_options`` for the groups of ``axis`` (``"world"``, ``"tp"``, ...), or None for the
+        defaults; a non-None answer wins over ``mcore_process_group_options``. Default: None."""
+
+    def on_shutdown(self) -> None:
+        """The run is over (before ``mcore_on_shutdown``): release what the backend holds."""
 
 
 class BackendBase:
@@ -133,6 +198,83 @@ class BackendBase:
     def peak_flops(self, dtype: torch.dtype) -> float | None:
         return None
 
+    # --- optional interfaces: defaults for a backend without the capability --------------------
+
+    def compile_layer(self, module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        raise NotImplementedError(
+            f"backend {self.name!r} cannot compile layers (capability 'compile_layers')"
+        )
+
+    def graph(self) -> Any:
+        raise NotImplementedError(f"backend {self.name!r} has no device graphs (capability 'device_graphs')")
+
+    def graph_pool(self) -> Any:
+        return None
+
+    def side_stream(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    # --- per-backend set-up (BackendHooks): nothing by default ----------------------------------
+
+    def register_ops(self, registry: Any) -> None:
+        pass
+
+    def on_activate(self) -> None:
+        pass
+
+    def configure(self, configs: dict[str, Any]) -> None:
+        pass
+
+    def process_group_options(self, axis: str) -> Any:
+        return None
+
+    def on_shutdown(self) -> None:
+        pass
+
+
+class CPUBackend(BackendBase):
+    """The default backend: the host CPU, gloo, the reference ops; always available.
+
+    The whole test suite, multi-process TP/PP/DP included, runs on it. A backend whose tensors live on
+    the host (a simulator, a tracer, a CPU kernel library) subclasses it: :class:`BackendBase`'s RNG
+    and memory methods go through ``torch.get_device_module(device_type)``, which has no RNG or
+    memory statistics for ``"cpu"``; these overrides use torch's global CPU generator instead.
+    """
+
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    priority = 0
+    _capabilities = frozenset({"bf16", "fp16", "fp32"})
+
+    def is_available(self) -> tuple[bool, str]:
+        return True, f"always available ({os.cpu_count()} cores)"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def set_device(self, local_rank: int) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
+    def memory_stats(self) -> dict[str, int]:
+        # CPU tensors come from the system allocator, which keeps no per-process statistics.
+        return {"allocated": 0, "reserved": 0, "peak_allocated": 0}
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
 
 _current: DeviceBackend | None = None
 
@@ -141,8 +283,6 @@ def current_backend() -> DeviceBackend:
     """The selected backend; the CPU backend with reference ops until one is selected."""
     global _current
     if _current is None:
-        from mcore.backends.cpu import CPUBackend
-
         _current = CPUBackend()
     return _current
 

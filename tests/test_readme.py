@@ -31,8 +31,8 @@ EXERCISED = {
     r"^mcore-inspect-checkpoint ": ("tests/checkpoint/test_inspect.py", "main"),
     r"^mcore-export-hf ": ("tests/hf/test_hf_errors.py", "export_main"),
     r"^mcore-import-hf ": ("tests/hf/test_hf_errors.py", "import_main"),
-    r"^mcore-generate ": ("tests/hf/hf_runs.py", "mcore.inference.generate"),
-    r"^python examples/npu_smoke\.py": ("tests/npu/test_simulated_npu_conformance.py", "npu_smoke"),
+    r"^mcore-generate ": ("tests/inference/test_generation_parallel.py", "main"),
+    r"^python examples/npu_smoke\.py": ("tests/npu/test_simulated_npu_adaptor.py", "npu_smoke.py"),
     r"^python -m mcore\.backends": ("tests/plugins/test_backends_cli.py", '"mcore.backends"'),
     r"^python benchmarks/train_throughput\.py": ("tests/test_readme.py", "train_throughput.py"),
 }
@@ -51,18 +51,129 @@ def readme_commands() -> list[str]:
 
 
 def test_every_readme_command_is_exercised():
+    """Every README command has a test (or CI step) that runs it: that file invokes the command's
+    program in code (an import of the console script's function, the module or script named in a
+    string: not a comment or docstring), and each flag of the command is passed by that test (or by
+    the launch script it runs) or, where only a GPU can run it, accepted by the program's parser."""
+    import ast
+    import contextlib
+    import importlib
+    import io
+    import sys
+
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+
+    def code_of(path: str) -> tuple[list[str], set[str]]:
+        """String literals (docstrings excluded) and ``module:name`` imports of a Python file; the
+        non-comment lines of any other file."""
+        text = (REPO / path).read_text(encoding="utf-8")
+        if not path.endswith(".py"):
+            return [line for line in text.splitlines() if not line.lstrip().startswith("#")], set()
+        tree = ast.parse(text)
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        strings = [
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        ]
+        imports = {
+            f"{node.module}:{alias.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+            for alias in node.names
+        }
+        return strings, imports
+
+    def program_of(words: list[str]) -> tuple[str, str, list[str]]:
+        """(kind, target, the program's own arguments) of a command line."""
+        if words[0] == "bash":
+            return "file", words[1], words[2:]
+        if words[0] == "torchrun":
+            index = next(i for i, w in enumerate(words) if w.endswith(".py"))
+            return "file", words[index], words[index + 1 :]
+        if words[0] == "python":
+            return ("module", words[2], words[3:]) if words[1] == "-m" else ("file", words[1], words[2:])
+        if words[0] == "pip":
+            return "install", words[-1], []
+        assert words[0] in scripts, f"README command {words[0]!r} is no console script of pyproject.toml"
+        return "entry", scripts[words[0]], words[1:]
+
+    def help_text(kind: str, target: str) -> str:
+        """The program's ``--help`` (in this process for console scripts, else a child process)."""
+        if kind == "entry":
+            module, function = target.split(":")
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+                getattr(importlib.import_module(module), function)(["--help"])
+            return out.getvalue()
+        argv = [sys.executable, "-m", target] if kind == "module" else [sys.executable, str(REPO / target)]
+        proc = subprocess.run(
+            [*argv, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        return proc.stdout
+
     commands = readme_commands()
     assert len(commands) >= 10
-    unmatched = []
+    unmatched, problems = [], []
     for command in commands:
         rule = next((r for r in EXERCISED if re.search(r, command)), None)
         if rule is None:
             unmatched.append(command)
             continue
-        path, needle = EXERCISED[rule]
-        source = (REPO / path).read_text(encoding="utf-8")
-        assert needle in source, f"{path} no longer exercises {command!r} (no {needle!r} in it)"
+        path, _ = EXERCISED[rule]
+        strings, imports = code_of(path)
+        words = command.split()
+        kind, target, args = program_of(words)
+        # The program exists.
+        if kind in ("file", "install"):
+            assert (REPO / target).exists(), f"README command {command!r}: no {target} in the repository"
+        elif kind == "module":
+            assert importlib.util.find_spec(target) is not None, f"{command!r}: no module {target}"
+        # The exercising file invokes it, in code.
+        name = pathlib.PurePath(target).name
+        launchers = [s for s in strings if s.endswith(".sh") and (REPO / "examples" / s).is_file()]
+        launched = "\n".join((REPO / "examples" / s).read_text(encoding="utf-8") for s in launchers)
+        if kind == "entry":
+            invoked = target in imports or words[0] in strings
+        elif kind == "module":
+            invoked = target in strings
+        elif kind == "install" or path == target:
+            invoked = any(command.split()[0] in line and target in line for line in strings) or path == target
+        else:
+            invoked = any(s.endswith(name) for s in strings) or (name in launched)
+            if not invoked and target.endswith(".sh"):  # the test runs what the script runs
+                body = "\n".join(code_of(target)[0])
+                invoked = any(s.endswith(".py") and pathlib.PurePath(s).name in body for s in strings)
+        if not invoked:
+            problems.append(f"{path} does not invoke {target} in code, for {command!r}")
+            continue
+        # Each flag is passed by the test (or its launch script), else accepted by the program.
+        flags = [w for w in args if w.startswith("--")]
+        passed = {w for s in strings for w in re.findall(r"(?<![\w-])--[\w-]+", s)}
+        passed |= set(re.findall(r"(?<![\w-])--[\w-]+", launched))
+        unexercised = [f for f in flags if f not in passed]
+        if unexercised:
+            accepted = help_text(kind, target)
+            missing = [
+                f for f in unexercised if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", accepted)
+            ]
+            if missing:
+                problems.append(f"{command!r}: {missing} neither passed by {path} nor accepted by {target}")
     assert not unmatched, "README commands no test runs:\n" + "\n".join(unmatched)
+    assert not problems, "\n".join(problems)
 
 
 TINY = {

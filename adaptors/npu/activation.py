@@ -5,8 +5,8 @@ Two doors, one room:
 * ``import mcore.adaptors.npu`` (MindSpeed users' habit, ``import mindspeed.megatron_adaptor``) runs
   :func:`activate` at import.
 * ``--device-backend npu`` (or ``auto`` on a machine where the NPU backend wins) selects the NPU
-  backend; :func:`mcore.plugins.manager.select_backend` then fires ``mcore_backend_activated``, and the
-  NPU plugin's implementation imports this package, which runs the same :func:`activate`.
+  backend; :func:`mcore.plugins.manager.select_backend` then calls the backend's ``on_activate``, which
+  imports this package, which runs the same :func:`activate`.
 
 :func:`activate` imports torch_npu (an :class:`ImportError` saying what to install if it is missing),
 registers the NPU plugin if entry points did not, makes ``npu`` the ``auto`` backend, and applies

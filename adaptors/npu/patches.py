@@ -6,14 +6,14 @@ Most of what MindSpeed patches into Megatron needs no row here, because mcore ha
 ==========================================  ===================================================
 MindSpeed patches                           mcore uses instead
 ==========================================  ===================================================
-RMSNorm / RoPE / SwiGLU / softmax / FA ops  the op table (``mcore_register_ops``,
+RMSNorm / RoPE / SwiGLU / FA ops            the op table (``NPUBackend.register_ops``,
                                             :mod:`mcore.backends.npu.ops`)
 ``_set_cuda_rng_state``, CUDA RNG tracker   the backend's ``get/set_rng_state`` (``torch.npu``)
-``get_nccl_options`` (HCCL group buffers)   ``mcore_process_group_options``
+``get_nccl_options`` (HCCL group buffers)   ``NPUBackend.process_group_options``
 apex FusedAdam -> NPU AdamW                 the ``adam_step`` op (``npu_apply_adam_w``)
 ``transfer_to_npu`` (cuda -> npu strings)   nothing: the core never names a device vendor
-bf16 on 910A, feature checks                ``mcore_configure`` (a ConfigError)
-HCCL timeouts (MindSpeed CI exports them)   ``mcore_configure``, which ``pretrain`` calls after
+bf16 on 910A, feature checks                ``NPUBackend.configure`` (a ConfigError)
+HCCL timeouts (MindSpeed CI exports them)   ``NPUBackend.configure``, which ``pretrain`` calls after
                                             selecting the backend and before torch.distributed
                                             starts (:func:`mcore.backends.npu.hccl.hccl_env_defaults`)
 ==========================================  ===================================================

@@ -8,7 +8,7 @@ Kernels it serves (see :mod:`mcore.backends.cuda.ops`, ``python -m mcore.backend
 * attention through flash-attn when installed, else torch's scaled-dot-product attention;
 * the Adam/AdamW step through torch's fused multi-tensor kernel (apex's on request).
 
-``scaled_masked_softmax`` and anything a kernel does not support (CPU tensors, unusual shapes or
+Anything a kernel does not support (CPU tensors, unusual shapes or
 dtype mixes) run the reference ops. Transformer Engine, apex and flash-attn are optional: detected
 (:mod:`mcore.backends.cuda.extensions`), never required. ``compile_layer`` compiles a transformer
 layer with torch.compile (capability ``compile_layers``; :mod:`mcore.backends.cuda.compile`).
@@ -23,7 +23,7 @@ import torch
 from mcore.backend import BackendBase
 from mcore.plugins import hookimpl
 
-MCORE_PLUGIN_API_VERSION = "1.0"
+MCORE_PLUGIN_API_VERSION = "1.2"
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU.
 _PEAK_BF16 = {
@@ -114,17 +114,14 @@ class CUDABackend(BackendBase):
         name = torch.cuda.get_device_name()
         return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
 
+    def register_ops(self, registry) -> None:
+        """The fused kernels of :mod:`mcore.backends.cuda.ops` (the Triton ones where Triton is installed)."""
+        from mcore.backends.cuda import ops
+
+        for name, fn in ops.CUDA_OPS.items():
+            registry.override(name, fn, provider=f"cuda:{ops.PROVIDERS[name]}")
+
 
 @hookimpl
 def mcore_backends():
     return [CUDABackend()]
-
-
-@hookimpl
-def mcore_register_ops(backend, registry):
-    if backend.name != "cuda":
-        return
-    from mcore.backends.cuda import ops
-
-    for name, fn in ops.CUDA_OPS.items():
-        registry.override(name, fn, provider=f"cuda:{ops.PROVIDERS[name]}")

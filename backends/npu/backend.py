@@ -1,7 +1,7 @@
 """The NPU device backend: Ascend NPUs through torch_npu, HCCL for torch.distributed.
 
 torch_npu registers itself as the ``npu`` device type and ``torch.npu`` as its device module
-(reference §1.1), so RNG, memory statistics and synchronization go through ``torch.npu`` exactly as
+(torch_npu's documented runtime API), so RNG, memory statistics and synchronization go through ``torch.npu`` exactly as
 the CUDA backend's go through ``torch.cuda``. Nothing here runs at import: torch_npu is imported the
 first time the backend is asked whether it is available, so listing backends on a machine without
 torch_npu costs nothing and says why the NPU is unavailable.
@@ -14,12 +14,18 @@ through ``torch.npu``.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from types import ModuleType
+from typing import Any
 
 import torch
+from mcore.backends.npu.hccl import HCCLSettings, apply_hccl_env_defaults, process_group_options
 
 from mcore.backend import BackendBase
+from mcore.config.fields import ConfigError
+
+log = logging.getLogger("mcore.backends.npu")
 
 INSTALL_HINT = (
     "install torch_npu, Ascend's PyTorch plugin, built for your torch version "
@@ -66,6 +72,11 @@ class NPUBackend(BackendBase):
     dist_backend = "hccl"
     priority = 100
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.hccl = HCCLSettings()
+        """What :meth:`configure` learned about the run, for :meth:`process_group_options`."""
+
     @property
     def device_type(self) -> str:
         module = sys.modules.get("torch_npu")
@@ -102,7 +113,7 @@ class NPUBackend(BackendBase):
         return torch.device("npu", local_rank % max(1, self._module().device_count()))
 
     def set_device(self, local_rank: int) -> None:
-        # HCCL needs the device set before init_process_group (reference §2.1).
+        # HCCL needs the device set before init_process_group (torch_npu's distributed notes).
         npu = self._module()
         npu.set_device(local_rank % max(1, npu.device_count()))
 
@@ -119,7 +130,7 @@ class NPUBackend(BackendBase):
         if module is None:
             return frozenset()
         caps = {"fp16", "fp32"}
-        if torch.npu.is_bf16_supported():  # False on 910A (reference §5.2)
+        if torch.npu.is_bf16_supported():  # False on 910A
             caps.add("bf16")
         for op, capability in (
             ("npu_rms_norm", "fused_rms_norm"),
@@ -133,6 +144,52 @@ class NPUBackend(BackendBase):
         return frozenset(caps)
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
-        # No peak figure for Ascend 910B appears in the reference material (perf-anchors.md lists it
-        # as "not read"), so MFU is not reported rather than computed against a guessed number.
+        # No verified peak figure for Ascend 910B is at hand, so MFU is not reported rather than
+        # computed against a guessed number.
         return None
+
+    # --- set-up methods (mcore.backend.BackendHooks), called for this backend when it is selected ---
+
+    def register_ops(self, registry: Any) -> None:
+        """The CANN fused ops of :mod:`mcore.backends.npu.ops` that this torch_npu provides."""
+        from mcore.backends.npu.ops import PROVIDER, build_npu_ops
+
+        for name, fn in build_npu_ops(import_torch_npu()).items():
+            registry.override(name, fn, provider=PROVIDER)
+
+    def on_activate(self) -> None:
+        """Activate the NPU adaptor exactly as ``import mcore.adaptors.npu`` does (idempotent), so
+        ``--device-backend npu`` and the import give the same process."""
+        from mcore.adaptors.npu import (
+            activate,
+        )  # importing the adaptor activates it; the call is a no-op then
+
+        activate()
+
+    def configure(self, configs: dict[str, Any]) -> None:
+        """Refuse bf16 on chips without it (910A); set the HCCL timeouts from
+        ``--distributed-timeout-minutes`` (HCCL reads them when the first communicator is created, so
+        this runs before process groups exist); size HCCL buffers from the model."""
+        precision = configs.get("precision")
+        if getattr(precision, "bf16", False) and "bf16" not in self.capabilities():
+            raise ConfigError(
+                f"--bf16: this NPU ({self._module().get_device_name()}) has no bf16 (Atlas 910A); "
+                "use --fp16 instead"
+            )
+        parallel = configs.get("parallel")
+        if parallel is not None:
+            try:
+                updates = apply_hccl_env_defaults(parallel.distributed_timeout_minutes)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            if updates:
+                log.info("HCCL defaults for this run: %s", ", ".join(f"{k}={v}" for k, v in updates.items()))
+        self.hccl.configure(configs)
+
+    def process_group_options(self, axis: str) -> Any:
+        """``ProcessGroupHCCL.Options`` per parallel axis (:mod:`mcore.backends.npu.hccl`)."""
+        return process_group_options(import_torch_npu(), axis, self.hccl)
+
+    def on_shutdown(self) -> None:
+        """Forget per-run state."""
+        self.hccl.adaptive_mb = {}

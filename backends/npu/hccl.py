@@ -1,17 +1,17 @@
 """HCCL settings: per-group ``ProcessGroupHCCL.Options`` and the HCCL environment defaults.
 
-Two mechanisms, as in the reference (§2.2-2.4):
+Two mechanisms, as torch_npu documents them:
 
 * **Per-communicator options** (``hccl_config``) travel as ``pg_options`` of ``init_process_group`` /
   ``new_group``; they override the environment for that group. mcore asks for them through the
-  ``mcore_process_group_options(backend, axis)`` hook once per parallel axis. The buffer size of an
+  ``process_group_options(axis)`` method of the NPU backend once per parallel axis. The buffer size of an
   axis comes, first match wins, from
 
   1. ``MCORE_HCCL_GROUP_BUFFER`` in MindSpeed's ``--hccl-group-buffer`` syntax, e.g.
      ``"tp:300;pp:200;dp:200"`` (MB per axis; axes: world, tp, pp, dp, cp, mp, embedding);
   2. the adaptive size MindSpeed's ``--hccl-group-buffer-adaptive`` would use for the activation
      axes (tp, pp, cp): ``ceil(micro_batch * seq_length * hidden * bytes_per_element / 2**20)`` MB,
-     the reference's suggested LLM value, known once ``mcore_configure`` has seen the model;
+     the reference's suggested LLM value, known once ``NPUBackend.configure`` has seen the model;
   3. nothing: HCCL's own default (``HCCL_BUFFSIZE``, else 200 MB).
 
 * **Environment variables** HCCL reads when a communicator is created. :func:`hccl_env_defaults`
@@ -70,7 +70,7 @@ def activation_buffer_mb(
 
 @dataclass
 class HCCLSettings:
-    """What the NPU plugin learned about this run (filled by ``mcore_configure``)."""
+    """What the NPU backend learned about this run (filled by ``NPUBackend.configure``)."""
 
     adaptive_mb: dict[str, int] = field(default_factory=dict)
 
@@ -112,7 +112,7 @@ def hccl_env_defaults(timeout_minutes: float, environ: Mapping[str, str] = os.en
       When the run's timeout is longer than the 1836 s default, raise it to match, so the device does
       not abort before torch's watchdog (the timeout the user asked for). Skipped in AIV expansion mode,
       whose range ends at 1091 s.
-    * ``HCCL_EVENT_TIMEOUT`` must exceed ``HCCL_EXEC_TIMEOUT`` (reference §5.7): set with the same
+    * ``HCCL_EVENT_TIMEOUT`` must exceed ``HCCL_EXEC_TIMEOUT`` (CANN's rule): set with the same
       32 s margin as torch_npu's defaults whenever the exec timeout is raised.
 
     Raises:

@@ -1,7 +1,8 @@
 """CANN fused ops behind mcore's op table: each adapter turns mcore's op contract into torch_npu's.
 
-mcore's contract is :mod:`mcore.ops.reference` (layouts, mask polarity, scale, GQA). torch_npu's is
-``shared/reference/torch_npu-api.md`` §3. The differences each adapter bridges:
+mcore's contract is :mod:`mcore.ops.reference` (layouts, mask polarity, scale, GQA). torch_npu's is its
+op-plugin signatures (``op_plugin_functions.yaml``) and the CANN op documentation; the simulated
+ops (:mod:`mcore.backends.npu.simulated.ops`) restate both. The differences each adapter bridges:
 
 ========================  ===========================================================================
 op                        conversion
@@ -15,9 +16,6 @@ op                        conversion
                           concatenated back, as MindSpeed does. ``rotary_mode="half"`` is mcore's
                           rotate-half convention.
 ``swiglu``                ``npu_swiglu(x, dim=-1)``: same gate-first convention, no conversion.
-``scaled_masked_softmax`` ``npu_scaled_masked_softmax`` for fp16 4-D scores whose last two dims are
-                          multiples of 32 in [32, 4096] (MindSpeed's gate); the op fills masked
-                          scores with -10000 where the reference uses the fp32 minimum.
 ``attention``             ``npu_fusion_attention`` with layout ``"BNSD"`` (mcore's ``[b, n, s, d]``,
                           so no transpose), ``head_num`` = query heads (K/V keep their ``g`` heads:
                           the op does GQA itself), an explicit ``scale`` (the op's default is 1.0, not
@@ -57,7 +55,7 @@ MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
 
 # cos/sin broadcast patterns npu_rotary_mul accepts in "half" mode (1 = full leading dim, 0 = size 1):
-# BNSD -> 11SD, B1SD, BNSD; BSND -> 1S1D, BS1D, BSND; SBND -> S11D, SB1D, SBND (reference §3.2).
+# BNSD -> 11SD, B1SD, BNSD; BSND -> 1S1D, BS1D, BSND; SBND -> S11D, SB1D, SBND (npu_fusion_attention's mask shapes).
 _ROTARY_PATTERNS = {(0, 0, 1), (1, 0, 1), (1, 1, 1), (0, 1, 0), (1, 1, 0), (1, 0, 0)}
 
 
@@ -172,27 +170,6 @@ def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
             return torch_npu.npu_swiglu(x, dim=-1)
 
         ops["swiglu"] = swiglu
-
-    if hasattr(torch_npu, "npu_scaled_masked_softmax"):
-
-        def scaled_masked_softmax(
-            scores: torch.Tensor, mask: torch.Tensor | None, scale: float
-        ) -> torch.Tensor:
-            """Reference ``scaled_masked_softmax`` through the fused kernel where MindSpeed enables it."""
-            sq, sk = scores.shape[-2:] if scores.dim() >= 2 else (0, 0)
-            usable = (
-                scores.dtype == torch.float16
-                and scores.dim() == 4
-                and all(32 <= s <= 4096 and s % 32 == 0 for s in (sq, sk))
-                and (mask is None or mask.dtype == torch.bool)
-            )
-            if not usable:
-                return reference.scaled_masked_softmax(scores, mask, scale)
-            if mask is None:
-                mask = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=scores.device)
-            return torch_npu.npu_scaled_masked_softmax(scores, mask, scale, False)
-
-        ops["scaled_masked_softmax"] = scaled_masked_softmax
 
     if hasattr(torch_npu, "npu_fusion_attention"):
 

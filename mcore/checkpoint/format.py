@@ -1,6 +1,6 @@
 """The on-disk checkpoint format: names, the tracker file, metadata, checksums, durable writes.
 
-Layout (Megatron's directory tree and tracker file, formats.md 5.1; sharded files instead of
+Layout (Megatron's directory tree and tracker file; sharded files instead of
 ``mp_rank_XX/model_optim_rng.pt``)::
 
     <save>/

@@ -33,15 +33,6 @@ def _strip_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
 def _add_field(group: argparse._ArgumentGroup, field: dataclasses.Field, annotation: Any, dest: str) -> None:
     meta = field.metadata
     names = [flag_name(field), *meta.get("aliases", ())]

@@ -76,13 +76,6 @@ class ParallelConfig:
             f"parallel_order={self.parallel_order!r} must order exactly tp, cp, dp and pp",
         )
 
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks that hold one copy of the model: tp * cp * pp."""
-        return (
-            self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
-        )
-
     def virtual_stages(self, num_layers: int) -> int:
         """Model chunks per pipeline stage, from either virtual-pipeline flag (1 = no interleaving)."""
         if self.virtual_pipeline_model_parallel_size is not None:

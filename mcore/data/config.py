@@ -83,17 +83,6 @@ class DataConfig:
                 prefixes, _ = parse_blend(values, "--" + name.replace("_", "-"))
                 check(len(prefixes) > 0, f"--{name.replace('_', '-')} has no dataset prefix")
 
-    @property
-    def has_source(self) -> bool:
-        """Whether any data source (files or mock) is configured."""
-        return bool(
-            self.mock_data
-            or self.data_path
-            or self.train_data_path
-            or self.valid_data_path
-            or self.test_data_path
-        )
-
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerConfig:

@@ -75,11 +75,6 @@ def bin_path(prefix: str) -> str:
     return prefix + ".bin"
 
 
-def dtype_from_code(code: int) -> np.dtype:
-    """The numpy dtype of a header dtype code; :class:`KeyError` for an unknown code."""
-    return DTYPE_CODES[code]
-
-
 def code_from_dtype(dtype: Any) -> int:
     """The header dtype code of a numpy dtype (byte order ignored)."""
     wanted = np.dtype(dtype).newbyteorder("<")
@@ -549,16 +544,6 @@ class IndexedDatasetBuilder:
         self._documents.extend((other.document_indices[1:] + offset).tolist())
         with open(bin_path(path_prefix), "rb") as src:
             shutil.copyfileobj(src, self._file, 16 << 20)
-
-    @property
-    def num_sequences(self) -> int:
-        """Sequences added so far."""
-        return len(self._lengths)
-
-    @property
-    def num_documents(self) -> int:
-        """Documents closed so far."""
-        return len(self._documents) - 1
 
     def finalize(self, idx_path: str) -> None:
         """Write the index to ``idx_path`` and move both files into place (atomically each)."""

@@ -40,7 +40,7 @@ def _import_tokenizers() -> Any:
     except ImportError:
         raise DataError(
             "the Hugging Face 'tokenizers' package is needed for BPE tokenizers; install it with "
-            "`pip install tokenizers` (or the mcore[data] extra)"
+            "`pip install tokenizers` (or the mcore-train[data] extra)"
         ) from None
     return tokenizers
 

@@ -388,14 +388,6 @@ class DistributedDataParallel(torch.nn.Module):
             if buffer is not None:
                 buffer.bucket_of(param).finish_param_sync()
 
-    def broadcast_params(self) -> None:
-        """Copy data-parallel rank 0's parameters to every rank (mcore's initialization does not need it)."""
-        if not self.comm.active:
-            return
-        src = dist.get_global_rank(self.comm.group, 0)
-        for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.comm.group)
-
     # ----------------------------------------------------------------------------------------------
     # for the optimizer
 

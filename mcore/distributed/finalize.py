@@ -25,12 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.param_attrs import is_sequence_parallel, is_shared_embedding
-from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
+from mcore.tensor_parallel.mappings import all_reduce_coalesced, all_reduce_sequence_parallel_grads
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -38,31 +37,15 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
     return grad if grad is not None else param.grad
 
 
-def _allreduce_coalesced(grads: list[torch.Tensor], group) -> None:
-    """Sum ``grads`` over ``group`` with one collective per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
-    """All-reduce over tp the gradients of parameters whose gradient is partial under sequence parallelism."""
-    if groups.tp_size == 1 or groups.tp is None:
-        return
-    params = [
+def sequence_parallel_params(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """The parameters whose gradient is partial under sequence parallelism (norm weights, row-parallel
+    biases: :func:`mcore.distributed.param_attrs.is_sequence_parallel`)."""
+    return [
         param
         for chunk in model_chunks
         for param in chunk.parameters()
         if param.requires_grad and is_sequence_parallel(param)
     ]
-    all_reduce_sequence_parallel_grads(params, groups.tp)
 
 
 def shared_embedding_params(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
@@ -88,7 +71,7 @@ def shared_embedding_params(model_chunks: Sequence[torch.nn.Module]) -> list[tor
     return found
 
 
-def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
+def all_reduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
     """Sum the tied word embedding's gradient over its first- and last-stage copies (pp > 1).
 
     Every rank of ``groups.embedding`` must hold a copy marked ``shared_embedding``: models built
@@ -98,7 +81,7 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: P
         return
     grads = [g for p in shared_embedding_params(model_chunks) if (g := _grad_of(p)) is not None]
     if grads:
-        _allreduce_coalesced(grads, groups.embedding)
+        all_reduce_coalesced(grads, groups.embedding)
 
 
 def finalize_model_grads(
@@ -119,5 +102,6 @@ def finalize_model_grads(
     for chunk in model_chunks:
         if isinstance(chunk, DistributedDataParallel):
             chunk.finish_grad_sync()
-    allreduce_sequence_parallel_grads(model_chunks, groups)
-    allreduce_embedding_grads(model_chunks, groups)
+    if groups.tp_size > 1 and groups.tp is not None:
+        all_reduce_sequence_parallel_grads(sequence_parallel_params(model_chunks), groups.tp)
+    all_reduce_embedding_grads(model_chunks, groups)

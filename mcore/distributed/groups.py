@@ -130,11 +130,6 @@ class ProcessGroups:
         return self.pp_rank == self.pp_size - 1
 
     @property
-    def prev_stage_rank(self) -> int:
-        """Global rank of the previous pipeline stage (wraps around, as interleaving needs)."""
-        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
-
-    @property
     def next_stage_rank(self) -> int:
         """Global rank of the next pipeline stage (wraps around)."""
         return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]

@@ -12,8 +12,8 @@ Library (all on logical, unsharded state dicts, so independent of the checkpoint
   :func:`model_config_from_hf` (configs), :func:`check_logit_parity`.
 
 Every export and import runs the same token batch through both models and fails (writing nothing)
-when the largest logit difference exceeds the tolerance (fp32: 1e-4). reference/hf-mapping.md is the
-specification of the mapping.
+when the largest logit difference exceeds the tolerance (fp32: 1e-4). :mod:`mcore.hf.mapping` states
+the mapping (names, shapes, QKV and gate/up packing, RoPE conventions).
 """
 
 import importlib

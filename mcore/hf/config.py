@@ -1,6 +1,6 @@
 """Model configuration in both directions: mcore :class:`ModelConfig` <-> Hugging Face ``config.json``.
 
-Two families are supported (reference/hf-mapping.md sections 1, 2 and 5):
+Two families are supported (the weight mapping is in :mod:`mcore.hf.mapping`):
 
 * ``gpt2`` (``GPT2LMHeadModel``): learned absolute positions, LayerNorm, GeLU (exact erf ->
   ``"gelu"``, tanh / ``--openai-gelu`` -> ``"gelu_new"``), biases (an mcore model without them is
@@ -144,7 +144,7 @@ def hf_config_dict(
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length or 2048,
         "rms_norm_eps": cfg.norm_epsilon,
-        # 5.x reads rope_parameters, 4.x reads rope_theta: write both (hf-mapping.md 2.5).
+        # transformers 5.x reads rope_parameters, 4.x reads rope_theta: write both.
         "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
         "rope_theta": float(cfg.rotary_base),
         "attention_bias": attention_bias,

@@ -4,10 +4,10 @@ A logical state dict maps mcore's logical parameter names (global layer numbers,
 :meth:`mcore.models.gpt.GPTModel.sharded_parameters`) to whole, unsharded tensors; the word embedding
 (and an untied ``output_layer.weight``) has the padded vocabulary ``Vp`` rows of the layout it came
 from, and a tied model has no ``output_layer.weight``. Working on these dicts keeps the converters
-independent of the checkpoint file format and of the TP/PP layout (reference/hf-mapping.md 3.4).
+independent of the checkpoint file format and of the TP/PP layout.
 
 * ``linear_qkv`` ``[(np + 2 ng) d, h]`` is ``ng`` blocks of ``[q_1..q_r, k, v]`` (``r = np/ng``);
-  :func:`split_qkv` / :func:`merge_qkv` convert it to and from separate Q, K, V (hf-mapping.md 3.1).
+  :func:`split_qkv` / :func:`merge_qkv` convert it to and from separate Q, K, V.
 * SwiGLU ``linear_fc1`` ``[2F, h]`` is ``[gate; up]``.
 * GPT-2's Conv1D weights are stored transposed (``[in, out]``); its ``c_attn`` is ``[Q | K | V]``.
 * The vocabulary is cut to the tokenizer's ``V`` rows on export and zero-padded to the target ``Vp``

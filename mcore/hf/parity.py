@@ -1,4 +1,4 @@
-"""Logit parity between an mcore model and its Hugging Face twin (reference/hf-mapping.md section 4).
+"""Logit parity between an mcore model and its Hugging Face twin.
 
 Both sides run in fp32 on the CPU in eval mode, on the same fixed-seed batch of ``2 x 24`` token ids
 from ``[0, V)`` (shorter if the model has fewer positions), with no padding and default positions.
@@ -20,7 +20,7 @@ from mcore.inference.loading import build_model_chunk
 from mcore.models.config import ModelConfig
 
 DEFAULT_TOLERANCE = 1e-4
-"""Largest allowed ``|logit difference|`` in fp32 (hf-mapping.md measures 2e-6 .. 6e-6 on toys)."""
+"""Largest allowed ``|logit difference|`` in fp32 (toy models differ by 2e-6 .. 6e-6)."""
 
 
 @dataclass
@@ -77,7 +77,7 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eag
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise ConversionError(
-            "the parity check needs the 'transformers' package (pip install 'mcore[hf]')"
+            "the parity check needs the 'transformers' package (pip install 'mcore-train[hf]')"
         ) from None
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

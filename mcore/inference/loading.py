@@ -30,7 +30,7 @@ from mcore.pipeline.layout import stage_layer_ranges
 from mcore.tensor_parallel.sharding import ShardSpec
 
 RunConfigLike = Any
-"""A :class:`mcore.training.configs.RunConfig`, or a mapping group name -> config object or field dict."""
+"""A :class:`mcore.training.run_config.RunConfig`, or a mapping group name -> config object or field dict."""
 
 
 def run_config_groups(run_config: RunConfigLike) -> dict[str, dict[str, Any]]:

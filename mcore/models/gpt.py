@@ -1,6 +1,6 @@
 """The GPT model (GPT-2/3 and Llama-style), buildable as a whole or as one pipeline-stage chunk.
 
-Parameter names (Megatron-core's local-spec ``GPTModel`` names, formats.md 5.4)::
+Parameter names (Megatron-core's local-spec ``GPTModel`` names)::
 
     embedding.word_embeddings.weight                    [Vp/p, h]         vocab rows (first stage)
     embedding.position_embeddings.weight                [max_pos, h]      replicated (learned_absolute)

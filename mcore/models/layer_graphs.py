@@ -103,9 +103,10 @@ class LayerGraphs:
 
     Args:
         layers: the block's layers, in forward order.
-        backend: a backend with the ``"device_graphs"`` capability: ``graph()`` returns an object with
-            a ``capture(pool)`` context manager and ``replay()``; ``graph_pool()`` a memory-pool handle
-            shared by captures; ``side_stream()`` a context manager running work on a fresh stream.
+        backend: a backend with the ``"device_graphs"`` capability, implementing
+            :class:`mcore.backend.DeviceGraphs`: ``graph()`` returns an object with a ``capture(pool)``
+            context manager and ``replay()``; ``graph_pool()`` a memory-pool handle shared by
+            captures; ``side_stream()`` a context manager running work on a fresh stream.
         warmup_iters: forward/backward passes per layer on a side stream before capturing.
     """
 

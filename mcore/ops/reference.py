@@ -124,14 +124,6 @@ def bias_dropout_add(
     return residual + F.dropout(x, p=p, training=training)
 
 
-def scaled_masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """``softmax(scale * scores)`` over the last dim in fp32, with ``mask`` (bool, True = masked out)."""
-    x = _wide(scores) * scale
-    if mask is not None:
-        x = x.masked_fill(mask, torch.finfo(x.dtype).min)
-    return torch.softmax(x, dim=-1).to(scores.dtype)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -426,7 +418,6 @@ REFERENCE_OPS = {
     "bias_gelu": bias_gelu,
     "swiglu": swiglu,
     "bias_dropout_add": bias_dropout_add,
-    "scaled_masked_softmax": scaled_masked_softmax,
     "attention": attention,
     "cross_entropy": cross_entropy,
     "cross_entropy_local_stats": cross_entropy_local_stats,

@@ -7,12 +7,13 @@
 * :mod:`mcore.pipeline.layout`: which layers each (virtual) stage holds, and building model chunks.
 
 The tied word embedding's gradients (first and last stage) are summed over ``groups.embedding`` by
-:func:`mcore.distributed.finalize.allreduce_embedding_grads`, part of the ``finalize_grads_func``.
+:func:`mcore.distributed.finalize.all_reduce_embedding_grads`, part of the ``finalize_grads_func``.
 """
 
 from mcore.pipeline.layout import build_model_chunks, stage_layer_ranges
 from mcore.pipeline.p2p import PipelineCommunicationError, PipelineStats
 from mcore.pipeline.schedules import (
+    ForwardBackwardArgs,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
@@ -30,6 +31,7 @@ __all__ = [
     "PipelineStats",
     "build_model_chunks",
     "check_pipeline_schedule",
+    "ForwardBackwardArgs",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",

@@ -9,8 +9,10 @@ this module only executes them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +26,39 @@ from mcore.pipeline.tables import BACKWARD, FORWARD, Op, check_model_chunks, pip
 ForwardBackwardFunc = Callable[..., list[dict[str, Any]]]
 
 
+@dataclass(frozen=True, kw_only=True)
+class ForwardBackwardArgs:
+    """What one call of a schedule needs: every schedule takes one of these, or the same fields as
+    keywords (Megatron's calling convention). The fields are documented in
+    :func:`get_forward_backward_func`."""
+
+    forward_step_func: Callable
+    data_iterator: Iterator | Sequence[Iterator] | None
+    model: nn.Module | Sequence[nn.Module]
+    num_microbatches: int
+    seq_length: int
+    micro_batch_size: int
+    hidden_size: int
+    groups: Any
+    sequence_parallel: bool = False
+    dtype: torch.dtype = torch.float32
+    forward_only: bool = False
+    grad_scale_func: Callable | None = None
+    no_sync_func: Callable | Sequence[Callable] | None = None
+    finalize_grads_func: Callable | None = None
+    timeout_s: float | None = None
+    stats: PipelineStats | None = None
+
+
+def _schedule_args(args: ForwardBackwardArgs | None, keywords: dict[str, Any]) -> ForwardBackwardArgs:
+    """``args``, or the :class:`ForwardBackwardArgs` of Megatron-style keywords (not both)."""
+    if args is None:
+        return ForwardBackwardArgs(**keywords)
+    if keywords:
+        raise TypeError(f"give a ForwardBackwardArgs or keywords, not both (got {sorted(keywords)})")
+    return args
+
+
 def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> ForwardBackwardFunc:
     """Return the schedule for ``pp_size`` pipeline stages with ``vp_size`` model chunks per stage.
 
@@ -32,15 +67,14 @@ def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> ForwardBackward
     (1F1B, PipeDream-Flush); ``vp_size > 1`` gives
     :func:`forward_backward_pipelining_with_interleaving` (Megatron's interleaved 1F1B).
 
-    Every schedule has the same keyword-only signature::
+    Every schedule takes one :class:`ForwardBackwardArgs`, or its fields as keywords as Megatron's
+    schedules do::
 
-        forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
-                         micro_batch_size, hidden_size, groups, sequence_parallel=False,
-                         dtype=torch.float32, forward_only=False, grad_scale_func=None,
-                         no_sync_func=None, finalize_grads_func=None, timeout_s=None,
-                         stats=None) -> list[dict]
+        forward_backward(ForwardBackwardArgs(forward_step_func=..., data_iterator=..., ...))
+        forward_backward(forward_step_func=..., data_iterator=..., model=..., num_microbatches=...,
+                         seq_length=..., micro_batch_size=..., hidden_size=..., groups=...)
 
-    Args:
+    Fields (:class:`ForwardBackwardArgs`):
         forward_step_func: ``forward_step_func(data_iterator, model_chunk) -> (output_tensor,
             loss_func)``. The schedule calls it once per micro-batch and model chunk, micro-batches
             in order for each chunk, so each chunk's iterator advances ``num_microbatches`` times
@@ -198,23 +232,7 @@ class _GradSyncControl:
 
 
 def forward_backward_no_pipelining(
-    *,
-    forward_step_func: Callable,
-    data_iterator: Iterator | Sequence[Iterator] | None,
-    model: nn.Module | Sequence[nn.Module],
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    hidden_size: int,
-    groups,
-    sequence_parallel: bool = False,
-    dtype: torch.dtype = torch.float32,
-    forward_only: bool = False,
-    grad_scale_func: Callable | None = None,
-    no_sync_func: Callable | Sequence[Callable] | None = None,
-    finalize_grads_func: Callable | None = None,
-    timeout_s: float | None = None,
-    stats: PipelineStats | None = None,
+    args: ForwardBackwardArgs | None = None, /, **keywords: Any
 ) -> list[dict[str, Any]]:
     """One stage: forward and backward each micro-batch in turn, accumulating gradients.
 
@@ -222,73 +240,57 @@ def forward_backward_no_pipelining(
     ``hidden_size``, ``sequence_parallel``, ``dtype`` and ``timeout_s`` are accepted for a uniform
     signature and unused (nothing is exchanged).
     """
-    chunks = _as_chunks(model)
+    a = _schedule_args(args, keywords)
+    chunks = _as_chunks(a.model)
     check_model_chunks(len(chunks), 1)
-    check(num_microbatches >= 1, f"num_microbatches={num_microbatches} must be >= 1")
+    m = a.num_microbatches
+    check(m >= 1, f"num_microbatches={m} must be >= 1")
     start = time.perf_counter()
     logs: list[dict[str, Any]] = []
-    iterator = _iterator_for(data_iterator, 0)
-    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-    sync = _GradSyncControl(None if forward_only else no_sync_func, 1)
+    iterator = _iterator_for(a.data_iterator, 0)
+    grad_mode = torch.no_grad() if a.forward_only else contextlib.nullcontext()
+    sync = _GradSyncControl(None if a.forward_only else a.no_sync_func, 1)
     with grad_mode, sync:
-        for i in range(num_microbatches):
-            output = _forward_step(forward_step_func, iterator, chunks[0], None, True, num_microbatches, logs)
-            if not forward_only:
-                last = i == num_microbatches - 1
+        for i in range(m):
+            output = _forward_step(a.forward_step_func, iterator, chunks[0], None, True, m, logs)
+            if not a.forward_only:
+                last = i == m - 1
                 sync.before_backward(0, last, last)
-                _backward_step(None, output, None, grad_scale_func)
-    if not forward_only and finalize_grads_func is not None:
-        finalize_grads_func(chunks)
-    if stats is not None:
-        stats.total_s += time.perf_counter() - start
+                _backward_step(None, output, None, a.grad_scale_func)
+    if not a.forward_only and a.finalize_grads_func is not None:
+        a.finalize_grads_func(chunks)
+    if a.stats is not None:
+        a.stats.total_s += time.perf_counter() - start
     return logs
 
 
-def _run_pipeline(
-    *,
-    vp_size: int,
-    forward_step_func: Callable,
-    data_iterator: Iterator | Sequence[Iterator] | None,
-    model: nn.Module | Sequence[nn.Module],
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    hidden_size: int,
-    groups,
-    sequence_parallel: bool,
-    dtype: torch.dtype,
-    forward_only: bool,
-    grad_scale_func: Callable | None,
-    no_sync_func: Callable | Sequence[Callable] | None,
-    finalize_grads_func: Callable | None,
-    timeout_s: float | None,
-    stats: PipelineStats | None,
-) -> list[dict[str, Any]]:
+def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
     """Execute this rank's part of :func:`~mcore.pipeline.tables.pipeline_timeline`."""
-    chunks = _as_chunks(model)
+    chunks = _as_chunks(a.model)
     check_model_chunks(len(chunks), vp_size)
-    p, r, m = groups.pp_size, groups.pp_rank, num_microbatches
+    groups, seq_length = a.groups, a.seq_length
+    p, r, m = groups.pp_size, groups.pp_rank, a.num_microbatches
     # Computing the plan checks the sizes (ConfigError) before anything is exchanged.
-    program = pipeline_timeline(p, vp_size, m, forward_only)[r]
+    program = pipeline_timeline(p, vp_size, m, a.forward_only)[r]
     tp = groups.tp_size
-    if sequence_parallel:
+    if a.sequence_parallel:
         check(
             seq_length % tp == 0,
             f"seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp} "
             "(sequence parallelism shards activations along the sequence)",
         )
-    shape = (seq_length // tp if sequence_parallel else seq_length, micro_batch_size, hidden_size)
-    if vp_size > 1 and data_iterator is not None and not isinstance(data_iterator, (list, tuple)):
+    shape = (seq_length // tp if a.sequence_parallel else seq_length, a.micro_batch_size, a.hidden_size)
+    if vp_size > 1 and a.data_iterator is not None and not isinstance(a.data_iterator, (list, tuple)):
         raise TypeError(
             f"with {vp_size} model chunks, data_iterator must be a list of {vp_size} iterators "
             "(one per chunk), or None"
         )
     backend = current_backend()
     device = groups.device
-    if stats is not None:
+    if a.stats is not None:
         backend.synchronize()
     start = time.perf_counter()
-    comm = StageCommunicator(groups, shape, dtype, device, timeout_s, stats, backend.synchronize)
+    comm = StageCommunicator(groups, shape, a.dtype, device, a.timeout_s, a.stats, backend.synchronize)
 
     last_stage = p * vp_size - 1
     received: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -296,15 +298,15 @@ def _run_pipeline(
     logs: list[dict[str, Any]] = []
     backwards = [t.op for t in program if t.op is not None and t.op.kind == BACKWARD]
     last_backward = backwards[-1] if backwards else None
-    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-    sync = _GradSyncControl(None if forward_only else no_sync_func, len(chunks))
+    grad_mode = torch.no_grad() if a.forward_only else contextlib.nullcontext()
+    sync = _GradSyncControl(None if a.forward_only else a.no_sync_func, len(chunks))
     with grad_mode, sync:
         for tick in program:
             outgoing: list[tuple[Any, torch.Tensor]] = []
             if tick.op is not None:
                 result = _run_op(
-                    tick.op, r, p, m, last_stage, chunks, data_iterator, forward_step_func,
-                    grad_scale_func, received, saved, logs, sync, last_backward, forward_only,
+                    tick.op, r, p, m, last_stage, chunks, a.data_iterator, a.forward_step_func,
+                    a.grad_scale_func, received, saved, logs, sync, last_backward, a.forward_only,
                 )  # fmt: skip
                 if tick.sends and result is None:
                     raise RuntimeError(
@@ -317,11 +319,11 @@ def _run_pipeline(
                 received[(transfer.kind, transfer.chunk, transfer.microbatch)] = tensor
     if received or saved:
         raise RuntimeError(f"pipeline step ended with unused tensors: {sorted(received)} {sorted(saved)}")
-    if not forward_only and finalize_grads_func is not None:
-        finalize_grads_func(chunks)
-    if stats is not None:
+    if not a.forward_only and a.finalize_grads_func is not None:
+        a.finalize_grads_func(chunks)
+    if a.stats is not None:
         backend.synchronize()
-        stats.total_s += time.perf_counter() - start
+        a.stats.total_s += time.perf_counter() - start
     return logs
 
 
@@ -366,68 +368,18 @@ def _run_op(
 
 
 def forward_backward_pipelining_without_interleaving(
-    *,
-    forward_step_func: Callable,
-    data_iterator: Iterator | Sequence[Iterator] | None,
-    model: nn.Module | Sequence[nn.Module],
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    hidden_size: int,
-    groups,
-    sequence_parallel: bool = False,
-    dtype: torch.dtype = torch.float32,
-    forward_only: bool = False,
-    grad_scale_func: Callable | None = None,
-    no_sync_func: Callable | Sequence[Callable] | None = None,
-    finalize_grads_func: Callable | None = None,
-    timeout_s: float | None = None,
-    stats: PipelineStats | None = None,
+    args: ForwardBackwardArgs | None = None, /, **keywords: Any
 ) -> list[dict[str, Any]]:
     """1F1B (PipeDream-Flush): warm-up forwards, one forward one backward, cool-down backwards.
 
     Rank ``r`` of ``p`` keeps at most ``p - r`` micro-batches' activations alive. See
     :func:`get_forward_backward_func` for the contract; ``model`` is one module (or a list of one).
     """
-    return _run_pipeline(
-        vp_size=1,
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        hidden_size=hidden_size,
-        groups=groups,
-        sequence_parallel=sequence_parallel,
-        dtype=dtype,
-        forward_only=forward_only,
-        grad_scale_func=grad_scale_func,
-        no_sync_func=no_sync_func,
-        finalize_grads_func=finalize_grads_func,
-        timeout_s=timeout_s,
-        stats=stats,
-    )
+    return _run_pipeline(1, _schedule_args(args, keywords))
 
 
 def forward_backward_pipelining_with_interleaving(
-    *,
-    forward_step_func: Callable,
-    data_iterator: Iterator | Sequence[Iterator] | None,
-    model: nn.Module | Sequence[nn.Module],
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    hidden_size: int,
-    groups,
-    sequence_parallel: bool = False,
-    dtype: torch.dtype = torch.float32,
-    forward_only: bool = False,
-    grad_scale_func: Callable | None = None,
-    no_sync_func: Callable | Sequence[Callable] | None = None,
-    finalize_grads_func: Callable | None = None,
-    timeout_s: float | None = None,
-    stats: PipelineStats | None = None,
+    args: ForwardBackwardArgs | None = None, /, **keywords: Any
 ) -> list[dict[str, Any]]:
     """Interleaved 1F1B: each rank holds ``v`` model chunks; the bubble shrinks to ``(p-1)/(v*m)``.
 
@@ -435,23 +387,6 @@ def forward_backward_pipelining_with_interleaving(
     chunks (chunk ``c`` is virtual stage ``c * p + pp_rank``; ``v = len(model)``) and
     ``num_microbatches`` must be a multiple of ``p``.
     """
-    chunks = _as_chunks(model)
-    return _run_pipeline(
-        vp_size=len(chunks),
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=chunks,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        hidden_size=hidden_size,
-        groups=groups,
-        sequence_parallel=sequence_parallel,
-        dtype=dtype,
-        forward_only=forward_only,
-        grad_scale_func=grad_scale_func,
-        no_sync_func=no_sync_func,
-        finalize_grads_func=finalize_grads_func,
-        timeout_s=timeout_s,
-        stats=stats,
-    )
+    a = _schedule_args(args, keywords)
+    chunks = _as_chunks(a.model)
+    return _run_pipeline(len(chunks), dataclasses.replace(a, model=chunks))

@@ -5,7 +5,7 @@ A plugin is a module (or object) registered under the entry-point group ``mcore.
     [project.entry-points."mcore.backends"]
     mychip = "mychip_mcore.plugin"
 
-The module declares the plugin API it was written for, ``MCORE_PLUGIN_API_VERSION = "1.0"``;
+The module declares the plugin API it was written for, ``MCORE_PLUGIN_API_VERSION = "1.2"``;
 mcore refuses a plugin whose major version differs from :data:`PLUGIN_API_VERSION`, naming
 both versions. Hooks are implemented with :data:`mcore.plugins.hookimpl`. Hooks run at set-up
 time only: the training hot path calls the selected :class:`mcore.backend.DeviceBackend` object
@@ -15,6 +15,14 @@ Lifecycle: discovery (``mcore_backends``), op registration once a backend is sel
 (``mcore_register_ops``), activation of the selected backend (``mcore_backend_activated``),
 configuration (``mcore_configure``), process-group creation (``mcore_process_group_options``), and
 shutdown (``mcore_on_shutdown``).
+
+Discovery is the one hook every backend plugin needs. What a backend does for itself at the later
+moments belongs in methods of its backend object (:class:`mcore.backend.BackendHooks`:
+``register_ops``, ``on_activate``, ``configure``, ``process_group_options``, ``on_shutdown``), which
+mcore calls for the selected backend only, right before the hook of the same moment. The hooks are
+broadcast: every plugin's implementation sees every backend, which is what a plugin serving any
+backend wants (a tracer wrapping ops, a profiler); such an implementation reads ``backend`` but must
+not assume it is its own.
 """
 
 from __future__ import annotations
@@ -24,10 +32,13 @@ from typing import Any
 import pluggy
 
 PROJECT = "mcore"
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 """The plugin API version. A plugin built for another major version is refused.
 
-1.1 added ``mcore_backend_activated``; plugins declaring 1.0 keep working."""
+1.1 added ``mcore_backend_activated``. 1.2 added the backend object's own set-up methods
+(:class:`mcore.backend.BackendHooks`), op wrapping and reading (``registry.wrap``, ``registry.current``,
+``registry.provider``) and the optional interfaces :class:`mcore.backend.LayerCompiler` and
+:class:`mcore.backend.DeviceGraphs`. Plugins declaring 1.0 or 1.1 keep working."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -74,13 +85,18 @@ def mcore_backend_activated(backend: Any) -> None:
 def mcore_register_ops(backend: Any, registry: Any) -> None:
     """Override named ops of the op table for the selected backend.
 
-    Fires: once, right after a backend is selected, before any model is built.
+    Fires: whenever a backend's op table is resolved: once when a backend is selected, before any
+    model is built (each process selecting one, including each spawned rank), and once per
+    available backend in ``python -m mcore.backends``. The backend's own ``register_ops`` method has
+    run already, so its replacements are in the registry.
     Args:
-        backend: the selected ``DeviceBackend``; a plugin overrides ops only for a backend it serves
-            (compare ``backend.name`` or ask ``backend.capabilities()``).
-        registry: an :class:`mcore.ops.registry.OpRegistry`; call
-            ``registry.override(op_name, fn, provider="<plugin>")``. An unknown op name is an error;
-            two plugins overriding the same op is an error naming both.
+        backend: the backend whose table is being built.
+        registry: an :class:`mcore.ops.registry.OpRegistry`. ``registry.provider(op)`` and
+            ``registry.current(op)`` read what serves an op; ``registry.wrap(op, wrapper,
+            provider="<plugin>")`` declares a wrapper that receives that implementation (tracing,
+            profiling: any backend); ``registry.override(op, fn, provider="<plugin>")`` replaces it
+            (a backend's kernels: do that in the backend's ``register_ops`` instead). An unknown op
+            name is an error; two providers replacing the same op is an error naming both.
     Returns: nothing. Not firstresult: every plugin is called.
     """
 
@@ -129,6 +145,7 @@ def mcore_process_group_options(backend: Any, axis: str) -> Any:
 def mcore_on_shutdown(backend: Any) -> None:
     """Release what the plugin holds (profilers, async workers) before the process exits.
 
-    Fires: once, when :func:`mcore.distributed.groups.destroy_parallel` runs.
+    Fires: once, when :func:`mcore.distributed.groups.destroy_parallel` runs (the end of
+    ``pretrain``); a process that never calls it (the conformance kit's spawned ranks) never fires it.
     Returns: nothing. Not firstresult.
     """

@@ -10,6 +10,12 @@ refused with a message naming both versions. ``select_backend(name)`` applies th
 
 An unknown or unavailable name raises :class:`BackendSelectionError`, whose message lists every
 installed backend and why it is or is not available.
+
+Per-backend behaviour lives in the backend object (:class:`mcore.backend.BackendHooks`: its
+``register_ops``, ``on_activate``, ``configure``, ``process_group_options``, ``on_shutdown``
+methods). Every plugin manager holds one internal plugin, :class:`BackendMethods`, that calls the
+given backend's method first at each of those moments; then the pluggy hooks fire for the plugins
+that act on any backend (tracers, profilers) and for plugins written against API 1.0/1.1.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import pluggy
 from mcore.backend import DeviceBackend, set_current_backend
 from mcore.ops.reference import REFERENCE_OPS
 from mcore.ops.registry import OpRegistry
-from mcore.plugins import hookspecs
+from mcore.plugins import hookimpl, hookspecs
 
 ENTRY_POINT_GROUP = "mcore.backends"
+BACKEND_METHODS = "mcore.backend-methods"
+"""The name of the internal plugin that forwards each moment to the backend's own method."""
 
 
 class PluginError(RuntimeError):
@@ -61,12 +69,51 @@ def check_api_version(plugin_name: str, module: Any) -> None:
         )
 
 
+class BackendMethods:
+    """Calls the backend's own :class:`~mcore.backend.BackendHooks` method at each per-backend moment,
+    before the broadcast hooks (``tryfirst``). A backend lacking a method gets the default: nothing."""
+
+    @staticmethod
+    def _call(backend: Any, method: str, *args: Any) -> Any:
+        fn = getattr(backend, method, None)
+        return fn(*args) if fn is not None else None
+
+    @hookimpl(tryfirst=True)
+    def mcore_register_ops(self, backend, registry):
+        self._call(backend, "register_ops", registry)
+
+    @hookimpl(tryfirst=True)
+    def mcore_backend_activated(self, backend):
+        self._call(backend, "on_activate")
+
+    @hookimpl(tryfirst=True)
+    def mcore_configure(self, backend, configs):
+        self._call(backend, "configure", configs)
+
+    @hookimpl(tryfirst=True)
+    def mcore_process_group_options(self, backend, axis):
+        return self._call(backend, "process_group_options", axis)
+
+    @hookimpl(tryfirst=True)
+    def mcore_on_shutdown(self, backend):
+        self._call(backend, "on_shutdown")
+
+
 def new_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A plugin manager with mcore's hookspecs and (by default) every installed plugin registered."""
+    """A plugin manager with mcore's hookspecs, the backend-method forwarder and (by default) every
+    installed plugin registered."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    pm.register(BackendMethods(), name=BACKEND_METHODS)
     if load_entry_points:
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if not entry_points:
+            raise PluginError(
+                f"no mcore backend plugin is installed (entry-point group {ENTRY_POINT_GROUP!r} is empty): "
+                "mcore is imported from a source folder that was never installed; run "
+                "`pip install -e .` in the repository"
+            )
+        for ep in entry_points:
             if pm.has_plugin(ep.name):
                 continue
             try:
@@ -129,7 +176,8 @@ def describe_backends(backends: dict[str, DeviceBackend]) -> str:
 
 
 def resolve_ops(backend: DeviceBackend, pm: pluggy.PluginManager | None = None) -> None:
-    """Build the backend's op table: reference ops plus every plugin's overrides for it."""
+    """Build the backend's op table: reference ops, the backend's own replacements
+    (``backend.register_ops``), then every plugin's ``mcore_register_ops`` (replacements and wrappers)."""
     pm = pm or plugin_manager()
     registry = OpRegistry(REFERENCE_OPS)
     pm.hook.mcore_register_ops(backend=backend, registry=registry)

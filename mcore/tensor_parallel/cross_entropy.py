@@ -14,16 +14,19 @@ that owns ``y``, ``z_y`` (both all-reduced with SUM, in one collective). With la
 which needs one more summed statistic, ``sum_j z_j``. The gradient is
 ``softmax(z) - (1-e) onehot(y) - e/V``, computed from the saved local softmax.
 
-Memory. With TP the default path keeps the fp32 softmax ``[s, b, V/p]`` (twice the bf16 logits) and
-its forward makes several fp32 copies of the logits; at TP=1 the backend's ``cross_entropy`` op keeps
-the logits and its backward allocates a second logits-sized tensor for their gradient.
-``overwrite_logits=True`` (``--cross-entropy-loss-fusion``) keeps only the logits and three numbers
-per token: the forward reduces the logits to per-row statistics (op ``cross_entropy_local_stats``),
-and the backward recomputes the softmax and writes the gradient into the logits' own storage (op
-``cross_entropy_grad_inplace_``), which it returns; the reference ops walk row chunks with fp32
-temporaries of one chunk, the CUDA backend's Triton kernels one row per program. So one logits-sized buffer lives from the output layer to its backward, at any TP
-size. The logits must have no other use after the loss (the model's are internal when it computes
-the loss).
+Ops. The arithmetic on the logits runs through the op table, so a backend's kernels serve it at any
+TP size: at TP=1 the backend's ``cross_entropy`` op; at TP >= 2 the forward reduces this rank's
+logits to per-row statistics (op ``cross_entropy_local_stats``), :func:`combine_local_stats` combines
+them over the ranks (the collectives stay here: ops are local), and the backward writes the gradient
+(op ``cross_entropy_grad_inplace_``) into a copy of the logits, which it returns. The reference ops
+walk row chunks with fp32 temporaries of one chunk, the CUDA backend's Triton kernels one row per
+program; what is kept for backward is the logits (their dtype) and three numbers per token.
+
+Memory. ``overwrite_logits=True`` (``--cross-entropy-loss-fusion``) takes the same path at any TP
+size and writes the gradient into the logits' own storage instead of a copy, so one logits-sized
+buffer lives from the output layer to its backward (at TP=1 the ``cross_entropy`` op's backward
+allocates a second one). The logits must have no other use after the loss (the model's are internal
+when it computes the loss).
 
 ``--output-layer-loss-chunks`` (:mod:`mcore.tensor_parallel.output_loss`) goes one step further with
 the same two ops and :func:`combine_local_stats`: the output layer and the loss run over chunks of
@@ -71,58 +74,9 @@ def combine_local_stats(
     return loss, log_z
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward: per-token loss from vocab-split logits. Backward: the local slice of d loss / d logits."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, label_smoothing: float):
-        ctx.logits_dtype = logits.dtype
-        logits = logits.float()
-        local_vocab = logits.shape[-1]
-        vocab = local_vocab * group_size(group)
-        start = group_rank(group) * local_vocab
-
-        logits_max = logits.max(dim=-1).values
-        all_reduce_in_tensor_model_parallel_group(logits_max, group, op="max")
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        outside = (labels < start) | (labels >= start + local_vocab)
-        local_labels = (labels - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-
-        exp = shifted.exp()
-        stats = [exp.sum(dim=-1), predicted]
-        if label_smoothing > 0:
-            stats.append(shifted.sum(dim=-1))
-        stats = torch.stack(stats)
-        all_reduce_in_tensor_model_parallel_group(stats, group, op="sum")
-        log_z = stats[0].log()
-        loss = log_z - stats[1]
-        if label_smoothing > 0:
-            mean_shifted = stats[2] / vocab
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - mean_shifted)
-
-        softmax = exp.div_(stats[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, outside)
-        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_labels, outside = ctx.saved_tensors
-        grad = softmax  # reused in place, as Megatron does: the saved softmax is not needed again
-        eps = ctx.label_smoothing
-        onehot_weight = (1.0 - eps) * (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -onehot_weight.unsqueeze(-1))
-        if eps > 0:
-            grad.sub_(eps / ctx.vocab)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
-
-
-class _InPlaceGradCrossEntropy(torch.autograd.Function):
-    """Vocab-parallel cross-entropy keeping the logits and per-token statistics; the gradient
-    overwrites the logits.
+class _TableCrossEntropy(torch.autograd.Function):
+    """Vocab-parallel cross-entropy keeping the logits and per-token statistics; the gradient goes
+    into a copy of the logits, or (``overwrite``) into the logits themselves.
 
     The forward asks the op table for each row's local statistics (``cross_entropy_local_stats``:
     the log-sum-exp ``logZ_t`` over this rank's slice, the logit at the label, the row sum under
@@ -134,7 +88,9 @@ class _InPlaceGradCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, label_smoothing: float):
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, group, label_smoothing: float, overwrite: bool
+    ):
         local_vocab = logits.shape[-1]
         vocab = local_vocab * group_size(group)
         start = group_rank(group) * local_vocab
@@ -145,17 +101,19 @@ class _InPlaceGradCrossEntropy(torch.autograd.Function):
         )
         loss, log_z = combine_local_stats(local_log_z, predicted, sum_z, group, label_smoothing, vocab)
         ctx.save_for_backward(logits, log_z, local_labels, outside)
-        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
+        ctx.label_smoothing, ctx.vocab, ctx.overwrite = label_smoothing, vocab, overwrite
         return loss.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         logits, log_z, local_labels, outside = ctx.saved_tensors
         z = logits.detach().reshape(-1, logits.shape[-1])  # written in place: the gradient
+        if not ctx.overwrite:
+            z = z.clone(memory_format=torch.contiguous_format)
         get_ops().cross_entropy_grad_inplace_(
             z, local_labels, outside, log_z, grad_loss.reshape(-1), ctx.label_smoothing, ctx.vocab
         )
-        return z.view(logits.shape), None, None, None
+        return z.view(logits.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -170,10 +128,11 @@ def vocab_parallel_cross_entropy(
     Args:
         logits: ``[..., V/p]``, this rank's slice of the vocabulary (any float dtype).
         labels: ``[...]`` int64 ids in ``[0, V)``.
-        group: the tensor-parallel group (``None`` or size 1: the backend's ``cross_entropy`` op).
+        group: the tensor-parallel group (``None`` or size 1: the backend's ``cross_entropy`` op;
+            larger: ops ``cross_entropy_local_stats`` and ``cross_entropy_grad_inplace_``).
         label_smoothing: ``e`` in ``[0, 1)``, as in ``torch.nn.functional.cross_entropy``.
-        overwrite_logits: keep only the logits for backward and write their gradient into them (see
-            the module docstring; at any TP size, instead of the backend's op at TP=1). The logits'
+        overwrite_logits: write the gradient into the logits instead of a copy (see the module
+            docstring; at any TP size, instead of the ``cross_entropy`` op at TP=1). The logits'
             values are destroyed by the backward.
 
     Returns:
@@ -181,8 +140,6 @@ def vocab_parallel_cross_entropy(
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    if overwrite_logits:
-        return _InPlaceGradCrossEntropy.apply(logits, labels, group, label_smoothing)
-    if group_size(group) == 1:
+    if group_size(group) == 1 and not overwrite_logits:
         return get_ops().cross_entropy(logits, labels, label_smoothing)
-    return _VocabParallelCrossEntropy.apply(logits, labels, group, label_smoothing)
+    return _TableCrossEntropy.apply(logits, labels, group, label_smoothing, overwrite_logits)

@@ -326,6 +326,20 @@ def all_reduce_in_tensor_model_parallel_group(x: torch.Tensor, group, op: str = 
     return x
 
 
+def all_reduce_coalesced(tensors: Iterable[torch.Tensor], group) -> None:
+    """Sum ``tensors`` in place over ``group`` with one all-reduce per dtype (flattened together)."""
+    if _is_trivial(group):
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        for t, reduced in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+            t.copy_(reduced)
+
+
 def all_reduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], group) -> None:
     """Sum the gradients of parameters used on sequence-parallel shards over the TP group.
 
@@ -333,19 +347,14 @@ def all_reduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], gro
     biases to its own part of the sequence, so each rank's gradient covers only that part. The
     training step calls this (with the parameters whose ``shard_layout.sequence_parallel`` is set,
     see :meth:`mcore.models.gpt.GPTModel.sequence_parallel_parameters`) after backward and before
-    the data-parallel reduction, as Megatron's ``finalize_model_grads`` does. One coalesced all-reduce.
-    Gradients are read from ``param.main_grad`` when present (a DDP grad buffer), else ``param.grad``.
+    the data-parallel reduction, as Megatron's ``finalize_model_grads`` does. One coalesced all-reduce
+    (:func:`all_reduce_coalesced`). Gradients are read from ``param.main_grad`` when present (a DDP
+    grad buffer), else ``param.grad``.
     """
-    if _is_trivial(group):
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    grads = []
     for p in params:
         g = getattr(p, "main_grad", None)
         g = p.grad if g is None else g
         if g is not None:
-            by_dtype.setdefault(g.dtype, []).append(g)
-    for grads in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
+            grads.append(g)
+    all_reduce_coalesced(grads, group)

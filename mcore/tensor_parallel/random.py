@@ -9,7 +9,7 @@ on each. So there are two streams, as in Megatron:
   every tp rank. Code that drops out split activations runs inside ``tracker.fork()``.
 
 Weight initialization does not use these streams: every tensor is drawn whole from its own seeded
-generator (see :mod:`mcore.tensor_parallel.init`), so weights do not depend on the layout.
+generator (see :mod:`mcore.tensor_parallel.sharding`), so weights do not depend on the layout.
 """
 
 from __future__ import annotations

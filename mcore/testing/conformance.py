@@ -10,11 +10,13 @@ Subclass :class:`BackendConformance` in a test module of your plugin and name yo
 ``pytest`` then runs, against ``select_backend("mychip")``:
 
 * **ops**: every op of the table (:data:`OP_CASES`: norms, rotary with partial/position-id angles,
-  activations, masked softmax, attention with causal/padding/explicit masks, GQA/MQA, a KV-cache
+  activations, attention with causal/padding/explicit masks, GQA/MQA, a KV-cache
   shape, cross-entropy, the Adam step) on the backend's device, against the pure-PyTorch
   references computed in fp32 on the CPU from the same inputs, forward and input gradients, in
   fp32 and in each of bf16/fp16 the backend claims (:data:`TOLERANCES` per dtype);
-* **interface**: the :class:`~mcore.backend.DeviceBackend` attributes and methods, device placement;
+* **interface**: the :class:`~mcore.backend.DeviceBackend` attributes and methods, device placement,
+  and the optional interfaces behind the capabilities it claims (``compile_layers``:
+  ``compile_layer``; ``device_graphs``: ``graph``, ``graph_pool``, ``side_stream``);
 * **RNG**: save/restore of the device RNG state and the tensor-parallel RNG tracker's streams;
 * **memory statistics**: the keys, types and invariants of ``memory_stats()``;
 * **collectives**: a 2-process run on the backend's ``dist_backend`` (all-reduce, all-gather,
@@ -39,7 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore.backend import DeviceBackend, current_backend
+from mcore.backend import BackendBase, DeviceBackend, current_backend
 from mcore.ops import reference
 from mcore.ops.registry import OP_NAMES
 from mcore.testing.distributed import run_distributed
@@ -283,20 +285,6 @@ OP_CASES: tuple[OpCase, ...] = (
         ),
         grad_args=(0, 1, 2),
     ),
-    OpCase(
-        "scaled_masked_softmax",
-        "scaled_masked_softmax",
-        lambda dt, g: ([_randn(g, 2, 2, 64, 64, dtype=dt), _document_mask(2, 64), 0.5], {}),
-        grad_args=(0,),
-        kind="reduction",
-    ),
-    OpCase(
-        "scaled_softmax_no_mask",
-        "scaled_masked_softmax",
-        lambda dt, g: ([_randn(g, 2, 2, 32, 64, dtype=dt), None, 1.0], {}),
-        grad_args=(0,),
-        kind="reduction",
-    ),
     _attention_case("attention_causal"),
     _attention_case("attention_gqa", n=8, g=2),
     _attention_case("attention_mqa", n=4, g=1),
@@ -519,6 +507,38 @@ def check_interface(backend: DeviceBackend) -> None:
             raise ConformanceError(f"peak_flops({dtype}) must be None or a positive float, got {peak!r}")
     if torch.ones(2, device=device).device.type != device.type:
         raise ConformanceError(f"tensors created on {device} land elsewhere")
+    check_optional_interfaces(backend)
+
+
+OPTIONAL_INTERFACES: dict[str, tuple[str, ...]] = {
+    "compile_layers": ("compile_layer",),
+    "device_graphs": ("graph", "graph_pool", "side_stream"),
+}
+"""Capability -> the methods a backend claiming it implements (:class:`mcore.backend.LayerCompiler`,
+:class:`mcore.backend.DeviceGraphs`)."""
+
+_DEFAULTS_THAT_REFUSE = ("compile_layer", "graph")
+"""Methods whose :class:`~mcore.backend.BackendBase` default raises: a claim needs an override."""
+
+
+def check_optional_interfaces(backend: DeviceBackend) -> None:
+    """A claimed capability comes with its methods; the per-backend set-up methods, where present,
+    are callable (:class:`mcore.backend.BackendHooks`)."""
+    caps = backend.capabilities()
+    for capability, methods in OPTIONAL_INTERFACES.items():
+        if capability not in caps:
+            continue
+        for method in methods:
+            impl = getattr(type(backend), method, None)
+            if not callable(getattr(backend, method, None)) or (
+                method in _DEFAULTS_THAT_REFUSE and impl is getattr(BackendBase, method)
+            ):
+                raise ConformanceError(
+                    f"{backend.name} claims capability {capability!r} but does not implement {method}()"
+                )
+    for method in ("register_ops", "on_activate", "configure", "process_group_options", "on_shutdown"):
+        if hasattr(backend, method) and not callable(getattr(backend, method)):
+            raise ConformanceError(f"{backend.name}.{method} must be a method (mcore.backend.BackendHooks)")
 
 
 def check_rng(backend: DeviceBackend) -> None:
@@ -801,6 +821,7 @@ __all__ = [
     "check_interface",
     "check_memory_stats",
     "check_op",
+    "check_optional_interfaces",
     "check_rng",
     "check_training",
     "collectives_rank",

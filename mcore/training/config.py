@@ -40,14 +40,19 @@ class TrainingConfig:
         False,
         "Compile each transformer layer with torch.compile (backends with the compile_layers capability).",
     )
-    cuda_graph_impl: str = flag(
+    # Megatron's flag names (--cuda-graph-*) on vendor-neutral fields: any backend with the
+    # device_graphs capability serves them.
+    device_graph_impl: str = flag(
         "none",
         "local: capture each transformer layer's forward and backward as device graphs and replay them "
         "(backends with the device_graphs capability; pipeline size 1).",
         choices=("none", "local"),
+        name="--cuda-graph-impl",
     )
-    cuda_graph_warmup_steps: int = flag(
-        3, "Eager training steps before the layers' device graphs are captured."
+    device_graph_warmup_steps: int = flag(
+        3,
+        "Eager training steps before the layers' device graphs are captured.",
+        name="--cuda-graph-warmup-steps",
     )
     log_memory: bool = flag(
         True, "Report per-rank memory of params, grads and optimizer state.", name="--no-log-memory"
@@ -65,6 +70,6 @@ class TrainingConfig:
             check(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         check(self.eval_iters >= 0, f"eval_iters={self.eval_iters} must be >= 0")
         check(
-            self.cuda_graph_warmup_steps >= 0,
-            f"cuda_graph_warmup_steps={self.cuda_graph_warmup_steps} must be >= 0",
+            self.device_graph_warmup_steps >= 0,
+            f"--cuda-graph-warmup-steps {self.device_graph_warmup_steps} must be >= 0",
         )

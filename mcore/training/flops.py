@@ -43,10 +43,3 @@ def gpt_flops(
         + 2 * gated * ffn / h  # MLP up (and gate) and down
     )
     return 6 * batch_size * s * h * h * (L * per_layer + vocab_size / h)
-
-
-def mfu(
-    flops_per_iteration: float, seconds_per_iteration: float, num_devices: int, peak_flops: float
-) -> float:
-    """Model FLOP utilization: achieved FLOP/s per device over the device's dense peak."""
-    return flops_per_iteration / seconds_per_iteration / num_devices / peak_flops

@@ -12,7 +12,7 @@ import torch
 
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.gpt import GPTModel
-from mcore.training.configs import RunConfig
+from mcore.training.run_config import RunConfig
 
 
 def model_provider(

@@ -64,11 +64,14 @@ class MetricsWriter:
             self._wandb.log({prefix + k: v for k, v in values.items() if v is not None}, step=iteration)
 
     def record(self, iteration: int, values: dict[str, Any], kind: str = "train") -> None:
-        """Append one JSON object (``{"kind", "iteration", "time", ...}``) to ``--log-json``."""
+        """Append one JSON object (``{"kind", "iteration", "time", ...}``) to ``--log-json``.
+
+        A key with spaces (Megatron's ``"lm loss"``) also appears with underscores (``"lm_loss"``), so
+        tools that want identifier-like keys need no quoting; values are full-precision floats."""
         if self._json is not None:
-            self._json.write(
-                json.dumps({"kind": kind, "iteration": iteration, "time": time.time(), **values}) + "\n"
-            )
+            aliases = {k.replace(" ", "_"): v for k, v in values.items() if " " in k}
+            record = {"kind": kind, "iteration": iteration, "time": time.time(), **values, **aliases}
+            self._json.write(json.dumps(record) + "\n")
             self._json.flush()
 
     def close(self) -> None:

@@ -40,14 +40,14 @@ from mcore.models.config import padded_vocab_size, validate_model_parallel
 from mcore.models.layer_graphs import LayerGraphs
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
-from mcore.pipeline.schedules import get_forward_backward_func
+from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
 from mcore.tensor_parallel.random import model_parallel_seed
-from mcore.training.configs import RunConfig, parse_run_config
 from mcore.training.flops import gpt_flops
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.metrics import MetricsWriter, Timer, format_train_line
 from mcore.training.microbatches import MicroBatchCalculator
+from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.signals import SignalHandler
 from mcore.utils.async_host import HostValue, host_floats, stage_to_host
 
@@ -122,7 +122,7 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
         raise ConfigError(f"--fp16: backend {backend.name!r} does not support fp16")
     if cfg.scheduler.lr is None and not training.skip_train:
         raise ConfigError("--lr is required")
-    if training.cuda_graph_impl == "local":
+    if training.device_graph_impl == "local":
         _check_layer_graphs(cfg, backend)
     return cfg.replace(training=training)
 
@@ -186,7 +186,7 @@ def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable,
         for chunk in chunks:
             for layer in chunk.decoder.layers:
                 backend.compile_layer(layer)
-    if cfg.training.cuda_graph_impl == "local":
+    if cfg.training.device_graph_impl == "local":
         for chunk in chunks:
             chunk.decoder.layer_graphs = LayerGraphs(chunk.decoder.layers, current_backend())
     ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
@@ -313,23 +313,25 @@ class Trainer:
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
         return self.schedule(
-            forward_step_func=self.forward_step,
-            data_iterator=data_iterator,
-            model=self.model,
-            num_microbatches=self.batches.num_microbatches,
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=self.cfg.training.micro_batch_size,
-            hidden_size=self.cfg.model.hidden_size,
-            groups=self.groups,
-            sequence_parallel=self.cfg.parallel.sequence_parallel,
-            dtype=self.dtype,
-            forward_only=forward_only,
-            grad_scale_func=None if forward_only else self.optimizer.scale_loss,
-            no_sync_func=None if forward_only else [chunk.no_sync for chunk in self.model],
-            finalize_grads_func=None
-            if forward_only
-            else functools.partial(finalize_model_grads, groups=self.groups),
-            timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
+            ForwardBackwardArgs(
+                forward_step_func=self.forward_step,
+                data_iterator=data_iterator,
+                model=self.model,
+                num_microbatches=self.batches.num_microbatches,
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                hidden_size=self.cfg.model.hidden_size,
+                groups=self.groups,
+                sequence_parallel=self.cfg.parallel.sequence_parallel,
+                dtype=self.dtype,
+                forward_only=forward_only,
+                grad_scale_func=None if forward_only else self.optimizer.scale_loss,
+                no_sync_func=None if forward_only else [chunk.no_sync for chunk in self.model],
+                finalize_grads_func=None
+                if forward_only
+                else functools.partial(finalize_model_grads, groups=self.groups),
+                timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
+            )
         )
 
     def _average_logs(self, logs: list[dict]) -> dict[str, torch.Tensor]:
@@ -389,7 +391,7 @@ class Trainer:
             chunk.defer_nan_check = deferred
         self.check_nan(wait=False)  # flags of earlier steps that have reached the host already
         self._train_mode()
-        if self.steps_run >= self.cfg.training.cuda_graph_warmup_steps:
+        if self.steps_run >= self.cfg.training.device_graph_warmup_steps:
             for graphs in self._layer_graphs:
                 if not graphs.captured:
                     graphs.arm()  # captured in this step's first forward

@@ -42,9 +42,9 @@ def _copy(tp2pp2_run, tmp_path) -> Path:
 def _single_process_model(*extra: str, optimizer: bool = False):
     """A TP=1/PP=1 model (and optimizer) of the test configuration in this process (no torch.distributed)."""
     from mcore.optimizer import build_optimizer
-    from mcore.training.configs import parse_run_config
     from mcore.training.gpt import model_provider
     from mcore.training.pretrain import build_model
+    from mcore.training.run_config import parse_run_config
 
     cfg = parse_run_config(argv("--train-iters", "20", *extra))
     groups = ProcessGroups.single()

@@ -1,4 +1,4 @@
-"""Shared fixtures of the data tests: the toy corpus of formats.md section 8.3 and a small BPE vocabulary."""
+"""Shared fixtures of the data tests: the toy corpus of the golden GPTDataset indices and a small BPE vocabulary."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""formats.md sections 8.2-8.4 reproduced exactly: split matrices, GPTDataset indices, blending."""
+"""Megatron's data pipeline reproduced exactly (golden values from megatron-core): split matrices,
+GPTDataset indices, blending."""
 
 from __future__ import annotations
 

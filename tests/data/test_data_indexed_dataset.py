@@ -1,4 +1,4 @@
-"""The .idx/.bin reader and writer: formats.md 8.1 byte vector, every dtype, and every corruption."""
+"""The .idx/.bin reader and writer: a golden byte vector of Megatron's builder, every dtype, and every corruption."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ GOLDEN_BIN = bytes.fromhex("0a000b000c0050c414001500160050c41e001f00200050c4")
 
 
 def write_golden(prefix: str) -> str:
-    """formats.md 8.1: the builder calls that produced the golden bytes."""
+    """The Megatron builder calls that produced the golden bytes."""
     builder = IndexedDatasetBuilder(bin_path(prefix), dtype=optimal_dtype(50257))
     builder.add_document([10, 11, 12, 50256], [4])
     builder.add_item([20, 21])

@@ -19,9 +19,9 @@ import torch
 
 from mcore.config.fields import ConfigError
 from mcore.testing.distributed import run_distributed
-from mcore.training.configs import parse_run_config
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import check_run_config, pretrain
+from mcore.training.run_config import parse_run_config
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -87,7 +87,7 @@ def test_unknown_graph_implementation_names_the_value(capsys):
 
 def test_eager_layouts_are_unaffected():
     cfg = parse_run_config(_BASE)
-    assert cfg.training.cuda_graph_impl == "none"
+    assert cfg.training.device_graph_impl == "none"
     check_run_config(cfg, SimpleNamespace(name="cpu", capabilities=lambda: frozenset({"fp32"})), world_size=1)
 
 

@@ -1,10 +1,9 @@
 """NPU backend settings: HCCL environment defaults and per-group options, capability checks
-(``mcore_configure``). The tests that need torch_npu use the SIMULATED one (names say so)."""
+(``NPUBackend.configure``). The tests that need torch_npu use the SIMULATED one (names say so)."""
 
 from __future__ import annotations
 
 import pytest
-from mcore.backends import npu as npu_plugin
 from mcore.backends.npu import simulated
 from mcore.backends.npu.backend import NPUBackend
 from mcore.backends.npu.hccl import (
@@ -78,12 +77,12 @@ def test_simulated_configure_sets_hccl_env_before_process_groups(simulated_npu, 
     import os
 
     _clear_hccl_env(monkeypatch)
-    npu_plugin.mcore_configure(NPUBackend(), {"parallel": ParallelConfig(distributed_timeout_minutes=45)})
+    NPUBackend().configure({"parallel": ParallelConfig(distributed_timeout_minutes=45)})
     assert os.environ["HCCL_CONNECT_TIMEOUT"] == "2700"
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "2700" and os.environ["HCCL_EVENT_TIMEOUT"] == "2732"
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "99999")
     with pytest.raises(ConfigError, match="HCCL_CONNECT_TIMEOUT=99999"):
-        npu_plugin.mcore_configure(NPUBackend(), {"parallel": ParallelConfig()})
+        NPUBackend().configure({"parallel": ParallelConfig()})
 
 
 def test_simulated_910a_has_no_bf16_and_configure_refuses_it(monkeypatch):
@@ -93,9 +92,9 @@ def test_simulated_910a_has_no_bf16_and_configure_refuses_it(monkeypatch):
         backend = NPUBackend()
         assert "bf16" not in backend.capabilities() and "fp16" in backend.capabilities()
         with pytest.raises(ConfigError, match="no bf16.*use --fp16"):
-            npu_plugin.mcore_configure(backend, {"precision": precision})
+            backend.configure({"precision": precision})
     with simulated.simulated_torch_npu(chip="Ascend910B3"):
-        npu_plugin.mcore_configure(NPUBackend(), {"precision": precision})
+        NPUBackend().configure({"precision": precision})
 
 
 def test_simulated_npu_backend_runtime_calls_go_through_torch_npu(simulated_npu):

@@ -78,6 +78,6 @@ def test_simulated_npu_training_matches_cpu(npu_runs, layout):
             assert calls.get(kernel, 0) > 0, f"rank {rank}: {kernel} never ran ({calls})"
         assert calls.get("npu_apply_adam_w", 0) > 0, f"rank {rank}: NPU AdamW never ran"
         assert "npu_fusion_attention:BNSD" not in calls, "the core attention path ran instead of SBH"
-    # mcore_configure sized the activation groups' HCCL buffers from the model: [32 x 2 x 64] fp32 < 1 MB.
+    # NPUBackend.configure sized the activation groups' HCCL buffers from the model: [32 x 2 x 64] fp32 < 1 MB.
     sized = [c for rank in results for c in rank[2] if c]
     assert sized and all(c == {"hccl_buffer_size": 1} for c in sized), results[0][2]

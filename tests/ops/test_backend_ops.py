@@ -205,22 +205,6 @@ def _cases() -> list[Case]:
         Case("bias_dropout_add", "p0_train_nobias_3x50", bda_args((3,), 50, False, 0.0, True), grad=(0, 2)),
     ]
 
-    def softmax_args(masked):
-        def make(gen, dt, dev):
-            s = _t(gen, 2, 3, 8, 8, dtype=dt, device=dev, scale=3.0)
-            mask = None
-            if masked:
-                mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool, device=dev)
-                mask[1, ..., -3:] = True
-            return (s, mask, 0.5), {}
-
-        return make
-
-    c += [
-        Case("scaled_masked_softmax", "masked", softmax_args(True), grad=(0,)),
-        Case("scaled_masked_softmax", "unmasked", softmax_args(False), grad=(0,)),
-    ]
-
     def attn_args(b, n, g, sq, sk, d, causal=True, mask=False, bias=False):
         def make(gen, dt, dev):
             q = _t(gen, b, n, sq, d, dtype=dt, device=dev)

@@ -7,8 +7,8 @@ slice, int32 labels, several ``BLOCK_V`` chunks with a ragged last one, a stride
 gradient), and ``vocab_parallel_cross_entropy(..., overwrite_logits=True)`` served by the CUDA
 dispatchers, against :mod:`mcore.ops.reference` and ``F.cross_entropy`` in float64. The kernels run on
 CPU tensors with ``TRITON_INTERPRET=1``, which must be on before Triton defines them, so the checks
-run in a child process. Without Triton the test is skipped; the GPU tests of
-``test_cross_entropy_ops.py`` stay the kernels' real check.
+run in a child process. It needs Triton installed (the ``test`` extra installs it, so CI runs it);
+the GPU tests of ``test_cross_entropy_ops.py`` stay the kernels' real check.
 
 By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_cross_entropy_interpret.py``.
 """

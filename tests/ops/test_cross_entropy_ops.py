@@ -47,7 +47,7 @@ def _gold(logits, labels, upstream, smoothing):
 
 
 def _split_loss_and_grad(ops, logits, labels, upstream, smoothing, parts=1):
-    """The fused loss as ``_InPlaceGradCrossEntropy`` composes the two ops, with the all-reduces of
+    """The fused loss as ``_TableCrossEntropy`` composes the two ops, with the all-reduces of
     ``parts`` ranks done by hand; returns the loss, the gradient slices and whether each was written
     into its logits' storage."""
     vocab = logits.shape[-1]

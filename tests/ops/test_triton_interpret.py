@@ -3,8 +3,8 @@
 A quick CPU-only check of the persistent backward kernels (row shares that do not divide evenly,
 row blocks of 1 and 2, with and without prefetching, weight/bias gradients through the partial-sum
 kernel, the packed dropout mask): the kernels run on CPU tensors with ``TRITON_INTERPRET=1`` and are
-compared with :mod:`mcore.ops.reference` in float64. It needs Triton installed, so CI (no Triton)
-skips it; the GPU tests of ``test_backend_ops.py`` stay the kernels' real check. The interpreter
+compared with :mod:`mcore.ops.reference` in float64. It needs Triton installed (the ``test`` extra
+installs it, so CI runs it); the GPU tests of ``test_backend_ops.py`` stay the kernels' real check. The interpreter
 must be switched on before Triton's kernels are defined, so the checks run in a child process.
 
 By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_triton_interpret.py``.

@@ -211,6 +211,35 @@ def test_no_pipelining_scales_losses_and_syncs_once():
     assert len(logs) == 1 and model.w.grad is None
 
 
+def test_schedules_take_one_args_object_or_megatron_keywords():
+    from mcore.pipeline import ForwardBackwardArgs
+
+    def forward_step(data_iterator, chunk):
+        x = next(data_iterator)
+        return chunk(x), lambda out: (out, {"loss": out.detach()})
+
+    def run(schedule_input):
+        model = Quadratic()
+        fields = schedule_kwargs(
+            forward_step_func=forward_step,
+            data_iterator=iter([torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)]),
+            model=model,
+            groups=ProcessGroups.single(),
+        )
+        if schedule_input == "args":
+            logs = forward_backward_no_pipelining(ForwardBackwardArgs(**fields))
+        else:
+            logs = forward_backward_no_pipelining(**fields)
+        return [float(log["loss"]) for log in logs], model.w.grad.item()
+
+    assert run("args") == run("keywords") == ([2.0, 8.0, 18.0], pytest.approx(14 / 3))
+    args = ForwardBackwardArgs(**schedule_kwargs())
+    with pytest.raises(TypeError, match="not both"):
+        forward_backward_pipelining_without_interleaving(args, forward_only=True)
+    with pytest.raises(TypeError, match="num_micro_batches"):
+        forward_backward_no_pipelining(**{**schedule_kwargs(), "num_micro_batches": 3})
+
+
 def test_per_chunk_no_sync_is_left_before_each_chunks_last_backward():
     from mcore.pipeline.schedules import _GradSyncControl
 

@@ -12,7 +12,7 @@ def fp64_as_int32_pairs(from_last_stage: Callable) -> Callable:
     """WRAP ``TextGenerator._from_last_stage``: an fp64 tensor crosses the pipeline as int32 bit pairs.
 
     Beam search keeps its scores in fp64 on the host and broadcasts them from the last pipeline stage.
-    HCCL has no fp64 (reference §5.1; MindSpeed casts fp64 all-reduces to fp32), and a cast would change
+    HCCL has no fp64 (MindSpeed casts fp64 all-reduces to fp32), and a cast would change
     which beams win compared with one stage. Reinterpreting the 8 bytes as two int32 moves them exactly.
     """
 

@@ -59,12 +59,6 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def warps_for(elements: int, lo: int = 4, hi: int = 16) -> int:
-    """Warps for a tile of ``elements``: about 16 elements a thread, between ``lo`` and ``hi`` warps."""
-    warps = elements // (32 * 16)
-    return int(min(hi, max(lo, next_pow2(warps) if warps > 0 else lo)))
-
-
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, last]`` with a unit stride on the last dim (a view when possible)."""
     if x.stride(-1) != 1:

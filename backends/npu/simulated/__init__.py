@@ -2,7 +2,7 @@
 
 THIS IS A TEST DOUBLE. It runs nothing on an Ascend NPU and proves nothing about real kernels'
 speed or exact rounding; it checks that mcore calls torch_npu the documented way
-(``shared/reference/torch_npu-api.md``) and that the adapted ops give the reference results.
+(op-plugin's signatures, restated in :mod:`mcore.backends.npu.simulated.ops`) and that the adapted ops give the reference results.
 Owners of real NPUs run ``examples/npu_smoke.py`` instead.
 
 What it provides, after :func:`install`:

@@ -1,4 +1,4 @@
-"""SIMULATED ``torch.npu`` device module: the torch_npu runtime API of reference §1.2-1.3, on the CPU.
+"""SIMULATED ``torch.npu`` device module: the torch_npu runtime API (device, streams, RNG, memory), on the CPU.
 
 Simulated "NPU" tensors are ordinary CPU tensors (an in-process double cannot give PrivateUse1 real
 kernels), so the RNG functions drive the CPU generator: that is the generator dropout on those

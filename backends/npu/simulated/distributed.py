@@ -1,7 +1,7 @@
 """SIMULATED HCCL: the ``"hccl"`` torch.distributed backend, served by gloo on CPU tensors.
 
 torch_npu registers ``hccl`` with ``Backend.register_backend(..., extended_api=True,
-devices=["npu"])`` and a creator that reads a ``ProcessGroupHCCL.Options`` (reference §2.1-2.2).
+devices=["npu"])`` and a creator that reads a ``ProcessGroupHCCL.Options``.
 The double registers the same name for the ``cpu`` device (simulated NPU tensors live there), and
 its creator checks the options the way torch_npu does (``hccl_config`` value types) before building
 a ``ProcessGroupGloo``. Each creation is recorded in :data:`CREATED_GROUPS` so tests can see which

@@ -2,7 +2,7 @@
 
 Every function mirrors one ``torch_npu.npu_*`` op of op-plugin's ``op_plugin_functions.yaml``
 (argument names, spellings such as ``pre_tockens``/``epsilon``, defaults, keyword-only markers,
-return arity) and implements the math that ``shared/reference/torch_npu-api.md`` §3 restates, so the
+return arity) and implements the math the CANN op documentation gives, so the
 NPU backend's adapters can be checked on a machine without an NPU. The checks the real kernels make
 (dtype allow-lists without fp64, layouts, GQA divisibility, the compressed 2048x2048 causal mask of
 sparse modes 2/3/4, no ``padding_mask``) raise here too, so an adapter bug fails in CI, not on the

@@ -1,0 +1,45 @@
+"""Every op of the table is called by training: a tracing plugin wraps every op (``registry.wrap``)
+and two short ``pretrain`` runs on CPU processes, which between them take the code paths the flags
+select, must call each op at least once (a vendor's kernel for an op is never silently unused)."""
+
+from __future__ import annotations
+
+from mcore.ops.registry import OP_NAMES
+from mcore.plugins.manager import plugin_manager, register_plugin
+from mcore.testing.conformance import TRAINING_ARGV, training_rank
+from mcore.testing.distributed import run_distributed
+from mcore.testing.op_trace import OpCallRecorder
+
+
+def traced_training(argv: list[str]) -> list[str]:
+    """A rank: register a recorder wrapping every op (a tracing plugin), train, name the ops called."""
+    recorder = OpCallRecorder()
+    register_plugin(plugin_manager(), recorder, "op-recorder")
+    training_rank(argv)
+    return sorted(recorder.calls)
+
+
+LLAMA_TP2 = [*TRAINING_ARGV, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
+"""RMSNorm, RoPE, SwiGLU, GQA; the vocab-parallel loss; AdamW over flat buffers (adam_step_flat)."""
+
+GPT2_FP16 = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+    "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "7",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1000",
+    "--fp16", "--initial-loss-scale", "128",
+]  # fmt: skip
+"""LayerNorm, learned positions, bias-GeLU, dropout 0.1 (bias-dropout-add); the TP=1 loss op;
+fp16 with a loss scaler: the per-parameter Adam step (adam_step)."""
+
+
+def test_training_calls_every_op_of_the_table():
+    llama = run_distributed(traced_training, 2, [*LLAMA_TP2, "--device-backend", "cpu"], timeout=300)
+    gpt2 = run_distributed(traced_training, 1, [*GPT2_FP16, "--device-backend", "cpu"], timeout=300)
+    called = {name for rank in llama + gpt2 for name in rank}
+    assert {"cross_entropy_local_stats", "cross_entropy_grad_inplace_"} <= set(llama[0])  # TP=2 loss
+    assert {"cross_entropy", "adam_step"} <= set(gpt2[0])
+    never = [name for name in OP_NAMES if name not in called]
+    assert not never, f"ops of the table no training path calls: {never}"
