@@ -204,7 +204,10 @@ def test_fp16_inf_gradient_skips_that_step_and_lowers_the_scale(corpus, tmp_path
 
 
 def test_megatron_style_launch_script_runs_under_torchrun(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRAIN_ITERS="4", OUTPUT_DIR=str(tmp_path))
+    # PYTHON: the script launches `$PYTHON -m torch.distributed.run`; this interpreter, not PATH's.
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", TRAIN_ITERS="4", OUTPUT_DIR=str(tmp_path), PYTHON=sys.executable
+    )
     proc = subprocess.run(
         ["bash", str(REPO / "examples" / "pretrain_gpt3_tp_pp.sh")],
         env=env,
