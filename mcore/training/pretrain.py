@@ -253,6 +253,24 @@ def gpt_datasets_provider(cfg: RunConfig, tokenizer, num_samples: Sequence[int])
     )
 
 
+def no_validation_warning(cfg: RunConfig) -> str:
+    """The one line said when ``--eval-iters`` asks for validation that has no data.
+
+    A warning, not an error: Megatron trains on without validation here (and its default
+    ``--eval-iters`` is 100, so ``--split 100,0,0`` alone is how its users say "no validation")."""
+    d = cfg.data
+    if d.data_path:
+        why = f"--split {d.split!r} gives validation a share of 0"
+    elif d.train_data_path:
+        why = "no --valid-data-path is given"
+    else:
+        why = "the datasets provider built no validation dataset"
+    return (
+        f"WARNING: --eval-iters {cfg.training.eval_iters} but there is no validation data ({why}): "
+        "this run does not validate. Give validation data (e.g. --split 969,30,1) or set --eval-iters 0."
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # one step
 
@@ -588,6 +606,8 @@ def _pretrain(
     (_, has_valid, has_test), (train_iter, valid_iter, test_iter) = build_data_iterators(
         cfg, groups, tokenizer, datasets_provider, state, backend, len(model)
     )
+    if t.eval_iters > 0 and not has_valid:
+        print_rank_0(groups, no_validation_warning(cfg))
     trainer = Trainer(cfg, groups, backend, model, optimizer, scheduler, forward_step, batches)
     is_logging_rank = groups.rank == groups.last_rank
     writer = MetricsWriter(

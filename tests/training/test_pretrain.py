@@ -122,6 +122,23 @@ def _train(argv):
     return result.train_losses, result.valid_loss, result.state.skipped_iterations
 
 
+def test_a_split_without_validation_says_so_once(corpus, capsys):
+    losses, valid, _ = _train(
+        _argv(corpus, "--split", "100,0,0", "--eval-interval", "1", "--lr-warmup-iters", "1", iters=3)
+    )
+    assert len(losses) == 3 and valid is None
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "no validation data" in line]
+    assert warnings == [
+        "WARNING: --eval-iters 2 but there is no validation data (--split '100,0,0' gives validation a "
+        "share of 0): this run does not validate. Give validation data (e.g. --split 969,30,1) or set "
+        "--eval-iters 0."
+    ], out
+    # --eval-iters 0 asks for no validation: nothing to say
+    _train(_argv(corpus, "--split", "100,0,0", "--eval-iters", "0", "--lr-warmup-iters", "1", iters=3))
+    assert "no validation data" not in capsys.readouterr().out
+
+
 def test_validation_loss_falls_on_stdlib_corpus(corpus):
     losses, valid, _ = _train(_argv(corpus, iters=40))
     assert len(losses) == 40
