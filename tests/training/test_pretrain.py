@@ -220,6 +220,19 @@ def test_fp16_inf_gradient_skips_that_step_and_lowers_the_scale(corpus, tmp_path
     assert all(torch.isfinite(torch.tensor(r["lm loss"])) for i, r in enumerate(records) if i != 2)
 
 
+def test_a_static_loss_scale_that_underflows_every_gradient_stops_with_one_line(corpus, capsys):
+    argv = _argv(corpus, "--fp16", "--loss-scale", str(2.0**-40), "--lr-warmup-iters", "1", iters=3)
+    with pytest.raises(SystemExit) as info:
+        pretrain(model_provider, forward_step, argv=argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error (rank 0): every gradient is zero at loss scale 9.09495e-13: the scaled gradients underflowed "
+        "to zero and the update would not train the model; raise --loss-scale 9.09495e-13 (Megatron's "
+        "static scales are powers of 2 such as 4096) or leave it out for the dynamic loss scale"
+    ], err
+
+
 def test_megatron_style_launch_script_runs_under_torchrun(tmp_path):
     # PYTHON: the script launches `$PYTHON -m torch.distributed.run`; this interpreter, not PATH's.
     env = dict(
