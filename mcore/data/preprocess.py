@@ -1,4 +1,4 @@
-"""``mcore-preprocess-data``: JSON Lines -> Megatron ``.bin/.idx``, with Megatron's flags and output.
+"""``mcore-preprocess-data``: JSON Lines (or parquet) -> Megatron ``.bin/.idx``, with Megatron's flags and output.
 
     mcore-preprocess-data --input corpus.jsonl --output-prefix data/my-gpt2 \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
@@ -66,8 +66,8 @@ _INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", PARQUET_SUFFIX)
 class PreprocessConfig:
     """Input, output and worker settings of the preprocessing tool."""
 
-    input: str | None = flag(None, "JSON Lines file, directory of them, or glob.")
-    """One JSON object per line."""
+    input: str | None = flag(None, "JSON Lines or parquet file, directory of them, or glob.")
+    """One JSON object per line (JSON Lines), or one row per document (parquet)."""
     output_prefix: str | None = flag(None, "Output prefix; files are <prefix>_<key>_document.{bin,idx}.")
     """Where the datasets go."""
     json_keys: tuple[str, ...] = flag(("text",), "JSON keys to tokenize, one dataset each.", nargs="+")
