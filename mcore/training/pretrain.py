@@ -218,6 +218,8 @@ def build_data_iterators(
     """Per split: whether it exists (known on every rank) and, on the ranks that take data (first and
     last pipeline stage), one iterator per model chunk (each chunk reads the same micro-batches)."""
     datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
+    # A split asked for no samples (--eval-iters 0) may hold none (a tiny test share): no loader then.
+    datasets = [ds if ds is not None and len(ds) > 0 else None for ds in datasets]
     exists = tuple(ds is not None for ds in datasets)
     if not (groups.is_first_stage or groups.is_last_stage):
         return exists, (None, None, None)

@@ -122,6 +122,26 @@ def _train(argv):
     return result.train_losses, result.valid_loss, result.state.skipped_iterations
 
 
+def test_eval_iters_zero_with_a_split_that_holds_no_sample_trains(tmp_path):
+    """The default split (969,30,1) of a small dataset leaves the test share without one sample; with
+    --eval-iters 0 nothing asks it for samples, so the run trains (it raised from the data loader)."""
+    from mcore.data.preprocess import main as preprocess_main
+
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": " ".join(["7"] * 40)}) + "\n" for _ in range(400)))
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+    args = ["--input", str(jsonl), "--output-prefix", str(tmp_path / "d"), "--append-eod", *null]
+    assert preprocess_main(args) == 0
+    argv = [
+        "--device-backend", "cpu", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--num-workers", "0",
+        "--eval-iters", "0", "--data-path", str(tmp_path / "d_text_document"), *null,
+    ]  # fmt: skip
+    losses, valid, _ = _train(argv)
+    assert len(losses) == 2 and valid is None
+
+
 def test_a_split_without_validation_says_so_once(corpus, capsys):
     losses, valid, _ = _train(
         _argv(corpus, "--split", "100,0,0", "--eval-interval", "1", "--lr-warmup-iters", "1", iters=3)
