@@ -460,7 +460,10 @@ def preprocess(
 def _output_error(config: PreprocessConfig, err: OSError) -> DataError:
     """One line for an output that cannot be written (permissions, a path through a file, a full disk)."""
     where = err.filename or config.output_prefix
-    return DataError(f"--output-prefix {config.output_prefix}: cannot write {where}: {err.strerror or err}")
+    reason = err.strerror or str(err)
+    if isinstance(err, (FileExistsError, NotADirectoryError)):  # makedirs through a file
+        reason = "a file is in the way of the output directory"
+    return DataError(f"--output-prefix {config.output_prefix}: cannot write {where}: {reason}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
