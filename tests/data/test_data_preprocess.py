@@ -204,7 +204,7 @@ def test_an_unwritable_output_is_one_line_naming_the_path(bpe_files, tmp_path, c
     inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
     if kind == "parent-is-a-file":
         (tmp_path / "file").write_text("not a directory")
-        out, named = tmp_path / "file" / "sub" / "o", f"{tmp_path / 'file'}: a file is in the way"
+        out, named = tmp_path / "file" / "sub" / "o", f"{tmp_path / 'file' / 'sub'}: a file is in the way"
     elif kind == "output-is-a-directory":
         (tmp_path / "o_text_document.bin").mkdir()  # the finished .bin cannot be renamed onto it
         out, named = tmp_path / "o", str(tmp_path / "o_text_document.bin")
