@@ -117,10 +117,16 @@ class OptimizerConfig:
     def uses_flat_adam(self, precision: PrecisionConfig) -> bool:
         """Whether the optimizer takes the one-pass path over flat buffers (``adam_step_flat``).
 
-        AdamW without a loss scaler: bf16 or fp32 parameters. fp16 keeps the per-parameter path,
-        whose overflow check and loss-scale update need the host.
+        AdamW without a loss scaler: bf16 or fp32 parameters. fp16, and bf16 with a static
+        ``--loss-scale``, keep the per-parameter path, which unscales the gradients (the flat kernel
+        has no unscaling step) and checks them for overflow and underflow on the host.
         """
-        return self.optimizer == "adam" and self.decoupled_weight_decay and not precision.fp16
+        return (
+            self.optimizer == "adam"
+            and self.decoupled_weight_decay
+            and not precision.fp16
+            and precision.loss_scale is None
+        )
 
     def stores_param_remainders(self, precision: PrecisionConfig) -> bool:
         """fp32 masters held as bf16 parameter + int16 remainder (precision-aware, bf16)."""

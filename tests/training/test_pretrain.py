@@ -253,6 +253,21 @@ def test_a_static_loss_scale_that_underflows_every_gradient_stops_with_one_line(
     ], err
 
 
+def test_bf16_with_a_static_loss_scale_trains_on_unscaled_gradients(corpus, tmp_path):
+    """The losses and gradient norms equal those without a scale (up to the two optimizer paths' float
+    rounding: the scaled run takes the per-parameter path, which unscales; the flat AdamW path never
+    did, so its logged norm was 1024x and clipping saw the scaled gradients)."""
+    runs = {}
+    for name, extra in (("plain", []), ("scaled", ["--loss-scale", "1024"])):
+        log = tmp_path / f"{name}.jsonl"
+        argv = _argv(corpus, "--bf16", "--log-interval", "1", "--log-json", str(log), *extra, iters=4)
+        losses, _, _ = _train(argv)
+        norms = [json.loads(line)["grad_norm"] for line in log.read_text().splitlines() if '"train"' in line]
+        runs[name] = (losses, norms)
+    for scaled, plain in zip(runs["scaled"], runs["plain"]):
+        torch.testing.assert_close(torch.tensor(scaled), torch.tensor(plain), rtol=1e-3, atol=0)
+
+
 def test_megatron_style_launch_script_runs_under_torchrun(tmp_path):
     # PYTHON: the script launches `$PYTHON -m torch.distributed.run`; this interpreter, not PATH's.
     env = dict(
