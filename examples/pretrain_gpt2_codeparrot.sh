@@ -5,6 +5,8 @@
 # Every size can be overridden from the environment (the test suite runs it scaled down).
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
+# The interpreter that has mcore installed (torchrun is its torch.distributed.run module).
+PYTHON=${PYTHON:-python3}
 NPROC=${NPROC:-8}
 DEVICE_BACKEND=${DEVICE_BACKEND:-auto}
 PRECISION=${PRECISION:---fp16}
@@ -17,7 +19,7 @@ else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256)
 fi
 
-torchrun --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt.py" \
+"$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt.py" \
     --device-backend "$DEVICE_BACKEND" \
     --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}" \
     --num-layers "${NUM_LAYERS:-12}" --hidden-size "${HIDDEN:-768}" --num-attention-heads "${HEADS:-12}" \

@@ -5,6 +5,8 @@
 # Change NPROC/TP/PP/DEVICE_BACKEND (cpu|cuda|npu|auto) and the model sizes to scale it back up.
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
+# The interpreter that has mcore installed (torchrun is its torch.distributed.run module).
+PYTHON=${PYTHON:-python3}
 NPROC=${NPROC:-2}
 TP=${TP:-2}
 PP=${PP:-1}
@@ -56,6 +58,6 @@ EVAL_AND_LOGGING_ARGS=(
     --tensorboard-dir "$OUTPUT_DIR/tensorboard"
 )
 
-torchrun --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt.py" \
+"$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt.py" \
     "${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${EVAL_AND_LOGGING_ARGS[@]}"

@@ -4,10 +4,12 @@
 # the launch path only). Sizes can be overridden from the environment.
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
+# The interpreter that has mcore installed (torchrun is its torch.distributed.run module).
+PYTHON=${PYTHON:-python3}
 NPROC=${NPROC:-8}
 export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1200}
 
-torchrun --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt_npu.py" \
+"$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt_npu.py" \
     --tensor-model-parallel-size "${TP:-2}" --pipeline-model-parallel-size "${PP:-1}" --sequence-parallel \
     --num-layers "${NUM_LAYERS:-24}" --hidden-size "${HIDDEN:-2048}" --num-attention-heads "${HEADS:-16}" \
     --seq-length "${SEQ:-2048}" --max-position-embeddings "${SEQ:-2048}" \

@@ -4,6 +4,8 @@
 # overridden from the environment (the test suite runs it scaled down on 2 CPU processes).
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
+# The interpreter that has mcore installed (torchrun is its torch.distributed.run module).
+PYTHON=${PYTHON:-python3}
 NPROC=${NPROC:-8}
 DEVICE_BACKEND=${DEVICE_BACKEND:-auto}
 PRECISION=${PRECISION:---bf16}
@@ -16,7 +18,7 @@ else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000)
 fi
 
-torchrun --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt.py" \
+"$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" "$SCRIPT_DIR/pretrain_gpt.py" \
     --device-backend "$DEVICE_BACKEND" \
     --tensor-model-parallel-size "${TP:-2}" --pipeline-model-parallel-size "${PP:-1}" --sequence-parallel \
     --num-layers "${NUM_LAYERS:-16}" --hidden-size "${HIDDEN:-2048}" --ffn-hidden-size "${FFN:-5504}" \

@@ -147,8 +147,11 @@ def main(argv=None) -> int:
     log = work / "train_log.jsonl"
     if log.exists():
         log.unlink()
+    # torchrun is torch.distributed.run of this interpreter (a bare `torchrun` may be another install's).
     train = [
-        "torchrun",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         "--nproc_per_node",
         str(args.nproc),
         str(REPO / "examples" / "pretrain_gpt.py"),

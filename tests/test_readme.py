@@ -7,6 +7,7 @@ import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -204,7 +205,8 @@ TINY = {
     ],
 )
 def test_example_launch_scripts_run_scaled_down(tmp_path, script, extra):
-    env = {**os.environ, **TINY, **extra, "OUTPUT_DIR": str(tmp_path / "out")}
+    # PYTHON: the scripts launch `$PYTHON -m torch.distributed.run`; this interpreter, not PATH's.
+    env = {**os.environ, **TINY, **extra, "OUTPUT_DIR": str(tmp_path / "out"), "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", str(REPO / "examples" / script)],
         env=env,
@@ -226,7 +228,7 @@ TINY_GPT = (
 def _throughput(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
-            "python",
+            sys.executable,
             str(REPO / "benchmarks" / "train_throughput.py"),
             "--device-backend",
             "cpu",

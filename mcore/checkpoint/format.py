@@ -118,7 +118,15 @@ def read_tracker(root: str | os.PathLike) -> int | str | None:
     path = Path(root) / TRACKER
     if not path.is_file():
         return None
-    text = path.read_text().strip()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{path} is damaged ({len(raw)} bytes of binary data): expected an iteration number or "
+            f"'release' (complete iterations here: {list_iterations(root) or 'none'}; write one into it, "
+            "or choose one with --ckpt-step)"
+        ) from None
     if text == "release":
         return "release"
     try:
@@ -153,6 +161,30 @@ def fsync_file(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_torch_file(path: str | os.PathLike, obj: Any) -> None:
+    """``torch.save`` ``obj`` to ``path`` and fsync it.
+
+    Raises:
+        CheckpointError: the write failed, naming the file and the OS's reason ("No space left on
+            device" on a full disk). The write goes through a Python file so that the OS error is
+            seen: torch's own path writer reports a full disk only as "unexpected pos 64 vs 0", and
+            even through a file that RuntimeError (from closing the zip archive) is what propagates,
+            with the file's OSError as its context.
+    """
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as err:
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise CheckpointError(f"cannot write {path}: {cause.strerror or cause}") from None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -225,7 +257,58 @@ def read_metadata(iter_dir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{path}: format {found!r} is not {FORMAT!r}")
+    check_metadata_keys(meta, path)
     return meta
+
+
+# What every reader of metadata.json indexes without a default (key -> the type it must have).
+_REQUIRED_KEYS = {"iteration": (int, str), "layout": dict, "files": dict, "records": list}
+_REQUIRED_LAYOUT_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "data_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+)
+_REQUIRED_RECORD_KEYS = (
+    "name",
+    "kind",
+    "file",
+    "key",
+    "dtype",
+    "numel",
+    "global_shape",
+    "partition_dim",
+    "boxes",
+    "flat_range",
+)
+
+
+def check_metadata_keys(meta: dict[str, Any], path: str | os.PathLike) -> None:
+    """Every key the loaders read from ``metadata.json`` is there, with the right kind of value.
+
+    Raises:
+        CheckpointError: naming ``path`` and the first missing (or mistyped) key.
+    """
+
+    def missing(where: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path}: {where} (the metadata is incomplete: edited, or written by another tool)"
+        )
+
+    for key, kind in _REQUIRED_KEYS.items():
+        if key not in meta:
+            raise missing(f"the key {key!r} is missing")
+        if not isinstance(meta[key], kind):
+            raise missing(f"{key!r} is a {type(meta[key]).__name__}")
+    for key in _REQUIRED_LAYOUT_KEYS:
+        if key not in meta["layout"]:
+            raise missing(f"the key 'layout.{key}' is missing")
+    for i, rec in enumerate(meta["records"]):
+        if not isinstance(rec, dict):
+            raise missing(f"records[{i}] is a {type(rec).__name__}")
+        for key in _REQUIRED_RECORD_KEYS:
+            if key not in rec:
+                raise missing(f"the key {key!r} is missing from records[{i}] ({rec.get('name', '?')})")
 
 
 # -- checksums and dtypes ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,12 @@ from mcore.checkpoint.format import (
     FORMAT,
     METADATA,
     CheckpointError,
-    fsync_file,
     model_file,
     new_tmp_token,
     read_metadata,
     tensor_crc32,
     tmp_dir_name,
+    write_torch_file,
 )
 from mcore.checkpoint.geometry import full_placement
 from mcore.checkpoint.load import ShardReader, resolve_iteration_dir
@@ -131,8 +132,11 @@ def save_logical_model_checkpoint(
         rec["vocab_padded"] = name in VOCAB_PADDED_NAMES
         rec["crc32"] = tensor_crc32(t)
         records.append(rec)
-    torch.save(tensors, tmp / fname)
-    fsync_file(tmp / fname)
+    try:
+        write_torch_file(tmp / fname, tensors)
+    except CheckpointError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk needs the space back
+        raise
     meta = {
         "format": FORMAT,
         "iteration": int(iteration),

@@ -12,8 +12,10 @@ Protocol of one save (all ranks call :func:`save_checkpoint` at the same iterati
    with ``--async-save``: the training loop was blocked only for step 3);
 5. *commit* (collective): the file sizes and tensor records are gathered on rank 0, which writes
    ``metadata.json``, fsyncs, renames the directory to ``iter_XXXXXXX/`` and atomically replaces the
-   tracker file; a barrier ends the save. A failure on any rank (or a killed process) leaves the
-   temporary directory behind and the previous checkpoint and tracker untouched.
+   tracker file; a barrier ends the save. A failure on any rank raises the same error everywhere
+   (a full disk says "No space left on device" and names the file), removes the temporary directory
+   and leaves the previous checkpoint and tracker untouched; a killed process leaves the temporary
+   directory behind, and the next save removes it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from mcore.checkpoint.format import (
     dtype_name,
     file_crc32,
     fsync_dir,
-    fsync_file,
     iter_dir_name,
     list_tmp_dirs,
     model_file,
@@ -49,6 +50,7 @@ from mcore.checkpoint.format import (
     tensor_crc32,
     tmp_dir_name,
     write_json,
+    write_torch_file,
     write_tracker,
 )
 from mcore.checkpoint.geometry import placement_from_spec
@@ -236,8 +238,7 @@ def _write(tmp: Path, payloads: list[_FilePayload]) -> tuple[dict[str, dict], li
     records: list[dict] = []
     for payload in payloads:
         path = tmp / payload.name
-        torch.save(payload.tensors, path)
-        fsync_file(path)
+        write_torch_file(path, payload.tensors)  # a full disk: "No space left on device", the file named
         info: dict[str, Any] = {"size": path.stat().st_size}
         if payload.whole_file_crc:
             info["crc32"] = file_crc32(path)
@@ -274,6 +275,8 @@ class _SaveJob:
         start = time.perf_counter()
         try:
             self.files, self.records = _write(self.tmp, self.payloads)
+        except CheckpointError as err:  # a clear message already: no traceback
+            self.error = str(err)
         except BaseException as err:  # noqa: BLE001 - reported to every rank by the commit
             self.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
         finally:
@@ -326,7 +329,7 @@ def _commit(job: _SaveJob) -> None:
                 raise CheckpointError(
                     f"saving iteration {job.iteration} failed on rank {r}: {msg.strip()}\n"
                     f"(the previous checkpoint and {job.root / 'latest_checkpointed_iteration.txt'} are unchanged; "
-                    f"partial files are in {job.tmp})"
+                    f"the partial directory {job.tmp.name} is removed)"
                 )
             meta = dict(job.common)
             files: dict[str, dict] = {}
@@ -346,6 +349,9 @@ def _commit(job: _SaveJob) -> None:
                 False,
                 str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}",
             )
+            # Every rank has finished writing (gathered above): the partial files only take space,
+            # which a full disk needs back. Once renamed (tmp gone) nothing is removed.
+            shutil.rmtree(job.tmp, ignore_errors=True)
     ok, message = _broadcast_object(outcome)
     if not ok:
         raise CheckpointError(message)
@@ -508,12 +514,17 @@ def save_checkpoint(
     payloads: list[_FilePayload] = []
     common = None
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CheckpointError(f"cannot create {tmp}: {err.strerror or err}") from None
         payloads = _snapshot(config, model, optimizer, groups)
         if _rank() == 0:
             common = _common_metadata(
                 config, state, model, optimizer, scheduler, groups, run_config, metadata
             )
+    except CheckpointError as err:
+        error = str(err)
     except Exception as err:  # noqa: BLE001 - reported to every rank by the commit
         error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
     device = next((p.device for chunk in model for p in chunk.parameters()), torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""``mcore-preprocess-data``: JSON Lines -> Megatron ``.bin/.idx``, with Megatron's flags and output.
+"""``mcore-preprocess-data``: JSON Lines (or parquet) -> Megatron ``.bin/.idx``, with Megatron's flags and output.
 
     mcore-preprocess-data --input corpus.jsonl --output-prefix data/my-gpt2 \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
@@ -6,7 +6,10 @@
 
 writes ``data/my-gpt2_text_document.{bin,idx}`` (one pair per ``--json-keys`` key), byte-identical to
 what Megatron-LM's ``tools/preprocess_data.py`` writes for the same input and tokenizer. ``--input`` is a
-file, a directory (its ``*.jsonl``/``*.json`` files, ``.gz`` too, in sorted order) or a glob.
+file, a directory (its ``*.jsonl``/``*.json`` files, ``.gz`` too, and ``*.parquet`` files, in sorted
+order) or a glob. Parquet files are read directly (pyarrow, the ``[parquet]`` extra): each row's
+``--json-keys`` columns are one document, exactly as the same row written as a JSON line would be
+(:mod:`mcore.data.parquet_input`).
 
 Per line and key (Megatron's rules): the value is a string (one sentence) or a list of strings
 (pre-split sentences); each non-empty tokenized sentence becomes one sequence; ``--append-eod`` adds the
@@ -19,12 +22,15 @@ parse and tokenize them, and the main process appends the results in input order
 
 Bad input. Each of these stops the run with one line naming the file and line (and byte offset for
 bad UTF-8), unless ``--bad-lines skip`` is given, which skips such lines and reports how many were
-skipped and where the first ones were: malformed JSON, a line that is not a JSON object, a missing
+skipped and where the first ones were (if every line is bad, that is an error all the same: nothing
+is written): malformed JSON, a line that is not a JSON object, a missing
 ``--json-keys`` key, a value that is not a string or list of strings, bytes that are not UTF-8, and text
 the tokenizer cannot encode. Lines that are only whitespace are ignored. Empty documents follow
 ``--empty-documents``: ``keep`` (default; written as empty documents, exactly as Megatron does, and
 counted), ``skip`` (the whole line is left out of every key's dataset) or ``error``. Outputs are written
 under temporary names and renamed only when complete; a failed run leaves nothing at the output paths.
+An output that cannot be written (a read-only directory, a path through a file, a full disk) is one
+error naming the path.
 """
 
 from __future__ import annotations
@@ -49,18 +55,19 @@ from mcore.config.fields import ConfigError, check, flag
 from mcore.data.config import TokenizerConfig
 from mcore.data.errors import DataError
 from mcore.data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path, optimal_dtype
+from mcore.data.parquet_input import PARQUET_SUFFIX, check_parquet_file, is_parquet, parquet_json_lines
 from mcore.data.tokenizers import Tokenizer, build_tokenizer
 
 PROG = "mcore-preprocess-data"
-_INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", PARQUET_SUFFIX)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PreprocessConfig:
     """Input, output and worker settings of the preprocessing tool."""
 
-    input: str | None = flag(None, "JSON Lines file, directory of them, or glob.")
-    """One JSON object per line."""
+    input: str | None = flag(None, "JSON Lines or parquet file, directory of them, or glob.")
+    """One JSON object per line (JSON Lines), or one row per document (parquet)."""
     output_prefix: str | None = flag(None, "Output prefix; files are <prefix>_<key>_document.{bin,idx}.")
     """Where the datasets go."""
     json_keys: tuple[str, ...] = flag(("text",), "JSON keys to tokenize, one dataset each.", nargs="+")
@@ -284,20 +291,34 @@ def encode_chunk(chunk: _Chunk) -> _Encoded:
     )
 
 
-def _read_chunks(files: Sequence[str], chunk_size: int) -> Iterator[_Chunk]:
+def _read_chunks(files: Sequence[str], chunk_size: int, keys: Sequence[str]) -> Iterator[_Chunk]:
     for path in files:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rb") as f:
-            line_no, offset, lines = 1, 0, []
-            for raw in f:
-                lines.append(raw)
-                if len(lines) == chunk_size:
-                    yield _Chunk(path, line_no, offset, lines)
-                    line_no += len(lines)
-                    offset += sum(len(r) for r in lines)
-                    lines = []
-            if lines:
+        try:
+            yield from _read_file_chunks(path, chunk_size, keys)
+        except OSError as err:  # an OSError out of preprocess() is about the outputs
+            raise DataError(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def _read_file_chunks(path: str, chunk_size: int, keys: Sequence[str]) -> Iterator[_Chunk]:
+    """One input file in chunks of ``chunk_size`` lines (parquet: rows as JSON lines, numbered by row)."""
+    if is_parquet(path):
+        row = 1
+        for lines in parquet_json_lines(path, keys, chunk_size):
+            yield _Chunk(path, row, 0, lines)
+            row += len(lines)
+        return
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        line_no, offset, lines = 1, 0, []
+        for raw in f:
+            lines.append(raw)
+            if len(lines) == chunk_size:
                 yield _Chunk(path, line_no, offset, lines)
+                line_no += len(lines)
+                offset += sum(len(r) for r in lines)
+                lines = []
+        if lines:
+            yield _Chunk(path, line_no, offset, lines)
 
 
 # ---- driver ------------------------------------------------------------------------------------------
@@ -348,15 +369,24 @@ def preprocess(
         DataError: a bad input line (unless skipped), a missing input, or an unusable tokenizer.
     """
     files = resolve_inputs(config.input)
+    for path in filter(is_parquet, files):
+        check_parquet_file(path, config.json_keys)  # pyarrow, columns and their types, before any output
     tokenizer = build_tokenizer(tokenizer_config)
     if config.append_eod:
         tokenizer.eod  # noqa: B018 -- fail now, naming the tokenizer, if it has no EOD
     dtype = optimal_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix(config.output_prefix, key) for key in config.json_keys}
-    out_dir = os.path.dirname(config.output_prefix)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    builders = {key: IndexedDatasetBuilder(bin_path(p), dtype=dtype) for key, p in prefixes.items()}
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    try:
+        out_dir = os.path.dirname(config.output_prefix)
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+        for key, p in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(bin_path(p), dtype=dtype)
+    except OSError as err:
+        for builder in builders.values():
+            builder.abort()
+        raise _output_error(config, err) from None
     progress = _Progress(config.log_interval, sys.stderr if stream is None else stream)
     skipped: list[tuple[str, int, str]] = []
     empty_count = 0
@@ -383,7 +413,7 @@ def preprocess(
         worker_args = (tokenizer_config, config, dtype.str)
         if config.workers == 1:
             _init_worker(*worker_args)
-            for chunk in _read_chunks(files, config.chunk_size):
+            for chunk in _read_chunks(files, config.chunk_size, config.json_keys):
                 consume(chunk.path, encode_chunk(chunk))
         else:
             # fork keeps start-up cheap; the parent has not run the tokenizer's thread pool yet.
@@ -391,7 +421,7 @@ def preprocess(
             context = multiprocessing.get_context(method)
             with context.Pool(config.workers, initializer=_init_worker, initargs=worker_args) as pool:
                 pending: deque = deque()
-                for chunk in _read_chunks(files, config.chunk_size):
+                for chunk in _read_chunks(files, config.chunk_size, config.json_keys):
                     pending.append((chunk.path, pool.apply_async(encode_chunk, (chunk,))))
                     if len(pending) >= 4 * config.workers:
                         path, result = pending.popleft()
@@ -399,8 +429,18 @@ def preprocess(
                 while pending:
                     path, result = pending.popleft()
                     consume(path, result.get())
+        if progress.documents == 0 and skipped:
+            path, line_no, reason = skipped[0]
+            raise DataError(
+                f"--input {config.input}: --bad-lines skip skipped every line ({len(skipped)}; the first, "
+                f"{path}:{line_no}: {reason}): no document to write, so no dataset is written"
+            )
         for key, builder in builders.items():
             builder.finalize(idx_path(prefixes[key]))
+    except OSError as err:  # writing the outputs (reading the inputs fails earlier or as DataError)
+        for builder in builders.values():
+            builder.abort()
+        raise _output_error(config, err) from None
     except BaseException:
         for builder in builders.values():
             builder.abort()
@@ -415,6 +455,15 @@ def preprocess(
         skipped_lines=skipped,
         empty_documents=empty_count,
     )
+
+
+def _output_error(config: PreprocessConfig, err: OSError) -> DataError:
+    """One line for an output that cannot be written (permissions, a path through a file, a full disk)."""
+    where = err.filename or config.output_prefix
+    reason = err.strerror or str(err)
+    if isinstance(err, (FileExistsError, NotADirectoryError)):  # makedirs through a file
+        reason = "a file is in the way of the output directory"
+    return DataError(f"--output-prefix {config.output_prefix}: cannot write {where}: {reason}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,8 +2,10 @@
 
 ``--split "969, 30, 1"`` gives train/valid/test fractions of the *sequences* of each dataset:
 
-1. every regex match of ``[.0-9]+`` is a float (``"969,30,1"``, ``"969, 30, 1"`` and ``"99/1"`` all
-   parse); right-pad with zeros to 3 numbers; all must be >= 0; divide by their sum (float64);
+1. the numbers are separated by commas, slashes or spaces (``"969,30,1"``, ``"969, 30, 1"`` and
+   ``"99/1"`` all parse); right-pad with zeros to 3 numbers; all must be finite and >= 0; divide by
+   their sum (float64). Megatron reads the regex matches of ``[.0-9]+``, so ``"100,-5,5"`` becomes
+   100,5,5 there; here a sign or any other character is an error naming the string;
 2. the split matrix holds cumulative bookends ``[(0, c1), (c1, c2), (c2, c3)]``; a zero-width split is
    ``None`` (no dataset is built for it);
 3. for ``N`` sequences split ``i`` gets ``arange(int(round(lo * N)), int(round(hi * N)))`` (Python's
@@ -16,6 +18,7 @@ valid ``[969, 999)``, test ``[999, 1000)``.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Sequence
 
@@ -39,12 +42,22 @@ def parse_split(split: str) -> list[float]:
     """Normalized train/valid/test fractions of a ``--split`` string.
 
     Raises:
-        ConfigError: more than three numbers, no positive number, or a malformed number.
+        ConfigError: more than three numbers, no positive number, a negative or malformed number.
     """
-    try:
-        values = [float(v) for v in re.findall(r"[.0-9]+", split)]
-    except ValueError:
-        raise ConfigError(f"--split {split!r}: cannot parse its numbers") from None
+    values = []
+    for token in (t for t in re.split(r"[,/\s]+", split.strip()) if t):
+        try:
+            value = float(token)
+        except ValueError:
+            raise ConfigError(
+                f"--split {split!r}: {token!r} is not a number (give train,valid,test proportions, e.g. 969,30,1)"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(
+                f"--split {split!r}: {token!r} is not a proportion; each of train,valid,test must be a "
+                "finite number >= 0 (e.g. 969,30,1; 100,0,0 for no validation or test data)"
+            )
+        values.append(value)
     if len(values) > 3:
         raise ConfigError(f"--split {split!r} has {len(values)} numbers; give at most 3 (train, valid, test)")
     values += [0.0] * (3 - len(values))

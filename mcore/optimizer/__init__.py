@@ -22,7 +22,12 @@ import torch
 
 from mcore.distributed.groups import ProcessGroups
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
-from mcore.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
+from mcore.optimizer.grad_scaler import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    LossScaleUnderflowError,
+    build_grad_scaler,
+)
 from mcore.optimizer.optimizer import (
     MegatronOptimizer,
     default_no_weight_decay,
@@ -32,6 +37,7 @@ from mcore.optimizer.optimizer import (
 __all__ = [
     "ConstantGradScaler",
     "DynamicGradScaler",
+    "LossScaleUnderflowError",
     "MegatronOptimizer",
     "OptimizerConfig",
     "PrecisionConfig",

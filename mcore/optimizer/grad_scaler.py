@@ -6,11 +6,36 @@ the optimizer divides the gradients by it again. With dynamic scaling (Megatron'
 * a step whose gradients overflow (inf/NaN on any rank) is skipped; ``hysteresis`` such steps (counted
   since the last growth) halve the scale, never below ``min_scale``;
 * ``window`` consecutive steps without overflow double the scale and re-arm the hysteresis.
+
+The opposite failure, a scale so small that every scaled gradient underflows to zero, is an error
+(:class:`LossScaleUnderflowError`): the optimizer would apply zero updates (with weight decay, only
+shrink the weights) for as long as the run lasts, and nothing else would say so.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from mcore.config.fields import ConfigError
+
+
+class LossScaleUnderflowError(ConfigError):
+    """Every gradient is zero after backward with a loss scale: the scaled gradients underflowed."""
+
+
+def underflow_error(scaler: ConstantGradScaler | DynamicGradScaler) -> LossScaleUnderflowError:
+    """The error for an all-zero global gradient at ``scaler``'s scale, saying what to change."""
+    if isinstance(scaler, ConstantGradScaler):
+        fix = (
+            f"raise --loss-scale {scaler.scale:g} (Megatron's static scales are powers of 2 such as 4096) "
+            "or leave it out for the dynamic loss scale"
+        )
+    else:
+        fix = f"raise --min-loss-scale {scaler.min_scale:g}"
+    return LossScaleUnderflowError(
+        f"every gradient is zero at loss scale {scaler.scale:g}: the scaled gradients underflowed to zero "
+        f"and the update would not train the model; {fix}"
+    )
 
 
 class ConstantGradScaler:

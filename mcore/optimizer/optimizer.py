@@ -62,7 +62,7 @@ from mcore.distributed.groups import ProcessGroups
 from mcore.optimizer.clip_grads import clip_grads_, counts_in_grad_norm, global_grad_norm, unscale_and_check_
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 from mcore.optimizer.flat_state import FlatBufferState
-from mcore.optimizer.grad_scaler import build_grad_scaler
+from mcore.optimizer.grad_scaler import build_grad_scaler, underflow_error
 
 STATE_FORMAT = "mcore.optimizer/1"
 
@@ -158,6 +158,7 @@ class MegatronOptimizer:
         """One-pass Adam over flat buffers (``adam_step_flat``): bf16/fp32 parameters in DDP buffers."""
         self.skips_nonfinite_on_device = self.flat
         """A non-finite gradient norm skips the update on the device; :meth:`step` never waits for it."""
+        self._underflow_checked = False  # see _refuse_underflowed_gradients
         self.main_params: list[MainParam] = []
         for key, _, param, chunk in named:
             entry = self._make_main_param(key, param, chunk, group_of[id(param)], tp_rank)
@@ -338,6 +339,8 @@ class MegatronOptimizer:
             counted = [g for e, g in present if e.counts_in_norm]
             grad_norm = global_grad_norm(counted, self._norm_group(), self._device)
             clip_grads_(grad_list, self.config.clip_grad, grad_norm)
+        if self.grad_scaler is not None:
+            self._refuse_underflowed_gradients(grad_norm, present)
 
         if self.config.optimizer == "adam":
             self._adam(present)
@@ -351,6 +354,23 @@ class MegatronOptimizer:
             if not self.config.overlap_param_gather:
                 self.finish_param_sync()
         return True, grad_norm, None
+
+    def _refuse_underflowed_gradients(self, grad_norm: float | None, present) -> None:
+        """Raise :class:`LossScaleUnderflowError` when the global gradient norm is exactly 0 with a
+        loss scale: the scaled gradients underflowed (a too-small static ``--loss-scale``).
+
+        With clipping the norm is known every step, so every step is checked; without it the norm is
+        computed (one more reduction and host read) only at the first applied step, where a scale too
+        small for the model shows. Every rank sees the same global norm and raises together.
+        """
+        if grad_norm is None:
+            if self._underflow_checked:
+                return
+            counted = [g for e, g in present if e.counts_in_norm]
+            grad_norm = global_grad_norm(counted, self._norm_group(), self._device)
+        self._underflow_checked = True
+        if grad_norm == 0.0:
+            raise underflow_error(self.grad_scaler)
 
     def _flat_step(self) -> tuple[bool, torch.Tensor | None, None]:
         """The one-pass step: norm, clipping coefficient and skip decision stay on the device.

@@ -218,6 +218,8 @@ def build_data_iterators(
     """Per split: whether it exists (known on every rank) and, on the ranks that take data (first and
     last pipeline stage), one iterator per model chunk (each chunk reads the same micro-batches)."""
     datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
+    # A split asked for no samples (--eval-iters 0) may hold none (a tiny test share): no loader then.
+    datasets = [ds if ds is not None and len(ds) > 0 else None for ds in datasets]
     exists = tuple(ds is not None for ds in datasets)
     if not (groups.is_first_stage or groups.is_last_stage):
         return exists, (None, None, None)
@@ -250,6 +252,24 @@ def gpt_datasets_provider(cfg: RunConfig, tokenizer, num_samples: Sequence[int])
     """The default datasets provider: Megatron's GPT datasets from ``--data-path`` (or ``--mock-data``)."""
     return build_train_valid_test_datasets(
         cfg.data, tokenizer, cfg.model.seq_length, cfg.training.seed, num_samples
+    )
+
+
+def no_validation_warning(cfg: RunConfig) -> str:
+    """The one line said when ``--eval-iters`` asks for validation that has no data.
+
+    A warning, not an error: Megatron trains on without validation here (and its default
+    ``--eval-iters`` is 100, so ``--split 100,0,0`` alone is how its users say "no validation")."""
+    d = cfg.data
+    if d.data_path:
+        why = f"--split {d.split!r} gives validation a share of 0"
+    elif d.train_data_path:
+        why = "no --valid-data-path is given"
+    else:
+        why = "the datasets provider built no validation dataset"
+    return (
+        f"WARNING: --eval-iters {cfg.training.eval_iters} but there is no validation data ({why}): "
+        "this run does not validate. Give validation data (e.g. --split 969,30,1) or set --eval-iters 0."
     )
 
 
@@ -593,6 +613,8 @@ def _pretrain(
     (_, has_valid, has_test), (train_iter, valid_iter, test_iter) = build_data_iterators(
         cfg, groups, tokenizer, datasets_provider, state, backend, len(model)
     )
+    if t.eval_iters > 0 and not has_valid:
+        print_rank_0(groups, no_validation_warning(cfg))
     trainer = Trainer(cfg, groups, backend, model, optimizer, scheduler, forward_step, batches)
     is_logging_rank = groups.rank == groups.last_rank
     writer = MetricsWriter(

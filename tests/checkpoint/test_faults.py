@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -69,7 +70,7 @@ def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_previous_che
     assert "No space left on device (injected)" in str(info.value)
     assert read_tracker(save) == 2
     assert not (save / "iter_0000004").exists()
-    assert [p.name.split(".")[0] for p in list_tmp_dirs(save)] == ["iter_0000004"]
+    assert list_tmp_dirs(save) == []  # the failed save's partial files are removed
     state, meta = load_logical_model_state(save)  # the previous checkpoint is complete and valid
     assert meta["iteration"] == 2 and "decoder.layers.1.mlp.linear_fc1.weight" in state
 
@@ -211,6 +212,115 @@ def test_corrupted_metadata_and_unknown_steps_are_errors(tp2pp2_run, tmp_path):
     config = CheckpointConfig(load=str(ckpt), ckpt_step=15)
     with pytest.raises(CheckpointError, match=r"iteration 15 was requested \(--ckpt-step\).*\[10, 20\]"):
         load_checkpoint(config, model, None, None, groups)
+
+
+class _FullDiskFile:
+    """A file with ``capacity`` bytes of room: ``write`` raises ``OSError(ENOSPC)`` beyond it."""
+
+    def __init__(self, file, capacity: int):
+        self._file, self._left = file, capacity
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self._left:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._left -= size
+        return self._file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+def _full_disk(monkeypatch, capacity: int = 64) -> None:
+    """``torch.save`` as it behaves on a disk with ``capacity`` bytes left (what a real tmpfs of that
+    size does): to a path, torch's C++ writer fails with only "unexpected pos"; to a Python file, the
+    file's write raises ``OSError(ENOSPC)``."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            Path(f).write_bytes(b"\0" * capacity)
+            raise RuntimeError(f"[enforce fail at inline_container.cc:672] . unexpected pos {capacity} vs 0")
+        return real_save(obj, _FullDiskFile(f, capacity), *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_a_full_disk_says_so_removes_the_partial_save_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
+    from mcore.checkpoint import save_checkpoint
+    from mcore.training.pretrain import TrainState
+
+    model, optimizer, groups = _single_process_model(optimizer=True)
+    config = CheckpointConfig(save=str(tmp_path))
+    save_checkpoint(config, TrainState(iteration=1), model, optimizer, None, groups)
+    before, _ = load_logical_model_state(tmp_path)
+    _full_disk(monkeypatch)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(config, TrainState(iteration=2), model, optimizer, None, groups)
+    message = str(info.value)
+    assert "saving iteration 2 failed on rank 0: cannot write" in message
+    assert "model_tp00_pp000.pt: No space left on device" in message
+    assert "Traceback" not in message and "unexpected pos" not in message
+    assert list_tmp_dirs(tmp_path) == [] and not (tmp_path / "iter_0000002").exists()
+    monkeypatch.undo()
+    assert read_tracker(tmp_path) == 1
+    after, meta = load_logical_model_state(tmp_path)
+    assert meta["iteration"] == 1 and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_full_disk_during_a_model_only_save_removes_its_partial_directory(tmp_path, monkeypatch):
+    _full_disk(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"model_tp00_pp000\.pt: No space left on device"):
+        save_logical_model_checkpoint(tmp_path, {"w": torch.ones(64)}, None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tracker_of_binary_garbage_is_named(tp2pp2_run, tmp_path):
+    ckpt = _copy(tp2pp2_run, tmp_path)
+    (ckpt / "latest_checkpointed_iteration.txt").write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(
+        CheckpointError,
+        match=r"latest_checkpointed_iteration\.txt is damaged \(512 bytes of binary data\).*\[10, 20\]",
+    ):
+        load_logical_model_state(ckpt)
+    model, _, groups = _single_process_model()
+    with pytest.raises(CheckpointError, match=r"latest_checkpointed_iteration\.txt is damaged"):
+        load_checkpoint(CheckpointConfig(load=str(ckpt)), model, None, None, groups)
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda m: m.pop("layout"), "the key 'layout' is missing"),
+        (lambda m: m.pop("iteration"), "the key 'iteration' is missing"),
+        (lambda m: m.pop("records"), "the key 'records' is missing"),
+        (
+            lambda m: m["layout"].pop("tensor_model_parallel_size"),
+            "the key 'layout.tensor_model_parallel_size' is missing",
+        ),
+        (
+            lambda m: m["records"][3].pop("global_shape"),
+            r"the key 'global_shape' is missing from records\[3\]",
+        ),
+        (lambda m: m["records"][0].pop("file"), r"the key 'file' is missing from records\[0\]"),
+    ],
+    ids=["layout", "iteration", "records", "layout-tp", "record-shape", "record-file"],
+)
+def test_metadata_missing_a_key_names_the_file_and_the_key(tp2pp2_run, tmp_path, damage, named):
+    ckpt = _copy(tp2pp2_run, tmp_path)
+    meta_path = ckpt / "iter_0000020" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    damage(meta)
+    meta_path.write_text(json.dumps(meta))
+    model, _, groups = _single_process_model()
+    for load in (
+        lambda: load_logical_model_state(ckpt),
+        lambda: load_checkpoint(CheckpointConfig(load=str(ckpt)), model, None, None, groups),
+    ):
+        with pytest.raises(CheckpointError, match=rf"iter_0000020/metadata\.json: {named}"):
+            load()
 
 
 # -- loading into a model ---------------------------------------------------------------------------

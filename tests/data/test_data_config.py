@@ -61,3 +61,8 @@ def test_per_split_paths_parse():
 def test_validation(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         DataConfig(**kwargs)
+
+
+def test_a_negative_split_is_refused_at_the_command_line():
+    with pytest.raises(ConfigError, match=r"--split '100,-5,5': '-5' is not a proportion"):
+        _parse(["--data-path", "a_text_document", "--split", "100,-5,5"])

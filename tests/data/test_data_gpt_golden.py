@@ -57,6 +57,16 @@ def test_bad_split_strings():
         parse_split("0,0,0")
 
 
+@pytest.mark.parametrize(
+    "split, token",
+    [("100,-5,5", "-5"), ("100,abc,5", "abc"), ("-1", "-1"), ("90,nan,10", "nan"), ("90,inf", "inf")],
+)
+def test_negative_or_non_numeric_split_is_refused_naming_the_flag(split, token):
+    # Megatron's regex reads "100,-5,5" as 100,5,5 (and "100,abc,5" as 100,5): a silent misreading
+    with pytest.raises(ConfigError, match=rf"--split '{split}': '{token}' is not a"):
+        parse_split(split)
+
+
 def test_parse_blend():
     assert parse_blend(["a"]) == (["a"], None)
     assert parse_blend(["a", "b", "c"]) == (["a", "b", "c"], None)

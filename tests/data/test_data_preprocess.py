@@ -183,6 +183,143 @@ def test_empty_document_policies(bpe_files, tmp_path, capsys):
     assert not any(f.startswith("err") for f in _files(tmp_path))
 
 
+def test_bad_lines_skip_that_skips_every_line_is_an_error_and_writes_nothing(bpe_files, tmp_path, capsys):
+    # e.g. a binary file given as JSON Lines: every line is malformed, and skipping them all left nothing
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"PAR1\x15\x04\x15\x10\n\x00\x01garbage\n" * 3)
+    args = _args(bpe_files, inp, tmp_path / "out" / "o", "--bad-lines", "skip")
+    assert preprocess_main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "done:" not in err
+    assert re.search(
+        r"error: --input .*in\.jsonl: --bad-lines skip skipped every line \(6; the first, .*in\.jsonl:1: "
+        r"malformed JSON.*\): no document to write, so no dataset is written",
+        err,
+    ), err
+    assert _files(tmp_path / "out") == []  # no empty dataset left behind
+
+
+@pytest.mark.parametrize("kind", ["parent-is-a-file", "output-is-a-directory", "read-only-directory"])
+def test_an_unwritable_output_is_one_line_naming_the_path(bpe_files, tmp_path, capsys, kind):
+    inp = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    if kind == "parent-is-a-file":
+        (tmp_path / "file").write_text("not a directory")
+        out, named = tmp_path / "file" / "sub" / "o", f"{tmp_path / 'file' / 'sub'}: a file is in the way"
+    elif kind == "output-is-a-directory":
+        (tmp_path / "o_text_document.bin").mkdir()  # the finished .bin cannot be renamed onto it
+        out, named = tmp_path / "o", str(tmp_path / "o_text_document.bin")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        out, named = locked / "o", str(locked / "o_text_document.bin")
+        if os.geteuid() == 0:  # root writes anyway: model the refusal the kernel gives other users
+            real_open = open
+
+            def refusing_open(path, *args, **kwargs):
+                if str(path).startswith(str(locked)):
+                    raise PermissionError(13, "Permission denied", str(path))
+                return real_open(path, *args, **kwargs)
+
+            monkeypatch = pytest.MonkeyPatch()
+            monkeypatch.setattr("builtins.open", refusing_open)
+    try:
+        code = preprocess_main(_args(bpe_files, inp, out))
+    finally:
+        if kind == "read-only-directory" and os.geteuid() == 0:
+            monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"mcore-preprocess-data: error: --output-prefix {out}: cannot write {named}"
+    ), err
+    assert "Traceback" not in err
+    assert not [f for f in _files(tmp_path) if ".tmp" in f]
+
+
+def test_parquet_input_gives_the_bytes_of_the_same_rows_as_json_lines(bpe_files, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"text": r["text"], "title": f"title {i}", "other": i} for i, r in enumerate(RECORDS)] + [
+        {"text": "", "title": "empty text", "other": 99},
+        {"text": "café ünïcode", "title": "", "other": 7},
+    ]
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", records)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "rows.parquet", row_group_size=5)
+    pq.write_table(pa.Table.from_pylist(records[:7]), folder / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(records[7:]), folder / "b.parquet")
+    keys = ["--json-keys", "text", "title", "--append-eod", "--chunk-size", "3"]
+    assert preprocess_main(_args(bpe_files, jsonl, tmp_path / "from_json", *keys)) == 0
+    runs = {
+        "from_parquet": (tmp_path / "rows.parquet", "1"),
+        "from_parquet_w2": (tmp_path / "rows.parquet", "2"),
+        "from_dir": (folder, "1"),
+        "from_glob": (str(folder / "*.parquet"), "2"),
+    }
+    for name, (inp, workers) in runs.items():
+        assert preprocess_main(_args(bpe_files, inp, tmp_path / name, *keys, "--workers", workers)) == 0
+        for key in ("text", "title"):
+            for suffix in (".bin", ".idx"):
+                ours = (tmp_path / f"{name}_{key}_document{suffix}").read_bytes()
+                assert ours == (tmp_path / f"from_json_{key}_document{suffix}").read_bytes(), (name, key)
+    assert len(IndexedDataset(str(tmp_path / "from_parquet_text_document"))) == len(records) - 1
+
+
+def test_parquet_lists_of_sentences_and_bad_rows_follow_the_json_rules(bpe_files, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": ["First sentence.", "", "Second one."]}, {"text": ["Only"]}, {"text": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet")
+    assert preprocess_main(_args(bpe_files, tmp_path / "s.parquet", tmp_path / "o")) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and re.search(
+        r"s\.parquet:3: json key 'text' holds a NoneType, expected a string or a list of strings", err
+    ), err
+    assert (
+        preprocess_main(_args(bpe_files, tmp_path / "s.parquet", tmp_path / "o", "--bad-lines", "skip")) == 0
+    )
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    tok = GPT2BPETokenizer(*bpe_files)
+    assert ds.document_indices.tolist() == [0, 2, 3]
+    assert ds[1].tolist() == tok.tokenize("Second one.")
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"body": ["x"]}, r"no column 'text' for --json-keys \(the file's columns: body\)"),
+        ({"text": [1, 2]}, r"column 'text' is int64, expected strings or lists of strings"),
+    ],
+    ids=["missing-column", "int-column"],
+)
+def test_a_parquet_file_without_a_usable_key_column_is_named(bpe_files, tmp_path, capsys, table, message):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(table), tmp_path / "t.parquet")
+    assert preprocess_main(_args(bpe_files, tmp_path / "t.parquet", tmp_path / "out" / "o")) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and re.search(r"t\.parquet: " + message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_without_pyarrow_names_the_extra_to_install(bpe_files, tmp_path, capsys, monkeypatch):
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow -> ImportError, as when not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    assert preprocess_main(_args(bpe_files, tmp_path / "x.parquet", tmp_path / "out" / "o")) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"mcore-preprocess-data: error: {tmp_path / 'x.parquet'}: reading parquet needs pyarrow, which is not "
+        "installed: pip install 'mcore[parquet]' (or pip install pyarrow)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_input(bpe_files, tmp_path, capsys):
     assert preprocess_main(_args(bpe_files, tmp_path / "nope.jsonl", tmp_path / "o")) == 1
     assert re.search(r"error: --input .*nope\.jsonl: no such file or directory", capsys.readouterr().err)

@@ -13,11 +13,13 @@ from mcore.distributed.groups import ProcessGroups
 from mcore.optimizer import (
     ConstantGradScaler,
     DynamicGradScaler,
+    LossScaleUnderflowError,
     OptimizerConfig,
     PrecisionConfig,
     build_grad_scaler,
     build_optimizer,
 )
+from mcore.optimizer.grad_scaler import underflow_error
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -171,6 +173,41 @@ def test_build_grad_scaler():
     static = build_grad_scaler(PrecisionConfig(fp16=True, loss_scale=128.0))
     assert isinstance(static, ConstantGradScaler) and static.scale == 128.0
     assert build_grad_scaler(PrecisionConfig(fp16=True)).scale == 2.0**32
+
+
+def _fp16_step(loss_scale: float | None, clip_grad: float, steps: int = 1) -> tuple[bool, nn.Module]:
+    """``steps`` real fp16 steps (backward of the scaled loss) with a static ``loss_scale``."""
+    model = _model().half()
+    precision = PrecisionConfig(fp16=True, loss_scale=loss_scale)
+    optimizer = build_optimizer(
+        OptimizerConfig(clip_grad=clip_grad), precision, [model], ProcessGroups.single(), lr=0.01
+    )
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0)).half()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        optimizer.scale_loss(model(x).float().square().mean()).backward()
+        ok, _, _ = optimizer.step()
+    return ok, model
+
+
+@pytest.mark.parametrize("clip_grad", [1.0, 0.0], ids=["clipping", "no-clipping"])
+def test_a_static_loss_scale_that_underflows_every_gradient_is_an_error(clip_grad):
+    before = [p.detach().clone() for p in _model().half().parameters()]
+    # 2**-30: every fp16 gradient of this model underflows to zero (fp16's smallest subnormal is 2**-24)
+    with pytest.raises(
+        LossScaleUnderflowError, match=r"every gradient is zero at loss scale 9\.31323e-10"
+    ) as info:
+        _fp16_step(2.0**-30, clip_grad)
+    assert "raise --loss-scale 9.31323e-10" in str(info.value) and "dynamic loss scale" in str(info.value)
+    assert isinstance(info.value, ConfigError)  # pretrain ends with this one line, exit status 2
+    # a usable static scale trains (and the check, without clipping, costs only the first step)
+    ok, model = _fp16_step(1024.0, clip_grad, steps=3)
+    assert ok and any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_dynamic_scale_at_its_floor_that_underflows_names_min_loss_scale():
+    scaler = DynamicGradScaler(2.0**-30, 2.0**-30, 1000, 2)
+    assert "raise --min-loss-scale 9.31323e-10" in str(underflow_error(scaler))
 
 
 def test_config_validation_names_values():

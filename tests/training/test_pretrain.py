@@ -122,6 +122,43 @@ def _train(argv):
     return result.train_losses, result.valid_loss, result.state.skipped_iterations
 
 
+def test_eval_iters_zero_with_a_split_that_holds_no_sample_trains(tmp_path):
+    """The default split (969,30,1) of a small dataset leaves the test share without one sample; with
+    --eval-iters 0 nothing asks it for samples, so the run trains (it raised from the data loader)."""
+    from mcore.data.preprocess import main as preprocess_main
+
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": " ".join(["7"] * 40)}) + "\n" for _ in range(400)))
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+    args = ["--input", str(jsonl), "--output-prefix", str(tmp_path / "d"), "--append-eod", *null]
+    assert preprocess_main(args) == 0
+    argv = [
+        "--device-backend", "cpu", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--num-workers", "0",
+        "--eval-iters", "0", "--data-path", str(tmp_path / "d_text_document"), *null,
+    ]  # fmt: skip
+    losses, valid, _ = _train(argv)
+    assert len(losses) == 2 and valid is None
+
+
+def test_a_split_without_validation_says_so_once(corpus, capsys):
+    losses, valid, _ = _train(
+        _argv(corpus, "--split", "100,0,0", "--eval-interval", "1", "--lr-warmup-iters", "1", iters=3)
+    )
+    assert len(losses) == 3 and valid is None
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "no validation data" in line]
+    assert warnings == [
+        "WARNING: --eval-iters 2 but there is no validation data (--split '100,0,0' gives validation a "
+        "share of 0): this run does not validate. Give validation data (e.g. --split 969,30,1) or set "
+        "--eval-iters 0."
+    ], out
+    # --eval-iters 0 asks for no validation: nothing to say
+    _train(_argv(corpus, "--split", "100,0,0", "--eval-iters", "0", "--lr-warmup-iters", "1", iters=3))
+    assert "no validation data" not in capsys.readouterr().out
+
+
 def test_validation_loss_falls_on_stdlib_corpus(corpus):
     losses, valid, _ = _train(_argv(corpus, iters=40))
     assert len(losses) == 40
@@ -203,8 +240,39 @@ def test_fp16_inf_gradient_skips_that_step_and_lowers_the_scale(corpus, tmp_path
     assert all(torch.isfinite(torch.tensor(r["lm loss"])) for i, r in enumerate(records) if i != 2)
 
 
+def test_a_static_loss_scale_that_underflows_every_gradient_stops_with_one_line(corpus, capsys):
+    argv = _argv(corpus, "--fp16", "--loss-scale", str(2.0**-40), "--lr-warmup-iters", "1", iters=3)
+    with pytest.raises(SystemExit) as info:
+        pretrain(model_provider, forward_step, argv=argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error (rank 0): every gradient is zero at loss scale 9.09495e-13: the scaled gradients underflowed "
+        "to zero and the update would not train the model; raise --loss-scale 9.09495e-13 (Megatron's "
+        "static scales are powers of 2 such as 4096) or leave it out for the dynamic loss scale"
+    ], err
+
+
+def test_bf16_with_a_static_loss_scale_trains_on_unscaled_gradients(corpus, tmp_path):
+    """The losses and gradient norms equal those without a scale (up to the two optimizer paths' float
+    rounding: the scaled run takes the per-parameter path, which unscales; the flat AdamW path never
+    did, so its logged norm was 1024x and clipping saw the scaled gradients)."""
+    runs = {}
+    for name, extra in (("plain", []), ("scaled", ["--loss-scale", "1024"])):
+        log = tmp_path / f"{name}.jsonl"
+        argv = _argv(corpus, "--bf16", "--log-interval", "1", "--log-json", str(log), *extra, iters=4)
+        losses, _, _ = _train(argv)
+        norms = [json.loads(line)["grad_norm"] for line in log.read_text().splitlines() if '"train"' in line]
+        runs[name] = (losses, norms)
+    for scaled, plain in zip(runs["scaled"], runs["plain"]):
+        torch.testing.assert_close(torch.tensor(scaled), torch.tensor(plain), rtol=1e-3, atol=0)
+
+
 def test_megatron_style_launch_script_runs_under_torchrun(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRAIN_ITERS="4", OUTPUT_DIR=str(tmp_path))
+    # PYTHON: the script launches `$PYTHON -m torch.distributed.run`; this interpreter, not PATH's.
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", TRAIN_ITERS="4", OUTPUT_DIR=str(tmp_path), PYTHON=sys.executable
+    )
     proc = subprocess.run(
         ["bash", str(REPO / "examples" / "pretrain_gpt3_tp_pp.sh")],
         env=env,
