@@ -522,14 +522,16 @@ def pretrain(
     argv: Sequence[str] | None = None,
     extra_config_groups: dict[str, type] | None = None,
     cfg: RunConfig | None = None,
+    args_defaults: dict | None = None,
 ) -> TrainResult:
     """Train a model with Megatron-LM's command line (see the module docstring for the providers).
 
     User mistakes (bad flags, impossible layouts, unavailable backends, missing data) end the process
-    with one message on stderr and exit status 2.
+    with one message on stderr and exit status 2. ``args_defaults`` are the script's own defaults by
+    config field name, as in Megatron (``{"tokenizer_type": "GPT2BPETokenizer"}``).
     """
     try:
-        cfg = cfg or parse_run_config(argv, extra_config_groups)
+        cfg = cfg or parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
         backend = setup_backend(cfg)
         world_size = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
         cfg = check_run_config(cfg, backend, world_size)
