@@ -234,8 +234,11 @@ def parse_config(
         argv, notes = rewrite_legacy_flags(parser, argv)
     except ConfigError as err:
         parser.error(str(err))
+    known = set(known_flags(parser))
+    # A refused Megatron flag is named as such, even where it happens to abbreviate a flag of ours.
+    refused = [a for a in argv if a.split("=", 1)[0] in UNSUPPORTED_MEGATRON_FLAGS and a not in known]
     namespace, unknown = parser.parse_known_args(argv)
-    unknown = [u for u in unknown if u.split("=", 1)[0] not in set(extra_args)]
+    unknown = refused + [u for u in unknown if u.split("=", 1)[0] not in set(extra_args)]
     message = explain_unknown_flags(parser, unknown)
     if message:
         parser.error(message)

@@ -102,7 +102,12 @@ LEGACY_MEGATRON_FLAGS: dict[str, LegacyFlag] = {
     "--checkpoint-activations": LegacyFlag(
         False,
         lambda _: [
-            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
         ],
         "--checkpoint-activations is deprecated: using --recompute-granularity full "
         "--recompute-method uniform --recompute-num-layers 1",

@@ -174,7 +174,9 @@ def format_arguments_block(configs: dict[str, Any], extra: dict[str, Any] | None
 
 def format_parameter_count(tp_rank: int, pp_rank: int, count: int) -> str:
     """Megatron's per-rank parameter line (printed by data-parallel rank 0 of each model-parallel rank)."""
-    return f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"
+    return (
+        f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"
+    )
 
 
 def format_train_line(iteration: int, train_iters: int | None, v: dict[str, Any]) -> str:

@@ -61,7 +61,9 @@ class Timers:
     """Named phase timers; ``timers("optimizer")`` is a context manager that times the phase when its
     level (:data:`TIMER_LEVELS`) is at most ``log_level``, and does nothing otherwise."""
 
-    def __init__(self, log_level: int = 0, log_option: str = "minmax", synchronize: Callable[[], None] = None):
+    def __init__(
+        self, log_level: int = 0, log_option: str = "minmax", synchronize: Callable[[], None] = None
+    ):
         self.log_level, self.log_option = log_level, log_option
         self._synchronize = synchronize or (lambda: None)
         self._timers: dict[str, _Timer] = {}
@@ -117,9 +119,7 @@ class Timers:
         else:
             rows = [local]
         table = torch.stack(rows).cpu().tolist()  # [rank][timer]
-        return {
-            name: [row[i] if row[i] >= 0 else None for row in table] for i, name in enumerate(names)
-        }
+        return {name: [row[i] if row[i] >= 0 else None for row in table] for i, name in enumerate(names)}
 
 
 class _TimedIterator:
@@ -167,4 +167,3 @@ def timer_scalars(times: dict[str, list[float | None]]) -> dict[str, float]:
         if ran:
             out[f"{name}-time"] = max(ran)
     return out
-
