@@ -113,7 +113,7 @@ def test_import_refuses_missing_tensors_and_impossible_layouts(source, tmp_path)
 def test_import_command_prints_the_megatron_flags(source, tmp_path, capsys):
     assert (
         import_main(
-            ["--hf-dir", source["hf"], "--save", str(tmp_path / "ckpt"), "--tensor-model-parallel-size", "2"]
+            ["--hf-dir", source["hf"], "--save", str(tmp_path / "ckpt")]
         )
         == 0
     )
