@@ -10,7 +10,7 @@ Steps (each prints where its output went):
    spirit of Megatron's CodeParrot example;
 2. tokenizer: a byte-level BPE trained on that corpus (vocab.json + merges.txt, GPT-2 format);
 3. preprocessing: ``mcore-preprocess-data`` into Megatron ``.bin/.idx``;
-4. pretraining: ``torchrun examples/pretrain_gpt.py`` with tensor parallel 2, stopped halfway by
+4. pretraining: ``python -m torch.distributed.run examples/pretrain_gpt.py`` with tensor parallel 2, stopped halfway by
    ``--exit-interval`` (a checkpoint is saved), then resumed from it with ``--load`` to the end;
 5. export: the checkpoint to a Hugging Face directory (parity-checked by the exporter);
 6. generation: a completion of ``def hello_world():`` with mcore and with transformers;
@@ -199,7 +199,9 @@ def main(argv=None) -> int:
     ckpt = work / "checkpoints"
     log = work / "train_log.jsonl"
     train = [
-        "torchrun",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         "--nproc_per_node",
         str(args.nproc),
         str(REPO / "examples" / "pretrain_gpt.py"),

@@ -23,6 +23,7 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--use-legacy-models": "mcore has one model implementation",
     "--transformer-impl": "kernels come from the device backend's op table",
     "--use-flash-attn": "the device backend serves flash attention when it has it",
+    "--attention-backend": "the device backend picks the attention kernel (flash, fused or unfused)",
     "--no-masked-softmax-fusion": "the device backend decides fusions",
     "--no-bias-gelu-fusion": "the device backend decides fusions",
     "--no-bias-swiglu-fusion": "the device backend decides fusions",
