@@ -37,7 +37,7 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--no-persist-layer-norm": "the device backend decides fusions",
     "--attention-softmax-in-fp32": "mcore always computes the attention softmax in fp32",
     "--log-num-zeros-in-grad": "the number of zeros in the gradients is not counted",
-    "--log-memory-to-tensorboard": "the memory tags (mem-allocated-bytes, ...) are always written",
+    "--log-memory-to-tensorboard": "the memory tags (mem-allocated-bytes, ...) are always written where the backend reports memory",
     "--log-throughput": "tokens/s (and TFLOP/s/device on accelerators) are always logged",
     "--no-create-attention-mask-in-dataloader": "mcore builds the causal mask inside attention",
     "--ckpt-fully-parallel-save": "every rank always writes its own shards",
