@@ -12,11 +12,18 @@ Take a Megatron-LM launch script and change only the script path::
 
 Top to bottom: the model provider builds one pipeline chunk of the GPT; the forward step reads a
 micro-batch and returns the per-token loss with its closure; ``pretrain`` does the rest (backend,
-process groups, data, optimizer, schedules, checkpoints, logging).
+process groups, data, optimizer, schedules, checkpoints, logging). As in Megatron's
+``pretrain_gpt.py``, ``--tokenizer-type`` defaults to ``GPT2BPETokenizer`` (give ``--vocab-file`` and
+``--merge-file``).
 """
 
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import gpt_datasets_provider, pretrain
 
 if __name__ == "__main__":
-    pretrain(model_provider, forward_step, gpt_datasets_provider)
+    pretrain(
+        model_provider,
+        forward_step,
+        gpt_datasets_provider,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    )

@@ -10,11 +10,17 @@ Steps (each prints where its output went):
    spirit of Megatron's CodeParrot example;
 2. tokenizer: a byte-level BPE trained on that corpus (vocab.json + merges.txt, GPT-2 format);
 3. preprocessing: ``mcore-preprocess-data`` into Megatron ``.bin/.idx``;
-4. pretraining: ``torchrun examples/pretrain_gpt.py`` with tensor parallel 2, stopped halfway by
+4. pretraining: ``python -m torch.distributed.run examples/pretrain_gpt.py`` with tensor parallel 2, stopped halfway by
    ``--exit-interval`` (a checkpoint is saved), then resumed from it with ``--load`` to the end;
 5. export: the checkpoint to a Hugging Face directory (parity-checked by the exporter);
 6. generation: a completion of ``def hello_world():`` with mcore and with transformers;
 7. a loss-curve PNG from the run's JSON log.
+
+Every run starts clean: a work directory left by an earlier quickstart run (it holds the marker file
+``.mcore-quickstart``) is emptied first, and the run says so; a directory that is not the
+quickstart's and not empty is refused (choose another ``--workdir``). Each step checks its result
+(the checkpoint's iteration, the logged iterations) before it reports progress, and the plot is
+refused when the log holds no training record.
 """
 
 from __future__ import annotations
@@ -23,12 +29,57 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROMPT = "def hello_world():"
+MARKER = ".mcore-quickstart"
+
+
+class QuickstartError(SystemExit):
+    """A step whose result is not what it should be: the message says which and why."""
+
+    def __init__(self, message: str):
+        super().__init__(f"quickstart: {message}")
+
+
+def prepare_workdir(work: pathlib.Path) -> None:
+    """Make ``work`` an empty quickstart directory: remove an earlier quickstart run's outputs (said
+    on stdout), refuse a non-empty directory that is not the quickstart's."""
+    if work.exists() and any(work.iterdir()):
+        if not (work / MARKER).exists():
+            raise QuickstartError(
+                f"{work} is not empty and was not made by the quickstart; choose another --workdir "
+                "or remove it"
+            )
+        print(f"starting clean: removing the previous quickstart run's outputs in {work}")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("made by examples/quickstart.py; emptied at the start of every run\n")
+
+
+def checkpoint_iteration(ckpt: pathlib.Path) -> int | None:
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    return int(tracker.read_text().strip()) if tracker.exists() else None
+
+
+def logged_iterations(log: pathlib.Path) -> list[int]:
+    if not log.exists():
+        return []
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [r["iteration"] for r in records if r["kind"] == "train"]
+
+
+def expect_trained(ckpt: pathlib.Path, log: pathlib.Path, iteration: int) -> None:
+    """The checkpoint is at ``iteration`` and the log has that iteration's training record."""
+    saved = checkpoint_iteration(ckpt)
+    if saved != iteration:
+        raise QuickstartError(f"expected a checkpoint at iteration {iteration} in {ckpt}, found {saved}")
+    if iteration not in logged_iterations(log):
+        raise QuickstartError(f"{log} has no training record of iteration {iteration}")
 
 
 def step(title: str) -> None:
@@ -67,8 +118,10 @@ def plot_losses(log: pathlib.Path, png: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     its = [r["iteration"] for r in train if r["kind"] == "train"]
+    if not its:
+        raise QuickstartError(f"{log} holds no training record: nothing to plot")
     loss = [r["lm loss"] for r in train if r["kind"] == "train"]
     val = [(r["iteration"], r["lm loss"]) for r in train if r["kind"] == "validation" and not r.get("final")]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -104,7 +157,7 @@ def main(argv=None) -> int:
     iters = 40 if args.quick else args.iters
     args.nproc = args.nproc or default_nproc(args.device_backend)
     work = pathlib.Path(args.workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    prepare_workdir(work)
     started = time.time()
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -145,9 +198,6 @@ def main(argv=None) -> int:
     step(f"4. pretraining (tensor parallel {args.nproc}), stop halfway, resume")
     ckpt = work / "checkpoints"
     log = work / "train_log.jsonl"
-    if log.exists():
-        log.unlink()
-    # torchrun is torch.distributed.run of this interpreter (a bare `torchrun` may be another install's).
     train = [
         sys.executable,
         "-m",
@@ -223,8 +273,10 @@ def main(argv=None) -> int:
     if args.device_backend != "cpu":
         train += ["--bf16"]
     run(train + ["--exit-interval", str(iters // 2)], env)
+    expect_trained(ckpt, log, iters // 2)
     print(f"checkpoint after {iters // 2} iterations -> {ckpt}")
     run(train, env)
+    expect_trained(ckpt, log, iters)
     print(f"resumed and finished {iters} iterations -> {ckpt}")
 
     step("5. export to Hugging Face (the exporter checks logit parity itself)")

@@ -60,9 +60,9 @@ def test_megatron_spellings_parse_into_typed_configs():
 
 def test_unknown_flag_is_named_with_a_suggestion(capsys):
     with pytest.raises(SystemExit) as err:
-        parse_config(GROUPS, ["--num-layer", "3"])
+        parse_config(GROUPS, ["--num-layres", "3"])
     assert err.value.code == 2
-    assert "unknown flag --num-layer (did you mean --num-layers?)" in capsys.readouterr().err
+    assert "unknown flag --num-layres (did you mean --num-layers?)" in capsys.readouterr().err
 
 
 def test_unsupported_megatron_flag_says_so(capsys):

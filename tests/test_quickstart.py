@@ -11,6 +11,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def test_quickstart_quick_mode_produces_every_artifact(tmp_path):
     work = tmp_path / "qs"
+    # What a finished earlier run leaves behind: a checkpoint at the last iteration. Resuming from it
+    # would train nothing (the bug: a second run printed progress over an empty log and plot).
+    (work / "checkpoints").mkdir(parents=True)
+    (work / ".mcore-quickstart").write_text("")
+    (work / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("40")
+    (work / "train_log.jsonl").write_text("")
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "quickstart.py"), "--quick", "--workdir", str(work)],
         capture_output=True,
@@ -19,6 +25,7 @@ def test_quickstart_quick_mode_produces_every_artifact(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"starting clean: removing the previous quickstart run's outputs in {work}" in proc.stdout
 
     # data: Megatron .bin/.idx and the trained tokenizer
     assert (work / "data" / "stdlib_text_document.bin").stat().st_size > 0
@@ -52,7 +59,41 @@ def test_quickstart_quick_mode_produces_every_artifact(tmp_path):
     events = sorted((work / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 2
     tags = EventAccumulator(str(events[-1])).Reload().Tags()["scalars"]
-    assert "train/lm loss" in tags and "train/learning_rate" in tags and "validation/lm loss" in tags
+    assert "lm loss" in tags and "learning-rate" in tags and "lm loss validation" in tags
 
     # the loss curve
     assert (work / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _quickstart_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quickstart", REPO / "examples" / "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_refuses_a_foreign_directory_and_an_empty_plot(tmp_path):
+    """A non-empty directory the quickstart did not make is refused (nothing removed); a log with no
+    training record gives an error, not an empty PNG; its progress checks fail on a missing iteration."""
+    import pytest
+
+    quickstart = _quickstart_module()
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="not empty and was not made by the quickstart"):
+        quickstart.prepare_workdir(foreign)
+    assert (foreign / "notes.txt").read_text() == "keep"
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("")
+    with pytest.raises(SystemExit, match="holds no training record"):
+        quickstart.plot_losses(log, tmp_path / "loss.png")
+    assert not (tmp_path / "loss.png").exists()
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("40")
+    with pytest.raises(SystemExit, match="no training record of iteration 40"):
+        quickstart.expect_trained(tmp_path / "ckpt", log, 40)

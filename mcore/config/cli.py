@@ -5,6 +5,11 @@ an argparse option; ``parse_config(groups, argv)`` parses, reports unknown flags
 closest known flag, or the reason a Megatron flag is deliberately not supported), and constructs
 every config object, whose own validation then runs. User mistakes end in one line on stderr and
 exit status 2, never a traceback.
+
+As Megatron-LM's argparse does, an unambiguous prefix of a flag is accepted (``--vocab-f`` for
+``--vocab-file``); an ambiguous one is an error naming the candidates. Old spellings
+(``LEGACY_MEGATRON_FLAGS``) are rewritten to their current meaning with a one-line note, and the
+Megatron flags that change nothing in mcore (``IGNORED_MEGATRON_FLAGS``) are listed once with the reason.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 import types
 import typing
@@ -19,7 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mcore.config.fields import ConfigError, flag_name
-from mcore.config.megatron_flags import IGNORED_MEGATRON_FLAGS, UNSUPPORTED_MEGATRON_FLAGS
+from mcore.config.megatron_flags import (
+    IGNORED_MEGATRON_FLAGS,
+    LEGACY_FLAG_VALUES,
+    LEGACY_MEGATRON_FLAGS,
+    UNSUPPORTED_MEGATRON_FLAGS,
+)
 
 ConfigGroups = Mapping[str, type]
 
@@ -73,7 +84,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(groups: ConfigGroups, prog: str | None = None, description: str | None = None):
     """An argparse parser with one argument group per config class."""
-    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
+    parser = _Parser(prog=prog, description=description, allow_abbrev=True)
     seen: dict[str, str] = {}
     for group_name, cls in groups.items():
         group = parser.add_argument_group(group_name, (cls.__doc__ or "").strip().splitlines()[0])
@@ -84,8 +95,75 @@ def build_parser(groups: ConfigGroups, prog: str | None = None, description: str
             seen[spelling] = cls.__name__
             _add_field(group, field, annotation, dest=f"{group_name}.{field.name}")
     for ignored in IGNORED_MEGATRON_FLAGS:
-        parser.add_argument(ignored, nargs="?", const=True, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        if ignored not in seen:
+            parser.add_argument(
+                ignored, nargs="?", const=True, dest=_IGNORED_DEST + ignored, default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )  # fmt: skip
     return parser
+
+
+_IGNORED_DEST = "ignored:"
+
+
+def _say(message: str) -> None:
+    """A note for the user, once per job (rank 0 of a launcher, or a lone process)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
+
+
+def rewrite_legacy_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` with every old spelling (:data:`LEGACY_MEGATRON_FLAGS`, :data:`LEGACY_FLAG_VALUES`) in
+    its current form, and the deprecation notes. A flag this parser declares itself is left alone.
+
+    Raises:
+        ConfigError: an old flag with a value that has no current meaning (named with the value).
+    """
+    known = set(known_flags(parser))
+    out: list[str] = []
+    notes: list[str] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        spelling, eq, inline = token.partition("=")
+        legacy = LEGACY_MEGATRON_FLAGS.get(spelling)
+        if legacy is not None and spelling not in known:
+            value = None
+            if legacy.takes_value:
+                if eq:
+                    value = inline
+                elif i < len(tokens):
+                    value, i = tokens[i], i + 1
+                else:
+                    raise ConfigError(f"{spelling} needs a value")
+            try:
+                out.extend(legacy.replace(value))
+            except ValueError as err:
+                raise ConfigError(f"{spelling} {err}") from None
+            if legacy.note not in notes:
+                notes.append(legacy.note)
+            continue
+        values = LEGACY_FLAG_VALUES.get(spelling)
+        if values is not None:
+            value = inline if eq else (tokens[i] if i < len(tokens) else None)
+            if value in values:
+                notes.append(f"{spelling} {value} is deprecated: using {spelling} {values[value]}")
+                out.extend([spelling, values[value]])
+                i += 0 if eq else 1
+                continue
+        out.append(token)
+    return out, notes
+
+
+def ignored_flags_note(namespace: argparse.Namespace) -> str | None:
+    """One line naming each accepted-but-ignored Megatron flag that was given, with the reason."""
+    given = [k[len(_IGNORED_DEST) :] for k in vars(namespace) if k.startswith(_IGNORED_DEST)]
+    if not given:
+        return None
+    reasons = "; ".join(f"{name} ({IGNORED_MEGATRON_FLAGS[name]})" for name in given)
+    return f"NOTE: these Megatron-LM flags change nothing in mcore: {reasons}"
 
 
 def known_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -133,19 +211,40 @@ def parse_config(
     argv: Sequence[str] | None = None,
     prog: str | None = None,
     extra_args: Sequence[str] = (),
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Parse ``argv`` into one config object per group; exit 2 with one message on a user mistake.
 
-    ``extra_args`` are flags another parser owns (kept out of the unknown-flag check).
+    ``extra_args`` are flags another parser owns (kept out of the unknown-flag check). ``defaults``
+    maps field names to the defaults a script sets for them (Megatron's ``args_defaults``, e.g.
+    ``{"tokenizer_type": "GPT2BPETokenizer"}`` in ``pretrain_gpt.py``); a flag given wins.
     """
     parser = build_parser(groups, prog=prog)
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, notes = rewrite_legacy_flags(parser, argv)
+    except ConfigError as err:
+        parser.error(str(err))
+    known = set(known_flags(parser))
+    # A refused Megatron flag is named as such, even where it happens to abbreviate a flag of ours.
+    refused = [a for a in argv if a.split("=", 1)[0] in UNSUPPORTED_MEGATRON_FLAGS and a not in known]
     namespace, unknown = parser.parse_known_args(argv)
-    unknown = [u for u in unknown if u.split("=", 1)[0] not in set(extra_args)]
+    unknown = refused + [u for u in unknown if u.split("=", 1)[0] not in set(extra_args)]
     message = explain_unknown_flags(parser, unknown)
     if message:
         parser.error(message)
+    for group_name, cls in groups.items():
+        for field in dataclasses.fields(cls):
+            dest = f"{group_name}.{field.name}"
+            if defaults and field.name in defaults and not hasattr(namespace, dest):
+                setattr(namespace, dest, defaults[field.name])
     try:
-        return build_configs(groups, namespace)
+        configs = build_configs(groups, namespace)
     except ConfigError as err:
         parser.error(str(err))
+    for note in notes:
+        _say(f"WARNING: {note}")
+    ignored = ignored_flags_note(namespace)
+    if ignored:
+        _say(ignored)
+    return configs

@@ -8,13 +8,22 @@ passes is silently dropped:
   (the device backend picks kernels, fusions and the communication library). They are accepted,
   take an optional value, and change nothing.
 * ``UNSUPPORTED_MEGATRON_FLAGS``: features mcore does not have; passing one is an error that says so.
+* ``LEGACY_MEGATRON_FLAGS``: older spellings still found in launch scripts (Megatron's own deprecated
+  flags, Accelerate's and BigCode's). Each is rewritten to its current meaning before parsing, with a
+  one-line deprecation note (:func:`mcore.config.cli.rewrite_legacy_flags`).
 """
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--use-mcore-models": "mcore has one model implementation",
     "--use-legacy-models": "mcore has one model implementation",
     "--transformer-impl": "kernels come from the device backend's op table",
     "--use-flash-attn": "the device backend serves flash attention when it has it",
+    "--attention-backend": "the device backend picks the attention kernel (flash, fused or unfused)",
     "--no-masked-softmax-fusion": "the device backend decides fusions",
     "--no-bias-gelu-fusion": "the device backend decides fusions",
     "--no-bias-swiglu-fusion": "the device backend decides fusions",
@@ -27,19 +36,13 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--use-dist-ckpt": "mcore checkpoints are always sharded",
     "--no-persist-layer-norm": "the device backend decides fusions",
     "--attention-softmax-in-fp32": "mcore always computes the attention softmax in fp32",
-    "--no-position-embedding": "use --position-embedding-type rope or alibi",
-    "--dataloader-type": "mcore's sampler is Megatron's 'single' type",
-    "--timing-log-level": "mcore logs its phase timers at every log interval",
-    "--log-params-norm": "not logged yet; accepted",
-    "--log-num-zeros-in-grad": "not logged yet; accepted",
-    "--log-timers-to-tensorboard": "timers always go to TensorBoard when it is on",
-    "--log-validation-ppl-to-tensorboard": "validation perplexity always goes to TensorBoard",
-    "--log-memory-to-tensorboard": "memory always goes to TensorBoard when it is on",
-    "--log-throughput": "throughput is always logged",
+    "--log-num-zeros-in-grad": "the number of zeros in the gradients is not counted",
+    "--log-memory-to-tensorboard": "the memory tags (mem-allocated-bytes, ...) are always written where the backend reports memory",
+    "--log-throughput": "tokens/s (and TFLOP/s/device on accelerators) are always logged",
     "--no-create-attention-mask-in-dataloader": "mcore builds the causal mask inside attention",
     "--ckpt-fully-parallel-save": "every rank always writes its own shards",
     "--ckpt-fully-parallel-load": "every rank always reads only what it needs",
-    "--manual-gc": "accepted; Python's collector is left on",
+    "--manual-gc": "Python's garbage collector is left on",
     "--wandb-save-dir": "Weights & Biases writes to its default directory",
     "--mmap-bin-files": "memory-mapping .bin files is the default (--no-mmap-bin-files turns it off)",
 }
@@ -58,3 +61,96 @@ UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
     "--retro-add-retriever": "RETRO is not implemented",
     "--use-mup": "muP is not implemented",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class LegacyFlag:
+    """An old spelling and its current meaning.
+
+    ``takes_value``: the flag consumes the next token (or ``--flag=value``). ``replace(value)`` gives
+    the current flags (``value`` is None for a switch); it raises ``ValueError`` for a value with no
+    current meaning. ``note`` is the deprecation line printed once.
+    """
+
+    takes_value: bool
+    replace: Callable[[str | None], list[str]]
+    note: str
+
+
+def _data_impl(value: str | None) -> list[str]:
+    if value not in ("mmap", "infer"):
+        raise ValueError(
+            f"{value!r}: Megatron's lazy/cached formats are gone; mcore reads and writes the mmap "
+            "format (convert the data with mcore-preprocess-data)"
+        )
+    return []
+
+
+def _attention_head_type(value: str | None) -> list[str]:
+    if value == "multihead":
+        return []
+    if value == "multiquery":
+        return ["--group-query-attention", "--num-query-groups", "1"]
+    raise ValueError(f"{value!r}: choose multihead or multiquery")
+
+
+LEGACY_MEGATRON_FLAGS: dict[str, LegacyFlag] = {
+    "--recompute-activations": LegacyFlag(
+        False,
+        lambda _: ["--recompute-granularity", "selective"],
+        "--recompute-activations is deprecated: using --recompute-granularity selective",
+    ),
+    "--checkpoint-activations": LegacyFlag(
+        False,
+        lambda _: [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+        "--checkpoint-activations is deprecated: using --recompute-granularity full "
+        "--recompute-method uniform --recompute-num-layers 1",
+    ),
+    "--data-impl": LegacyFlag(
+        True, _data_impl, "--data-impl is deprecated: .bin/.idx files are always Megatron's mmap format"
+    ),
+    "--dataset-impl": LegacyFlag(
+        True, _data_impl, "--dataset-impl is deprecated: .bin/.idx files are always Megatron's mmap format"
+    ),
+    "--use-rotary-position-embeddings": LegacyFlag(
+        False,
+        lambda _: ["--position-embedding-type", "rope"],
+        "--use-rotary-position-embeddings is deprecated: using --position-embedding-type rope",
+    ),
+    "--no-position-embedding": LegacyFlag(
+        False,
+        lambda _: ["--position-embedding-type", "none"],
+        "--no-position-embedding is deprecated: using --position-embedding-type none",
+    ),
+    "--no-query-key-layer-scaling": LegacyFlag(
+        False,
+        lambda _: [],
+        "--no-query-key-layer-scaling is deprecated: query-key layer scaling is off (it only matters "
+        "for an fp16 softmax; mcore's attention softmax is always fp32)",
+    ),
+    "--fp16-lm-cross-entropy": LegacyFlag(
+        False,
+        lambda _: ["--cross-entropy-loss-fusion"],
+        "--fp16-lm-cross-entropy is deprecated: using --cross-entropy-loss-fusion (the loss reads the "
+        "half-precision logits without an fp32 copy; its sums stay fp32)",
+    ),
+    "--attention-head-type": LegacyFlag(
+        True,
+        _attention_head_type,
+        "--attention-head-type is deprecated: multiquery is --group-query-attention --num-query-groups 1",
+    ),
+}
+"""Old spellings, rewritten before parsing (only where the parser has no flag of that name)."""
+
+LEGACY_FLAG_VALUES: dict[str, dict[str, str]] = {
+    # Accelerate's MegatronLMPlugin and older Megatron scripts name the position types this way.
+    "--position-embedding-type": {"rotary": "rope", "absolute": "learned_absolute"},
+}
+"""Old values of current flags: ``{flag: {old value: current value}}``."""

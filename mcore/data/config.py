@@ -43,6 +43,12 @@ class DataConfig:
     )
     """Where index caches go; blended-dataset indices are cached only when this is set."""
     num_workers: int = flag(2, "Data loader worker processes per rank.")
+    dataloader_type: str = flag(
+        "single",
+        "Sample order of the training loader: single (the dataset's own shuffled order, read once) or "
+        "cyclic (Megatron's random sampler: each epoch a fresh permutation from --seed and the epoch).",
+        choices=("single", "cyclic"),
+    )
     """Background workers that prepare batches."""
     reset_position_ids: bool = flag(False, "Restart position ids after every end-of-document token.")
     """Position ids restart at 0 after each EOD."""
@@ -90,7 +96,12 @@ class TokenizerConfig:
 
     tokenizer_type: str | None = flag(None, "Tokenizer to use.", choices=TOKENIZER_TYPES)
     """GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer."""
-    vocab_file: str | None = flag(None, "GPT-2 vocab.json (GPT2BPETokenizer).")
+    vocab_file: str | None = flag(
+        None,
+        "GPT-2 vocab.json (GPT2BPETokenizer). --vocab is kept as a spelling: the CodeParrot blog's "
+        "preprocessing line abbreviates it so.",
+        aliases=("--vocab",),
+    )
     """Token -> id JSON."""
     merge_file: str | None = flag(None, "GPT-2 merges.txt (GPT2BPETokenizer).")
     """BPE merges in rank order."""

@@ -110,6 +110,8 @@ def build_pretraining_data_loader(
     data_parallel_size: int,
     num_workers: int,
     pin_memory: bool,
+    dataloader_type: str = "single",
+    seed: int = 0,
 ) -> torch.utils.data.DataLoader | None:
     """A DataLoader over ``dataset`` resuming after ``consumed_samples`` (None when ``dataset`` is None).
 
@@ -121,16 +123,25 @@ def build_pretraining_data_loader(
         data_parallel_size: data-parallel group size.
         num_workers: background worker processes (0: load in the training process).
         pin_memory: page-lock batches for faster host-to-device copies (pass the backend's answer).
+        dataloader_type: ``single`` (:class:`PretrainingSampler`) or ``cyclic``
+            (:class:`~mcore.data.cyclic_sampler.CyclicPretrainingSampler`, shuffled per epoch by ``seed``).
     """
     if dataset is None:
         return None
-    sampler = PretrainingSampler(
-        total_samples=len(dataset),
-        consumed_samples=consumed_samples,
-        micro_batch_size=micro_batch_size,
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
-    )
+    if dataloader_type == "cyclic":
+        from mcore.data.cyclic_sampler import CyclicPretrainingSampler
+
+        sampler = CyclicPretrainingSampler(
+            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed
+        )
+    else:
+        sampler = PretrainingSampler(
+            total_samples=len(dataset),
+            consumed_samples=consumed_samples,
+            micro_batch_size=micro_batch_size,
+            data_parallel_rank=data_parallel_rank,
+            data_parallel_size=data_parallel_size,
+        )
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,

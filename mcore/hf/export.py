@@ -175,6 +175,9 @@ def export_to_hf(
     generation = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None
     }
+    # A generation length the model can hold: without one, transformers' text-generation pipeline asks
+    # for 256 new tokens and a learned position table shorter than that fails with an IndexError.
+    generation["max_length"] = cfg.max_position_embeddings or cfg.seq_length
 
     output_dir = os.path.abspath(output_dir)
     parent = os.path.dirname(output_dir)

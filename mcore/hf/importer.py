@@ -2,14 +2,15 @@
 
 Command::
 
-    python -m mcore.hf.importer --hf-dir HF_DIR --save CKPT_DIR [--tensor-model-parallel-size T]
-        [--pipeline-model-parallel-size P] [--make-vocab-size-divisible-by 128] [--dtype auto|...]
-        [--tolerance 1e-4] [--no-parity-check] [--no-tokenizer]
+    python -m mcore.hf.importer --hf-dir HF_DIR --save CKPT_DIR [--make-vocab-size-divisible-by 128]
+        [--dtype auto|float32|bfloat16|float16] [--tolerance 1e-4] [--no-parity-check] [--no-tokenizer]
 
 The result is a model-only checkpoint (:func:`mcore.checkpoint.save_logical_model_checkpoint`) that
-``--load CKPT_DIR --finetune`` loads at any layout; the tensor- and pipeline-parallel sizes given here
-are checked against the model (heads, groups, FFN and layers must divide) and decide the vocabulary
-padding written. The tokenizer files are copied to ``CKPT_DIR/tokenizer`` and recorded in the run
+``--load CKPT_DIR --finetune`` loads at any layout. It is layout-free, so the command takes no
+``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` (they are refused with that
+reason: give them to the training run that loads it). ``--dtype bfloat16|float16`` rounds the weights;
+the parity check then rounds the Hugging Face weights the same way and keeps the fp32 tolerance
+(:mod:`mcore.hf.parity`). The tokenizer files are copied to ``CKPT_DIR/tokenizer`` and recorded in the run
 config. The command prints the Megatron flags that build the same model.
 
 Refused (:class:`~mcore.hf.errors.ConversionError`, exit status 2): a directory without
@@ -183,7 +184,10 @@ def import_from_hf(
             os.path.abspath(save_dir), ARCHITECTURES[family], cfg, tok_config, vocab_size, padded
         )
         if check_parity:
-            report.parity = check_logit_parity(cfg, state, vocab_size, hf_dir, tolerance=tolerance)
+            rounded = dtype if dtype not in (None, torch.float32) else None
+            report.parity = check_logit_parity(
+                cfg, state, vocab_size, hf_dir, tolerance=tolerance, round_to=rounded
+            )
 
         # Commit: tokenizer files next to the checkpoint, then the checkpoint (tracker last).
         os.makedirs(save_dir, exist_ok=True)
@@ -246,6 +250,9 @@ def import_flags(report: ImportReport) -> list[str]:
     return [*flags, "--load", report.save_dir, "--finetune"]
 
 
+_LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.importer",
@@ -255,10 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-dir", required=True, help="Local Hugging Face model directory (nothing is downloaded)."
     )
     parser.add_argument("--save", required=True, help="mcore checkpoint directory to write.")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Target TP size (checked).")
-    parser.add_argument(
-        "--pipeline-model-parallel-size", type=int, default=1, help="Target PP size (checked)."
-    )
+    for layout_flag in _LAYOUT_FLAGS:
+        parser.add_argument(layout_flag, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="Weights dtype (default: as stored)."
@@ -267,7 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-tokenizer", action="store_true", help="Import the weights without the tokenizer files."
     )
     parser.add_argument(
-        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="Largest fp32 logit difference."
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="Largest logit difference, in fp32 (with --dtype bfloat16/float16 both sides use the rounded "
+        "weights, so the same tolerance applies).",
     )
     parser.add_argument("--no-parity-check", action="store_true", help="Skip the logit-parity check.")
     return parser
@@ -277,12 +286,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mcore.hf.export import checkpoint_errors
 
     args = build_parser().parse_args(argv)
+    given = [f for f in _LAYOUT_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
+    if given:
+        print(
+            f"error: {' and '.join(given)}: the imported checkpoint is layout-free (it loads at any "
+            "tensor/pipeline-parallel size); give the sizes to the training run that loads it",
+            file=sys.stderr,
+        )
+        return 2
     try:
         report = import_from_hf(
             args.hf_dir,
             args.save,
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             dtype=args.dtype,
             use_tokenizer=not args.no_tokenizer,

@@ -5,6 +5,12 @@ from ``[0, V)`` (shorter if the model has fewer positions), with no padding and 
 The Hugging Face model is loaded from the directory with ``from_pretrained`` (so what is checked is
 what was written), once per attention implementation (``eager`` and ``sdpa``); its load report must
 list no missing, unexpected or mismatched keys. The mcore logits are cut to the real vocabulary.
+
+Half-precision weights (``mcore-import-hf --dtype bfloat16|float16``): the check is of the conversion,
+not of the rounding the user asked for, so the Hugging Face weights are rounded to the same dtype
+(``round_to``) and both sides still compute in fp32; the fp32 tolerance (1e-4) then applies. Comparing
+rounded against unrounded weights instead would measure bf16's own rounding (about 1e-2 on the logits
+of a toy model), which no fixed tolerance separates from a wrong mapping.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class ParityReport:
     """Hugging Face's most likely token is mcore's (within the tolerance) at every position."""
     tolerance: float = DEFAULT_TOLERANCE
     batch_shape: tuple[int, int] = (0, 0)
+    weights_dtype: str | None = None
+    """The dtype both sides' weights were rounded to (None: as stored)."""
 
     @property
     def ok(self) -> bool:
@@ -45,6 +53,11 @@ class ParityReport:
             f"logit parity on a {self.batch_shape[0]}x{self.batch_shape[1]} batch: max |diff| "
             f"{self.max_abs_diff:.3g} ({parts}); argmax {'equal' if self.argmax_equal else 'DIFFERS'}; "
             f"tolerance {self.tolerance:g}"
+            + (
+                f" (both sides' weights rounded to {self.weights_dtype}, computed in fp32)"
+                if self.weights_dtype
+                else ""
+            )
         )
 
 
@@ -69,8 +82,11 @@ def mcore_logits(
 
 
 @torch.no_grad()
-def hf_logits(hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eager") -> torch.Tensor:
-    """fp32 logits of the Hugging Face model saved in ``hf_dir`` (its load report must be clean)."""
+def hf_logits(
+    hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eager", round_to: torch.dtype | None = None
+) -> torch.Tensor:
+    """fp32 logits of the Hugging Face model saved in ``hf_dir`` (its load report must be clean), with
+    its weights first rounded to ``round_to`` when given."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -99,6 +115,9 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eag
     if problems:
         raise ConversionError(f"{hf_dir}: transformers did not load the weights cleanly: {problems}")
     model.eval()
+    if round_to is not None:
+        for param in model.parameters():
+            param.copy_(param.to(round_to).float())
     return model(tokens).logits.float()
 
 
@@ -111,8 +130,11 @@ def check_logit_parity(
     tolerance: float = DEFAULT_TOLERANCE,
     attn_implementations: Sequence[str] = ("eager", "sdpa"),
     raise_on_failure: bool = True,
+    round_to: torch.dtype | None = None,
 ) -> ParityReport:
     """Run the same batch through the mcore model (``cfg`` + logical ``state``) and ``hf_dir``.
+
+    ``round_to``: the dtype ``state`` was rounded to (the Hugging Face weights get the same rounding).
 
     Raises:
         ParityError: the largest difference exceeds ``tolerance`` or the argmax differs (with
@@ -122,8 +144,10 @@ def check_logit_parity(
     tokens = parity_tokens(vocab_size, max_positions)
     reference = mcore_logits(cfg, state, vocab_size, tokens)
     report = ParityReport(0.0, tolerance=tolerance, batch_shape=tuple(tokens.shape))
+    if round_to is not None:
+        report.weights_dtype = str(round_to).removeprefix("torch.")
     for impl in attn_implementations:
-        theirs = hf_logits(hf_dir, tokens, impl)
+        theirs = hf_logits(hf_dir, tokens, impl, round_to=round_to)
         if theirs.shape != reference.shape:
             raise ConversionError(
                 f"{hf_dir}: Hugging Face logits have shape {tuple(theirs.shape)}, mcore {tuple(reference.shape)}"

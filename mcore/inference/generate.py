@@ -10,12 +10,17 @@ Tensor / pipeline parallel (every rank loads its own shards; rank 0 prints)::
     torchrun --nproc_per_node 4 -m mcore.inference.generate --load CKPT --prompt "Hello" \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --top-k 40 --top-p 0.9 --seed 7
 
-Sampling (``--temperature``, ``--top-k``, ``--top-p``, ``--seed``), ``--greedy``, beam search
-(``--num-beams``, ``--length-penalty``), ``--stop-token-ids`` (plus the tokenizer's end-of-document
+Sampling (``--temperature``, ``--top-k``, ``--top-p`` with Megatron's ``--top-p-decay`` and
+``--top-p-bound``, ``--seed``), ``--greedy``, beam search (``--num-beams``, ``--length-penalty``), ``--stop-token-ids`` (plus the tokenizer's end-of-document
 id unless ``--no-stop-at-eod``), ``--no-kv-cache``. The checkpoint may come from any layout
 (:func:`mcore.checkpoint.load_logical_model_state`); its run config gives the model and tokenizer
 (override the tokenizer's files with the usual ``--tokenizer-type``/``--vocab-file``/... flags).
-``--prompt-ids "1 2 3"`` gives token ids directly. ``--output-json FILE`` writes every result.
+``--prompt-ids "1 2 3"`` gives token ids directly; ``--add-BOS`` puts the tokenizer's end-of-document
+id before every prompt (Megatron's ``add_BOS``). ``--output-json FILE`` writes every result, with each
+generated token's log-probability (``--return-output-log-probs``) and logits (``--return-logits``).
+
+Settings that would be silently ignored are refused: ``--greedy`` with ``--temperature``/``--top-k``/
+``--top-p``, beam search with ``--top-k``/``--top-p``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,20 @@ class GenerateConfig:
     temperature: float = flag(1.0, "Sampling temperature.")
     top_k: int = flag(0, "Sample among the k most likely tokens (0: all).")
     top_p: float = flag(1.0, "Nucleus sampling: the smallest set with this much probability.")
+    top_p_decay: float = flag(0.0, "Multiply top-p by this after each generated token (0: off).")
+    top_p_bound: float = flag(0.0, "Lower bound of the decayed top-p (0: none).")
+    add_bos: bool = flag(
+        False,
+        "Put the tokenizer's end-of-document id before each prompt.",
+        name="--add-BOS",
+        aliases=("--add-bos",),
+    )
+    return_output_log_probs: bool = flag(
+        False, "Write each generated token's log-probability to --output-json (output_log_probs)."
+    )
+    return_logits: bool = flag(
+        False, "Write the raw logits of each generated position to --output-json (logits; V floats each)."
+    )
     num_beams: int = flag(1, "Beam search with this many beams.")
     length_penalty: float = flag(1.0, "Beam score = log-prob / generated_length ** length_penalty.")
     stop_token_ids: tuple[int, ...] = flag((), "Token ids that end a sequence.", nargs="+")
@@ -68,6 +87,37 @@ class GenerateConfig:
         check(self.load is not None, "--load CKPT_DIR is required")
         check(bool(self.prompt or self.prompt_ids), "give --prompt TEXT ... or --prompt-ids 'ID ID ...' ...")
         check(not (self.bf16 and self.fp16), "give --bf16 or --fp16, not both")
+        sampling_flags = [
+            name
+            for name, given in (
+                ("--temperature", self.temperature != 1.0),
+                ("--top-k", self.top_k != 0),
+                ("--top-p", self.top_p != 1.0),
+                ("--top-p-decay", self.top_p_decay != 0.0),
+                ("--top-p-bound", self.top_p_bound != 0.0),
+            )
+            if given
+        ]
+        check(
+            not (self.greedy and sampling_flags),
+            f"--greedy takes the most likely token; {', '.join(sampling_flags)} only apply to sampling: "
+            "drop one or the other",
+        )
+        beam_conflicts = [
+            f for f in sampling_flags if f in ("--top-k", "--top-p", "--top-p-decay", "--top-p-bound")
+        ]
+        check(
+            not (self.num_beams > 1 and beam_conflicts),
+            f"--num-beams {self.num_beams} (beam search) does not sample: drop {', '.join(beam_conflicts)}",
+        )
+        check(
+            self.greedy or self.num_beams > 1 or self.temperature > 0,
+            f"--temperature {self.temperature}: must be > 0 (use --greedy for the most likely token)",
+        )
+        check(
+            not (self.num_beams > 1 and (self.return_output_log_probs or self.return_logits)),
+            "--return-output-log-probs/--return-logits: beam search reports each result's score instead",
+        )
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -82,6 +132,10 @@ class GenerateConfig:
             stop_at_eod=self.stop_at_eod,
             seed=self.seed,
             use_cache=self.use_kv_cache,
+            top_p_decay=self.top_p_decay,
+            top_p_bound=self.top_p_bound,
+            return_log_probs=self.return_output_log_probs,
+            return_logits=self.return_logits,
         )
 
     @property
@@ -131,19 +185,34 @@ def load_generator(
             f"{load}: the checkpoint names no tokenizer and no vocabulary size; give --tokenizer-type"
         )
     model = build_model_chunk(cfg, groups, int(vocab_size), device=device, params_dtype=params_dtype)
-    weights_only = CheckpointConfig(load=str(load), ckpt_step=int(metadata["iteration"]), finetune=True)
+    weights_only = CheckpointConfig(
+        load=str(load), ckpt_step=int(metadata["iteration"]), no_load_optim=True, no_load_rng=True
+    )
     load_checkpoint(weights_only, [model], None, None, groups)
     eod = tokenizer.eod if tokenizer is not None else None
     return TextGenerator(model.eval(), groups, int(vocab_size), eod=eod), tokenizer
 
 
-def encode_prompts(tokenizer: Tokenizer | None, texts: Sequence[str], ids: Sequence[str]) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: Tokenizer | None, texts: Sequence[str], ids: Sequence[str], add_bos: bool = False
+) -> list[list[int]]:
+    """Token ids of every prompt (``--prompt-ids`` first); ``add_bos`` puts the end-of-document id first."""
     prompts = [[int(t) for t in line.split()] for line in ids]
     if texts:
         if tokenizer is None:
             raise ConfigError("--prompt needs a tokenizer; give --prompt-ids or --tokenizer-type")
         prompts += tokenizer.tokenize_batch(list(texts))
+    if add_bos:
+        if tokenizer is None or tokenizer.eod is None:
+            raise ConfigError("--add-BOS needs a tokenizer with an end-of-document id")
+        prompts = [[tokenizer.eod, *p] for p in prompts]
     return prompts
+
+
+FINISH_REASONS = {
+    "stop": "ended at a stop or end-of-document token",
+    "length": "reached --max-new-tokens or the model's position limit",
+}
 
 
 def format_results(
@@ -165,6 +234,10 @@ def format_results(
                 "score": None if out.scores is None else out.scores[i],
             }
         )
+        if out.log_probs is not None:
+            results[-1]["output_log_probs"] = out.log_probs[i]
+        if out.logits is not None:
+            results[-1]["logits"] = out.logits[i]
     return results
 
 
@@ -197,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer_config=tok_override,
             params_dtype=gen.params_dtype,
         )
-        prompts = encode_prompts(tokenizer, gen.prompt, gen.prompt_ids)
+        prompts = encode_prompts(tokenizer, gen.prompt, gen.prompt_ids, gen.add_bos)
         out = generator.generate(prompts, params)
     except (ConfigError, DataError, CheckpointError, ValueError, KeyError) as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr)
@@ -208,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in results:
             shown = r["prompt"] if r["prompt"] is not None else " ".join(map(str, r["prompt_ids"]))
             body = r["text"] if r["text"] is not None else " ".join(map(str, r["generated_ids"]))
-            print(f"[{r['finish_reason']}] {shown!r} -> {body!r}", flush=True)
+            print(f"{shown!r} -> {body!r} ({FINISH_REASONS[r['finish_reason']]})", flush=True)
         if gen.output_json:
             with open(gen.output_json, "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=2)

@@ -49,12 +49,17 @@ class SamplingParams:
         temperature: divides the logits before sampling (> 0).
         top_k: sample among the k most likely tokens (0: all).
         top_p: sample from the smallest set whose probability reaches top_p (1.0: all).
+        top_p_decay: after each generated token, ``top_p *= top_p_decay`` (Megatron's; 0: off).
+        top_p_bound: the decayed top_p never goes below this (Megatron's; 0: no bound).
         num_beams: beam search with this many beams (> 1; ignores the sampling settings).
         length_penalty: beam score = log-prob / generated_length ** length_penalty.
         stop_token_ids: tokens that end a sequence (kept as its last token).
         stop_at_eod: the tokenizer's end-of-document id ends a sequence too.
         seed: sampling seed.
         use_cache: keep keys/values (one forward position per new token) instead of rerunning.
+        return_log_probs: also return each generated token's log-probability under the model
+            (``log_softmax`` of the raw fp32 logits, before temperature, top-k and top-p).
+        return_logits: also return the raw fp32 logits ``[V]`` of every generated position.
     """
 
     max_new_tokens: int = 32
@@ -68,6 +73,10 @@ class SamplingParams:
     stop_at_eod: bool = True
     seed: int = 1234
     use_cache: bool = True
+    top_p_decay: float = 0.0
+    top_p_bound: float = 0.0
+    return_log_probs: bool = False
+    return_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -80,6 +89,12 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.num_beams < 1:
             raise ValueError(f"num_beams={self.num_beams} must be >= 1")
+        if not 0.0 <= self.top_p_decay <= 1.0:
+            raise ValueError(f"top_p_decay={self.top_p_decay} must be in [0, 1]")
+        if not 0.0 <= self.top_p_bound <= 1.0:
+            raise ValueError(f"top_p_bound={self.top_p_bound} must be in [0, 1]")
+        if self.num_beams > 1 and (self.return_log_probs or self.return_logits):
+            raise ValueError("beam search returns each hypothesis's score, not per-token log-probs or logits")
 
     @property
     def is_greedy(self) -> bool:
@@ -95,11 +110,15 @@ class GenerationOutput:
         finish_reasons: ``"stop"`` (a stop token), ``"length"`` (max_new_tokens or the model's
             position limit).
         scores: beam search only: the chosen hypothesis's length-normalized log-probability.
+        log_probs: with ``return_log_probs``: each generated token's log-probability.
+        logits: with ``return_logits``: the raw logits ``[V]`` of each generated position.
     """
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     scores: list[float] | None = None
+    log_probs: list[list[float]] | None = None
+    logits: list[list[list[float]]] | None = None
 
 
 @dataclass
@@ -260,40 +279,66 @@ class TextGenerator:
         stops = self._stop_ids(params)
         generator = torch.Generator().manual_seed(params.seed)
         out: list[list[int]] = [[] for _ in range(b)]
+        log_probs: list[list[float]] = [[] for _ in range(b)]
+        step_logits: list[list[list[float]]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         done = torch.zeros(b, dtype=torch.bool)
+        top_p = params.top_p
         for _ in range(steps):
             logits = self._step_logits(state)
-            chosen = None if logits is None else self._choose(logits, params, generator)
+            chosen = None if logits is None else self._choose(logits, params, generator, top_p)
             chosen = self._from_last_stage(chosen, (b,), torch.long)
             chosen = torch.where(done, torch.full_like(chosen, self.pad_id), chosen)
+            if params.return_log_probs:
+                lp = (
+                    None if logits is None else torch.log_softmax(logits.cpu(), -1).gather(1, chosen[:, None])
+                )
+                lp = self._from_last_stage(lp, (b, 1), torch.float32)[:, 0].tolist()
+            if params.return_logits:
+                full = self._from_last_stage(logits, (b, self.vocab_size), torch.float32).tolist()
+            if params.top_p_decay > 0.0:  # Megatron's decay of the nucleus after each token
+                top_p = max(top_p * params.top_p_decay, params.top_p_bound)
             for i in range(b):
                 if not done[i]:
                     token = int(chosen[i])
                     out[i].append(token)
+                    if params.return_log_probs:
+                        log_probs[i].append(lp[i])
+                    if params.return_logits:
+                        step_logits[i].append(full[i])
                     if token in stops:
                         done[i] = True
                         reasons[i] = "stop"
             if bool(done.all()):
                 break
             state.append(chosen)
-        return GenerationOutput(tokens=out, finish_reasons=reasons)
+        return GenerationOutput(
+            tokens=out,
+            finish_reasons=reasons,
+            log_probs=log_probs if params.return_log_probs else None,
+            logits=step_logits if params.return_logits else None,
+        )
 
     def _choose(
-        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+        top_p: float | None = None,
     ) -> torch.Tensor:
-        """Next token of each row from fp32 logits ``[b, V]``."""
+        """Next token of each row from fp32 logits ``[b, V]`` (``top_p``: this step's, after decay)."""
+        top_p = params.top_p if top_p is None else top_p
         if params.is_greedy:
             return logits.argmax(dim=-1)
         logits = logits.cpu() / params.temperature
         if params.top_k > 0 and params.top_k < logits.shape[-1]:
             kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if params.top_p < 1.0:
+        if top_p < 1.0:
             sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
             probs = torch.softmax(sorted_logits, dim=-1)
             before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-            drop = before >= params.top_p
+            drop = before >= top_p
             drop[:, 0] = False
             logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
         probs = torch.softmax(logits, dim=-1)

@@ -57,6 +57,33 @@ class TrainingConfig:
     log_memory: bool = flag(
         True, "Report per-rank memory of params, grads and optimizer state.", name="--no-log-memory"
     )
+    log_params_norm: bool = flag(
+        False, "Compute the L2 norm of all parameters at each log interval and log it (params-norm)."
+    )
+    log_validation_ppl_to_tensorboard: bool = flag(
+        False, "Also write the validation perplexity (lm loss validation ppl) to TensorBoard."
+    )
+    timing_log_level: int = flag(
+        0,
+        "Phase timers: 0 none (only the time per iteration, no extra device waits); 1 forward-backward "
+        "and optimizer; 2 also batch-generator (the data). Levels 1 and 2 wait for the device around "
+        "each timed phase, which slows training a little.",
+        choices=(0, 1, 2),
+    )
+    timing_log_option: str = flag(
+        "minmax",
+        "How the timers are reported across ranks: max, minmax (min and max) or all (every rank).",
+        choices=("max", "minmax", "all"),
+    )
+    log_timers_to_tensorboard: bool = flag(
+        False, "Write iteration-time and the phase timers (<name>-time, the max over ranks) to TensorBoard."
+    )
+    empty_unused_memory_level: int = flag(
+        0,
+        "Release the device allocator's unused cached memory: 1 after each forward-backward, 2 also "
+        "after each optimizer step (slower; reduces fragmentation). 0: never.",
+        choices=(0, 1, 2),
+    )
 
     def __post_init__(self) -> None:
         check(self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size} must be >= 1")

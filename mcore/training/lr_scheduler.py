@@ -42,6 +42,17 @@ class SchedulerConfig:
     lr_wsd_decay_style: str = flag("exponential", "Annealing style of WSD's final phase.", choices=WSD_STYLES)
     lr_wsd_decay_iters: int | None = flag(None, "Iterations of WSD's final annealing phase.")
     lr_wsd_decay_samples: int | None = flag(None, "Samples of WSD's final annealing phase.")
+    override_opt_param_scheduler: bool = flag(
+        False,
+        "On resume, take the schedule (lr, min lr, warmup, decay span, decay style) from these flags "
+        "even where they differ from the checkpoint's.",
+        name="--override-opt_param-scheduler",
+    )
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False,
+        "On resume, take the schedule from the checkpoint and ignore these flags' values.",
+        name="--use-checkpoint-opt_param-scheduler",
+    )
 
     def __post_init__(self) -> None:
         if self.lr is not None:
@@ -98,6 +109,9 @@ class LRScheduler:
         self.decay_style = decay_style
         self.wsd_decay_steps, self.wsd_decay_style = wsd_decay_steps, wsd_decay_style
         self.num_steps = 0
+        self.on_resume = "check"
+        """What :meth:`load_state_dict` does with a saved schedule that differs from this one: ``check``
+        (refuse, Megatron's default), ``override`` (keep this one) or ``checkpoint`` (take the saved one)."""
         self.step(0)
 
     @classmethod
@@ -123,7 +137,7 @@ class LRScheduler:
             wsd = cfg.lr_wsd_decay_samples
         if cfg.lr_warmup_fraction is not None:
             warmup = int(cfg.lr_warmup_fraction * decay)
-        return cls(
+        scheduler = cls(
             optimizer,
             max_lr=cfg.lr,
             min_lr=cfg.min_lr,
@@ -134,6 +148,14 @@ class LRScheduler:
             wsd_decay_steps=wsd,
             wsd_decay_style=cfg.lr_wsd_decay_style,
         )
+        scheduler.on_resume = (
+            "override"
+            if cfg.override_opt_param_scheduler
+            else "checkpoint"
+            if cfg.use_checkpoint_opt_param_scheduler
+            else "check"
+        )
+        return scheduler
 
     def get_lr(self, num_steps: int | None = None) -> float:
         t = self.num_steps if num_steps is None else num_steps
@@ -181,6 +203,57 @@ class LRScheduler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume the position; the schedule's shape follows the current flags (Megatron's default)."""
+        """Resume the position, and the schedule's shape as Megatron's ``OptimizerParamScheduler`` does.
+
+        A saved value (peak and minimum lr, warmup, decay span, decay style) that differs from this
+        schedule's is refused unless ``on_resume`` says which one wins (see :func:`check_resumed_schedule`).
+        """
+        chosen = check_resumed_schedule(self.state_dict(), state, self.on_resume)
+        self.max_lr, self.min_lr = chosen["max_lr"], chosen["min_lr"]
+        self.warmup_steps, self.decay_steps = chosen["warmup_steps"], chosen["decay_steps"]
+        self.decay_style = chosen["decay_style"]
         self.num_steps = int(state["num_steps"])
         self.step(0)
+
+
+_SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction",
+    "decay_steps": "--lr-decay-iters/--lr-decay-samples (default: --train-iters/--train-samples)",
+    "decay_style": "--lr-decay-style",
+}
+
+
+def check_resumed_schedule(current: dict, saved: dict, on_resume: str = "check") -> dict:
+    """The schedule a resumed run follows: ``current`` (from the flags) or ``saved`` (the checkpoint's).
+
+    ``on_resume``: ``override`` (``--override-opt_param-scheduler``) keeps the flags' values,
+    ``checkpoint`` (``--use-checkpoint-opt_param-scheduler``) takes the saved ones; ``check`` takes
+    them when equal and otherwise refuses, as Megatron does, because a silently different schedule
+    (most often: a raised ``--train-iters`` that stretches the decay span) changes the learning rate
+    of every remaining step.
+
+    Raises:
+        ConfigError: naming every differing value, the flags that set it, and the two ways out.
+    """
+    if on_resume == "override":
+        return dict(current)
+    chosen = dict(current)
+    differ = []
+    for key, flags in _SCHEDULE_FLAGS.items():
+        if key not in saved:
+            continue
+        if on_resume == "checkpoint":
+            chosen[key] = saved[key]
+        elif saved[key] != current[key]:
+            unit = " samples" if key.endswith("_steps") else ""
+            differ.append(f"{key} {saved[key]}{unit} in the checkpoint, {current[key]}{unit} now ({flags})")
+    if differ:
+        raise ConfigError(
+            "the learning-rate schedule differs from the checkpoint's: "
+            + "; ".join(differ)
+            + ". Pass --override-opt_param-scheduler to follow the new flags, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule"
+        )
+    return chosen

@@ -7,6 +7,15 @@ lives) writes. The console line follows Megatron's so people's log parsers keep 
      learning rate: 1.000000E-04 | global batch size:    32 | lm loss: 7.123456E+00 | loss scale: 1.0 |
      grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |
      tokens/s: 12345 | TFLOP/s/device: 12.3 | MFU: 1.2% | mem alloc (GiB): 1.23 |
+
+(``params norm`` follows ``grad norm`` with ``--log-params-norm``; ``TFLOP/s/device`` and ``MFU`` are
+left out where they would print 0.0, as on the CPU, or where the backend knows no peak.)
+
+TensorBoard gets Megatron's tags (:data:`TENSORBOARD_TAGS`; the README's "Logs" section has the
+table), each also as ``<tag> vs samples`` with the consumed samples as the step. They are written at
+log intervals (``--log-interval``, thinned by ``--tensorboard-log-interval``), with the interval's mean
+loss: mcore reads the device only at log intervals, where Megatron writes every iteration's values.
+The JSON-lines file (``--log-json``) keeps mcore's own keys (``lm loss``, ``learning_rate``, ...).
 """
 
 from __future__ import annotations
@@ -63,6 +72,18 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log({prefix + k: v for k, v in values.items() if v is not None}, step=iteration)
 
+    def tagged_scalars(self, iteration: int, consumed_samples: int, values: dict[str, float]) -> None:
+        """Megatron's way: each tag at ``iteration``, and ``<tag> vs samples`` at ``consumed_samples``."""
+        if not self.enabled or iteration % self.cfg.tensorboard_log_interval != 0:
+            return
+        values = {k: v for k, v in values.items() if v is not None and not math.isnan(v)}
+        if self._tensorboard is not None:
+            for tag, value in values.items():
+                self._tensorboard.add_scalar(tag, value, iteration)
+                self._tensorboard.add_scalar(f"{tag} vs samples", value, consumed_samples)
+        if self._wandb is not None:
+            self._wandb.log(values, step=iteration)
+
     def record(self, iteration: int, values: dict[str, Any], kind: str = "train") -> None:
         """Append one JSON object (``{"kind", "iteration", "time", ...}``) to ``--log-json``.
 
@@ -83,6 +104,84 @@ class MetricsWriter:
             self._wandb.finish()
 
 
+TENSORBOARD_TAGS: dict[str, str] = {
+    "learning_rate": "learning-rate",
+    "global_batch_size": "batch-size",
+    "loss_scale": "loss-scale",
+    "grad_norm": "grad-norm",
+    "params_norm": "params-norm",
+    "tflops_per_device": "throughput",
+    "tokens_per_s": "tokens-per-second",
+    "mem_allocated_bytes": "mem-allocated-bytes",
+    "mem_peak_bytes": "mem-max-allocated-bytes",
+}
+"""The training line's values (their keys in the JSON log) -> Megatron's TensorBoard tags. Losses keep
+their names (``lm loss``); ``tokens-per-second`` is mcore's own. With ``--log-timers-to-tensorboard``,
+``iteration-time`` (seconds) and ``<timer>-time`` (ms, the max over ranks) are added."""
+
+
+def train_tensorboard_scalars(values: dict[str, Any], log_timers: bool = False) -> dict[str, float]:
+    """The TensorBoard scalars of one training log line (``values`` as for :func:`format_train_line`)."""
+    out = {tag: values.get(key) for key, tag in TENSORBOARD_TAGS.items()}
+    if not out.get("throughput"):
+        out["throughput"] = None  # no TFLOP/s where it would be 0 (CPU)
+    for tag in ("mem-allocated-bytes", "mem-max-allocated-bytes"):
+        if not out.get(tag):
+            out[tag] = None  # a backend that reports no memory
+    out.update(values.get("losses", {}))
+    if log_timers:
+        out["iteration-time"] = values["iteration_time_ms"] / 1000.0
+    return out
+
+
+def eval_tensorboard_scalars(results: dict[str, float], split: str, ppl: bool) -> dict[str, float]:
+    """Megatron's evaluation tags: ``lm loss validation`` (and ``lm loss validation ppl`` with
+    ``--log-validation-ppl-to-tensorboard``); the test split is written as ``lm loss test``."""
+    out = {}
+    for key, value in results.items():
+        out[f"{key} {split}"] = value
+        if ppl:
+            out[f"{key} {split} ppl"] = math.exp(min(20.0, value))
+    return out
+
+
+ARGUMENTS_HEADER = "------------------------ arguments ------------------------"
+ARGUMENTS_FOOTER = "-------------------- end of arguments ---------------------"
+
+
+def format_arguments_block(configs: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
+    """Megatron's start-up block: every setting, one per line, sorted by name (case-insensitively)::
+
+        ------------------------ arguments ------------------------
+          adam_beta1 ...................................... 0.9
+          ...
+        -------------------- end of arguments ---------------------
+
+    ``configs``: the config objects by group (``RunConfig.as_dict()``); a name two groups share (they
+    hold the same value) is printed once. ``extra``: derived values (``world_size``, ...).
+    """
+    import dataclasses
+
+    values: dict[str, Any] = {}
+    for cfg in configs.values():
+        for field in dataclasses.fields(cfg):
+            value = getattr(cfg, field.name)
+            values.setdefault(field.name, list(value) if isinstance(value, tuple) else value)
+    values.update(extra or {})
+    lines = [ARGUMENTS_HEADER]
+    for name in sorted(values, key=str.lower):
+        lines.append(f"  {name} {'.' * (48 - len(name))} {values[name]}")
+    lines.append(ARGUMENTS_FOOTER)
+    return "\n".join(lines)
+
+
+def format_parameter_count(tp_rank: int, pp_rank: int, count: int) -> str:
+    """Megatron's per-rank parameter line (printed by data-parallel rank 0 of each model-parallel rank)."""
+    return (
+        f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"
+    )
+
+
 def format_train_line(iteration: int, train_iters: int | None, v: dict[str, Any]) -> str:
     """Megatron's console line."""
     parts = [
@@ -97,10 +196,12 @@ def format_train_line(iteration: int, train_iters: int | None, v: dict[str, Any]
     parts.append(f"loss scale: {v['loss_scale']:.1f}")
     if v.get("grad_norm") is not None:
         parts.append(f"grad norm: {v['grad_norm']:.3f}")
+    if v.get("params_norm") is not None:
+        parts.append(f"params norm: {v['params_norm']:.3f}")
     parts.append(f"number of skipped iterations: {v['skipped_iterations']:3d}")
     parts.append(f"number of nan iterations: {v['nan_iterations']:3d}")
     parts.append(f"tokens/s: {v['tokens_per_s']:.0f}")
-    if v.get("tflops_per_device") is not None:
+    if v.get("tflops_per_device") is not None and round(v["tflops_per_device"], 1) > 0:
         parts.append(f"TFLOP/s/device: {v['tflops_per_device']:.1f}")
     if v.get("mfu") is not None:
         parts.append(f"MFU: {100 * v['mfu']:.1f}%")

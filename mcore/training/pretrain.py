@@ -43,12 +43,23 @@ from mcore.pipeline.layout import build_model_chunks
 from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
 from mcore.tensor_parallel.random import model_parallel_seed
+from mcore.training.device_memory import release_unused_device_memory
 from mcore.training.flops import gpt_flops
 from mcore.training.lr_scheduler import LRScheduler
-from mcore.training.metrics import MetricsWriter, Timer, format_train_line
+from mcore.training.metrics import (
+    MetricsWriter,
+    Timer,
+    eval_tensorboard_scalars,
+    format_arguments_block,
+    format_parameter_count,
+    format_train_line,
+    train_tensorboard_scalars,
+)
 from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.run_config import RunConfig, parse_run_config
+from mcore.training.params_norm import params_l2_norm
 from mcore.training.signals import SignalHandler
+from mcore.training.timers import Timers, format_timers, timer_scalars
 from mcore.utils.async_host import HostValue, host_floats, stage_to_host
 
 
@@ -233,8 +244,16 @@ def build_data_iterators(
         per_chunk = [
             _cycle(
                 build_pretraining_data_loader(
-                    ds, consumed, mbs, groups.dp_rank, groups.dp_size, cfg.data.num_workers, pin
-                )
+                    ds,
+                    consumed,
+                    mbs,
+                    groups.dp_rank,
+                    groups.dp_size,
+                    cfg.data.num_workers,
+                    pin,
+                    dataloader_type=cfg.data.dataloader_type,
+                    seed=cfg.training.seed,
+                )  # fmt: skip
             )
             for _ in range(num_chunks)
         ]
@@ -322,6 +341,8 @@ class Trainer:
         self._pending_nan: collections.deque[tuple[int, HostValue, list[int], int | None]] = (
             collections.deque()
         )
+        self.timers = Timers()
+        """Phase timers (``--timing-log-level``; none run by default, see :mod:`mcore.training.timers`)."""
 
     def _train_mode(self) -> None:
         """Put every module in training mode; ``Module.train()`` only when one is not (it sets an
@@ -417,11 +438,17 @@ class Trainer:
                     graphs.arm()  # captured in this step's first forward
         self.steps_run += 1
         self.optimizer.zero_grad()
-        logs = self._run_schedule(data_iterator, forward_only=False)
+        with self.timers("forward-backward"):
+            logs = self._run_schedule(data_iterator, forward_only=False)
+        if self.cfg.training.empty_unused_memory_level >= 1:
+            release_unused_device_memory(self.backend.device_type)
         # The previous step's flags: the device has this step's forward and backward queued behind
         # them, so waiting for them does not let it run dry.
         self.check_nan()
-        ok, grad_norm, _ = self.optimizer.step()
+        with self.timers("optimizer"):
+            ok, grad_norm, _ = self.optimizer.step()
+        if self.cfg.training.empty_unused_memory_level >= 2:
+            release_unused_device_memory(self.backend.device_type)
         if deferred:
             self._stage_nan_check(grad_norm)
         if ok:
@@ -547,14 +574,16 @@ def pretrain(
     argv: Sequence[str] | None = None,
     extra_config_groups: dict[str, type] | None = None,
     cfg: RunConfig | None = None,
+    args_defaults: dict | None = None,
 ) -> TrainResult:
     """Train a model with Megatron-LM's command line (see the module docstring for the providers).
 
     User mistakes (bad flags, impossible layouts, unavailable backends, missing data) end the process
-    with one message on stderr and exit status 2.
+    with one message on stderr and exit status 2. ``args_defaults`` are the script's own defaults by
+    config field name, as in Megatron (``{"tokenizer_type": "GPT2BPETokenizer"}``).
     """
     try:
-        cfg = cfg or parse_run_config(argv, extra_config_groups)
+        cfg = cfg or parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
         backend = setup_backend(cfg)
         world_size = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
         cfg = check_run_config(cfg, backend, world_size)
@@ -584,6 +613,7 @@ def _pretrain(
     datasets_provider: Callable,
 ) -> TrainResult:
     t = cfg.training
+    print_rank_0(groups, format_arguments_block(cfg.as_dict(), {"world_size": groups.world_size}))
     model_parallel_seed(t.seed, groups.tp_rank, groups.pp_rank)
     tokenizer = build_tokenizer(cfg.tokenizer)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
@@ -594,6 +624,9 @@ def _pretrain(
     )
 
     model = build_model(cfg, groups, model_provider, vocab)
+    if groups.dp_rank == 0:
+        count = sum(p.nelement() for chunk in model for p in unwrap_model(chunk).parameters())
+        print(format_parameter_count(groups.tp_rank, groups.pp_rank, count), flush=True)
     optimizer = build_optimizer(cfg.optimizer, cfg.precision, model, groups, lr=cfg.scheduler.lr or 0.0)
     batches = MicroBatchCalculator(
         global_batch_size=t.global_batch_size,
@@ -616,6 +649,8 @@ def _pretrain(
     if t.eval_iters > 0 and not has_valid:
         print_rank_0(groups, no_validation_warning(cfg))
     trainer = Trainer(cfg, groups, backend, model, optimizer, scheduler, forward_step, batches)
+    trainer.timers = Timers(t.timing_log_level, t.timing_log_option, backend.synchronize)
+    train_iter = trainer.timers.wrap_iterator(train_iter)
     is_logging_rank = groups.rank == groups.last_rank
     writer = MetricsWriter(
         t, is_logging_rank, run_config={k: dataclasses.asdict(v) for k, v in cfg.as_dict().items()}
@@ -655,6 +690,7 @@ def _pretrain(
 
             if state.iteration % t.log_interval == 0:
                 elapsed = timer.stop()
+                params_norm = params_l2_norm(model, groups, trainer.device) if t.log_params_norm else None
                 stats.flush()
                 per_iter = elapsed / interval_steps
                 tokens = gbs * cfg.model.seq_length
@@ -668,6 +704,7 @@ def _pretrain(
                     "losses": {k: v / interval_steps for k, v in stats.interval_losses.items()},
                     "loss_scale": host_floats([optimizer.loss_scale])[0],
                     "grad_norm": stats.grad_norm,
+                    "params_norm": host_floats([params_norm])[0],
                     "skipped_iterations": state.skipped_iterations,
                     "nan_iterations": state.nan_iterations,
                     "tokens_per_s": tokens / per_iter,
@@ -675,12 +712,20 @@ def _pretrain(
                     "mfu": tflops / peak if peak else None,
                     "mem_allocated_gib": mem["allocated"] / 2**30,
                     "mem_peak_gib": mem["peak_allocated"] / 2**30,
+                    "mem_allocated_bytes": mem["allocated"],
+                    "mem_peak_bytes": mem["peak_allocated"],
                 }
+                times = trainer.timers.collect(interval_steps, trainer.device)
                 if is_logging_rank:
                     print(format_train_line(state.iteration, train_iters, values), flush=True)
+                    if times:
+                        print(format_timers(times, t.timing_log_option), flush=True)
+                tags = train_tensorboard_scalars(values, log_timers=t.log_timers_to_tensorboard)
+                if t.log_timers_to_tensorboard:
+                    tags.update(timer_scalars(times))
+                writer.tagged_scalars(state.iteration, state.consumed_train_samples, tags)
                 flat = {k: v for k, v in values.items() if k != "losses"}
                 flat.update(values["losses"])
-                writer.scalars(state.iteration, flat, prefix="train/")
                 writer.record(state.iteration, flat)
                 stats.interval_losses, interval_steps = {}, 0
                 timer.start()
@@ -891,6 +936,9 @@ def _evaluate_and_log(
     parts = [f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}" for k, v in results.items()]
     label = f"{split} loss at {'the end of training' if final else f'iteration {state.iteration}'}"
     print_rank_last(groups, f" {label} | " + " | ".join(parts))
-    writer.scalars(state.iteration, {f"{k}": v for k, v in results.items()}, prefix=f"{split}/")
+    ppl = trainer.cfg.training.log_validation_ppl_to_tensorboard
+    writer.tagged_scalars(
+        state.iteration, state.consumed_train_samples, eval_tensorboard_scalars(results, split, ppl)
+    )
     writer.record(state.iteration, {**results, "final": final}, kind=split)
     return results.get("lm loss")

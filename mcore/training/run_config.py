@@ -59,8 +59,13 @@ class RunConfig:
 
 
 def parse_run_config(
-    argv: Sequence[str] | None = None, extra_groups: Mapping[str, type] | None = None, prog: str | None = None
+    argv: Sequence[str] | None = None,
+    extra_groups: Mapping[str, type] | None = None,
+    prog: str | None = None,
+    args_defaults: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """Parse Megatron's flags into a :class:`RunConfig` (exit 2 with one message on a mistake)."""
+    """Parse Megatron's flags into a :class:`RunConfig` (exit 2 with one message on a mistake).
+
+    ``args_defaults``: a script's own defaults by field name (Megatron's ``args_defaults``)."""
     groups = {**CONFIG_GROUPS, **(extra_groups or {})}
-    return RunConfig(parse_config(groups, argv, prog=prog))
+    return RunConfig(parse_config(groups, argv, prog=prog, defaults=args_defaults))
