@@ -56,8 +56,8 @@ from mcore.training.metrics import (
     train_tensorboard_scalars,
 )
 from mcore.training.microbatches import MicroBatchCalculator
-from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.params_norm import params_l2_norm
+from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.signals import SignalHandler
 from mcore.training.timers import Timers, format_timers, timer_scalars
 from mcore.utils.async_host import HostValue, host_floats, stage_to_host

@@ -131,9 +131,9 @@ def test_allow_vocab_resize_keeps_shared_rows_and_zeroes_the_others(saved, tmp_p
     from ckpt_runs import argv
 
     from mcore.optimizer import build_optimizer
-    from mcore.training.run_config import parse_run_config
     from mcore.training.gpt import model_provider
     from mcore.training.pretrain import build_model
+    from mcore.training.run_config import parse_run_config
 
     logical, _ = load_logical_model_state(saved)
     trained = logical["embedding.word_embeddings.weight"]
