@@ -224,15 +224,17 @@ def build_data_iterators(
     pin = backend.device_type != "cpu"
     mbs = cfg.training.micro_batch_size
     iterators = []
-    for ds, consumed in zip(datasets, (state.consumed_train_samples, state.consumed_valid_samples, 0)):
+    consumed_per_split = (state.consumed_train_samples, state.consumed_valid_samples, 0)
+    for split, ds, consumed in zip(("train", "valid", "test"), datasets, consumed_per_split):
         if ds is None:
             iterators.append(None)
             continue
         per_chunk = [
             _cycle(
                 build_pretraining_data_loader(
-                    ds, consumed, mbs, groups.dp_rank, groups.dp_size, cfg.data.num_workers, pin
-                )
+                    ds, consumed, mbs, groups.dp_rank, groups.dp_size, cfg.data.num_workers, pin,
+                    seed=cfg.training.seed, split=split,
+                )  # fmt: skip
             )
             for _ in range(num_chunks)
         ]
