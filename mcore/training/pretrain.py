@@ -48,7 +48,7 @@ from mcore.training.flops import gpt_flops
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.metrics import MetricsWriter, Timer, format_train_line
 from mcore.training.microbatches import MicroBatchCalculator
-from mcore.training.signals import SignalHandler
+from mcore.training.signals import SignalHandler, exit_message
 from mcore.utils.async_host import HostValue, host_floats, stage_to_host
 
 
@@ -688,6 +688,9 @@ def _pretrain(
             if save_dir and state.iteration > 0 and last_saved != state.iteration:
                 _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
     _finalize_async_save(cfg, blocking=True)
+    if exit_reason != "finished":
+        saved = save_dir if save_dir and last_saved == state.iteration else None
+        print_rank_0(groups, exit_message(exit_reason, state.iteration, saved, t, handler))
 
     valid_loss = test_loss = None
     if exit_reason == "finished" and t.eval_iters > 0:
