@@ -36,6 +36,7 @@ from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
+from mcore.distributed.watchdog import note_step, watch_job
 from mcore.models.config import padded_vocab_size, validate_model_parallel
 from mcore.models.layer_graphs import LayerGraphs
 from mcore.optimizer import build_optimizer, format_memory_report
@@ -541,7 +542,8 @@ def pretrain(
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     try:
-        return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
+        with watch_job(groups, cfg.parallel, user_errors=(ConfigError, DataError)):
+            return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
     except (ConfigError, DataError) as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -617,6 +619,7 @@ def _pretrain(
         timer.start()
         while not t.skip_train and state.iteration < train_iters:
             batches.update(state.consumed_train_samples)
+            note_step(state.iteration + 1)
             # The step's results stay on the device (no wait): ``stats`` reads them at log intervals.
             losses, ok, grad_norm = trainer.train_step(train_iter, iteration=state.iteration + 1)
             state.iteration += 1

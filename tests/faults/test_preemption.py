@@ -96,7 +96,9 @@ def test_sigterm_under_torchrun_saves_and_resumes_exactly(tmp_path, targets):
     # Every rank returned from pretrain and exited normally: torchrun's agent logs a worker's non-zero
     # exit as a failure. The agent itself re-raises the SIGTERM it got (torch's SignalException:
     # exit status 1); that status is torch's, not the job's.
-    assert [r["exit_reason"] if r else None for r in results(tmp_path)] == ["signal", "signal"], output[-3000:]
+    assert [r["exit_reason"] if r else None for r in results(tmp_path)] == ["signal", "signal"], output[
+        -3000:
+    ]
     assert not re.search(r"exitcode\s*:\s*-?[1-9]", output), output[-3000:]
     assert took < 30, f"the save took {took:.1f} s: torchrun SIGKILLs its workers 30 s after SIGTERM"
     _assert_resumes_exactly(tmp_path, iteration)
