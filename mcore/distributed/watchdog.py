@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -58,8 +59,12 @@ def is_communication_failure(err: BaseException) -> bool:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".strip()
+    """``Type: message`` of ``err``: its first line, without the collective library's source location
+    and advice (``[.../pair.cc:537] Read error ...: Connection reset by peer. This is typically ...``)."""
+    lines = str(err).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", lines[0] if lines else "")
+    text = text.split(". This is typically")[0]
+    return f"{type(err).__name__}: {text}".strip()
 
 
 def _job_store() -> dist.Store:
@@ -114,6 +119,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._store_down = False
+        self._lost: set[int] = set()
         self._store_hosted_here = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -158,9 +165,14 @@ class Watchdog:
     # -- the heartbeat thread -----------------------------------------------------------------------
 
     def _try(self, op, default=None):
+        """``op()``, or ``default`` once the store failed (it is not asked again: each failed request
+        makes the store client log a warning with a C++ stack)."""
+        if self._store_down:
+            return default
         try:
             return op()
-        except Exception:  # noqa: BLE001 - a store that went away is judged by _run
+        except Exception:  # noqa: BLE001 - a store that went away is judged by _run / explain
+            self._store_down = True
             return default
 
     def _beat(self) -> None:
@@ -170,20 +182,17 @@ class Watchdog:
             self.store.set(f"step/{self.rank}", str(self.step))
 
     def _run(self) -> None:
-        unreachable_since = None
+        down_since = None
         while not self._stop.wait(self.interval_s):
             if self._ending.is_set():  # the training thread reports; keep beating: peers see it alive
                 self._try(self._beat)
                 continue
-            try:
-                self._beat()
-                claimed = self.store.add("failed", 0) > 0
-                lost = self._silent_peers(self.silent_after_s)
-                unreachable_since = None
-            except Exception:  # noqa: BLE001 - the store's host is gone or does not answer
-                unreachable_since = unreachable_since or time.monotonic()
-                silent_s = time.monotonic() - unreachable_since
-                if silent_s > self.silent_after_s and not self._stop.is_set() and self._take_over():
+            ok = self._try(lambda: (self._beat(), True)[1], False)
+            claimed = ok and self._try(lambda: self.store.add("failed", 0) > 0, False)
+            lost = self._try(lambda: self._silent_peers(self.silent_after_s), []) if ok else []
+            if self._store_down:
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > self.silent_after_s and self._take_over():
                     self._end(self._store_lost_line(), FAILURE_EXIT, claim=False)
                 continue
             if self._stop.is_set() or not (claimed or lost) or not self._take_over():
@@ -220,6 +229,7 @@ class Watchdog:
         )
 
     def _lost_line(self, lost: list[tuple[int, float]], err: BaseException | None) -> str:
+        self._lost.update(p for p, _ in lost)
         who = ", ".join(f"{self._describe_peer(p)}, silent for {s:.0f} s" for p, s in lost)
         cause = f" [{_first_line(err)}]" if err is not None else ""
         return (
@@ -244,7 +254,7 @@ class Watchdog:
         while time.monotonic() < deadline and not lost:
             time.sleep(self.interval_s / 2)
             lost = self._try(lambda: self._silent_peers(probe_s * 0.6), None)
-            if lost is None and not self._store_hosted_here:
+            if self._store_down and not self._store_hosted_here:
                 return self._store_lost_line(err)
         if lost:
             return self._lost_line(lost, err)
@@ -259,16 +269,27 @@ class Watchdog:
                     f"error: step {self.step}: {self._describe_peer(peer)} failed and left the job "
                     f"({reason.removeprefix('failed:').strip()}; its traceback is in its output)"
                 )
-        behind = {p: s for p, s in self._peer_steps().items() if s < self.step}
         timed_out = "timed out" in str(err).lower() or "within" in str(err)
         what = (
             f"a collective timed out after {self.timeout_s:g} s (--distributed-timeout-minutes)"
             if timed_out
             else "a collective failed"
         )
-        if behind:
-            who = ", ".join(f"{self._describe_peer(p)} still at step {s}" for p, s in sorted(behind.items()))
-            return f"error: step {self.step}: {what}: {who}: it hangs (alive, not communicating) [{_first_line(err)}]"
+        # Alive (still beating) and not failing itself: a peer that hangs outside the collective.
+        hung = [
+            p
+            for p in sorted(self.axes_of)
+            if not self._try(
+                lambda p=p: self.store.check([f"ending/{p}"]) or self.store.check([f"left/{p}"]), True
+            )
+        ]
+        if hung:
+            steps = self._peer_steps()
+            who = ", ".join(f"{self._describe_peer(p)}, at step {steps.get(p, '?')}" for p in hung)
+            return (
+                f"error: step {self.step}: {what}: {who}: alive but not taking part (it hangs) "
+                f"[{_first_line(err)}]"
+            )
         return f"error: step {self.step}: {what} on rank {self.rank} [{_first_line(err)}]"
 
     def _claim(self, line: str | None, code: int) -> bool:
@@ -325,8 +346,8 @@ class Watchdog:
         self._try(lambda: self.store.set(f"left/{self.rank}", "failed"))
         if self._store_hosted_here:
             # The other ranks read the failure through this process's store: let them see it first.
-            deadline = time.monotonic() + 3.0 * self.interval_s + 2.0
-            others = [f"left/{r}" for r in range(self.world_size) if r != self.rank]
+            deadline = time.monotonic() + 2.0 * self.interval_s + 1.0
+            others = [f"left/{r}" for r in range(self.world_size) if r != self.rank and r not in self._lost]
             while time.monotonic() < deadline and not self._try(lambda: self.store.check(others), False):
                 time.sleep(0.1)
 
@@ -345,6 +366,7 @@ class Watchdog:
             self._end(message or f"error (rank {self.rank}): {err}", USER_ERROR_EXIT)
         if self._try(lambda: self.store.add("failed", 0), 0) > 0:
             self._end(None, FAILURE_EXIT)  # another rank's failure came first
+        self._try(lambda: self.store.set(f"ending/{self.rank}", _first_line(err)))
         self._end(self.explain(err), FAILURE_EXIT)
 
 

@@ -45,10 +45,11 @@ def start_torchrun(flags: list[str], tmp_path: Path, log: Path, nproc: int = 2) 
         return subprocess.Popen(command, env=job_env(tmp_path), stdout=out, stderr=subprocess.STDOUT)
 
 
-def start_ranks(flags: list[str], tmp_path: Path, nproc: int = 2) -> list[subprocess.Popen]:
+def start_ranks(flags: list[str], tmp_path: Path, nproc: int = 2, **env_extra) -> list[subprocess.Popen]:
     """One process per rank, launched as Slurm's ``srun`` does (``SLURM_PROCID``...); ``rank<R>.log``."""
     env = {
         **job_env(tmp_path),
+        **env_extra,
         "SLURM_NTASKS": str(nproc),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -127,11 +128,35 @@ def results(tmp_path: Path, nproc: int = 2) -> list[dict | None]:
     return out
 
 
+def _inject_fault(kind: str, rank: int, step: int) -> None:
+    """Make rank ``rank`` fail at training step ``step``, inside its forward pass: ``hang`` (sleeps,
+    its heartbeat thread alive) or ``data-error`` (a DataError, as a damaged dataset would raise)."""
+    import mcore.training.gpt as gpt
+    from mcore.data.errors import DataError
+    from mcore.distributed import watchdog
+
+    real_forward_step = gpt.forward_step
+
+    def forward_step(data_iterator, model):
+        me = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        current = watchdog._current.step if watchdog._current is not None else 0
+        if me == rank and current == step:
+            if kind == "hang":
+                time.sleep(600)
+            raise DataError(f"/data/corpus_text_document.bin: token id 70000 at sample {step} (injected)")
+        return real_forward_step(data_iterator, model)
+
+    gpt.forward_step = forward_step
+
+
 def main(flags: list[str]) -> None:
     import torch
 
     torch.set_num_threads(1)
     from ckpt_runs import train
+
+    if os.environ.get("FAULT_KIND"):
+        _inject_fault(os.environ["FAULT_KIND"], int(os.environ["FAULT_RANK"]), int(os.environ["FAULT_STEP"]))
 
     result = train(flags)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
