@@ -233,9 +233,16 @@ def build_data_iterators(
         per_chunk = [
             _cycle(
                 build_pretraining_data_loader(
-                    ds, consumed, mbs, groups.dp_rank, groups.dp_size, cfg.data.num_workers, pin,
-                    seed=cfg.training.seed, split=split,
-                )  # fmt: skip
+                    ds,
+                    consumed,
+                    mbs,
+                    groups.dp_rank,
+                    groups.dp_size,
+                    cfg.data.num_workers,
+                    pin,
+                    seed=cfg.training.seed,
+                    split=split,
+                )
             )
             for _ in range(num_chunks)
         ]

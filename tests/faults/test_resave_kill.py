@@ -70,7 +70,9 @@ def test_a_resave_killed_between_its_renames_is_recovered_by_the_loader(tmp_path
 
     assert inspect_main([str(save)]) == 0
     text = capsys.readouterr().out
-    assert f"the tracker names iteration 7, iter_0000007 is missing, and its complete copy is {old.name}" in text
+    assert (
+        f"the tracker names iteration 7, iter_0000007 is missing, and its complete copy is {old.name}" in text
+    )
     assert f"== {old.name}: iteration 7" in text  # and it is described
 
     sys.path.insert(0, str(HERE.parent / "checkpoint"))
