@@ -37,6 +37,7 @@ USER_ERROR_EXIT = 2
 FAILURE_EXIT = 1
 _PREFIX = "mcore/watchdog"
 _AXES = ("tp", "pp", "dp", "cp")
+_STORE_RETRY_S = 5.0
 # Messages of the collective library when a peer connection broke or a wait timed out.
 _COMMUNICATION_FAILURES = (
     "Connection reset by peer",
@@ -142,7 +143,7 @@ class Watchdog:
         )
 
     def start(self) -> Watchdog:
-        self._beat()
+        self._try(self._beat)
         self._thread = threading.Thread(target=self._run, name="mcore-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -182,19 +183,26 @@ class Watchdog:
             self.store.set(f"step/{self.rank}", str(self.step))
 
     def _run(self) -> None:
-        down_since = None
+        down_since = next_try = None
         while not self._stop.wait(self.interval_s):
             if self._ending.is_set():  # the training thread reports; keep beating: peers see it alive
                 self._try(self._beat)
                 continue
+            now = time.monotonic()
+            if self._store_down:
+                down_since = down_since or now
+                if now - down_since > self.silent_after_s and self._take_over():
+                    self._end(self._store_lost_line(), FAILURE_EXIT, claim=False)
+                if next_try is not None and now < next_try:
+                    continue
+                self._store_down = False  # ask a store that failed again, every few seconds
             ok = self._try(lambda: (self._beat(), True)[1], False)
             claimed = ok and self._try(lambda: self.store.add("failed", 0) > 0, False)
             lost = self._try(lambda: self._silent_peers(self.silent_after_s), []) if ok else []
             if self._store_down:
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since > self.silent_after_s and self._take_over():
-                    self._end(self._store_lost_line(), FAILURE_EXIT, claim=False)
+                next_try = now + _STORE_RETRY_S
                 continue
+            down_since = None
             if self._stop.is_set() or not (claimed or lost) or not self._take_over():
                 continue
             self._end(None if claimed else self._lost_line(lost, None), FAILURE_EXIT)
