@@ -51,6 +51,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _TMP_RE = re.compile(r"^(iter_\d{7,}|release)\.tmp-[0-9a-f]+$")
+_OLD_SUFFIX = ".old-"
 
 
 class CheckpointError(RuntimeError):
@@ -104,6 +105,24 @@ def list_tmp_dirs(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and _TMP_RE.match(p.name))
+
+
+def old_dir_name(iteration: int | str, token: str) -> str:
+    """``iter_0000100.old-<token>``: the previous copy of an iteration while a re-save replaces it."""
+    return f"{iter_dir_name(iteration)}{_OLD_SUFFIX}{token}"
+
+
+def list_old_dirs(root: str | os.PathLike, iteration: int | str) -> list[Path]:
+    """Complete previous copies of ``iteration`` (``iter_XXXXXXX.old-<token>`` holding a metadata
+    file), newest first. A re-save of the same iteration renames the old directory aside, renames the
+    new one into place and then removes the old one; a kill between the two renames leaves only this
+    copy (the tracker still names the iteration)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    prefix = iter_dir_name(iteration) + _OLD_SUFFIX
+    found = [p for p in root.iterdir() if p.name.startswith(prefix) and (p / METADATA).is_file()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 # -- tracker ----------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from mcore.checkpoint.format import (
     CheckpointError,
     iter_dir_name,
     list_iterations,
+    list_old_dirs,
     list_tmp_dirs,
     read_metadata,
     read_tracker,
@@ -88,6 +89,15 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
         say(f"complete iterations: {', '.join(map(str, iterations)) or 'none'}")
         for tmp in list_tmp_dirs(root):
             say(f"incomplete save (not loadable): {tmp.name}")
+        if tracker is not None and not (root / iter_dir_name(tracker)).is_dir():
+            old = list_old_dirs(root, tracker)
+            if old:
+                say(
+                    f"interrupted re-save: the tracker names iteration {tracker}, {iter_dir_name(tracker)} is "
+                    f"missing, and its complete copy is {old[0].name} (loading renames it back into place)"
+                )
+            else:
+                say(f"the tracker names iteration {tracker}, but {iter_dir_name(tracker)} is missing")
         chosen = iteration if iteration is not None else tracker
         if chosen is None:
             chosen = iterations[-1] if iterations else None
@@ -95,6 +105,8 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
             say("no checkpoint to describe")
             return 1
         iter_dir = root / iter_dir_name(chosen)
+        if not iter_dir.is_dir() and list_old_dirs(root, chosen):
+            iter_dir = list_old_dirs(root, chosen)[0]
     meta = read_metadata(iter_dir)
     layout = meta["layout"]
     say()
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (path / METADATA).is_file() or args.iteration is not None:
                 from mcore.checkpoint.load import resolve_iteration_dir
 
-                path = resolve_iteration_dir(path, args.iteration)
+                path = resolve_iteration_dir(path, args.iteration, recover=False)
                 if path is None:
                     raise CheckpointError(f"{args.dir} holds no checkpoint (no {TRACKER})")
             print(json.dumps(read_metadata(path), indent=1))

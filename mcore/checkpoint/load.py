@@ -14,6 +14,7 @@ Rows ``>= V`` (the tokenizer's size) are padding either way.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,10 @@ from mcore.checkpoint.format import (
     TRACKER,
     CheckpointError,
     file_crc32,
+    fsync_dir,
     iter_dir_name,
     list_iterations,
+    list_old_dirs,
     load_torch_file,
     read_metadata,
     read_tracker,
@@ -163,32 +166,48 @@ class ShardReader:
 # -- resolving which checkpoint ---------------------------------------------------------------------
 
 
-def resolve_iteration_dir(root: str | Path, iteration: int | str | None = None) -> Path | None:
+def resolve_iteration_dir(
+    root: str | Path, iteration: int | str | None = None, *, recover: bool = True
+) -> Path | None:
     """The iteration directory to load: ``iteration`` if given, else the tracker's. None when ``root``
     has no tracker (nothing saved yet).
+
+    A re-save of the same iteration that was killed between its two renames (see
+    :func:`mcore.checkpoint.save.publish`) leaves ``iter_XXXXXXX/`` missing and the complete previous
+    copy in ``iter_XXXXXXX.old-<token>/``: with ``recover`` it is renamed back into place (logged);
+    without, its path is returned as it is (read-only callers such as the inspector).
 
     Raises:
         CheckpointError: the given iteration or the tracker's does not exist (listing what does).
     """
     root = Path(root)
+    requested = iteration is not None
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
             return None
-        path = root / iter_dir_name(iteration)
-        if not path.is_dir():
-            raise CheckpointError(
-                f"{root / TRACKER} names iteration {iteration}, but {path} does not exist "
-                f"(complete iterations here: {list_iterations(root) or 'none'})"
-            )
-        return path
     path = root / iter_dir_name(iteration)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"iteration {iteration} was requested (--ckpt-step) but {path} does not exist "
-            f"(complete iterations here: {list_iterations(root) or 'none'})"
+    if path.is_dir():
+        return path
+    old = list_old_dirs(root, iteration)
+    if old:
+        if not recover:
+            return old[0]
+        os.rename(old[0], path)
+        fsync_dir(root)
+        log0(
+            f"  recovered {path.name} from {old[0].name}: a re-save of iteration {iteration} was "
+            "interrupted between its renames"
         )
-    return path
+        return path
+    what = (
+        f"iteration {iteration} was requested (--ckpt-step) but"
+        if requested
+        else f"{root / TRACKER} names iteration {iteration}, but"
+    )
+    raise CheckpointError(
+        f"{what} {path} does not exist (complete iterations here: {list_iterations(root) or 'none'})"
+    )
 
 
 def _agree(error: str | None) -> None:

@@ -45,6 +45,7 @@ from mcore.checkpoint.format import (
     list_tmp_dirs,
     model_file,
     new_tmp_token,
+    old_dir_name,
     optim_file,
     rng_file,
     tensor_crc32,
@@ -306,7 +307,10 @@ def publish(root: Path, tmp: Path, iteration: int, meta: dict) -> Path:
     final = root / iter_dir_name(iteration)
     old = None
     if final.exists():  # the same iteration saved again: replace it
-        old = final.with_name(f"{final.name}.old-{new_tmp_token()}")
+        # Two renames, not one: a directory cannot atomically replace a non-empty one. A kill between
+        # them leaves the tracker naming a missing directory; the loader recovers the ``.old-`` copy
+        # (:func:`mcore.checkpoint.load.resolve_iteration_dir`).
+        old = root / old_dir_name(iteration, new_tmp_token())
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(root)

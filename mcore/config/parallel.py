@@ -38,6 +38,11 @@ class ParallelConfig:
     )
     device_backend: str = flag("auto", "Device backend: auto, cpu, cuda, npu or an installed plugin's name.")
     distributed_timeout_minutes: float = flag(10.0, "Timeout for collectives before the job fails.")
+    heartbeat_timeout_seconds: float = flag(
+        30.0,
+        "A rank whose heartbeat (over the rendezvous store, every second) stops for this long is "
+        "reported lost and the job ends (mcore.distributed.watchdog); 0 turns the watchdog off.",
+    )
     local_rank: int | None = flag(None, "Local rank (set by the launcher; torchrun uses LOCAL_RANK).")
 
     def __post_init__(self) -> None:

@@ -29,10 +29,29 @@ Which ranks load: only ranks whose model chunk consumes the data need a loader (
 parallel rank 0 of the first and last pipeline stages, which then broadcast within their TP group);
 the others pass ``dataset=None`` and get None. ``num_workers > 0`` prepares batches in background
 processes (persistent across epochs of iteration) so the device never waits on the CPU.
+
+Random state: a loader never touches the process's global generators. ``torch.utils.data.DataLoader``
+draws its workers' base seed each time an iterator is created, from the loader's ``generator`` or,
+without one, from torch's *default* CPU generator, the one CPU dropout draws from; the training loop
+creates iterators at its first step and again whenever validation wraps around, so a resumed run would
+draw at other points than an uninterrupted one and its dropout masks would differ. Each loader here
+has its own generator, seeded from ``(seed, split, consumed_samples, data_parallel_rank)``, so workers
+get deterministic seeds and resuming stays exact (the datasets index deterministically and draw no
+random numbers themselves).
+
+Signals: the workers ignore SIGTERM from anyone but their parent (:func:`worker_init`). Launchers
+signal whole process groups (torchrun's agent ``killpg``-s each rank, Slurm signals every process of
+the step); a worker killed by it would make the training process fail with ``DataLoader worker ...
+killed by signal`` before ``--exit-signal-handler`` could save. The training process owns shutdown:
+it finishes the step, saves and stops its workers.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import zlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -102,6 +121,40 @@ def collate_batch(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
     return {k: torch.stack([s[k] for s in samples]) for k in keys}
 
 
+def loader_seed(seed: int, split: str, consumed_samples: int, data_parallel_rank: int) -> int:
+    """The seed of one loader's own generator (a 63-bit function of its arguments)."""
+    key = f"{seed}/{split}/{consumed_samples}/{data_parallel_rank}".encode()
+    return (zlib.crc32(key) << 31 | zlib.adler32(key)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _ignore_sigterm_unless_from(parent: int) -> None:
+    """Block SIGTERM in this process and serve it from a thread: exit when ``parent`` sent it (the
+    DataLoader's own shutdown, as torch's worker handler does), ignore it otherwise."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def serve() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == parent or os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=serve, name="mcore-sigterm", daemon=True).start()
+
+
+def worker_init(worker_id: int) -> None:
+    """``worker_init_fn`` of every pretraining loader: SIGTERM from a launcher does not end a worker.
+
+    The worker's threads are started after this (the queue feeder), so they inherit the blocked
+    SIGTERM; only the serving thread takes it. Where ``sigwaitinfo`` is missing (not Linux) SIGTERM is
+    simply ignored: the worker still ends when its parent closes the loader or exits.
+    """
+    del worker_id
+    if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
+        _ignore_sigterm_unless_from(os.getppid())
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def build_pretraining_data_loader(
     dataset: torch.utils.data.Dataset | None,
     consumed_samples: int,
@@ -110,8 +163,10 @@ def build_pretraining_data_loader(
     data_parallel_size: int,
     num_workers: int,
     pin_memory: bool,
+    *,
     dataloader_type: str = "single",
     seed: int = 0,
+    split: str = "train",
 ) -> torch.utils.data.DataLoader | None:
     """A DataLoader over ``dataset`` resuming after ``consumed_samples`` (None when ``dataset`` is None).
 
@@ -125,6 +180,8 @@ def build_pretraining_data_loader(
         pin_memory: page-lock batches for faster host-to-device copies (pass the backend's answer).
         dataloader_type: ``single`` (:class:`PretrainingSampler`) or ``cyclic``
             (:class:`~mcore.data.cyclic_sampler.CyclicPretrainingSampler`, shuffled per epoch by ``seed``).
+        seed, split: with ``consumed_samples`` and the rank, the seed of the loader's own generator
+            (see the module docstring: no draw from the global generators).
     """
     if dataset is None:
         return None
@@ -149,4 +206,8 @@ def build_pretraining_data_loader(
         pin_memory=pin_memory,
         collate_fn=collate_batch,
         persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(
+            loader_seed(seed, split, consumed_samples, data_parallel_rank)
+        ),
+        worker_init_fn=worker_init if num_workers > 0 else None,
     )

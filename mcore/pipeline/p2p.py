@@ -141,22 +141,22 @@ class StageCommunicator:
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as err:
-            raise self._error(described, err) from err
+            raise self._error(described, err, time.perf_counter() - start) from err
         timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
         deadline = start + self.timeout_s if self.timeout_s is not None else None
         for work, description in zip(works, described):
             try:
                 ok = work.wait(timeout) if timeout is not None else work.wait()
             except RuntimeError as err:
-                raise self._error([description], err) from err
+                raise self._error([description], err, time.perf_counter() - start) from err
             if ok is False:
-                raise self._error([description], None)
+                raise self._error([description], None, time.perf_counter() - start)
             # Host-blocking process groups (gloo) are done here. Device-stream ones only queued
             # the wait on the stream; with a deadline, watch the work until it completes (Megatron
             # also synchronizes after each batched exchange by default).
             while deadline is not None and not work.is_completed():
                 if time.perf_counter() > deadline:
-                    raise self._error([description], None)
+                    raise self._error([description], None, time.perf_counter() - start)
                 time.sleep(1e-5)
         if self.stats is not None:
             self.synchronize()
@@ -167,13 +167,19 @@ class StageCommunicator:
                 buffer.requires_grad_(True)
         return buffers
 
-    def _error(self, described: list[str], cause: BaseException | None) -> PipelineCommunicationError:
-        limit = (
-            f"within {self.timeout_s:g} s"
-            if self.timeout_s is not None
-            else "before the process group gave up"
-        )
-        reason = f" ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})" if cause else ""
+    def _error(
+        self, described: list[str], cause: BaseException | None, elapsed_s: float
+    ) -> PipelineCommunicationError:
+        """The error of a failed exchange, with the time it really took: a peer that died breaks the
+        connection after seconds, long before the deadline; a peer that hangs reaches the deadline
+        (the collective library's own timeout says "Timed out")."""
+        first = str(cause).splitlines()[0] if cause is not None and str(cause) else ""
+        timed_out = cause is None or "timed out" in first.lower()
+        if timed_out and self.timeout_s is not None:
+            when = f"within {self.timeout_s:g} s (gave up after {elapsed_s:.1f} s)"
+        else:
+            when = f"(the exchange failed after {elapsed_s:.1f} s)"
+        reason = f" ({first or type(cause).__name__})" if cause is not None else ""
         return PipelineCommunicationError(
-            f"{'; '.join(described)} {limit}: that rank died, hangs, or runs a different schedule{reason}"
+            f"{'; '.join(described)} {when}: that rank died, hangs, or runs a different schedule{reason}"
         )

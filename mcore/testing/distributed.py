@@ -164,7 +164,9 @@ def run_distributed(
                 results,
                 None if rank_setup is None else _function_ref(rank_setup),
             ),
-            daemon=True,
+            # Not daemonic: a rank may start DataLoader workers (--num-workers), which daemonic
+            # processes cannot; the ``finally`` below kills every rank still alive.
+            daemon=False,
         )
         for r in range(world_size)
     ]

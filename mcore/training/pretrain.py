@@ -36,6 +36,7 @@ from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
+from mcore.distributed.watchdog import note_step, watch_job
 from mcore.models.config import padded_vocab_size, validate_model_parallel
 from mcore.models.layer_graphs import LayerGraphs
 from mcore.optimizer import build_optimizer, format_memory_report
@@ -58,7 +59,7 @@ from mcore.training.metrics import (
 from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.params_norm import params_l2_norm
 from mcore.training.run_config import RunConfig, parse_run_config
-from mcore.training.signals import SignalHandler
+from mcore.training.signals import SignalHandler, exit_message
 from mcore.training.timers import Timers, format_timers, timer_scalars
 from mcore.utils.async_host import HostValue, host_floats, stage_to_host
 
@@ -237,7 +238,8 @@ def build_data_iterators(
     pin = backend.device_type != "cpu"
     mbs = cfg.training.micro_batch_size
     iterators = []
-    for ds, consumed in zip(datasets, (state.consumed_train_samples, state.consumed_valid_samples, 0)):
+    consumed_per_split = (state.consumed_train_samples, state.consumed_valid_samples, 0)
+    for split, ds, consumed in zip(("train", "valid", "test"), datasets, consumed_per_split):
         if ds is None:
             iterators.append(None)
             continue
@@ -253,7 +255,8 @@ def build_data_iterators(
                     pin,
                     dataloader_type=cfg.data.dataloader_type,
                     seed=cfg.training.seed,
-                )  # fmt: skip
+                    split=split,
+                )
             )
             for _ in range(num_chunks)
         ]
@@ -593,7 +596,8 @@ def pretrain(
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     try:
-        return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
+        with watch_job(groups, cfg.parallel, user_errors=(ConfigError, DataError)):
+            return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
     except (ConfigError, DataError) as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -677,6 +681,7 @@ def _pretrain(
         timer.start()
         while not t.skip_train and state.iteration < train_iters:
             batches.update(state.consumed_train_samples)
+            note_step(state.iteration + 1)
             # The step's results stay on the device (no wait): ``stats`` reads them at log intervals.
             losses, ok, grad_norm = trainer.train_step(train_iter, iteration=state.iteration + 1)
             state.iteration += 1
@@ -758,6 +763,9 @@ def _pretrain(
             if save_dir and state.iteration > 0 and last_saved != state.iteration:
                 _save_checkpoint(cfg, state, model, optimizer, scheduler, groups, ckpt_meta)
     _finalize_async_save(cfg, blocking=True)
+    if exit_reason != "finished":
+        saved = save_dir if save_dir and last_saved == state.iteration else None
+        print_rank_0(groups, exit_message(exit_reason, state.iteration, saved, t, handler))
 
     valid_loss = test_loss = None
     if exit_reason == "finished" and t.eval_iters > 0:

@@ -10,6 +10,7 @@ waits for the device).
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,10 @@ class SignalHandler:
         self._received = True
 
     @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.sig).name
+
+    @property
     def signaled(self) -> bool:
         """Whether this process got the signal (no communication)."""
         return self._received
@@ -43,3 +48,24 @@ class SignalHandler:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
+
+
+def exit_message(reason: str, iteration: int, saved_dir: str | Path | None, t, handler=None) -> str:
+    """The one line a run that stops before ``--train-iters`` prints: why, where, and what was saved.
+
+    ``reason`` is the training loop's exit reason (``signal``, ``exit-interval``, ``exit-duration``);
+    ``saved_dir`` the ``--save`` directory when it holds this iteration's checkpoint, else None; ``t``
+    the training config (the limit that was reached); ``handler`` the :class:`SignalHandler`.
+    """
+    if reason == "signal":
+        name = handler.signal_name if isinstance(handler, SignalHandler) else "a signal"
+        why = f"{name} received (--exit-signal-handler)"
+    elif reason == "exit-interval":
+        why = f"--exit-interval {t.exit_interval} reached"
+    elif reason == "exit-duration":
+        why = f"--exit-duration-in-mins {t.exit_duration_in_mins:g} passed"
+    else:
+        why = reason
+    if saved_dir is None:
+        return f"exiting: {why} after iteration {iteration}; no checkpoint saved (no --save)"
+    return f"exiting: {why}, checkpoint saved at iteration {iteration} in {saved_dir}"

@@ -76,17 +76,37 @@ def tiny_datasets_provider(cfg, tokenizer, num_samples):
     return train, None, None
 
 
-def train(extra: list[str]) -> dict:
+def tiny_datasets_with_valid_provider(cfg, tokenizer, num_samples):
+    """A training and a validation split (the validation samples come from another seed)."""
+    train, _, _ = tiny_datasets_provider(cfg, tokenizer, num_samples)
+    valid = TinyDataset(max(int(num_samples[1]), 1), cfg.model.seq_length, 1000, cfg.training.seed + 1)
+    return train, valid, None
+
+
+# Megatron's default dropout, background data workers, and validation every 3 iterations: a resume
+# from iteration 5 crosses a validation (at 6) and the validation loader wraps around.
+DROPOUT_VALID_ARGV = [
+    "--hidden-dropout", "0.1",
+    "--attention-dropout", "0.1",
+    "--num-workers", "2",
+    "--eval-iters", "1",
+    "--eval-interval", "3",
+]  # fmt: skip
+
+
+def train(extra: list[str], with_valid: bool = False) -> dict:
     """One ``pretrain`` run; returns this rank's losses (last pipeline stage) and final state."""
     from mcore.training.gpt import forward_step, model_provider
     from mcore.training.pretrain import pretrain
 
-    result = pretrain(model_provider, forward_step, tiny_datasets_provider, argv=argv(*extra))
+    provider = tiny_datasets_with_valid_provider if with_valid else tiny_datasets_provider
+    result = pretrain(model_provider, forward_step, provider, argv=argv(*extra))
     return {
         "losses": result.train_losses,
         "iteration": result.state.iteration,
         "consumed": result.state.consumed_train_samples,
         "exit_reason": result.exit_reason,
+        "valid_loss": result.valid_loss,
     }
 
 
