@@ -26,7 +26,6 @@ from mcore.checkpoint.format import (
     iter_dir_name,
     list_iterations,
     load_torch_file,
-    read_metadata,
     read_tracker,
     rng_file,
     tensor_crc32,
@@ -252,7 +251,7 @@ def load_checkpoint(
     if _rank() == 0:
         try:
             path = resolve_iteration_dir(root, config.ckpt_step)
-            outcome = (None, None if path is None else (str(path), read_metadata(path)))
+            outcome = (None, None if path is None else (str(path), _read_any_metadata(path)))
         except CheckpointError as err:
             outcome = (str(err), None)
     error, found = _broadcast_object(outcome)
@@ -271,7 +270,10 @@ def load_checkpoint(
     now = _layout_now(model, optimizer, groups)
     same_layout = all(meta["layout"].get(k) == v for k, v in now.items())
 
-    reader = ShardReader(path, meta)
+    megatron_note = _check_megatron_load(path, meta, load_optim=load_optim)  # None for mcore's format
+    if megatron_note:
+        log0(megatron_note)
+    reader = _open_reader(path, meta)
     error = None
     optim_state = rng_states = None
     try:
@@ -338,6 +340,25 @@ def load_checkpoint(
         names = {f.name for f in dataclasses.fields(state_cls)}
         return state_cls(**{k: v for k, v in state.items() if k in names})
     return state_cls(**state)
+
+
+def _read_any_metadata(path: Path) -> dict:
+    """mcore's ``metadata.json``, or the same view of a Megatron-LM checkpoint (``torch``/``torch_dist``)."""
+    from mcore.checkpoint.megatron.detect import read_any_metadata
+
+    return read_any_metadata(path)
+
+
+def _open_reader(path: Path, meta: dict) -> ShardReader:
+    from mcore.checkpoint.megatron.detect import open_reader
+
+    return open_reader(path, meta)
+
+
+def _check_megatron_load(path: Path, meta: dict, *, load_optim: bool) -> str | None:
+    from mcore.checkpoint.megatron.detect import check_megatron_load
+
+    return check_megatron_load(path, meta, load_optim=load_optim)
 
 
 def _load_model(reader: ShardReader, model: list) -> set[str]:
