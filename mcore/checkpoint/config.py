@@ -22,6 +22,11 @@ class CheckpointConfig:
     finetune: bool = flag(
         False, "Load weights only and start at iteration 0 (implies no optimizer/RNG load)."
     )
+    use_checkpoint_args: bool = flag(
+        False,
+        "Take the model architecture flags from the --load checkpoint (mcore's or Megatron-LM's), "
+        "replacing the command line's.",
+    )
     async_save: bool = flag(
         False, "Write checkpoints in the background; the loop waits only for the device-to-host copy."
     )

@@ -67,8 +67,8 @@ def shim_megatron_for_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
-    from megatron.core import tensor_parallel
     import megatron.core.transformer.dot_product_attention as mdpa
+    from megatron.core import tensor_parallel
 
     class _NoTracker:
         def fork(self, name=None):
@@ -229,6 +229,14 @@ def megatron_logits(model, family: str, tp: int, pp: int) -> torch.Tensor | None
     return torch.cat(parts, dim=-1) if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
+def save_megatron_families(out_dir: str, families: list[str], tp: int, pp: int) -> None:
+    """Rank function: :func:`save_megatron_checkpoints` for each family into ``out_dir/<family>``."""
+    for family in families:
+        folder = os.path.join(out_dir, family)
+        os.makedirs(folder, exist_ok=True)
+        save_megatron_checkpoints(folder, family, tp, pp)
+
+
 def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> str | None:
     """Rank function: build the model at TP x PP, save ``<out_dir>/torch`` and ``<out_dir>/torch_dist``,
     and write its logits to ``<out_dir>/logits.pt`` (from the rank that has them)."""
@@ -286,8 +294,6 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
         "iteration": ITERATION,
         "model": model.sharded_state_dict(),
     }
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
     # Megatron's file writer forks one writer process per bucket and collects their results through
     # a spawned multiprocessing Manager. A test rank is daemonic (it may not have children) and its
     # main module is not importable by a spawned process: the save is synchronous here, so a plain
@@ -296,6 +302,7 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
     import queue
 
     import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     fs_async._get_write_results_queue = queue.Queue
     fs_async._process_memory = lambda: 0  # a debug log of the writer (needs psutil)
@@ -318,3 +325,94 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
     dist.barrier()
     ps.destroy_model_parallel()
     return None
+
+
+def megatron_load_logits(ckpt_root: str, family: str, fmt: str) -> torch.Tensor:
+    """Rank function (one process): load a checkpoint into megatron-core's own GPTModel (TP=1, PP=1)
+    as Megatron-LM would (``torch``: ``load_state_dict(strict=True)`` of the ``model`` entry;
+    ``torch_dist``: ``dist_checkpointing.load`` of the model's sharded state dict) and return its
+    logits ``[b, s, Vp]``."""
+    shim_megatron_for_cpu()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1)
+    model = build_megatron_model(family, 1, 1)
+    with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt")) as fh:
+        iteration = int(fh.read().strip())
+    folder = os.path.join(ckpt_root, f"iter_{iteration:07d}")
+    if fmt == "torch":
+        state = torch.load(os.path.join(folder, "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+    else:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
+        model.load_state_dict(loaded["model"], strict=True)
+    logits = megatron_logits(model, family, 1, 1)
+    ps.destroy_model_parallel()
+    return logits
+
+
+# -- the mcore side ---------------------------------------------------------------------------------
+
+TRAIN_ITERS = 3
+
+
+def tiny_datasets_provider(cfg, tokenizer, num_samples):
+    from ckpt_runs import TinyDataset
+
+    train = TinyDataset(max(int(num_samples[0]), 1), cfg.model.seq_length, 100, cfg.training.seed)
+    return train, None, None
+
+
+def mcore_train_argv(load: str, save: str, tp: int, pp: int) -> list[str]:
+    from mcore.testing.distributed import test_backend_name
+
+    return [
+        "--device-backend", test_backend_name(),
+        "--load", load, "--use-checkpoint-args", "--no-load-optim",
+        "--save", save, "--save-interval", "1000",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--lr", "3e-3", "--train-iters", str(ITERATION + TRAIN_ITERS),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+        "--log-interval", "1000", "--eval-iters", "0", "--num-workers", "0",
+    ]  # fmt: skip
+
+
+def mcore_logits_and_training(load: str, save: str, family: str, tp: int, pp: int) -> dict:
+    """Rank function: (1) load the Megatron checkpoint with mcore's training-loop loader at TP x PP
+    (PP=1 here) and return the full logits of the reference inputs; (2) resume training from it with
+    ``--use-checkpoint-args --no-load-optim`` for a few iterations, saving an mcore checkpoint."""
+    from mcore.checkpoint import CheckpointConfig, load_checkpoint
+    from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
+    from mcore.config.parallel import ParallelConfig
+    from mcore.distributed.groups import initialize_parallel
+    from mcore.inference.loading import build_model_chunk
+    from mcore.models.config import ModelConfig
+    from mcore.training.gpt import forward_step, model_provider
+    from mcore.training.pretrain import pretrain
+
+    assert pp == 1
+    groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=tp))
+    flags = checkpoint_model_flags(load)
+    cfg = ModelConfig(**{**flags, "hidden_dropout": 0.0, "attention_dropout": 0.0})
+    model = build_model_chunk(cfg, groups, 100, None, device=torch.device("cpu"))
+    state = load_checkpoint(CheckpointConfig(load=load, no_load_optim=True), [model], None, None, groups)
+    with torch.no_grad():
+        local = model(inputs(family)[0])
+    parts = [torch.empty_like(local) for _ in range(groups.tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=groups.tp)
+    logits = torch.cat(parts, dim=-1)
+    del model, groups, parts, local
+
+    result = pretrain(
+        model_provider, forward_step, tiny_datasets_provider, argv=mcore_train_argv(load, save, tp, pp)
+    )
+    return {
+        "loaded_iteration": state["iteration"],
+        "logits": logits,
+        "losses": result.train_losses,
+        "iteration": result.state.iteration,
+        "consumed": result.state.consumed_train_samples,
+    }

@@ -120,8 +120,16 @@ def model_flags_from_args(args: Any) -> dict[str, Any]:
 
 
 def args_from_model_config(
-    cfg, *, padded_vocab_size: int, vocab_size: int | None, tp: int, pp: int, iteration: int, fmt: str,
-    consumed_train_samples: int = 0, params_dtype=None,
+    cfg,
+    *,
+    padded_vocab_size: int,
+    vocab_size: int | None,
+    tp: int,
+    pp: int,
+    iteration: int,
+    fmt: str,
+    consumed_train_samples: int = 0,
+    params_dtype=None,
 ) -> argparse.Namespace:
     """The ``args`` Namespace an exported checkpoint stores: Megatron-LM's names for the model
     (what ``--use-checkpoint-args`` and the Hugging Face converters read)."""

@@ -73,8 +73,10 @@ def check_megatron_load(path: Path, meta: dict[str, Any], *, load_optim: bool) -
         return None
     info = meta.get("megatron", {})
     if load_optim:
-        held = "holds optimizer state, which mcore does not read" if info.get("has_optimizer") else (
-            "holds no optimizer state"
+        held = (
+            "holds optimizer state, which mcore does not read"
+            if info.get("has_optimizer")
+            else ("holds no optimizer state")
         )
         raise CheckpointError(
             f"{path} is a Megatron-LM checkpoint ({meta['format']}) that {held}: load it with "

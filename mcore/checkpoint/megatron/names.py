@@ -116,7 +116,9 @@ _UNSUPPORTED = (
 
 _MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LEGACY_LAYER = re.compile(r"^language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)$")
-_LEGACY_FINAL = re.compile(r"^language_model\.(?:encoder|transformer)\.(final_norm|final_layernorm)\.(weight|bias)$")
+_LEGACY_FINAL = re.compile(
+    r"^language_model\.(?:encoder|transformer)\.(final_norm|final_layernorm)\.(weight|bias)$"
+)
 
 
 def is_skipped(key: str) -> bool:

@@ -143,7 +143,9 @@ def load_dcp_tensors(iter_dir: Path, shapes: dict[str, tuple[tuple[int, ...], to
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(iter_dir)), no_dist=True)
     except Exception as err:  # noqa: BLE001 - missing or damaged .distcp files fail in many ways
-        raise CheckpointError(f"{iter_dir}: reading {', '.join(sorted(shapes))[:200]} failed: {err}") from None
+        raise CheckpointError(
+            f"{iter_dir}: reading {', '.join(sorted(shapes))[:200]} failed: {err}"
+        ) from None
     return state
 
 

@@ -155,7 +155,9 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
     tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
     heads = int(args.num_attention_heads)
     if version < 2.0 and bool(getattr(args, "group_query_attention", False)):
-        raise CheckpointError(f"{first}: checkpoint_version={version} with grouped-query attention is undefined")
+        raise CheckpointError(
+            f"{first}: checkpoint_version={version} with grouped-query attention is undefined"
+        )
 
     states: dict[tuple[int, int], tuple[str, dict]] = {}
     for sub, (t, p) in wanted.items():
@@ -181,7 +183,9 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
             if target is None or (target.split == REPLICATED and t != 0):
                 continue  # skipped, or a replica of what TP rank 0 holds
             if not isinstance(value, torch.Tensor):
-                raise CheckpointError(f"{iter_dir / fname}: {key!r} is a {type(value).__name__}, not a tensor")
+                raise CheckpointError(
+                    f"{iter_dir / fname}: {key!r} is a {type(value).__name__}, not a tensor"
+                )
             local_heads = heads // tp
             record = {
                 "name": target.name,
