@@ -29,7 +29,6 @@ tracker file last. Exit status 0 on success, 2 for input that cannot be converte
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
@@ -202,10 +201,9 @@ def torch_dist_state(state: dict[str, torch.Tensor], cfg) -> dict[str, Any]:
         out[f"decoder.layers.{rest}"] = torch.stack(tensors)
     for module in LINEARS:
         for g in range(cfg.num_layers):
-            blob = io.BytesIO()
-            torch.save([None], blob)
-            blob.seek(0)
-            out[f"decoder.layers.{module}._extra_state/shard_{g}_{cfg.num_layers}"] = blob
+            # DCP stores a non-tensor value as its torch.save bytes: megatron-core stores a
+            # ShardedObject as the list of its data (formats.md 7.2)
+            out[f"decoder.layers.{module}._extra_state/shard_{g}_{cfg.num_layers}"] = [None]
     return out
 
 
@@ -299,8 +297,14 @@ def export_to_megatron(
 
 def _write_torch_dist(folder: Path, tensors: dict[str, Any], common: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1), no_dist=True)
+    dcp.save(
+        tensors,
+        storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
+        planner=DefaultSavePlanner(flatten_state_dict=False),  # keys as given (megatron-core's)
+        no_dist=True,
+    )
     torch.save(common, folder / "common.pt")
     meta = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}  # fmt: skip
