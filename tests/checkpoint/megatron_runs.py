@@ -352,6 +352,11 @@ def megatron_load_logits(ckpt_root: str, family: str, fmt: str) -> torch.Tensor:
     return logits
 
 
+def megatron_load_logits_many(jobs: list[tuple[str, str, str]]) -> list[torch.Tensor]:
+    """Rank function: :func:`megatron_load_logits` for each ``(ckpt_root, family, fmt)`` in one process."""
+    return [megatron_load_logits(*job) for job in jobs]
+
+
 # -- the mcore side ---------------------------------------------------------------------------------
 
 TRAIN_ITERS = 3
