@@ -270,3 +270,42 @@ def test_mismatched_model_and_optimizer_request_are_refused(megatron_dir):
     model = build_model_chunk(ModelConfig(**flags), groups, V, None)
     with pytest.raises(CheckpointError, match=r"Megatron-LM checkpoint .* --no-load-optim"):
         load_checkpoint(CheckpointConfig(load=load), [model], _Optimizer(), None, groups)
+
+
+@pytest.mark.parametrize("version", [0, 1.0])
+def test_old_checkpoint_versions_qkv_layouts(megatron_dir, tmp_path, version):
+    """checkpoint_version 0 (``[3, np, hn]``) and 1.0 (``[np, hn, 3]``) fused QKV rows, per TP shard,
+    read as the version-2 layout; a stored class whose module is not installed does not stop the load."""
+    import argparse
+
+    src = megatron_dir / "gpt" / "torch"
+    heads = mr.FAMILIES["gpt"]["num_attention_heads"] // 2  # per TP rank
+
+    def to_old(d):
+        d["checkpoint_version"] = version
+        d["args"].attention_backend = NotInstalled(1)
+        for key, t in d["model"].items():
+            if "linear_qkv" in key and isinstance(t, torch.Tensor):
+                rest = t.shape[1:]
+                v2 = t.view(heads, 3, t.shape[0] // (3 * heads), *rest)
+                old = v2.transpose(0, 1) if version == 0 else v2.transpose(1, 2)
+                d["model"][key] = old.reshape(t.shape).contiguous()
+
+    NotInstalled.__module__ = "megatron_not_installed"
+    sys.modules["megatron_not_installed"] = argparse  # present while saving, gone while loading
+    argparse.NotInstalled = NotInstalled
+    try:
+        old_dir = _copy_with(src, tmp_path / "old", to_old)
+    finally:
+        del sys.modules["megatron_not_installed"], argparse.NotInstalled
+    expected, _ = load_logical_model_state(src)
+    got, meta = load_logical_model_state(old_dir)
+    assert meta["megatron"]["checkpoint_version"] == version
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+class NotInstalled:
+    def __init__(self, value):
+        self.value = value
