@@ -31,6 +31,7 @@ EXERCISED = {
     r"^bash examples/pretrain_gpt_npu\.sh": ("tests/test_readme.py", "pretrain_gpt_npu.sh"),
     r"^mcore-inspect-checkpoint ": ("tests/checkpoint/test_inspect.py", "main"),
     r"^mcore-export-hf ": ("tests/hf/test_hf_errors.py", "export_main"),
+    r"^mcore-export-megatron ": ("tests/checkpoint/test_megatron_interop.py", "EXPORT_MEGATRON"),
     r"^mcore-import-hf ": ("tests/hf/test_hf_errors.py", "import_main"),
     r"^mcore-generate ": ("tests/inference/test_generation_parallel.py", "main"),
     r"^python examples/npu_smoke\.py": ("tests/npu/test_simulated_npu_adaptor.py", "npu_smoke.py"),

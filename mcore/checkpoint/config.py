@@ -29,6 +29,11 @@ class CheckpointConfig:
         "padding) start at zero (weights, fp32 masters, Adam moments); rows beyond the new size are "
         "dropped. Without it such a checkpoint is refused.",
     )
+    use_checkpoint_args: bool = flag(
+        False,
+        "Take the model architecture flags from the --load checkpoint (mcore's or Megatron-LM's), "
+        "replacing the command line's.",
+    )
     async_save: bool = flag(
         False, "Write checkpoints in the background; the loop waits only for the device-to-host copy."
     )

@@ -30,7 +30,6 @@ from mcore.checkpoint.format import (
     list_iterations,
     list_old_dirs,
     load_torch_file,
-    read_metadata,
     read_tracker,
     rng_file,
     tensor_crc32,
@@ -281,7 +280,7 @@ def load_checkpoint(
     if _rank() == 0:
         try:
             path = resolve_iteration_dir(root, config.ckpt_step)
-            outcome = (None, None if path is None else (str(path), read_metadata(path)))
+            outcome = (None, None if path is None else (str(path), _read_any_metadata(path)))
         except CheckpointError as err:
             outcome = (str(err), None)
     error, found = _broadcast_object(outcome)
@@ -300,16 +299,19 @@ def load_checkpoint(
     now = _layout_now(model, optimizer, groups)
     same_layout = all(meta["layout"].get(k) == v for k, v in now.items())
 
+    megatron_note = _check_megatron_load(path, meta, load_optim=load_optim)  # None for mcore's format
+    if megatron_note:
+        log0(megatron_note)
     resized = []
-    if run_config is not None:  # every rank has the same metadata: all raise alike, no collective
-        resized = check_compatible(
+    if run_config is not None and megatron_note is None:  # every rank has the same metadata: all
+        resized = check_compatible(  # raise alike, no collective (Megatron's: checked by its reader)
             path,
             meta,
             run_config,
             tokenizer_vocab_size=tokenizer_vocab_size,
             allow_vocab_resize=bool(getattr(config, "allow_vocab_resize", False)),
         )
-    reader = ShardReader(path, meta)
+    reader = _open_reader(path, meta)
     if resized:
         reader.vocab_rows_kept = vocab_rows_kept(meta, tokenizer_vocab_size)
         kept = reader.vocab_rows_kept
@@ -384,6 +386,25 @@ def load_checkpoint(
         names = {f.name for f in dataclasses.fields(state_cls)}
         return state_cls(**{k: v for k, v in state.items() if k in names})
     return state_cls(**state)
+
+
+def _read_any_metadata(path: Path) -> dict:
+    """mcore's ``metadata.json``, or the same view of a Megatron-LM checkpoint (``torch``/``torch_dist``)."""
+    from mcore.checkpoint.megatron.detect import read_any_metadata
+
+    return read_any_metadata(path)
+
+
+def _open_reader(path: Path, meta: dict) -> ShardReader:
+    from mcore.checkpoint.megatron.detect import open_reader
+
+    return open_reader(path, meta)
+
+
+def _check_megatron_load(path: Path, meta: dict, *, load_optim: bool) -> str | None:
+    from mcore.checkpoint.megatron.detect import check_megatron_load
+
+    return check_megatron_load(path, meta, load_optim=load_optim)
 
 
 def _load_model(reader: ShardReader, model: list) -> set[str]:

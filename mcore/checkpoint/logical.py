@@ -22,13 +22,12 @@ from mcore.checkpoint.format import (
     CheckpointError,
     model_file,
     new_tmp_token,
-    read_metadata,
     tensor_crc32,
     tmp_dir_name,
     write_torch_file,
 )
 from mcore.checkpoint.geometry import full_placement
-from mcore.checkpoint.load import ShardReader, resolve_iteration_dir
+from mcore.checkpoint.load import resolve_iteration_dir
 from mcore.checkpoint.save import _record, publish, run_config_dict
 
 VOCAB_PADDED_NAMES = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
@@ -38,8 +37,10 @@ model's own shard specs decide how rows are re-padded)."""
 
 def _iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | str | None) -> Path:
     path = Path(ckpt_dir)
-    if iteration is None and (path / METADATA).is_file():
-        return path  # an iteration directory itself
+    from mcore.checkpoint.megatron.detect import is_iteration_dir
+
+    if iteration is None and ((path / METADATA).is_file() or is_iteration_dir(path)):
+        return path  # an iteration directory itself (mcore's or Megatron's)
     found = resolve_iteration_dir(path, iteration)
     if found is None:
         raise CheckpointError(f"{path} holds no checkpoint (no latest_checkpointed_iteration.txt)")
@@ -75,8 +76,10 @@ def load_logical_model_state(
         CheckpointError: a missing, truncated or corrupted file, or shards that do not cover a tensor.
     """
     path = _iteration_dir(ckpt_dir, iteration)
-    meta = read_metadata(path)
-    reader = ShardReader(path, meta, verify=verify)
+    from mcore.checkpoint.megatron.detect import open_reader, read_any_metadata
+
+    meta = read_any_metadata(path)  # mcore's format, or Megatron-LM's torch / torch_dist
+    reader = open_reader(path, meta, verify=verify)
     out: dict[str, torch.Tensor] = {}
     for name in reader.names("param"):
         kind = "main_param" if use_fp32_master and reader.has(name, "main_param") else "param"

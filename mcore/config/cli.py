@@ -51,7 +51,9 @@ def _add_field(group: argparse._ArgumentGroup, field: dataclasses.Field, annotat
     base = _strip_optional(annotation)
     origin = typing.get_origin(base)
     if base is bool:
-        negative = flag_name(field).startswith("--no-")
+        # "--no-X" clears a field that defaults to True (--no-gradient-accumulation-fusion); a field
+        # named no_x (--no-load-optim) is an ordinary switch that sets True.
+        negative = flag_name(field).startswith("--no-") and field.default is True
         kwargs["action"] = "store_false" if negative else "store_true"
     else:
         if origin in (list, tuple, Sequence):

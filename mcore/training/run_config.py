@@ -8,6 +8,7 @@ checked once by :func:`validate_run_config`, with messages naming every value.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,4 +69,14 @@ def parse_run_config(
 
     ``args_defaults``: a script's own defaults by field name (Megatron's ``args_defaults``)."""
     groups = {**CONFIG_GROUPS, **(extra_groups or {})}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--use-checkpoint-args" in argv:  # the checkpoint's model flags replace the command line's
+        from mcore.checkpoint.checkpoint_args import apply_checkpoint_args
+        from mcore.checkpoint.format import CheckpointError
+
+        try:
+            argv = apply_checkpoint_args(argv)
+        except CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
     return RunConfig(parse_config(groups, argv, prog=prog, defaults=args_defaults))

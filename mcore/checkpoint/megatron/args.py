@@ -1,0 +1,189 @@
+"""Megatron-LM ``args`` (the ``argparse.Namespace`` in every checkpoint) <-> mcore's model flags.
+
+:func:`model_flags_from_args` gives the ``ModelConfig`` fields a Megatron checkpoint was trained with
+(``--use-checkpoint-args`` applies them, as Megatron does); :func:`check_supported` refuses, naming
+the arg, what mcore lacks. :func:`args_from_model_config` writes the Namespace an export stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mcore.checkpoint.format import CheckpointError
+
+MODEL_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "group_query_attention",
+    "num_query_groups",
+    "seq_length",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "openai_gelu",
+    "disable_bias_linear",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "apply_residual_connection_post_layernorm",
+    "make_vocab_size_divisible_by",
+)
+"""The ``ModelConfig`` fields a checkpoint's args determine (Megatron's ``load_args_from_checkpoint``
+overrides the same architecture args)."""
+
+# (arg, value that is fine, what mcore lacks)
+_REFUSED = (
+    ("num_experts", (None, 0, 1), "mixture-of-experts models"),
+    ("multi_latent_attention", (None, False), "multi-latent attention"),
+    ("qk_layernorm", (None, False), "QK layernorm"),
+    ("rotary_interleaved", (None, False), "interleaved RoPE"),
+    ("squared_relu", (None, False), "the squared-ReLU MLP"),
+    ("apply_layernorm_1p", (None, False), "zero-centred norm weights (--apply-layernorm-1p)"),
+    ("mtp_num_layers", (None, 0), "multi-token prediction"),
+    ("attention_output_gate", (None, False), "gated attention output"),
+    ("heterogeneous_layers_config_path", (None,), "heterogeneous layers"),
+)
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def check_supported(args: Any, where: str) -> None:
+    """Refuse a Megatron model mcore cannot load, naming the arg and its value.
+
+    Raises:
+        CheckpointError: e.g. ``args.num_experts=8: mixture-of-experts models are not implemented``.
+    """
+    for name, fine, what in _REFUSED:
+        value = _get(args, name)
+        if value not in fine:
+            raise CheckpointError(f"{where}: args.{name}={value!r}: {what} are not implemented in mcore")
+    vp = _get(args, "virtual_pipeline_model_parallel_size")
+    if vp not in (None, 1):
+        raise CheckpointError(
+            f"{where}: args.virtual_pipeline_model_parallel_size={vp}: interleaved-pipeline checkpoints "
+            "(model0, model1, ... chunks) are not read; save it with one chunk per stage or through "
+            "torch_dist"
+        )
+    pos = _get(args, "position_embedding_type", "learned_absolute")
+    if pos not in ("learned_absolute", "rope", "none"):
+        raise CheckpointError(f"{where}: args.position_embedding_type={pos!r} is not implemented in mcore")
+    norm = _get(args, "normalization", "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        raise CheckpointError(f"{where}: args.normalization={norm!r} is not implemented in mcore")
+
+
+def model_flags_from_args(args: Any) -> dict[str, Any]:
+    """mcore ``ModelConfig`` field values from Megatron's args (fields the args lack are left out)."""
+    swiglu = bool(_get(args, "swiglu", False))
+    add_bias_linear = bool(_get(args, "add_bias_linear", True))
+    # Megatron's fused bias-GeLU (--bias-gelu-fusion, on by default in Megatron-LM) is the tanh
+    # approximation; it applies to the GeLU MLP with biases (formats.md 6.6).
+    tanh_gelu = bool(_get(args, "openai_gelu", False)) or (
+        bool(_get(args, "bias_gelu_fusion", False)) and not swiglu and add_bias_linear
+    )
+    gqa = bool(_get(args, "group_query_attention", False))
+    flags: dict[str, Any] = {
+        "num_layers": _get(args, "num_layers"),
+        "hidden_size": _get(args, "hidden_size"),
+        "ffn_hidden_size": _get(args, "ffn_hidden_size"),
+        "num_attention_heads": _get(args, "num_attention_heads"),
+        "kv_channels": _get(args, "kv_channels"),
+        "group_query_attention": gqa,
+        "num_query_groups": _get(args, "num_query_groups") if gqa else None,
+        "seq_length": _get(args, "seq_length"),
+        "max_position_embeddings": _get(args, "max_position_embeddings"),
+        "position_embedding_type": _get(args, "position_embedding_type", "learned_absolute"),
+        "rotary_base": float(_get(args, "rotary_base", 10000)),
+        "rotary_percent": float(_get(args, "rotary_percent", 1.0)),
+        "normalization": _get(args, "normalization", "LayerNorm"),
+        "norm_epsilon": float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
+        "swiglu": swiglu,
+        "openai_gelu": tanh_gelu,
+        "disable_bias_linear": not add_bias_linear,
+        "add_qkv_bias": bool(_get(args, "add_qkv_bias", False)) and not add_bias_linear,
+        "untie_embeddings_and_output_weights": bool(_get(args, "untie_embeddings_and_output_weights", False)),
+        "apply_residual_connection_post_layernorm": bool(
+            _get(args, "apply_residual_connection_post_layernorm", False)
+        ),
+        "make_vocab_size_divisible_by": _get(args, "make_vocab_size_divisible_by", 128),
+    }
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def args_from_model_config(
+    cfg,
+    *,
+    padded_vocab_size: int,
+    vocab_size: int | None,
+    tp: int,
+    pp: int,
+    iteration: int,
+    fmt: str,
+    consumed_train_samples: int = 0,
+    params_dtype=None,
+) -> argparse.Namespace:
+    """The ``args`` Namespace an exported checkpoint stores: Megatron-LM's names for the model
+    (what ``--use-checkpoint-args`` and the Hugging Face converters read)."""
+    import torch
+
+    dtype = params_dtype or torch.float32
+    return argparse.Namespace(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        kv_channels=cfg.kv_channels,
+        group_query_attention=cfg.group_query_attention,
+        num_query_groups=cfg.num_query_groups,
+        seq_length=cfg.seq_length,
+        max_position_embeddings=cfg.max_position_embeddings,
+        position_embedding_type=cfg.position_embedding_type,
+        add_position_embedding=cfg.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=cfg.position_embedding_type == "rope",
+        rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent,
+        rotary_interleaved=False,
+        normalization=cfg.normalization,
+        norm_epsilon=cfg.norm_epsilon,
+        layernorm_epsilon=cfg.norm_epsilon,
+        swiglu=cfg.swiglu,
+        openai_gelu=cfg.openai_gelu,
+        bias_gelu_fusion=False,
+        squared_relu=False,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        apply_residual_connection_post_layernorm=cfg.apply_residual_connection_post_layernorm,
+        apply_query_key_layer_scaling=False,
+        qk_layernorm=False,
+        multi_latent_attention=False,
+        num_experts=None,
+        padded_vocab_size=padded_vocab_size,
+        orig_vocab_size=vocab_size,
+        vocab_size=vocab_size,
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        transformer_impl="local",
+        ckpt_format=fmt,
+        params_dtype=dtype,
+        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        iteration=iteration,
+        consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=0,
+        tokenizer_type=None,
+    )

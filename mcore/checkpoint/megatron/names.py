@@ -1,0 +1,192 @@
+"""Megatron state-dict names -> mcore logical names, and how each tensor is split over TP.
+
+mcore's logical names are megatron-core's GPTModel names (local layer spec) with global layer numbers,
+so megatron-core checkpoints map almost one to one:
+
+==========================================================  ===========================================
+Megatron (``--ckpt-format torch``, stage-local layer ``i``)   mcore logical name (global layer ``g``)
+==========================================================  ===========================================
+``embedding.word_embeddings.weight``                          same (vocabulary rows, TP dim 0)
+``embedding.position_embeddings.weight``                      same (replicated)
+``decoder.layers.i.input_layernorm.{weight,bias}``            ``decoder.layers.g.input_layernorm.*``
+``...self_attention.linear_qkv.layer_norm_{weight,bias}``     ``...input_layernorm.*`` (TE spelling)
+``...self_attention.linear_qkv.{weight,bias}``                same (per-group ``[q_1..q_r, k, v]``, dim 0)
+``...self_attention.linear_proj.weight`` / ``.bias``          same (TP dim 1 / replicated)
+``...pre_mlp_layernorm.*``, ``...mlp.linear_fc1.layer_norm_*``  ``...pre_mlp_layernorm.*``
+``...mlp.linear_fc1.{weight,bias}``                           same (dim 0; SwiGLU: ``[gate; up]`` per rank)
+``...mlp.linear_fc2.weight`` / ``.bias``                      same (TP dim 1 / replicated)
+``decoder.final_layernorm.*``                                 same
+``output_layer.weight``                                       same when untied; the tied copy is skipped
+``*._extra_state``                                            skipped (Transformer-Engine FP8 metadata)
+==========================================================  ===========================================
+
+Legacy Megatron-LM (``megatron/legacy/model``, nested under ``language_model``; formats.md 5.3):
+``embedding.word_embeddings`` / ``position_embeddings``, ``encoder.`` (older: ``transformer.``)
+``layers.i.input_norm`` (older ``input_layernorm``), ``self_attention.query_key_value`` (older
+``attention.``), ``self_attention.dense``, ``post_attention_norm`` (older ``post_attention_layernorm``),
+``mlp.dense_h_to_4h``, ``mlp.dense_4h_to_h``, ``final_norm`` (older ``final_layernorm``),
+``output_layer``; ``word_embeddings_for_head`` is the tied copy on the last stage (skipped).
+
+Split kinds (formats.md 5.5): ``replicated``; ``column`` (dim 0: contiguous row blocks); ``row`` (dim 1);
+``vocab`` (dim 0, padded vocabulary); ``qkv`` (dim 0, whole query groups per rank); ``swiglu`` (dim 0,
+each rank holds ``[gate_t; up_t]``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+REPLICATED, COLUMN, ROW, VOCAB, QKV, SWIGLU = "replicated", "column", "row", "vocab", "qkv", "swiglu"
+
+
+class UnsupportedTensor(ValueError):
+    """A Megatron tensor mcore has no place for (MoE experts, QK layernorm, MLA, ...)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a Megatron tensor goes: the mcore logical name and its TP split kind."""
+
+    name: str
+    split: str
+
+
+_LAYER_PARAMS = {
+    # megatron-core local spec
+    "input_layernorm.weight": ("input_layernorm.weight", REPLICATED),
+    "input_layernorm.bias": ("input_layernorm.bias", REPLICATED),
+    "self_attention.linear_qkv.weight": ("self_attention.linear_qkv.weight", QKV),
+    "self_attention.linear_qkv.bias": ("self_attention.linear_qkv.bias", QKV),
+    "self_attention.linear_proj.weight": ("self_attention.linear_proj.weight", ROW),
+    "self_attention.linear_proj.bias": ("self_attention.linear_proj.bias", REPLICATED),
+    "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight", REPLICATED),
+    "pre_mlp_layernorm.bias": ("pre_mlp_layernorm.bias", REPLICATED),
+    "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", COLUMN),
+    "mlp.linear_fc1.bias": ("mlp.linear_fc1.bias", COLUMN),
+    "mlp.linear_fc2.weight": ("mlp.linear_fc2.weight", ROW),
+    "mlp.linear_fc2.bias": ("mlp.linear_fc2.bias", REPLICATED),
+    # Transformer-Engine spec: the norms are fused into the next linear
+    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight", REPLICATED),
+    "self_attention.linear_qkv.layer_norm_bias": ("input_layernorm.bias", REPLICATED),
+    "mlp.linear_fc1.layer_norm_weight": ("pre_mlp_layernorm.weight", REPLICATED),
+    "mlp.linear_fc1.layer_norm_bias": ("pre_mlp_layernorm.bias", REPLICATED),
+    # legacy Megatron-LM
+    "input_norm.weight": ("input_layernorm.weight", REPLICATED),
+    "input_norm.bias": ("input_layernorm.bias", REPLICATED),
+    "self_attention.query_key_value.weight": ("self_attention.linear_qkv.weight", QKV),
+    "self_attention.query_key_value.bias": ("self_attention.linear_qkv.bias", QKV),
+    "self_attention.dense.weight": ("self_attention.linear_proj.weight", ROW),
+    "self_attention.dense.bias": ("self_attention.linear_proj.bias", REPLICATED),
+    "post_attention_norm.weight": ("pre_mlp_layernorm.weight", REPLICATED),
+    "post_attention_norm.bias": ("pre_mlp_layernorm.bias", REPLICATED),
+    "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", REPLICATED),
+    "post_attention_layernorm.bias": ("pre_mlp_layernorm.bias", REPLICATED),
+    "mlp.dense_h_to_4h.weight": ("mlp.linear_fc1.weight", COLUMN),
+    "mlp.dense_h_to_4h.bias": ("mlp.linear_fc1.bias", COLUMN),
+    "mlp.dense_4h_to_h.weight": ("mlp.linear_fc2.weight", ROW),
+    "mlp.dense_4h_to_h.bias": ("mlp.linear_fc2.bias", REPLICATED),
+}
+
+_TOP_PARAMS = {
+    "embedding.word_embeddings.weight": ("embedding.word_embeddings.weight", VOCAB),
+    "embedding.position_embeddings.weight": ("embedding.position_embeddings.weight", REPLICATED),
+    "decoder.final_layernorm.weight": ("decoder.final_layernorm.weight", REPLICATED),
+    "decoder.final_layernorm.bias": ("decoder.final_layernorm.bias", REPLICATED),
+    "output_layer.weight": ("output_layer.weight", VOCAB),
+}
+
+_LEGACY_TOP = {
+    "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "language_model.output_layer.weight": "output_layer.weight",
+    "word_embeddings_for_head.weight": "output_layer.weight",
+}
+
+_UNSUPPORTED = (
+    ("experts", "mixture-of-experts layers (--num-experts)"),
+    ("router", "mixture-of-experts layers (--num-experts)"),
+    ("shared_expert", "mixture-of-experts layers (--num-experts)"),
+    ("q_layernorm", "QK layernorm (--qk-layernorm)"),
+    ("k_layernorm", "QK layernorm (--qk-layernorm)"),
+    ("linear_q_down_proj", "multi-latent attention (--multi-latent-attention)"),
+    ("linear_kv_down_proj", "multi-latent attention (--multi-latent-attention)"),
+    ("mtp", "multi-token prediction (--mtp-num-layers)"),
+)
+
+_MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LEGACY_LAYER = re.compile(r"^language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)$")
+_LEGACY_FINAL = re.compile(
+    r"^language_model\.(?:encoder|transformer)\.(final_norm|final_layernorm)\.(weight|bias)$"
+)
+
+
+def is_skipped(key: str) -> bool:
+    """Entries that hold no weights: Transformer-Engine ``_extra_state`` blobs and derived buffers."""
+    return key.endswith("._extra_state") or key.endswith("rotary_pos_emb.inv_freq")
+
+
+def _refuse_unknown(key: str) -> UnsupportedTensor:
+    for part, what in _UNSUPPORTED:
+        if part in key:
+            return UnsupportedTensor(f"tensor {key!r}: {what} is not implemented in mcore")
+    return UnsupportedTensor(f"tensor {key!r} has no mcore counterpart (an architecture mcore lacks?)")
+
+
+def map_layer_param(rest: str, swiglu: bool) -> tuple[str, str]:
+    """``(mcore suffix, split kind)`` of a layer parameter's name after ``layers.i.``."""
+    rest = rest.replace("attention.", "self_attention.", 1) if rest.startswith("attention.") else rest
+    found = _LAYER_PARAMS.get(rest)
+    if found is None:
+        raise _refuse_unknown(rest)
+    suffix, split = found
+    if swiglu and suffix.startswith("mlp.linear_fc1.") and split == COLUMN:
+        split = SWIGLU
+    return suffix, split
+
+
+def map_name(key: str, layer_offset: int, *, swiglu: bool, tied: bool) -> Target | None:
+    """The mcore target of a flat Megatron state-dict key (stage-local layer numbers plus
+    ``layer_offset``); None for entries to skip (``_extra_state``, the tied output copy).
+
+    Raises:
+        UnsupportedTensor: a tensor of an architecture mcore lacks, naming the key.
+    """
+    if is_skipped(key):
+        return None
+    match = _MCORE_LAYER.match(key) or _LEGACY_LAYER.match(key)
+    if match:
+        suffix, split = map_layer_param(match.group(2), swiglu)
+        return Target(f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}", split)
+    legacy_final = _LEGACY_FINAL.match(key)
+    if legacy_final:
+        return Target(f"decoder.final_layernorm.{legacy_final.group(2)}", REPLICATED)
+    name = _LEGACY_TOP.get(key, key)
+    found = _TOP_PARAMS.get(name)
+    if found is None:
+        raise _refuse_unknown(key)
+    if name == "output_layer.weight" and tied:
+        return None  # the last stage's copy of the tied word embedding
+    return Target(*found)
+
+
+def flatten_state(tree: dict, prefix: str = "") -> dict:
+    """Nested legacy state dicts (``model['language_model']['embedding'][...]``) -> dotted keys."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten_state(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def local_layer_count(keys) -> int:
+    """Layers in one pipeline stage's state dict (the highest stage-local layer number + 1)."""
+    top = -1
+    for key in keys:
+        match = _MCORE_LAYER.match(key) or _LEGACY_LAYER.match(key)
+        if match:
+            top = max(top, int(match.group(1)))
+    return top + 1

@@ -1,0 +1,180 @@
+"""megatron-core ``--ckpt-format torch_dist``: a torch.distributed.checkpoint (DCP) directory
+(``metadata.json``, ``common.pt``, ``.metadata``, ``__R_N.distcp``), read with DCP's
+``FileSystemReader`` in each process (no megatron import, no collective).
+
+DCP keys are megatron-core's sharded keys: transformer layers are stacked, ``decoder.layers.<param>``
+with a leading axis of ``num_layers`` (global layer numbers), norms under the Transformer-Engine names
+(``self_attention.linear_qkv.layer_norm_weight``), SwiGLU fc1 as the global ``[gate; up]``; the tied
+output copy is stored once under the word embedding. Each key's global tensor is what mcore's logical
+tensor is (per layer), so every record is a whole logical tensor and the loader slices what each rank
+needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) and optimizer keys are not model weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore.checkpoint.format import CheckpointError
+from mcore.checkpoint.load import ShardReader
+from mcore.checkpoint.megatron.args import check_supported, model_flags_from_args
+from mcore.checkpoint.megatron.names import REPLICATED, UnsupportedTensor, map_layer_param, map_name
+from mcore.checkpoint.megatron.read_torch import megatron_layout, placement_json, train_state_from_args
+from mcore.checkpoint.megatron.unpickle import load_megatron_file
+
+FORMAT_TORCH_DIST = "megatron-torch_dist"
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine", "common_state", "content_metadata")
+
+
+def is_torch_dist_dir(iter_dir: Path) -> bool:
+    path = iter_dir / "metadata.json"
+    if not path.is_file():
+        return False
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "sharded_backend" in meta
+
+
+def _dcp_metadata(iter_dir: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(iter_dir)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - a damaged .metadata fails in many ways
+        raise CheckpointError(f"{iter_dir / '.metadata'} cannot be read (corrupted?): {err}") from None
+
+
+def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
+    """The loader's metadata of a megatron-core ``torch_dist`` iteration directory.
+
+    Raises:
+        CheckpointError: another sharded backend (zarr), no ``common.pt``, an unsupported architecture.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    backend = json.loads((iter_dir / "metadata.json").read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise CheckpointError(
+            f"{iter_dir / 'metadata.json'}: sharded_backend={backend!r}; only 'torch_dist' is read"
+        )
+    common_path = iter_dir / "common.pt"
+    if not common_path.is_file():
+        raise CheckpointError(
+            f"{common_path} is missing: this torch_dist checkpoint keeps its args elsewhere "
+            "(a newer megatron-core's common_state), which is not read"
+        )
+    common = load_megatron_file(common_path)
+    args = common.get("args")
+    if args is None:
+        raise CheckpointError(f"{common_path}: no 'args': the model configuration is unknown")
+    check_supported(args, str(common_path))
+    swiglu = bool(getattr(args, "swiglu", False))
+    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    num_layers = int(args.num_layers)
+
+    records = []
+    has_optimizer = False
+    for key, info in _dcp_metadata(iter_dir).state_dict_metadata.items():
+        if key.startswith(_NOT_MODEL) or "/shard_" in key:
+            has_optimizer |= key.startswith("optimizer.")
+            continue
+        if not isinstance(info, TensorStorageMetadata):
+            continue
+        shape = tuple(info.size)
+        dtype = str(info.properties.dtype).removeprefix("torch.")
+        try:
+            if key.startswith("decoder.layers.") and not _PER_LAYER.match(key):
+                if shape[0] != num_layers:
+                    raise CheckpointError(
+                        f"{iter_dir}: {key} stacks {shape[0]} layers, args.num_layers={num_layers}"
+                    )
+                suffix, _ = map_layer_param(key.removeprefix("decoder.layers."), swiglu)
+                entries = [(f"decoder.layers.{i}.{suffix}", i, shape[1:]) for i in range(num_layers)]
+            else:
+                target = map_name(key, 0, swiglu=swiglu, tied=tied)
+                entries = [] if target is None else [(target.name, None, shape)]
+        except UnsupportedTensor as err:
+            raise CheckpointError(f"{iter_dir}: {err}") from None
+        for name, index, tshape in entries:
+            records.append(
+                {
+                    "name": name,
+                    "kind": "param",
+                    "file": key,
+                    "key": key,
+                    "index": index,
+                    "dtype": dtype,
+                    **placement_json(tshape, REPLICATED, 0, 1),
+                }
+            )
+    iteration = common.get("iteration", 0)
+    return {
+        "format": FORMAT_TORCH_DIST,
+        "iteration": int(iteration) if iteration != "release" else 0,
+        "layout": megatron_layout(args),
+        "train_state": train_state_from_args(args, iteration),
+        "scheduler": None,
+        "optimizer": {"saved": False},
+        "rng_saved": False,
+        "run_config": {"model": model_flags_from_args(args)},
+        "megatron": {
+            "checkpoint_version": float(common.get("checkpoint_version", 0) or 0),
+            "has_optimizer": has_optimizer or "optimizer" in common,
+            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+            "vocab_size": getattr(args, "orig_vocab_size", None) or getattr(args, "vocab_size", None),
+        },
+        "files": {},
+        "records": records,
+    }
+
+
+def load_dcp_tensors(iter_dir: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
+    """Whole global tensors of the given DCP keys, read in this process alone (``no_dist``)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(iter_dir)), no_dist=True)
+    except Exception as err:  # noqa: BLE001 - missing or damaged .distcp files fail in many ways
+        raise CheckpointError(
+            f"{iter_dir}: reading {', '.join(sorted(shapes))[:200]} failed: {err}"
+        ) from None
+    return state
+
+
+class MegatronDistReader(ShardReader):
+    """:class:`ShardReader` over a ``torch_dist`` directory: a DCP key's global tensor is read whole
+    when a record of it is first needed."""
+
+    def file(self, name: str) -> dict:
+        if name not in self._open:
+            rec = next(r for (r, _) in self.index_by_key[name])
+            shape = tuple(rec["global_shape"]) if rec["index"] is None else (-1,)
+            if rec["index"] is not None:
+                layers = [r["index"] for (r, _) in self.index_by_key[name]]
+                shape = (max(layers) + 1, *rec["global_shape"])
+            dtype = getattr(torch, rec["dtype"])
+            self._open[name] = load_dcp_tensors(self.dir, {name: (shape, dtype)})
+        return self._open[name]
+
+    @property
+    def index_by_key(self) -> dict[str, list]:
+        if not hasattr(self, "_by_key"):
+            self._by_key: dict[str, list] = {}
+            for entries in self.index.values():
+                for rec, placement in entries:
+                    self._by_key.setdefault(rec["key"], []).append((rec, placement))
+        return self._by_key
+
+    def tensor(self, rec: dict) -> torch.Tensor:
+        t = self.file(rec["file"])[rec["key"]]
+        if rec["index"] is not None:
+            t = t[rec["index"]]
+        return t.reshape(-1)

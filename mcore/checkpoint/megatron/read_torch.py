@@ -1,0 +1,264 @@
+"""Megatron-LM ``--ckpt-format torch``: ``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt``, one file per
+(TP, PP) rank, presented to mcore's loader as placements of mcore's logical tensors.
+
+Each stored tensor becomes a record (the fields of :mod:`mcore.checkpoint.format`'s records) naming its
+mcore logical tensor (global layer number = stage-local number + the layers of the earlier stages) and
+the box(es) of it the TP rank holds (:mod:`.names` gives the split kind). The loader then copies the
+overlaps into whatever TP/PP/DP layout the run has. ``checkpoint_version`` < 2 QKV layouts
+(``[3, np, hn]`` for version 0, ``[np, hn, 3]`` for 1.0) are reordered per shard into the version-2
+per-head ``[np, 3, hn]`` layout, which is megatron-core's (and mcore's) per-group layout with one
+head per group.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore.checkpoint.format import CheckpointError
+from mcore.checkpoint.load import ShardReader
+from mcore.checkpoint.megatron.args import check_supported, model_flags_from_args
+from mcore.checkpoint.megatron.names import (
+    QKV,
+    REPLICATED,
+    ROW,
+    SWIGLU,
+    UnsupportedTensor,
+    flatten_state,
+    local_layer_count,
+    map_name,
+)
+from mcore.checkpoint.megatron.unpickle import load_megatron_file
+
+FORMAT_TORCH = "megatron-torch"
+FILE_NAMES = ("model_optim_rng.pt", "model_rng.pt")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def rank_dir_name(tp: int, pp: int, pp_size: int) -> str:
+    """``mp_rank_TT`` (one pipeline stage) or ``mp_rank_TT_PPP`` (Megatron's ``get_checkpoint_name``)."""
+    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+
+
+def _rank_file(iter_dir: Path, sub: str) -> Path:
+    for name in FILE_NAMES:
+        if (iter_dir / sub / name).is_file():
+            return iter_dir / sub / name
+    return iter_dir / sub / FILE_NAMES[0]
+
+
+def placement_json(shape: tuple[int, ...], split: str, tp_rank: int, tp_size: int) -> dict:
+    """Where one TP rank's tensor of ``shape`` sits in the logical tensor (a record's placement fields)."""
+    shape = tuple(int(s) for s in shape)
+    zeros = [0] * len(shape)
+    if split == REPLICATED or tp_size == 1 and split != SWIGLU:
+        boxes, dim, global_shape = [[zeros, list(shape)]], None, list(shape)
+    elif split == SWIGLU:
+        half = shape[0] // 2
+        total = half * tp_size
+        global_shape = [2 * total, *shape[1:]]
+        dim = 0
+        boxes = [
+            [[tp_rank * half, *zeros[1:]], [half, *shape[1:]]],
+            [[total + tp_rank * half, *zeros[1:]], [half, *shape[1:]]],
+        ]
+    else:
+        dim = 1 if split == ROW else 0
+        global_shape = list(shape)
+        global_shape[dim] *= tp_size
+        offsets = list(zeros)
+        offsets[dim] = tp_rank * shape[dim]
+        boxes = [[offsets, list(shape)]]
+    numel = 1
+    for s in shape:
+        numel *= s
+    return {
+        "global_shape": global_shape,
+        "partition_dim": dim,
+        "boxes": boxes,
+        "local_shape": list(shape),
+        "flat_range": [0, numel],
+        "numel": numel,
+    }
+
+
+def qkv_to_version2(t: torch.Tensor, version: float, heads: int) -> torch.Tensor:
+    """A TP shard's fused QKV weight/bias in the version-2 ``[np, 3, hn]`` row layout."""
+    if version >= 2.0:
+        return t
+    rest = t.shape[1:]
+    hn = t.shape[0] // (3 * heads)
+    if version == 0:
+        return t.view(3, heads, hn, *rest).transpose(0, 1).reshape(t.shape)
+    return t.view(heads, hn, 3, *rest).transpose(1, 2).reshape(t.shape)  # version 1.0
+
+
+def _model_state(data: dict, path: Path) -> dict[str, Any]:
+    if "model" not in data:
+        chunks = sorted(k for k in data if re.fullmatch(r"model\d+", k))
+        if chunks:
+            raise CheckpointError(
+                f"{path}: holds interleaved-pipeline chunks ({', '.join(chunks)}): virtual pipeline "
+                "checkpoints are not read"
+            )
+        raise CheckpointError(f"{path}: no 'model' entry (keys: {', '.join(map(str, data))})")
+    return flatten_state(data["model"])
+
+
+def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
+    """The loader's metadata (records of every stored tensor, layout, train state, model flags) of a
+    Megatron ``torch``-format iteration directory.
+
+    Raises:
+        CheckpointError: missing rank files, an unsupported architecture (naming the arg or tensor),
+            args that disagree with the tensors.
+    """
+    subs = sorted(p.name for p in iter_dir.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
+    if not subs:
+        raise CheckpointError(f"{iter_dir}: no mp_rank_* directories (not a Megatron torch checkpoint)")
+    for sub in subs:
+        if _RANK_DIR.match(sub).group(3) is not None:
+            raise CheckpointError(
+                f"{iter_dir / sub}: expert-parallel rank directories: mixture-of-experts models are not "
+                "implemented in mcore"
+            )
+    first = _rank_file(iter_dir, subs[0])
+    head = load_megatron_file(first)
+    args = head.get("args")
+    if args is None:
+        raise CheckpointError(
+            f"{first}: no 'args' in the checkpoint: the model configuration is unknown (Megatron "
+            "checkpoints saved by Megatron-LM's training loop carry it)"
+        )
+    check_supported(args, str(first))
+    tp = int(getattr(args, "tensor_model_parallel_size", 1))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    wanted = {rank_dir_name(t, p, pp): (t, p) for t in range(tp) for p in range(pp)}
+    for sub in wanted:
+        path = _rank_file(iter_dir, sub)
+        if not path.is_file():
+            raise CheckpointError(
+                f"Megatron checkpoint file {path} is missing (args say tensor_model_parallel_size={tp}, "
+                f"pipeline_model_parallel_size={pp})"
+            )
+    extra = sorted(set(subs) - set(wanted))
+    if extra:
+        raise CheckpointError(
+            f"{iter_dir}: rank directories {', '.join(extra)} do not fit the args' "
+            f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}"
+        )
+    version = float(head.get("checkpoint_version", 0) or 0)
+    swiglu = bool(getattr(args, "swiglu", False))
+    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    heads = int(args.num_attention_heads)
+    if version < 2.0 and bool(getattr(args, "group_query_attention", False)):
+        raise CheckpointError(
+            f"{first}: checkpoint_version={version} with grouped-query attention is undefined"
+        )
+
+    states: dict[tuple[int, int], tuple[str, dict]] = {}
+    for sub, (t, p) in wanted.items():
+        path = _rank_file(iter_dir, sub)
+        data = head if path == first else load_megatron_file(path)
+        states[(t, p)] = (str(path.relative_to(iter_dir)), _model_state(data, path))
+    counts = [local_layer_count(states[(0, p)][1]) for p in range(pp)]
+    if sum(counts) != int(args.num_layers):
+        raise CheckpointError(
+            f"{iter_dir}: the stages hold {counts} layers ({sum(counts)} in all), "
+            f"args.num_layers={args.num_layers}"
+        )
+    offsets = [sum(counts[:p]) for p in range(pp)]
+
+    records, files = [], {}
+    for (t, p), (fname, state) in sorted(states.items()):
+        files[fname] = {"size": (iter_dir / fname).stat().st_size}
+        for key, value in state.items():
+            try:
+                target = map_name(key, offsets[p], swiglu=swiglu, tied=tied)
+            except UnsupportedTensor as err:
+                raise CheckpointError(f"{iter_dir / fname}: {err}") from None
+            if target is None or (target.split == REPLICATED and t != 0):
+                continue  # skipped, or a replica of what TP rank 0 holds
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"{iter_dir / fname}: {key!r} is a {type(value).__name__}, not a tensor"
+                )
+            local_heads = heads // tp
+            record = {
+                "name": target.name,
+                "kind": "param",
+                "file": fname,
+                "key": key,
+                "dtype": str(value.dtype).removeprefix("torch."),
+                **placement_json(tuple(value.shape), target.split, t, tp),
+            }
+            if target.split == QKV and version < 2.0:
+                record["qkv_version"] = version
+                record["qkv_heads"] = local_heads
+            records.append(record)
+    iteration = head.get("iteration", head.get("total_iters", 0))
+    return {
+        "format": FORMAT_TORCH,
+        "iteration": int(iteration) if iteration != "release" else 0,
+        "layout": megatron_layout(args),
+        "train_state": train_state_from_args(args, iteration),
+        "scheduler": None,
+        "optimizer": {"saved": False},
+        "rng_saved": False,
+        "run_config": {"model": model_flags_from_args(args)},
+        "megatron": {
+            "checkpoint_version": version,
+            "has_optimizer": "optimizer" in head
+            or any((iter_dir / s / "distrib_optim.pt").is_file() for s in subs),
+            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+            "vocab_size": getattr(args, "orig_vocab_size", None) or getattr(args, "vocab_size", None),
+        },
+        "files": files,
+        "records": records,
+    }
+
+
+def megatron_layout(args: Any) -> dict[str, Any]:
+    tp = int(getattr(args, "tensor_model_parallel_size", 1))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    dp = getattr(args, "data_parallel_size", None)
+    return {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "data_parallel_size": dp,
+        "context_parallel_size": int(getattr(args, "context_parallel_size", 1) or 1),
+        "virtual_pipeline_model_parallel_size": 1,
+        "world_size": getattr(args, "world_size", None),
+        "parallel_order": "megatron",  # never equal to a run's: Megatron's RNG states are not restored
+    }
+
+
+def train_state_from_args(args: Any, iteration: Any) -> dict[str, Any]:
+    return {
+        "iteration": int(iteration) if iteration != "release" else 0,
+        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+    }
+
+
+class MegatronTorchReader(ShardReader):
+    """:class:`ShardReader` over Megatron ``model_optim_rng.pt`` files (records from
+    :func:`read_torch_metadata`); a file is read when a record in it is first needed."""
+
+    def file(self, name: str) -> dict:
+        if name not in self._open:
+            data = load_megatron_file(self.dir / name)
+            self._open[name] = _model_state(data, self.dir / name)
+        return self._open[name]
+
+    def tensor(self, rec: dict) -> torch.Tensor:
+        path = self.dir / rec["file"]
+        t = self.file(rec["file"]).get(rec["key"])
+        if not isinstance(t, torch.Tensor) or t.numel() != rec["numel"]:
+            raise CheckpointError(f"{path}: tensor {rec['key']!r} changed since the checkpoint was indexed")
+        if "qkv_version" in rec:
+            t = qkv_to_version2(t, rec["qkv_version"], rec["qkv_heads"])
+        return t.reshape(-1)
