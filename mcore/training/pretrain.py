@@ -42,6 +42,7 @@ from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
 from mcore.pipeline.schedules import get_forward_backward_func
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
+from mcore.tensor_parallel.fp8 import update_fp8_scales
 from mcore.tensor_parallel.random import model_parallel_seed
 from mcore.training.configs import RunConfig, parse_run_config
 from mcore.training.flops import gpt_flops
@@ -124,6 +125,8 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
         raise ConfigError("--lr is required")
     if training.cuda_graph_impl == "local":
         _check_layer_graphs(cfg, backend)
+    if "fp8" in cfg.as_dict():
+        cfg.fp8.check_with(model.num_layers, backend.capabilities(), backend.name)
     return cfg.replace(training=training)
 
 
@@ -396,6 +399,7 @@ class Trainer:
         self.steps_run += 1
         self.optimizer.zero_grad()
         logs = self._run_schedule(data_iterator, forward_only=False)
+        update_fp8_scales(self.model, (self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
         # The previous step's flags: the device has this step's forward and backward queued behind
         # them, so waiting for them does not let it run dry.
         self.check_nan()
