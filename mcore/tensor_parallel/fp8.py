@@ -174,10 +174,13 @@ class Fp8Linear:
             all_reduce_in_tensor_model_parallel_group(amax, self.tp_group, op="max")
         return amax
 
-    def tensor_scale(self, role: int, t: torch.Tensor) -> torch.Tensor:
-        """The per-tensor scale of ``t`` (role ``role``) for the tensorwise and delayed recipes."""
-        if self.state is not None:  # delayed: the step's fixed scale; record this amax for the update
-            if torch.is_grad_enabled() or role == GRAD_OUTPUT:
+    def tensor_scale(self, role: int, t: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """The per-tensor scale of ``t`` (role ``role``) for the tensorwise and delayed recipes.
+
+        Delayed: the step's fixed scale; with ``record`` the amax of ``t`` is kept for the update
+        (training forwards and backwards record, evaluation does not)."""
+        if self.state is not None:
+            if record:
                 self.state.record(role, _amax(t))
             return self.state.scale[role]
         sharded = role == WEIGHT or (role == GRAD_OUTPUT) == (self.parallel_mode == "column")
@@ -207,7 +210,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad, zero_placeholder, call: Fp8Linear):
+    def forward(ctx, x, weight, bias, main_grad, zero_placeholder, call: Fp8Linear, training: bool):
         ops = get_ops()
         recipe = call.recipe
         x2d = x.reshape(-1, x.shape[-1])
@@ -220,8 +223,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             w_q, w_sinv = _quantize_rows(call, weight, fwd, row_split)
             ctx.save_for_backward(x2d, weight)
         else:
-            x_scale = call.tensor_scale(INPUT, x2d)
-            w_scale = call.tensor_scale(WEIGHT, weight)
+            x_scale = call.tensor_scale(INPUT, x2d, training)
+            w_scale = call.tensor_scale(WEIGHT, weight, training)
             x_sinv, w_sinv = x_scale.reciprocal(), w_scale.reciprocal()
             if recipe.wgrad:
                 x_q, x_qT = ops.fp8_quantize_transpose(x2d, x_scale, fwd)
@@ -270,7 +273,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     grad_weight = _weight_grad(ctx, weight, dy2d, x_saved)
         if grad_input is not None:
             grad_input = grad_input.reshape(ctx.x_shape)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
@@ -296,7 +299,8 @@ def fp8_linear(
     ``main_grad``: accumulate the weight gradient there (gradient-accumulation fusion; see
     :func:`mcore.tensor_parallel.layers.fusion_main_grad`).
     """
-    return _Fp8LinearFunction.apply(x, weight, bias, main_grad, zero_placeholder, call)
+    training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
+    return _Fp8LinearFunction.apply(x, weight, bias, main_grad, zero_placeholder, call, training)
 
 
 # -- the step boundary and checkpoints -----------------------------------------------------------
