@@ -447,8 +447,8 @@ def fp8_quantize_transpose(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, q^T)`` of a 2-D ``x [M, K]`` with one per-tensor ``scale``: ``q [M, K]`` and a contiguous
     ``q^T [K, M]`` (Transformer Engine's cast-transpose: the NT operand of the other GEMMs)."""
-    q = fp8_quantize(x, scale, fp8_dtype)
-    return q, q.t().contiguous()
+    # both from x (not q^T from q): a compiler can then write both in one pass over x
+    return fp8_quantize(x, scale, fp8_dtype), fp8_quantize(x.t(), scale, fp8_dtype)
 
 
 def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

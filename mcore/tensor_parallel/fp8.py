@@ -182,7 +182,9 @@ class Fp8Linear:
         if self.state is not None:
             if record:
                 self.state.record(role, _amax(t))
-            return self.state.scale[role]
+            # a tensor of its own, not a 0-dim view at an offset into the [3] buffer: compiled casts
+            # must not be handed a view whose storage offset they might not guard on
+            return self.state.scale[role].clone()
         sharded = role == WEIGHT or (role == GRAD_OUTPUT) == (self.parallel_mode == "column")
         amax = self._reduce(_amax(t), sharded)
         dtype = self.recipe.bwd_dtype if role == GRAD_OUTPUT else self.recipe.fwd_dtype
