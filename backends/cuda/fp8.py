@@ -25,6 +25,7 @@ accumulator, as Transformer Engine does by default.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -38,14 +39,23 @@ def _compiling() -> bool:
 
 
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+def _compiled(fn, key: tuple):
+    """``torch.compile(fn)`` for one kind of call (input dtype, FP8 dtype, strides, scale shape).
+
+    Each kind gets its own copy of ``fn``'s code: dynamo counts recompilations per code object and a
+    shared one would hit its limit (8) across the dtype/layout combinations of a training run."""
+    clone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+    return torch.compile(clone, dynamic=True, fullgraph=True)
+
+
+def _key(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
+    return (x.dtype, fp8_dtype, x.dim(), x.is_contiguous(), scale.dim(), scale.numel() == 1)
 
 
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     if not x.is_cuda or _compiling():
         return reference.fp8_quantize(x, scale, fp8_dtype)
-    return _compiled(reference.fp8_quantize)(x, scale, fp8_dtype)
+    return _compiled(reference.fp8_quantize, _key(x, scale, fp8_dtype))(x, scale, fp8_dtype)
 
 
 def fp8_quantize_transpose(
@@ -53,7 +63,8 @@ def fp8_quantize_transpose(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not x.is_cuda or _compiling():
         return reference.fp8_quantize_transpose(x, scale, fp8_dtype)
-    return _compiled(reference.fp8_quantize_transpose)(x, scale, fp8_dtype)
+    compiled = _compiled(reference.fp8_quantize_transpose, _key(x, scale, fp8_dtype))
+    return compiled(x, scale, fp8_dtype)
 
 
 def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_sinv: torch.Tensor) -> bool:

@@ -125,24 +125,11 @@ class Fp8DelayedState(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("pending_amax", torch.zeros(3, device=device), persistent=False)
-        self._dtypes = (recipe.fwd_dtype, recipe.fwd_dtype, recipe.bwd_dtype)
 
     def record(self, role: int, amax: torch.Tensor) -> None:
         """Keep the largest amax seen for ``role`` this step (in place: graph- and recompute-safe)."""
         slot = self.pending_amax[role : role + 1]
         torch.maximum(slot, amax.reshape(1), out=slot)
-
-    @torch.no_grad()
-    def close_step(self) -> None:
-        """Push the (already reduced) pending amaxes into the history and recompute the scales."""
-        history = self.amax_history
-        history.copy_(torch.roll(history, 1, dims=0))
-        history[0].copy_(self.pending_amax)
-        amax = history[0] if self.recipe.amax_compute_algo == "most_recent" else history.amax(0)
-        new = torch.stack([scale_from_amax(amax[r], self._dtypes[r], self.recipe.margin) for r in range(3)])
-        keep = (amax > 0) & torch.isfinite(amax)
-        self.scale.copy_(torch.where(keep, new, self.scale))
-        self.pending_amax.zero_()
 
     def extra_repr(self) -> str:
         return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}"
@@ -325,17 +312,33 @@ def update_fp8_scales(model, amax_reduction_groups=()) -> None:
     """Close a training step of the delayed recipe: reduce the step's amaxes (max) over each group of
     ``amax_reduction_groups`` (Megatron reduces over tensor x data parallel: pass ``groups.tp`` and
     ``groups.dp``), push them into the histories and recompute the scales. One collective per group
-    for all layers of this rank; a no-op without delayed-scaling layers. Every rank of a group calls
-    it with the same layers (the ranks of one pipeline stage hold the same layers)."""
+    and a handful of kernels for all layers of this rank (the states are updated as one stacked
+    tensor); a no-op without delayed-scaling layers. Every rank of a group calls it with the same
+    layers (the ranks of one pipeline stage hold the same layers)."""
     states = [s for _, s in delayed_states(model)]
     if not states:
         return
-    pending = torch.stack([s.pending_amax for s in states])
+    pending = torch.stack([s.pending_amax for s in states])  # [S, 3]
     for group in amax_reduction_groups:
         all_reduce_in_tensor_model_parallel_group(pending, group, op="max")
-    for s, amax in zip(states, pending.unbind()):
-        s.pending_amax.copy_(amax)
-        s.close_step()
+    by_recipe: dict[Fp8Recipe, list[int]] = {}
+    for i, s in enumerate(states):
+        by_recipe.setdefault(s.recipe, []).append(i)
+    for recipe, index in by_recipe.items():
+        group_states = [states[i] for i in index]
+        history = torch.stack([s.amax_history for s in group_states])  # [S, L, 3]
+        history = torch.cat([pending[index].unsqueeze(1), history[:, :-1]], dim=1)
+        amax = history[:, 0] if recipe.amax_compute_algo == "most_recent" else history.amax(1)
+        limits = torch.tensor(
+            [fp8_max(recipe.fwd_dtype), fp8_max(recipe.fwd_dtype), fp8_max(recipe.bwd_dtype)],
+            device=amax.device,
+        ) / (2.0**recipe.margin)
+        old = torch.stack([s.scale for s in group_states])
+        keep = (amax > 0) & torch.isfinite(amax)
+        scale = torch.where(keep, (limits / amax).clamp(max=torch.finfo(torch.float32).max), old)
+        torch._foreach_copy_([s.amax_history for s in group_states], list(history.unbind(0)))
+        torch._foreach_copy_([s.scale for s in group_states], list(scale.unbind(0)))
+        torch._foreach_zero_([s.pending_amax for s in group_states])
 
 
 FP8_STATE = "fp8_state"
