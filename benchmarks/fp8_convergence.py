@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     work = pathlib.Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     data, vocab, merges = prepare(work, args.corpus_mb, args.vocab_size)
-    out = {"title": "GPT 12L h768 s1024 gbs32, stdlib corpus, " + " ".join(sys.argv[1:]), "runs": {}}
+    out = {"title": f"GPT 12L h768 s1024 gbs32, {args.iters} steps, stdlib corpus", "runs": {}}
     for name in args.runs:
         out["runs"][name] = train(
             work,
