@@ -14,6 +14,11 @@ FLOPs use Megatron's formula, 72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) for the cla
 mcore.training.flops), against the backend's peak (989 TFLOP/s bf16 for H100/H200) or --peak-tflops.
 One JSON line per run goes to stdout (and to --out).
 
+FP8: Megatron's ``--fp8-format hybrid --fp8-recipe tensorwise|delayed|rowwise`` (any ``--fp8-*`` flag)
+builds the model with FP8 linears exactly as ``pretrain`` does; the line's ``fp8`` field names the
+recipe, and MFU is still counted against the bf16 peak (as Megatron reports it), so FP8 MFU can pass
+what bf16 can reach.
+
 Where the time goes (after the timed steps, so they do not disturb the throughput figure):
 
 * ``--phases N``: N more steps with a device synchronisation between the phases of a step
@@ -376,6 +381,8 @@ def main(argv=None) -> int:
         "grad_norm": final_grad_norm,
         # wall-clock bounds of the timed steps, to line them up with an outside power or energy log
         "timed_unix": timed_unix,
+        # --fp8-format/--fp8-recipe (the linears' GEMMs in FP8); MFU stays against the bf16 peak
+        "fp8": None if not cfg.fp8.enabled else f"{cfg.fp8.fp8_format}/{cfg.fp8.fp8_recipe}",
     }
     if reference is not None:
         result["of_reference"] = result["tokens_per_s"] / reference["tokens_per_s"]

@@ -84,6 +84,9 @@ class CUDABackend(BackendBase):
             caps.add("bf16")
         if extensions.triton_available():
             caps |= set(TRITON_CAPABILITIES)
+        from mcore.backends.cuda.fp8 import fp8_capabilities
+
+        caps |= fp8_capabilities()
         # Optional libraries found (informational: code asks for the features above, not for these).
         caps |= {f"lib:{name}" for name, present in extensions.detected().items() if present}
         return frozenset(caps)

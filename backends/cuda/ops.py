@@ -486,7 +486,17 @@ def _build() -> tuple[dict, dict[str, str]]:
     if extensions.triton_available():
         ops.update(_TRITON_OPS)
         providers.update(dict.fromkeys(_TRITON_OPS, "triton"))
+    from .fp8 import FP8_OPS
+
+    ops.update(FP8_OPS)
+    providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     return ops, providers
+
+
+def _fp8_ops() -> dict:
+    from .fp8 import FP8_OPS
+
+    return dict(FP8_OPS)
 
 
 CUDA_OPS, PROVIDERS = _build()
@@ -497,5 +507,6 @@ ALL_OPS = {
     "attention": attention,
     "adam_step": adam_step,
     "accumulate_weight_grad": accumulate_weight_grad,
+    **_fp8_ops(),
 }
 """Every dispatcher, whatever is installed (tests call them directly: they fall back by themselves)."""

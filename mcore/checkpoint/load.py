@@ -34,7 +34,14 @@ from mcore.checkpoint.format import (
     rng_file,
     tensor_crc32,
 )
-from mcore.checkpoint.geometry import Placement, copy_into, overlaps, placement_from_spec, required_elements
+from mcore.checkpoint.geometry import (
+    Placement,
+    copy_into,
+    full_placement,
+    overlaps,
+    placement_from_spec,
+    required_elements,
+)
 from mcore.checkpoint.save import (
     _all_gather_object,
     _broadcast_object,
@@ -44,6 +51,7 @@ from mcore.checkpoint.save import (
     rng_state_from_file,
 )
 from mcore.distributed.ddp import unwrap_model
+from mcore.tensor_parallel.fp8 import FP8_STATE, fp8_extra_state
 from mcore.tensor_parallel.random import model_parallel_seed, set_all_rng_states
 
 
@@ -422,7 +430,28 @@ def _load_model(reader: ShardReader, model: list) -> set[str]:
                 vocab_padded=spec.vocab_padded,
             )
             used.add(spec.name)
+        _load_fp8_state(reader, module)
     return used
+
+
+def _load_fp8_state(reader: ShardReader, module) -> None:
+    """The FP8 delayed-scaling state (amax histories, scales) of one chunk, where the checkpoint has it.
+
+    A checkpoint without it (a bf16 run, or another FP8 recipe) or with another history length
+    leaves the fresh state: the scales then start over, as in a new FP8 run (said once on rank 0).
+    """
+    skipped = []
+    for local_name, value in fp8_extra_state(module).items():
+        name = module._logical_name(local_name)
+        if not reader.has(name, FP8_STATE) or reader.global_shape(name, FP8_STATE) != tuple(value.shape):
+            skipped.append(name)
+            continue
+        reader.fill(name, FP8_STATE, full_placement(value.shape), value.view(-1))
+    if skipped:
+        log0(
+            f"checkpoint {reader.dir}: no matching FP8 scaling state for {len(skipped)} tensors "
+            f"(e.g. {skipped[0]}); their amax histories start fresh"
+        )
 
 
 def _read_optimizer(reader: ShardReader, model: list, optimizer, meta: dict) -> dict:

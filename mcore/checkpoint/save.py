@@ -54,8 +54,9 @@ from mcore.checkpoint.format import (
     write_torch_file,
     write_tracker,
 )
-from mcore.checkpoint.geometry import placement_from_spec
+from mcore.checkpoint.geometry import full_placement, placement_from_spec
 from mcore.distributed.ddp import unwrap_model
+from mcore.tensor_parallel.fp8 import FP8_STATE, fp8_extra_state
 from mcore.tensor_parallel.random import get_all_rng_states
 
 # -- small distributed helpers (no-ops in a single process) ----------------------------------------
@@ -203,6 +204,13 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
                 records.append(
                     _record(spec.name, "param", mfile, spec.name, t, placement_from_spec(spec), spec)
                 )
+            if tp == 0:  # FP8 delayed-scaling state: replicated over TP and DP, written once per stage
+                for local_name, value in fp8_extra_state(module).items():
+                    name = module._logical_name(local_name)
+                    t = _host_copy(value)
+                    key = f"{name}/{FP8_STATE}"
+                    tensors[key] = t
+                    records.append(_record(name, FP8_STATE, mfile, key, t, full_placement(t.shape), None))
         payloads.append(_FilePayload(mfile, tensors, records))
     if optimizer is not None and not config.no_save_optim and (optimizer.distributed or dp == 0):
         ofile = optim_file(tp, pp, dp)

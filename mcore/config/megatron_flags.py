@@ -51,8 +51,13 @@ UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
     "--num-experts": "mixture-of-experts models are not implemented",
     "--expert-model-parallel-size": "mixture-of-experts models are not implemented",
     "--moe-router-topk": "mixture-of-experts models are not implemented",
-    "--fp8-format": "FP8 training is not implemented",
-    "--fp8-hybrid": "FP8 training is not implemented",
+    "--fp8-hybrid": "use --fp8-format hybrid",
+    "--fp8-e4m3": "use --fp8-format e4m3",
+    "--fp8-interval": "deprecated in Megatron-LM and Transformer Engine; FP8 scales update every step",
+    "--fp8-dot-product-attention": "FP8 attention needs Transformer Engine's fused attention; mcore runs "
+    "attention in bf16 and the linear layers in FP8 (--fp8-format)",
+    "--fp8-multi-head-attention": "FP8 attention needs Transformer Engine's fused attention; mcore runs "
+    "attention in bf16 and the linear layers in FP8 (--fp8-format)",
     "--tp-comm-overlap": "overlapping TP communication with GEMMs needs Transformer Engine userbuffers",
     "--use-torch-fsdp2": "use --use-distributed-optimizer (ZeRO-1) instead of FSDP",
     "--use-custom-fsdp": "use --use-distributed-optimizer (ZeRO-1) instead of FSDP",

@@ -123,6 +123,7 @@ class SelfAttention(torch.nn.Module):
             sequence_parallel=ctx.sequence_parallel,
             init_method=init_method_normal(config.init_method_std),
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            **ctx.fp8_kwargs(layer_number),
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
@@ -138,6 +139,7 @@ class SelfAttention(torch.nn.Module):
             sequence_parallel=ctx.sequence_parallel,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            **ctx.fp8_kwargs(layer_number),
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )

@@ -44,7 +44,9 @@ from dataclasses import replace
 
 import torch
 
+from mcore.backend import current_backend
 from mcore.config.fields import ConfigError, check
+from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.config import ModelConfig, check_tensor_parallel
@@ -110,6 +112,8 @@ class GPTModel(torch.nn.Module):
         device: where to create the parameters (default: ``groups.device``, this rank's device).
         seed: initialization seed (``--seed``); weights depend only on it, not on the layout.
         layer_spec: the transformer-layer spec (default :func:`gpt_layer_spec`).
+        fp8: the FP8 flags (``--fp8-format`` ...): the transformer layers' linears run in FP8
+            (:mod:`mcore.tensor_parallel.fp8`); the backend must have the ``fp8`` capability.
 
     Raises:
         ConfigError: the model does not split over TP (messages name the values).
@@ -130,9 +134,13 @@ class GPTModel(torch.nn.Module):
         device: torch.device | None = None,
         seed: int = 1234,
         layer_spec: ModuleSpec | None = None,
+        fp8: Fp8Config | None = None,
     ):
         super().__init__()
         tp = groups.tp_size
+        if fp8 is not None and fp8.enabled:
+            backend = current_backend()
+            fp8.check_with(config.num_layers, backend.capabilities(), backend.name)
         check_tensor_parallel(config, tp, sequence_parallel)
         check(
             vocab_size % tp == 0,
@@ -159,6 +167,8 @@ class GPTModel(torch.nn.Module):
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
             device=device if device is not None else groups.device,
+            fp8=fp8 if fp8 is not None and fp8.enabled else None,
+            num_layers=config.num_layers,
         )
         self.input_tensor: torch.Tensor | None = None
 

@@ -70,6 +70,7 @@ class MLP(torch.nn.Module):
             init_method=init_method_normal(config.init_method_std),
             num_stacked=stacked,
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            **ctx.fp8_kwargs(layer_number),
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
@@ -84,6 +85,7 @@ class MLP(torch.nn.Module):
             sequence_parallel=ctx.sequence_parallel,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            **ctx.fp8_kwargs(layer_number),
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )

@@ -409,6 +409,108 @@ def accumulate_weight_grad(
         main_grad.add_(grad_output_2d.t() @ input_2d)
 
 
+# -- FP8 (``scaled_linear`` family) -----------------------------------------------------------------
+#
+# Every FP8 GEMM is written "NT": ``out = (a * a_scale_inv) @ (b * b_scale_inv)^T`` with both operands
+# ``[rows, K]``, contraction dim last (row-major), which is the layout ``torch._scaled_mm`` takes
+# without a copy (``b^T`` is then column-major). A linear ``y = x W^T`` needs:
+#
+#   forward  y  [M, N] = nt(x_q  [M, K], W_q  [N, K])
+#   dgrad    dx [M, K] = nt(dy_q [M, N], W_qT [K, N])
+#   wgrad    dW [N, K] = nt(dy_qT [N, M], x_qT [K, M])
+#
+# ``M`` tokens, ``K`` input and ``N`` output features. Scales follow Transformer Engine's convention:
+# ``q = saturate(x * scale)`` stores the tensor, ``x ~= q * scale_inv`` reads it back. A scale is a
+# 0-dim fp32 tensor (per-tensor scaling) or ``[rows, 1]`` (per-row scaling: one scale per row of the
+# NT operand, i.e. per output element of the GEMM along that side).
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` cast to ``fp8_dtype`` (``torch.float8_e4m3fn`` or ``float8_e5m2``).
+
+    ``x [..., K]`` any float dtype; ``scale`` fp32, 0-dim or broadcastable (``[rows, 1]``). The
+    product is formed in fp32 and clamped to the format's finite range (+-448 for e4m3, +-57344 for
+    e5m2) before the round-to-nearest-even cast, as Transformer Engine's cast kernels do, so an amax
+    that grew since the scale was chosen saturates instead of becoming NaN/inf. The result is
+    contiguous (row-major) whatever the strides of ``x``: ``fp8_quantize(w.t(), ...)`` is the
+    transposed operand.
+    """
+    limit = torch.finfo(fp8_dtype).max
+    return (x.float() * scale).clamp(-limit, limit).to(fp8_dtype).contiguous()
+
+
+def fp8_quantize_transpose(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, q^T)`` of a 2-D ``x [M, K]`` with one per-tensor ``scale``: ``q [M, K]`` and a contiguous
+    ``q^T [K, M]`` (Transformer Engine's cast-transpose: the NT operand of the other GEMMs)."""
+    # both from x (not q^T from q): a compiler can then write both in one pass over x
+    return fp8_quantize(x, scale, fp8_dtype), fp8_quantize(x.t(), scale, fp8_dtype)
+
+
+def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale_inv
+
+
+def scaled_mm_nt(
+    a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor
+) -> torch.Tensor:
+    """``(a * a_scale_inv) @ (b * b_scale_inv)^T`` in fp32: the emulated FP8 GEMM.
+
+    ``a [M, K]``, ``b [N, K]`` fp8; scale inverses 0-dim or ``[M, 1]`` / ``[N, 1]``. The fp8 values are
+    exact in fp32 and so are their products with power-of-two scales; the sums are fp32, like the
+    tensor cores' fp32 accumulation (up to summation order).
+    """
+    return _dequantize(a, a_scale_inv) @ _dequantize(b, b_scale_inv).t()
+
+
+def scaled_linear_forward(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``y = x W^T + bias`` from FP8 operands: ``x_q [M, K]``, ``w_q [N, K]`` -> ``y [M, N]`` in
+    ``out_dtype`` (the bias, in any float dtype, added in fp32 before the final rounding)."""
+    y = scaled_mm_nt(x_q, w_q, x_scale_inv, w_scale_inv)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def scaled_linear_dgrad(
+    dy_q: torch.Tensor,
+    w_qT: torch.Tensor,
+    dy_scale_inv: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The input gradient ``dx = dy W``: ``dy_q [M, N]``, ``w_qT [K, N]`` (the weight transposed,
+    contraction dim last) -> ``dx [M, K]`` in ``out_dtype``."""
+    return scaled_mm_nt(dy_q, w_qT, dy_scale_inv, w_scale_inv).to(out_dtype)
+
+
+def scaled_linear_wgrad(
+    dy_qT: torch.Tensor,
+    x_qT: torch.Tensor,
+    dy_scale_inv: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    main_grad: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weight gradient ``dW = dy^T x``: ``dy_qT [N, M]``, ``x_qT [K, M]`` -> ``dW [N, K]``.
+
+    With ``main_grad`` (gradient-accumulation fusion) the product, rounded to ``main_grad.dtype``, is
+    added into it in place and ``main_grad`` is returned; otherwise ``dW`` in ``out_dtype``.
+    """
+    dw = scaled_mm_nt(dy_qT, x_qT, dy_scale_inv, x_scale_inv)
+    if main_grad is None:
+        return dw.to(out_dtype)
+    return main_grad.add_(dw.to(main_grad.dtype))
+
+
 REFERENCE_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
@@ -425,4 +527,9 @@ REFERENCE_OPS = {
     "adam_step": adam_step,
     "adam_step_flat": adam_step_flat,
     "accumulate_weight_grad": accumulate_weight_grad,
+    "fp8_quantize": fp8_quantize,
+    "fp8_quantize_transpose": fp8_quantize_transpose,
+    "scaled_linear_forward": scaled_linear_forward,
+    "scaled_linear_dgrad": scaled_linear_dgrad,
+    "scaled_linear_wgrad": scaled_linear_wgrad,
 }

@@ -41,6 +41,11 @@ OP_NAMES: tuple[str, ...] = (
     "adam_step",
     "adam_step_flat",
     "accumulate_weight_grad",
+    "fp8_quantize",
+    "fp8_quantize_transpose",
+    "scaled_linear_forward",
+    "scaled_linear_dgrad",
+    "scaled_linear_wgrad",
 )
 """Every op name. The signatures and tensor layouts are documented in :mod:`mcore.ops.reference`.
 

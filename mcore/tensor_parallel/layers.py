@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore.backend import get_ops
+from mcore.tensor_parallel.fp8 import Fp8DelayedState, Fp8Linear, Fp8Recipe, fp8_linear
 from mcore.tensor_parallel.mappings import (
     all_gather_along_sequence,
     copy_to_tensor_model_parallel_region,
@@ -221,6 +222,18 @@ def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool):
     return total, RecomputeWhenSaved(total, all_gather_along_sequence, x, group)
 
 
+def _setup_fp8(layer: torch.nn.Module, fp8: Fp8Recipe | None, parallel_mode: str, device) -> None:
+    """Give ``layer`` its FP8 call description (and the delayed recipe's state as ``layer.fp8_state``)."""
+    layer.fp8 = fp8
+    layer.fp8_state = None
+    layer._fp8_call = None
+    if fp8 is None:
+        return
+    if fp8.recipe == "delayed":
+        layer.fp8_state = Fp8DelayedState(fp8, device=device)
+    layer._fp8_call = Fp8Linear(fp8, layer.fp8_state, layer.tp_group, parallel_mode)
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A + b`` with ``A`` split by columns over the TP ranks.
 
@@ -243,6 +256,8 @@ class ColumnParallelLinear(torch.nn.Module):
         skip_weight_param_allocation: create no weight; ``forward`` receives it (tied output layer).
         gradient_accumulation_fusion: accumulate the weight gradient into ``weight.main_grad`` in the
             backward (:func:`linear_with_grad_accumulation_fusion`).
+        fp8: run the GEMMs in FP8 with this recipe (:mod:`mcore.tensor_parallel.fp8`); with sequence
+            parallelism the input is all-gathered in its own dtype and quantized after the gather.
         params_dtype, device: dtype and device of the parameters.
     """
 
@@ -261,6 +276,7 @@ class ColumnParallelLinear(torch.nn.Module):
         vocab_padded: bool = False,
         skip_weight_param_allocation: bool = False,
         gradient_accumulation_fusion: bool = False,
+        fp8: Fp8Recipe | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ):
@@ -291,6 +307,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
         else:
             self.register_parameter("bias", None)
+        _setup_fp8(self, fp8, "column", device)
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor | None = None
@@ -299,7 +316,12 @@ class ColumnParallelLinear(torch.nn.Module):
         weight = self.resolve_weight(weight)
         bias = None if self.skip_bias_add else self.bias
         shared_weight = weight is not self.weight
-        if self.sequence_parallel and group_size(self.tp_group) > 1 and torch.is_grad_enabled():
+        if self._fp8_call is not None:
+            total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
+            main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
+            with saved_input:
+                y = fp8_linear(total, weight, bias, self._fp8_call, main_grad, shared_weight)
+        elif self.sequence_parallel and group_size(self.tp_group) > 1 and torch.is_grad_enabled():
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
             y = _SequenceParallelColumnLinear.apply(x, weight, bias, main_grad, shared_weight, self.tp_group)
         else:
@@ -356,6 +378,7 @@ class RowParallelLinear(torch.nn.Module):
         init_method: init of the logical weight (Megatron uses the scaled init for output layers).
         gradient_accumulation_fusion: accumulate the weight gradient into ``weight.main_grad`` in the
             backward (:func:`linear_with_grad_accumulation_fusion`).
+        fp8: run the GEMMs in FP8 with this recipe (:mod:`mcore.tensor_parallel.fp8`).
         params_dtype, device: dtype and device of the parameters.
     """
 
@@ -371,6 +394,7 @@ class RowParallelLinear(torch.nn.Module):
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
         gradient_accumulation_fusion: bool = False,
+        fp8: Fp8Recipe | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ):
@@ -392,14 +416,19 @@ class RowParallelLinear(torch.nn.Module):
             self.bias = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
         else:
             self.register_parameter("bias", None)
+        _setup_fp8(self, fp8, "row", device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [..., in/p]`` (or ``[..., in]``) -> ``([..., out]`` (``[s/p, b, out]`` with SP), bias)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = linear_with_grad_accumulation_fusion(
-            x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion
-        )
+        if self._fp8_call is not None:
+            main_grad = fusion_main_grad(self.weight, self.gradient_accumulation_fusion, False)
+            y = fp8_linear(x, self.weight, None, self._fp8_call, main_grad)
+        else:
+            y = linear_with_grad_accumulation_fusion(
+                x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion
+            )
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -87,6 +87,8 @@ class OpCase:
     grad_args: tuple[int, ...] = ()
     kind: str = "elementwise"
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    capability: str | None = None
+    """A capability the backend must claim for this case to apply (``fp8``); skipped otherwise."""
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
@@ -195,6 +197,34 @@ def _accumulate_weight_grad_make(dtype, gen):
     """An fp32 gradient buffer ``[24, 40]`` (the mixed case for half dtypes) += ``dY^T X`` over 64 tokens."""
     main_grad = _randn(gen, 24, 40)
     return [main_grad, _randn(gen, 64, 24, dtype=dtype), _randn(gen, 64, 40, dtype=dtype)], {}
+
+
+def _fp8_quantize_make(dtype, gen):
+    """``[40, 48]`` with a few values past the e4m3 range after scaling (they saturate)."""
+    x = _randn(gen, 40, 48, scale=3.0, dtype=dtype)
+    x[0, :2] = 1e4
+    return [x, torch.tensor(20.0), torch.float8_e4m3fn], {}
+
+
+def _fp8_operand(gen, rows: int, k: int, fp8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    return (torch.randn(rows, k, generator=gen) * 64).to(fp8_dtype)
+
+
+def _scaled_linear_make(which: str):
+    """FP8 NT operands (K = 32, outputs 48 x 64; the gradient operand e5m2 as in the hybrid format)
+    with per-tensor scale inverses; bf16/fp32 outputs."""
+
+    def make(dtype, gen):
+        sa, sb = torch.tensor(0.0123), torch.tensor(0.0071)
+        if which == "forward":
+            a, b = _fp8_operand(gen, 48, 32), _fp8_operand(gen, 64, 32)
+            return [a, b, sa, sb, _randn(gen, 64, dtype=dtype), dtype], {}
+        a, b = _fp8_operand(gen, 48, 32, torch.float8_e5m2), _fp8_operand(gen, 64, 32)
+        if which == "dgrad":
+            return [a, b, sa, sb, dtype], {}
+        return [a, b, sa, sb, dtype, _randn(gen, 48, 64)], {}  # wgrad accumulated into a main_grad
+
+    return make
 
 
 def _ce_rows_make(smoothing: bool = False, grad: bool = False):
@@ -351,6 +381,31 @@ OP_CASES: tuple[OpCase, ...] = (
     OpCase(
         "accumulate_weight_grad", "accumulate_weight_grad", _accumulate_weight_grad_make, kind="reduction"
     ),
+    OpCase(
+        "fp8_quantize",
+        "fp8_quantize",
+        _fp8_quantize_make,
+        dtypes=(torch.float32, torch.bfloat16),
+        capability="fp8",
+    ),
+    OpCase(
+        "fp8_quantize_transpose",
+        "fp8_quantize_transpose",
+        _fp8_quantize_make,
+        dtypes=(torch.float32, torch.bfloat16),
+        capability="fp8",
+    ),
+    *(
+        OpCase(
+            f"scaled_linear_{which}",
+            f"scaled_linear_{which}",
+            _scaled_linear_make(which),
+            dtypes=(torch.float32, torch.bfloat16),
+            kind="reduction",
+            capability="fp8",
+        )
+        for which in ("forward", "dgrad", "wgrad")
+    ),
 )
 """Every op of :data:`mcore.ops.registry.OP_NAMES` appears at least once."""
 
@@ -434,6 +489,21 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
             # bf16 storage: one rounding of the same fp32 value (bf16 bounds)
             bound_dtype = torch.bfloat16 if want.dtype == torch.bfloat16 else dtype
             assert_close(got.float(), want.float(), bound_dtype, case.kind, f"{what}: {name}")
+        return
+
+    if case.op.startswith("fp8_"):  # the cast: exactly the reference's bytes
+        ours = fn(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        expected = ref_fn(*args, **kwargs)
+        ours, expected = (t if isinstance(t, tuple) else (t,) for t in (ours, expected))
+        for got, want in zip(ours, expected, strict=True):
+            if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
+                raise ConformanceError(f"{what}: the FP8 bytes differ from the reference's")
+        return
+
+    if case.op.startswith("scaled_linear_"):  # FP8 operands: compare the (dtype) result / main_grad
+        ours = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        ref = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        assert_close(fn(*ours, **kwargs).float(), ref_fn(*ref, **kwargs).float(), dtype, case.kind, what)
         return
 
     def leaf(t: torch.Tensor, index: int, to_device: bool) -> torch.Tensor:
@@ -787,6 +857,8 @@ class BackendConformance:
         dtype = DTYPES[dtype_name]
         if _CAPABILITY[dtype] not in backend.capabilities() and dtype != torch.float32:
             pytest.skip(f"backend {backend.name!r} does not claim {_CAPABILITY[dtype]}")
+        if case.capability is not None and case.capability not in backend.capabilities():
+            pytest.skip(f"backend {backend.name!r} does not claim {case.capability}")
         check_op(backend, case, dtype)
 
     def test_every_op_is_covered(self):

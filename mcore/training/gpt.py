@@ -37,6 +37,7 @@ def model_provider(
         sequence_parallel=cfg.parallel.sequence_parallel,
         params_dtype=cfg.precision.params_dtype,
         seed=cfg.training.seed,
+        fp8=cfg.as_dict().get("fp8"),
     )
 
 

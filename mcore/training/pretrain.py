@@ -43,6 +43,7 @@ from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
 from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
+from mcore.tensor_parallel.fp8 import update_fp8_scales
 from mcore.tensor_parallel.random import model_parallel_seed
 from mcore.training.device_memory import release_unused_device_memory
 from mcore.training.flops import gpt_flops
@@ -136,6 +137,8 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
         raise ConfigError("--lr is required")
     if training.device_graph_impl == "local":
         _check_layer_graphs(cfg, backend)
+    if "fp8" in cfg.as_dict():
+        cfg.fp8.check_with(model.num_layers, backend.capabilities(), backend.name)
     return cfg.replace(training=training)
 
 
@@ -443,6 +446,7 @@ class Trainer:
         self.optimizer.zero_grad()
         with self.timers("forward-backward"):
             logs = self._run_schedule(data_iterator, forward_only=False)
+        update_fp8_scales(self.model, (self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
         if self.cfg.training.empty_unused_memory_level >= 1:
             release_unused_device_memory(self.backend.device_type)
         # The previous step's flags: the device has this step's forward and backward queued behind

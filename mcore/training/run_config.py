@@ -14,6 +14,7 @@ from typing import Any
 
 from mcore.checkpoint.config import CheckpointConfig
 from mcore.config.cli import parse_config
+from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.data.config import DataConfig, TokenizerConfig
 from mcore.distributed.ddp import DDPConfig
@@ -31,6 +32,7 @@ CONFIG_GROUPS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "optimizer": OptimizerConfig,
     "precision": PrecisionConfig,
+    "fp8": Fp8Config,
     "ddp": DDPConfig,
     "checkpoint": CheckpointConfig,
 }

@@ -31,7 +31,7 @@ SAVE_TWICE_AND_DIE = textwrap.dedent(
     from mcore.checkpoint import CheckpointConfig, save_checkpoint
     import mcore.checkpoint.save as save_module
     from mcore.distributed.groups import ProcessGroups
-    from mcore.training.configs import parse_run_config
+    from mcore.training.run_config import parse_run_config
     from mcore.training.gpt import model_provider
     from mcore.training.pretrain import TrainState, build_model
 
@@ -77,11 +77,11 @@ def test_a_resave_killed_between_its_renames_is_recovered_by_the_loader(tmp_path
 
     sys.path.insert(0, str(HERE.parent / "checkpoint"))
     from ckpt_runs import argv
-    from mcore.training.configs import parse_run_config
 
     from mcore.distributed.groups import ProcessGroups
     from mcore.training.gpt import model_provider
     from mcore.training.pretrain import TrainState, build_model
+    from mcore.training.run_config import parse_run_config
 
     cfg = parse_run_config(argv("--train-iters", "20", "--seed", "5"))
     groups = ProcessGroups.single()

@@ -317,8 +317,14 @@ def backend():
 
 def test_every_op_has_cases():
     # the Adam steps, the in-place cross-entropy's two ops (test_cross_entropy_ops.py) and the weight-gradient
-    # accumulation (tests/tensor_parallel/test_grad_accumulation_fusion.py) have their own tests
+    # accumulation (tests/tensor_parallel/test_grad_accumulation_fusion.py) and the FP8 ops
+    # (tests/ops/test_scaled_linear.py) have their own tests
     others = {
+        "fp8_quantize",
+        "fp8_quantize_transpose",
+        "scaled_linear_forward",
+        "scaled_linear_dgrad",
+        "scaled_linear_wgrad",
         "adam_step",
         "adam_step_flat",
         "cross_entropy_local_stats",

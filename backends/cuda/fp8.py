@@ -1,0 +1,148 @@
+"""The ``scaled_linear`` op family and the FP8 casts on CUDA: ``torch._scaled_mm`` and Inductor.
+
+Why ``torch._scaled_mm`` and not torchao's float8 training: torchao is not installed on the
+machines this backend targets (and is not a dependency of mcore), and its ``Float8Linear`` swaps
+modules and owns the autograd function, which would bypass mcore's op table: the table is the
+backend contract (every op has a CPU reference the CI checks, another vendor can serve the same
+ops), so mcore keeps the FP8 linear in the core (:mod:`mcore.tensor_parallel.fp8`) and this backend
+serves only its kernels. ``torch._scaled_mm`` is the cuBLASLt FP8 GEMM torchao itself calls:
+
+* per-tensor scales: any output dtype (bf16 for activations, fp32 for the weight gradient that is
+  added into an fp32 ``main_grad``);
+* per-row scales (``[M, 1]`` x ``[1, N]``): Hopper (sm_90) only, bf16 output.
+
+The casts (``fp8_quantize``, ``fp8_quantize_transpose``) are Inductor-generated Triton kernels
+(``torch.compile`` of the reference, dynamic shapes): one read of the input, the FP8 tensor (and its
+transpose, for the other GEMMs' NT layouts) written in the same pass. Inside an outer
+``torch.compile`` (``--compile-layers``) they trace the reference, which Inductor fuses with the
+neighbouring ops. Shapes ``_scaled_mm`` refuses (a contraction or output dim not a multiple of 16,
+e5m2 x e5m2) and CPU tensors run the reference (dequantize, matmul in fp32).
+
+The forward GEMM uses fast (single-level) fp32 accumulation and the two gradient GEMMs the split
+accumulator, as Transformer Engine does by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from mcore.ops import reference
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+@functools.cache
+def _compiled(fn, key: tuple):
+    """``torch.compile(fn)`` for one kind of call (input dtype, FP8 dtype, strides, scale shape).
+
+    Each kind gets its own copy of ``fn``'s code: dynamo counts recompilations per code object and a
+    shared one would hit its limit (8) across the dtype/layout combinations of a training run."""
+    clone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+    return torch.compile(clone, dynamic=True, fullgraph=True)
+
+
+def _key(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
+    return (x.dtype, fp8_dtype, x.dim(), x.is_contiguous(), scale.dim(), scale.numel() == 1)
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    if not x.is_cuda or _compiling():
+        return reference.fp8_quantize(x, scale, fp8_dtype)
+    return _compiled(reference.fp8_quantize, _key(x, scale, fp8_dtype))(x, scale, fp8_dtype)
+
+
+def fp8_quantize_transpose(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not x.is_cuda or _compiling():
+        return reference.fp8_quantize_transpose(x, scale, fp8_dtype)
+    compiled = _compiled(reference.fp8_quantize_transpose, _key(x, scale, fp8_dtype))
+    return compiled(x, scale, fp8_dtype)
+
+
+def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_sinv: torch.Tensor) -> bool:
+    """``_scaled_mm`` takes ``a [M, K]`` row-major x ``b^T [K, N]`` column-major with K and N
+    multiples of 16, not two e5m2 operands, and scales that are both per-tensor or both per-row."""
+    if not (a.is_cuda and b.is_cuda and a.dtype in _FP8 and b.dtype in _FP8):
+        return False
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        return False
+    if a.shape[1] % 16 or b.shape[0] % 16 or not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    return (a_sinv.numel() == 1) == (b_sinv.numel() == 1)
+
+
+def _scaled_mm_nt(a, b, a_sinv, b_sinv, out_dtype, *, fast_accum: bool, bias=None) -> torch.Tensor:
+    """``(a * a_sinv) @ (b * b_sinv)^T`` on the FP8 tensor cores, in ``out_dtype``."""
+    rowwise = a_sinv.numel() != 1
+    if rowwise:
+        sa, sb = a_sinv.reshape(-1, 1).float(), b_sinv.reshape(1, -1).float()
+        gemm_dtype = torch.bfloat16
+    else:
+        sa, sb = a_sinv.reshape(()).float(), b_sinv.reshape(()).float()
+        gemm_dtype = out_dtype
+    fuse_bias = bias is not None and bias.dtype == gemm_dtype and gemm_dtype != torch.float32
+    out = torch._scaled_mm(
+        a,
+        b.t(),
+        scale_a=sa,
+        scale_b=sb,
+        bias=bias if fuse_bias else None,
+        out_dtype=gemm_dtype,
+        use_fast_accum=fast_accum,
+    )
+    if bias is not None and not fuse_bias:
+        out = (out.float() + bias.float()).to(out_dtype)
+    return out.to(out_dtype)
+
+
+def scaled_linear_forward(x_q, w_q, x_scale_inv, w_scale_inv, bias, out_dtype) -> torch.Tensor:
+    if not _fits_scaled_mm(x_q, w_q, x_scale_inv, w_scale_inv):
+        return reference.scaled_linear_forward(x_q, w_q, x_scale_inv, w_scale_inv, bias, out_dtype)
+    return _scaled_mm_nt(x_q, w_q, x_scale_inv, w_scale_inv, out_dtype, fast_accum=True, bias=bias)
+
+
+def scaled_linear_dgrad(dy_q, w_qT, dy_scale_inv, w_scale_inv, out_dtype) -> torch.Tensor:
+    if not _fits_scaled_mm(dy_q, w_qT, dy_scale_inv, w_scale_inv):
+        return reference.scaled_linear_dgrad(dy_q, w_qT, dy_scale_inv, w_scale_inv, out_dtype)
+    return _scaled_mm_nt(dy_q, w_qT, dy_scale_inv, w_scale_inv, out_dtype, fast_accum=False)
+
+
+def scaled_linear_wgrad(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, main_grad=None) -> torch.Tensor:
+    if not _fits_scaled_mm(dy_qT, x_qT, dy_scale_inv, x_scale_inv):
+        return reference.scaled_linear_wgrad(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, main_grad)
+    if main_grad is None:
+        return _scaled_mm_nt(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, fast_accum=False)
+    dw = _scaled_mm_nt(dy_qT, x_qT, dy_scale_inv, x_scale_inv, main_grad.dtype, fast_accum=False)
+    return main_grad.add_(dw)
+
+
+FP8_OPS = {
+    "fp8_quantize": fp8_quantize,
+    "fp8_quantize_transpose": fp8_quantize_transpose,
+    "scaled_linear_forward": scaled_linear_forward,
+    "scaled_linear_dgrad": scaled_linear_dgrad,
+    "scaled_linear_wgrad": scaled_linear_wgrad,
+}
+"""The ops this module serves (``cuda:scaled_mm`` / ``cuda:inductor`` in ``mcore-info``)."""
+
+
+def fp8_capabilities() -> set[str]:
+    """``fp8`` on compute capability >= 8.9 (Ada, Hopper, Blackwell), ``fp8_rowwise`` on Hopper (9.0),
+    where ``torch._scaled_mm`` takes row scales."""
+    if not torch.cuda.is_available():
+        return set()
+    caps = set()
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) >= (8, 9) and hasattr(torch, "_scaled_mm"):
+        caps.add("fp8")
+        if major == 9:
+            caps.add("fp8_rowwise")
+    return caps

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# FP8 on one GPU (the commands of benchmarks/README.md's FP8 section): the FP8 op/linear tests on
+# CUDA, then bf16 vs FP8 training throughput at 24L h2048 (the plain+compile reference in the FP8
+# run's process) and at a Llama-style 12L h4096. JSON lines under $OUT.
+# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|big|llama|all]
+set -u
+OUT=${OUT:-/tmp/fp8_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+BIG="--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --vocab-size 50257"
+LLAMA="--num-layers 12 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu --ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 50257"
+PA="--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+G="--cuda-graph-impl local"
+RC="--recompute-granularity selective --recompute-modules layernorm mlp_act"
+TT="python benchmarks/train_throughput.py --device-backend cuda --bf16 --no-log-memory"
+what=${1:-all}
+if [[ $what == tests || $what == all ]]; then
+  MCORE_TEST_BACKEND=cuda python -m pytest -q --tb=short tests/ops/test_scaled_linear.py 2>&1 | tail -40 | tee "$OUT/pytest.log"
+fi
+if [[ $what == big || $what == all ]]; then
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe tensorwise --reference plain --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise
+  $TT $BIG $PA $G --iters 20 --out "$OUT/fp8.jsonl" --label bf16
+  for recipe in delayed rowwise; do
+    $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe $recipe --iters 20 --out "$OUT/fp8.jsonl" --label fp8-$recipe
+  done
+fi
+if [[ $what == llama || $what == all ]]; then
+  $TT $LLAMA $PA $G $RC --iters 10 --out "$OUT/fp8.jsonl" --label llama-bf16
+  $TT $LLAMA $PA $G $RC --fp8-format hybrid --fp8-recipe tensorwise --iters 10 --out "$OUT/fp8.jsonl" --label llama-fp8-tensorwise
+fi

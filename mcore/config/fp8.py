@@ -1,0 +1,160 @@
+"""FP8 training flags (Megatron-LM's ``--fp8-*`` transformer-engine flags), for mcore's own FP8 linears.
+
+``--fp8-format e4m3|hybrid`` turns FP8 on for the linear layers of the transformer layers (QKV,
+attention projection, MLP fc1/fc2); embeddings, the output layer, norms, attention and the loss stay
+in the parameters' dtype, as with Megatron and Transformer Engine. The GEMMs run on the backend's
+``scaled_linear`` ops (:mod:`mcore.tensor_parallel.fp8` has the math); the backend must have the
+``fp8`` capability (CUDA on compute capability >= 8.9; the CPU backend emulates it for tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore.config.fields import check, flag
+from mcore.tensor_parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, Fp8Recipe
+
+FP8_RECIPE_CHOICES = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
+"""What ``--fp8-recipe`` accepts: Megatron's names plus ``rowwise``; mxfp8/blockwise are refused."""
+
+_REFUSED_RECIPES = {
+    "mxfp8": "MXFP8 block scaling needs Blackwell tensor cores (sm_100) and Transformer Engine's MXFP8 "
+    "kernels; use --fp8-recipe tensorwise, delayed or rowwise",
+    "blockwise": "Transformer Engine's 1x128/128x128 block scaling has no kernel in mcore's op table; "
+    "use --fp8-recipe tensorwise, delayed or rowwise",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Config:
+    """FP8 linear layers: format, scaling recipe, amax history, and which layers stay in bf16."""
+
+    fp8_format: str | None = flag(
+        None,
+        "Train the transformer layers' linears in FP8: e4m3 (all tensors e4m3) or hybrid (e4m3 "
+        "forward, e5m2 gradients). Off when not given.",
+        choices=FP8_FORMATS,
+        name="--fp8-format",
+    )
+    fp8_recipe: str = flag(
+        "delayed",
+        "Scaling recipe: tensorwise (current per-tensor scaling), delayed (per-tensor scales from an "
+        "amax history), rowwise (current per-row scaling; needs the backend's fp8_rowwise).",
+        choices=FP8_RECIPE_CHOICES,
+    )
+    fp8_margin: int = flag(0, "Scales are divided by 2^margin (headroom for growing amaxes).")
+    fp8_amax_history_len: int = flag(1, "Steps of amax history for the delayed recipe.")
+    fp8_amax_compute_algo: str = flag(
+        "most_recent", "Delayed recipe: the scale from the latest amax or the max of the history.",
+        choices=AMAX_COMPUTE_ALGOS,
+    )  # fmt: skip
+    fp8_wgrad: bool = flag(
+        True, "Run the weight-gradient GEMM in the activations' dtype, not FP8.", name="--no-fp8-wgrad"
+    )
+    fp8_param_gather: bool = flag(
+        False, "Megatron: all-gather FP8 parameters with the distributed optimizer (refused, see docs)."
+    )
+    first_last_layers_bf16: bool = flag(
+        False,
+        "Keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 transformer "
+        "layers in bf16.",
+    )
+    num_layers_at_start_in_bf16: int = flag(1, "With --first-last-layers-bf16: leading bf16 layers.")
+    num_layers_at_end_in_bf16: int = flag(1, "With --first-last-layers-bf16: trailing bf16 layers.")
+
+    def __post_init__(self) -> None:
+        check(
+            self.fp8_format in (None, *FP8_FORMATS),
+            f"--fp8-format {self.fp8_format!r} is unknown; choose one of {', '.join(FP8_FORMATS)}",
+        )
+        check(
+            self.fp8_recipe in FP8_RECIPE_CHOICES,
+            f"--fp8-recipe {self.fp8_recipe!r} is unknown; choose one of tensorwise, delayed, rowwise",
+        )
+        check(
+            self.fp8_recipe not in _REFUSED_RECIPES,
+            f"--fp8-recipe {self.fp8_recipe} is not supported: {_REFUSED_RECIPES.get(self.fp8_recipe)}",
+        )
+        check(
+            self.fp8_amax_compute_algo in AMAX_COMPUTE_ALGOS,
+            f"--fp8-amax-compute-algo {self.fp8_amax_compute_algo!r} is unknown; choose most_recent or max",
+        )
+        check(
+            isinstance(self.fp8_amax_history_len, int) and self.fp8_amax_history_len >= 1,
+            f"--fp8-amax-history-len {self.fp8_amax_history_len} must be an integer >= 1",
+        )
+        check(
+            isinstance(self.fp8_margin, int) and self.fp8_margin >= 0,
+            f"--fp8-margin {self.fp8_margin} must be an integer >= 0",
+        )
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(self, name)
+            check(value >= 0, f"--{name.replace('_', '-')} {value} must be >= 0")
+        check(
+            self.enabled or not self.first_last_layers_bf16,
+            "--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid",
+        )
+        check(
+            not self.fp8_param_gather,
+            "--fp8-param-gather is not supported: mcore keeps the parameters in bf16 and quantizes each "
+            "weight inside its FP8 linear (Transformer Engine's FP8 parameters are not used), so the "
+            "distributed optimizer all-gathers bf16 parameters; drop the flag",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.fp8_format is not None
+
+    def recipe(self) -> Fp8Recipe | None:
+        """The layers' :class:`Fp8Recipe`, or None when FP8 is off."""
+        if not self.enabled:
+            return None
+        return Fp8Recipe(
+            format=self.fp8_format,
+            recipe=self.fp8_recipe,
+            margin=self.fp8_margin,
+            amax_history_len=self.fp8_amax_history_len,
+            amax_compute_algo=self.fp8_amax_compute_algo,
+            wgrad=self.fp8_wgrad,
+        )
+
+    def layer_in_fp8(self, layer_number: int, num_layers: int) -> bool:
+        """Whether transformer layer ``layer_number`` (1-based, global) runs its linears in FP8."""
+        if not self.enabled:
+            return False
+        if self.first_last_layers_bf16:
+            if layer_number <= self.num_layers_at_start_in_bf16:
+                return False
+            if layer_number > num_layers - self.num_layers_at_end_in_bf16:
+                return False
+        return True
+
+    def check_with(self, num_layers: int, capabilities: frozenset[str], backend_name: str) -> None:
+        """Cross-checks against the model depth and the device backend."""
+        if not self.enabled:
+            return
+        if self.first_last_layers_bf16:
+            bf16 = self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16
+            check(
+                bf16 <= num_layers,
+                f"--num-layers-at-start-in-bf16 {self.num_layers_at_start_in_bf16} + "
+                f"--num-layers-at-end-in-bf16 {self.num_layers_at_end_in_bf16} exceed --num-layers {num_layers}",
+            )
+        check_fp8_backend(self.recipe(), capabilities, backend_name)
+
+
+def check_fp8_backend(recipe: Fp8Recipe | None, capabilities: frozenset[str], backend_name: str) -> None:
+    """Refuse FP8 on a backend without the ``fp8`` capability (rowwise: ``fp8_rowwise``)."""
+    if recipe is None:
+        return
+    check(
+        "fp8" in capabilities,
+        f"--fp8-format {recipe.format}: device backend {backend_name!r} has no 'fp8' capability (FP8 "
+        "matrix units: CUDA compute capability >= 8.9, e.g. H100/L40S/RTX 4090); train with --bf16 there",
+    )
+    if recipe.recipe == "rowwise":
+        check(
+            "fp8_rowwise" in capabilities,
+            f"--fp8-recipe rowwise: device backend {backend_name!r} has no 'fp8_rowwise' capability "
+            "(row-scaled FP8 GEMMs need Hopper, compute capability 9.0); use --fp8-recipe tensorwise",
+        )

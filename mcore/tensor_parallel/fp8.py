@@ -1,0 +1,373 @@
+"""FP8 linear layers: scaling recipes, per-layer scaling state, and the FP8 linear autograd Function.
+
+A linear ``y = x W^T + b`` (``x [M, K]`` tokens x input features, ``W [N, K]``) runs its three GEMMs on
+FP8 operands through the op table's ``scaled_linear`` family (:mod:`mcore.ops.reference` documents
+the "NT" layouts and the scale convention ``q = saturate(x * scale)``, ``x ~= q * scale_inv``)::
+
+    forward  y  = nt(x_q,   W_q)   * sx  * sw  + b      x, W in the forward format (e4m3)
+    dgrad    dx = nt(dy_q,  W_qT)  * sdy * sw           dy in the backward format (e5m2 with
+    wgrad    dW = nt(dy_qT, x_qT)  * sdy * sx           "hybrid", e4m3 with "e4m3")
+
+Recipes (``--fp8-recipe``), as Transformer Engine defines them:
+
+* ``tensorwise`` (current scaling): one scale per tensor from the tensor's own amax,
+  ``scale = fp8_max / amax / 2^margin``. Stateless: a recomputed forward quantizes identically.
+* ``delayed``: one scale per tensor role (input, weight, output gradient) taken from an amax
+  history of earlier steps (``--fp8-amax-history-len``, ``--fp8-amax-compute-algo max|most_recent``).
+  During a step the scales stay fixed; every quantization records its amax (a running max, so a
+  recomputed forward records nothing new) and :func:`update_fp8_scales` closes the step: it
+  all-reduces (max) the recorded amaxes over the amax-reduction group (tensor x data parallel, as
+  Megatron's ``get_amax_reduction_group``), pushes them into the histories and recomputes the
+  scales. The histories and scales are saved in checkpoints (:func:`fp8_extra_state`).
+* ``rowwise`` (current scaling, one scale per row of each NT operand, i.e. per token for
+  activations and per output feature for weights; torchao's rowwise recipe). It needs the
+  backend's ``fp8_rowwise`` capability (Hopper's ``torch._scaled_mm`` takes row scales).
+
+Tensor parallelism: a scale must not depend on how a tensor is split, so the amax of a tensor that
+is split over the TP ranks is all-reduced (max) over the TP group before the scale is formed
+(tensorwise: the weight and the output gradient of a column-parallel layer, the input and the
+weight of a row-parallel one; rowwise: the row amaxes of the GEMM whose contraction dim is split).
+Then each rank quantizes its shard exactly as one process quantizes the whole tensor, and TP=p
+equals TP=1 up to the GEMMs' summation order.
+
+Gradient-accumulation fusion: the wgrad GEMM adds into ``weight.main_grad`` (the op's
+``main_grad`` argument) and the weight's ``.grad`` is a placeholder, as in
+:class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore.backend import get_ops
+from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_size
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+"""Tensor roles of one FP8 linear (indices into its delayed-scaling state)."""
+_ROLE_NAMES = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How one linear layer quantizes (built from :class:`mcore.config.fp8.Fp8Config`).
+
+    Attributes:
+        format: ``e4m3`` (every tensor e4m3) or ``hybrid`` (e4m3 forward, e5m2 output gradients).
+        recipe: ``tensorwise``, ``delayed`` or ``rowwise`` (see the module docstring).
+        margin: scales are divided by ``2**margin`` (headroom for amax growth).
+        amax_history_len, amax_compute_algo: the delayed recipe's history.
+        wgrad: the weight-gradient GEMM in FP8 (``--no-fp8-wgrad``: in the activations' dtype).
+    """
+
+    format: str = "hybrid"
+    recipe: str = "tensorwise"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    wgrad: bool = True
+
+    def __post_init__(self):
+        if self.format not in FP8_FORMATS:
+            raise ValueError(f"fp8 format {self.format!r} is unknown; choose one of {', '.join(FP8_FORMATS)}")
+        if self.recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8 recipe {self.recipe!r} is unknown; choose one of {', '.join(FP8_RECIPES)}")
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 format (448 for e4m3fn, 57344 for e5m2)."""
+    return float(torch.finfo(dtype).max)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    """``fp8_max / amax / 2^margin`` in fp32 (1 where ``amax`` is 0 or not finite), capped at fp32's
+    largest value: the scale that maps the largest magnitude onto the format's largest value."""
+    amax = amax.float()
+    scale = (fp8_max(dtype) / (2.0**margin)) / amax
+    ok = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(ok, scale, torch.ones_like(scale))
+    return scale.clamp(max=torch.finfo(torch.float32).max)
+
+
+def _amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |t| (over ``dim`` with keepdim, or all elements): one reduction, no ``|t|`` temporary."""
+    if dim is None:
+        return torch.linalg.vector_norm(t, float("inf")).float()
+    return torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=True).float()
+
+
+class Fp8DelayedState(torch.nn.Module):
+    """The delayed recipe's state of one linear: per role (input, weight, grad_output) an amax history
+    ``[L, 3]``, the current ``scale [3]`` and the amax recorded during this step ``pending_amax [3]``.
+
+    History and scales are buffers (so they move with the module and live on its device) and go into
+    checkpoints through :func:`fp8_extra_state`; ``pending_amax`` is zero at step boundaries.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | None = None):
+        super().__init__()
+        self.recipe = recipe
+        length = recipe.amax_history_len
+        self.register_buffer("amax_history", torch.zeros(length, 3, device=device), persistent=False)
+        self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
+        self.register_buffer("pending_amax", torch.zeros(3, device=device), persistent=False)
+
+    def record(self, role: int, amax: torch.Tensor) -> None:
+        """Keep the largest amax seen for ``role`` this step (in place: graph- and recompute-safe)."""
+        slot = self.pending_amax[role : role + 1]
+        torch.maximum(slot, amax.reshape(1), out=slot)
+
+    def extra_repr(self) -> str:
+        return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}"
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Linear:
+    """Everything one FP8 linear call needs besides tensors (a constant of the autograd Function).
+
+    Attributes:
+        recipe: the scaling recipe.
+        state: the delayed recipe's :class:`Fp8DelayedState` (None otherwise).
+        tp_group: the tensor-parallel group.
+        parallel_mode: ``"column"`` (weight split along N) or ``"row"`` (along K), for which amaxes
+            need a TP reduction.
+    """
+
+    recipe: Fp8Recipe
+    state: Fp8DelayedState | None
+    tp_group: Any
+    parallel_mode: str
+
+    @property
+    def _tp(self) -> bool:
+        return group_size(self.tp_group) > 1
+
+    def _reduce(self, amax: torch.Tensor, needed: bool) -> torch.Tensor:
+        if needed and self._tp:
+            all_reduce_in_tensor_model_parallel_group(amax, self.tp_group, op="max")
+        return amax
+
+    def tensor_scale(self, role: int, t: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """The per-tensor scale of ``t`` (role ``role``) for the tensorwise and delayed recipes.
+
+        Delayed: the step's fixed scale; with ``record`` the amax of ``t`` is kept for the update
+        (training forwards and backwards record, evaluation does not)."""
+        if self.state is not None:
+            if record:
+                self.state.record(role, _amax(t))
+            # a tensor of its own, not a 0-dim view at an offset into the [3] buffer: compiled casts
+            # must not be handed a view whose storage offset they might not guard on
+            return self.state.scale[role].clone()
+        sharded = role == WEIGHT or (role == GRAD_OUTPUT) == (self.parallel_mode == "column")
+        amax = self._reduce(_amax(t), sharded)
+        dtype = self.recipe.bwd_dtype if role == GRAD_OUTPUT else self.recipe.fwd_dtype
+        return scale_from_amax(amax, dtype, self.recipe.margin)
+
+    def row_scale(self, t: torch.Tensor, dtype: torch.dtype, contraction_split: bool) -> torch.Tensor:
+        """Rowwise: one scale per row of the NT operand ``t [rows, K]`` (``[rows, 1]``), from the row
+        amaxes reduced over TP when the contraction dim ``K`` is split over the TP ranks."""
+        amax = self._reduce(_amax(t, dim=-1).contiguous(), contraction_split)
+        return scale_from_amax(amax, dtype, self.recipe.margin)
+
+
+def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: bool):
+    scale = call.row_scale(t, dtype, split)
+    return get_ops().fp8_quantize(t, scale, dtype), scale.reciprocal()
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """``y = x W^T + b`` with FP8 GEMMs (see the module docstring); ``x [..., K]``, ``W [N, K]``.
+
+    Saved for backward (tensorwise/delayed): ``x_qT [K, M]`` in FP8 (half the bytes of the bf16 input a
+    bf16 linear keeps) and the weight with its scale; the backward quantizes ``W^T`` again with the
+    same scale, which reproduces the forward's ``W_q`` exactly, instead of keeping an FP8 copy.
+    Rowwise (and ``--no-fp8-wgrad``) keep ``x`` itself: the wgrad operand needs other scales.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad, zero_placeholder, call: Fp8Linear, training: bool):
+        ops = get_ops()
+        recipe = call.recipe
+        x2d = x.reshape(-1, x.shape[-1])
+        ctx.call, ctx.main_grad, ctx.zero_placeholder = call, main_grad, zero_placeholder
+        ctx.has_bias, ctx.x_shape, ctx.out_dtype = bias is not None, x.shape, x.dtype
+        fwd = recipe.fwd_dtype
+        if recipe.recipe == "rowwise":
+            row_split = call.parallel_mode == "row" and call._tp
+            x_q, x_sinv = _quantize_rows(call, x2d, fwd, row_split)
+            w_q, w_sinv = _quantize_rows(call, weight, fwd, row_split)
+            ctx.save_for_backward(x2d, weight)
+        else:
+            x_scale = call.tensor_scale(INPUT, x2d, training)
+            w_scale = call.tensor_scale(WEIGHT, weight, training)
+            x_sinv, w_sinv = x_scale.reciprocal(), w_scale.reciprocal()
+            if recipe.wgrad:
+                x_q, x_qT = ops.fp8_quantize_transpose(x2d, x_scale, fwd)
+                ctx.save_for_backward(x_qT, x_sinv, weight, w_scale)
+            else:
+                x_q = ops.fp8_quantize(x2d, x_scale, fwd)
+                ctx.save_for_backward(x2d, None, weight, w_scale)
+            w_q = ops.fp8_quantize(weight, w_scale, fwd)
+        y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ops = get_ops()
+        call: Fp8Linear = ctx.call
+        recipe = call.recipe
+        fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_bias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_input = grad_weight = None
+        if recipe.recipe == "rowwise":
+            x2d, weight = ctx.saved_tensors
+            col_split = call.parallel_mode == "column" and call._tp
+            if ctx.needs_input_grad[0]:
+                dy_q, dy_sinv = _quantize_rows(call, dy2d, bwd, col_split)
+                w_qT, w_sinv = _quantize_rows(call, weight.t(), fwd, col_split)
+                grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
+            if ctx.needs_input_grad[1]:
+                dy_qT, dyT_sinv = _quantize_rows(call, dy2d.t(), bwd, False)
+                x_qT, xT_sinv = _quantize_rows(call, x2d.t(), fwd, False)
+                grad_weight = _fp8_wgrad(ctx, weight, dy_qT, x_qT, dyT_sinv, xT_sinv)
+        else:
+            x_saved, x_sinv, weight, w_scale = ctx.saved_tensors
+            dy_scale = call.tensor_scale(GRAD_OUTPUT, dy2d)
+            dy_sinv = dy_scale.reciprocal()
+            dy_q, dy_qT = ops.fp8_quantize_transpose(dy2d, dy_scale, bwd)
+            if ctx.needs_input_grad[0]:
+                w_qT = ops.fp8_quantize(weight.t(), w_scale, fwd)
+                grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_scale.reciprocal(), ctx.out_dtype)
+            if ctx.needs_input_grad[1]:
+                if recipe.wgrad:
+                    grad_weight = _fp8_wgrad(ctx, weight, dy_qT, x_saved, dy_sinv, x_sinv)
+                else:
+                    from mcore.tensor_parallel.layers import _weight_grad
+
+                    grad_weight = _weight_grad(ctx, weight, dy2d, x_saved)
+        if grad_input is not None:
+            grad_input = grad_input.reshape(ctx.x_shape)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
+    """``dW = nt(dy_qT, x_qT)``, accumulated into ``ctx.main_grad`` when it is set (then a placeholder
+    gradient is returned, zeros for a shared weight), else returned in the weight's dtype."""
+    ops = get_ops()
+    if ctx.main_grad is None:
+        return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
+    ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, ctx.main_grad)
+    return torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    call: Fp8Linear,
+    main_grad: torch.Tensor | None = None,
+    zero_placeholder: bool = False,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on FP8 GEMMs (``x [..., K]`` -> ``[..., N]``, in ``x.dtype``).
+
+    ``main_grad``: accumulate the weight gradient there (gradient-accumulation fusion; see
+    :func:`mcore.tensor_parallel.layers.fusion_main_grad`).
+    """
+    training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
+    return _Fp8LinearFunction.apply(x, weight, bias, main_grad, zero_placeholder, call, training)
+
+
+# -- the step boundary and checkpoints -----------------------------------------------------------
+
+
+def delayed_states(modules) -> list[tuple[str, Fp8DelayedState]]:
+    """``(qualified name, state)`` of every delayed-scaling state in ``modules`` (an ``nn.Module`` or a
+    list of model chunks), in a deterministic order."""
+    chunks = modules if isinstance(modules, (list, tuple)) else [modules]
+    out = []
+    for i, chunk in enumerate(chunks):
+        for name, module in chunk.named_modules():
+            if isinstance(module, Fp8DelayedState):
+                out.append((f"{i}.{name}", module))
+    return out
+
+
+@torch.no_grad()
+def update_fp8_scales(model, amax_reduction_groups=()) -> None:
+    """Close a training step of the delayed recipe: reduce the step's amaxes (max) over each group of
+    ``amax_reduction_groups`` (Megatron reduces over tensor x data parallel: pass ``groups.tp`` and
+    ``groups.dp``), push them into the histories and recompute the scales. One collective per group
+    and a handful of kernels for all layers of this rank (the states are updated as one stacked
+    tensor); a no-op without delayed-scaling layers. Every rank of a group calls it with the same
+    layers (the ranks of one pipeline stage hold the same layers)."""
+    states = [s for _, s in delayed_states(model)]
+    if not states:
+        return
+    pending = torch.stack([s.pending_amax for s in states])  # [S, 3]
+    for group in amax_reduction_groups:
+        all_reduce_in_tensor_model_parallel_group(pending, group, op="max")
+    by_recipe: dict[Fp8Recipe, list[int]] = {}
+    for i, s in enumerate(states):
+        by_recipe.setdefault(s.recipe, []).append(i)
+    for recipe, index in by_recipe.items():
+        group_states = [states[i] for i in index]
+        history = torch.stack([s.amax_history for s in group_states])  # [S, L, 3]
+        history = torch.cat([pending[index].unsqueeze(1), history[:, :-1]], dim=1)
+        amax = history[:, 0] if recipe.amax_compute_algo == "most_recent" else history.amax(1)
+        limits = torch.tensor(
+            [fp8_max(recipe.fwd_dtype), fp8_max(recipe.fwd_dtype), fp8_max(recipe.bwd_dtype)],
+            device=amax.device,
+        ) / (2.0**recipe.margin)
+        old = torch.stack([s.scale for s in group_states])
+        keep = (amax > 0) & torch.isfinite(amax)
+        scale = torch.where(keep, (limits / amax).clamp(max=torch.finfo(torch.float32).max), old)
+        torch._foreach_copy_([s.amax_history for s in group_states], list(history.unbind(0)))
+        torch._foreach_copy_([s.scale for s in group_states], list(scale.unbind(0)))
+        torch._foreach_zero_([s.pending_amax for s in group_states])
+
+
+FP8_STATE = "fp8_state"
+"""The checkpoint record kind of FP8 scaling state (beside ``param`` and the optimizer kinds)."""
+
+
+def fp8_extra_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The checkpointed FP8 state of one model chunk: ``{local name: tensor}`` with names like
+    ``decoder.layers.0.mlp.linear_fc1.fp8_state.amax_history`` (``.scale``), for the delayed recipe
+    (the tensorwise and rowwise recipes keep no state). Values are replicated over TP and DP."""
+    out = {}
+    for name, state in module.named_modules():
+        if isinstance(state, Fp8DelayedState):
+            out[f"{name}.amax_history"] = state.amax_history
+            out[f"{name}.scale"] = state.scale
+    return out
+
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "FP8_FORMATS",
+    "FP8_STATE",
+    "FP8_RECIPES",
+    "Fp8DelayedState",
+    "Fp8Linear",
+    "Fp8Recipe",
+    "delayed_states",
+    "fp8_extra_state",
+    "fp8_linear",
+    "scale_from_amax",
+    "update_fp8_scales",
+]
