@@ -11,8 +11,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from mcore.config.fields import check, flag
-from mcore.tensor_parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, Fp8Recipe
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How one linear layer quantizes (built from :class:`mcore.config.fp8.Fp8Config`).
+
+    Attributes:
+        format: ``e4m3`` (every tensor e4m3) or ``hybrid`` (e4m3 forward, e5m2 output gradients).
+        recipe: ``tensorwise``, ``delayed`` or ``rowwise`` (see the module docstring).
+        margin: scales are divided by ``2**margin`` (headroom for amax growth).
+        amax_history_len, amax_compute_algo: the delayed recipe's history.
+        wgrad: the weight-gradient GEMM in FP8 (``--no-fp8-wgrad``: in the activations' dtype).
+    """
+
+    format: str = "hybrid"
+    recipe: str = "tensorwise"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    wgrad: bool = True
+
+    def __post_init__(self):
+        if self.format not in FP8_FORMATS:
+            raise ValueError(f"fp8 format {self.format!r} is unknown; choose one of {', '.join(FP8_FORMATS)}")
+        if self.recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8 recipe {self.recipe!r} is unknown; choose one of {', '.join(FP8_RECIPES)}")
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
 
 FP8_RECIPE_CHOICES = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
 """What ``--fp8-recipe`` accepts: Megatron's names plus ``rowwise``; mxfp8/blockwise are refused."""

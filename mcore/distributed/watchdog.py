@@ -50,11 +50,14 @@ _COMMUNICATION_FAILURES = (
 )
 
 
+class CommunicationError(RuntimeError):
+    """A collective or point-to-point exchange that failed because of another rank (raised by
+    mcore's own communication code, e.g. the pipeline's ``PipelineCommunicationError``)."""
+
+
 def is_communication_failure(err: BaseException) -> bool:
     """Whether ``err`` is a collective or point-to-point failure (not a bug of this rank's code)."""
-    from mcore.pipeline.p2p import PipelineCommunicationError
-
-    if isinstance(err, (PipelineCommunicationError, getattr(dist, "DistError", ()))):
+    if isinstance(err, (CommunicationError, getattr(dist, "DistError", ()))):
         return True
     return isinstance(err, RuntimeError) and any(s in str(err) for s in _COMMUNICATION_FAILURES)
 

@@ -21,10 +21,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mcore.distributed.watchdog import CommunicationError
 from mcore.pipeline.tables import FORWARD, Transfer, theoretical_bubble_fraction
 
 
-class PipelineCommunicationError(RuntimeError):
+class PipelineCommunicationError(CommunicationError):
     """A neighbouring pipeline stage did not send or receive in time (it died, hung, or disagrees)."""
 
 

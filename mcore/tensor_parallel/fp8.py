@@ -43,49 +43,12 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
+from mcore.config.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, Fp8Recipe  # noqa: F401 (re-exported)
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_size
-
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
-AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 """Tensor roles of one FP8 linear (indices into its delayed-scaling state)."""
 _ROLE_NAMES = ("input", "weight", "grad_output")
-
-
-@dataclass(frozen=True)
-class Fp8Recipe:
-    """How one linear layer quantizes (built from :class:`mcore.config.fp8.Fp8Config`).
-
-    Attributes:
-        format: ``e4m3`` (every tensor e4m3) or ``hybrid`` (e4m3 forward, e5m2 output gradients).
-        recipe: ``tensorwise``, ``delayed`` or ``rowwise`` (see the module docstring).
-        margin: scales are divided by ``2**margin`` (headroom for amax growth).
-        amax_history_len, amax_compute_algo: the delayed recipe's history.
-        wgrad: the weight-gradient GEMM in FP8 (``--no-fp8-wgrad``: in the activations' dtype).
-    """
-
-    format: str = "hybrid"
-    recipe: str = "tensorwise"
-    margin: int = 0
-    amax_history_len: int = 1
-    amax_compute_algo: str = "most_recent"
-    wgrad: bool = True
-
-    def __post_init__(self):
-        if self.format not in FP8_FORMATS:
-            raise ValueError(f"fp8 format {self.format!r} is unknown; choose one of {', '.join(FP8_FORMATS)}")
-        if self.recipe not in FP8_RECIPES:
-            raise ValueError(f"fp8 recipe {self.recipe!r} is unknown; choose one of {', '.join(FP8_RECIPES)}")
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
-
-    @property
-    def bwd_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
 
 
 def fp8_max(dtype: torch.dtype) -> float:

@@ -31,7 +31,8 @@ def saved(tmp_path_factory) -> Path:
 
 
 def _continue(saved: Path, *extra: str) -> dict:
-    return train(["--train-iters", "6", "--load", str(saved), *extra])
+    # Two more iterations than were saved: the schedule follows the new --train-iters, as asked.
+    return train(["--train-iters", "6", "--override-opt_param-scheduler", "--load", str(saved), *extra])
 
 
 @pytest.mark.parametrize(
@@ -137,7 +138,9 @@ def test_allow_vocab_resize_keeps_shared_rows_and_zeroes_the_others(saved, tmp_p
 
     logical, _ = load_logical_model_state(saved)
     trained = logical["embedding.word_embeddings.weight"]
-    cfg = parse_run_config(argv("--train-iters", "6", "--vocab-size", str(vocab)))
+    cfg = parse_run_config(
+        argv("--train-iters", "6", "--override-opt_param-scheduler", "--vocab-size", str(vocab))
+    )
     groups = ProcessGroups.single()
     now_vocab = vocab + 1
     padded = -(-now_vocab // 128) * 128

@@ -234,8 +234,8 @@ def export_to_megatron(
         CheckpointError: unreadable input, a layout or model Megatron cannot hold, an existing output.
     """
     from mcore.checkpoint.logical import load_logical_model_state
+    from mcore.checkpoint.run_configs import model_config_from_run_config
     from mcore.config.fields import ConfigError
-    from mcore.inference.loading import model_config_from_run_config
     from mcore.models.config import padded_vocab_size
 
     if ckpt_format not in ("torch", "torch_dist"):
