@@ -8,9 +8,11 @@ The caller supplies three functions, as with Megatron-LM's ``pretrain``:
 * ``forward_step(data_iterator, model) -> (output_tensor, loss_func)`` runs one micro-batch (the
   contract of :func:`mcore.pipeline.schedules.get_forward_backward_func`).
 
-Order of one run: parse flags -> select the device backend -> process groups -> seeds -> tokenizer
-and padded vocabulary -> model chunks (layout-independent init) -> DDP -> optimizer -> LR schedule
--> load checkpoint -> data loaders -> train loop (evaluate, save, exit checks) -> final evaluation.
+Order of one run: parse flags -> select the device backend -> process groups (:func:`pretrain`) ->
+seeds -> tokenizer and padded vocabulary -> model chunks (layout-independent init) -> DDP ->
+optimizer -> LR schedule -> load checkpoint -> data loaders (:func:`build_training`, which returns a
+:class:`~mcore.training.context.TrainContext`) -> train loop (step, log, evaluate, save, exit checks)
+-> final save -> final evaluation (:meth:`mcore.training.trainer.Trainer.train`).
 """
 
 from __future__ import annotations
