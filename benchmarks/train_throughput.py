@@ -48,12 +48,9 @@ from plain_reference import ReferenceShape, time_reference  # benchmarks/, next 
 
 from mcore.distributed.groups import LaunchEnv, initialize_parallel
 from mcore.models.config import padded_vocab_size
-from mcore.optimizer import build_optimizer
-from mcore.tensor_parallel.random import model_parallel_seed
+from mcore.training.flops import gpt_flops_per_sample
 from mcore.training.gpt import forward_step, model_provider
-from mcore.training.lr_scheduler import LRScheduler
-from mcore.training.microbatches import MicroBatchCalculator
-from mcore.training.pretrain import Trainer, _flops_per_sample, build_model, check_run_config, setup_backend
+from mcore.training.pretrain import Trainer, build_training, check_run_config, setup_backend
 from mcore.training.run_config import parse_run_config
 from mcore.utils.async_host import host_floats
 
@@ -310,28 +307,24 @@ def main(argv=None) -> int:
             iters=ours.iters,
         )
         _emit(reference, ours.out)
-    model_parallel_seed(cfg.training.seed, groups.tp_rank, groups.pp_rank)
-    model = build_model(cfg, groups, model_provider, vocab)
-    optimizer = build_optimizer(cfg.optimizer, cfg.precision, model, groups, lr=1e-4)
-    batches = MicroBatchCalculator(
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        data_parallel_size=groups.dp_size,
+    # pretrain's building, without its data (the steps get synthetic tokens) and its console lines
+    ctx = build_training(
+        cfg,
+        groups,
+        backend,
+        model_provider,
+        datasets_provider=None,
+        vocab_size=ours.vocab_size,
+        verbose=False,
     )
-    scheduler = LRScheduler.from_config(
-        optimizer,
-        cfg.scheduler,
-        global_batch_size=t.global_batch_size,
-        train_iters=t.train_iters,
-        train_samples=None,
-    )
+    model = ctx.model
     device = backend.device(groups.rank)
     data = synthetic_batches(
         ours.vocab_size, t.micro_batch_size, cfg.model.seq_length, device, groups.dp_rank
     )
     data = [data] * len(model) if len(model) > 1 else data
     needs_data = groups.is_first_stage or groups.is_last_stage
-    trainer = Trainer(cfg, groups, backend, model, optimizer, scheduler, forward_step, batches)
+    trainer = Trainer.from_context(ctx, forward_step)
 
     step_data = data if needs_data else None
     for _ in range(ours.warmup):
@@ -350,7 +343,7 @@ def main(argv=None) -> int:
     final_loss = trainer.reduce_logs([losses])[0].get("lm loss")
     final_grad_norm = host_floats([grad_norm])[0]
 
-    flops = _flops_per_sample(cfg, vocab) * t.global_batch_size
+    flops = gpt_flops_per_sample(cfg.model, vocab) * t.global_batch_size
     peak = backend.peak_flops(cfg.precision.params_dtype)
     mem = backend.memory_stats()
     tokens = t.global_batch_size * cfg.model.seq_length

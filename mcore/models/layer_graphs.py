@@ -35,6 +35,10 @@ the step (the step's first forward precedes its first backward), so it is zeroed
 Calls that do not match what was captured run the eager layers: evaluation (no autograd), another
 input shape or dtype, a mask or rotary table that is present when it was absent at capture (or the
 reverse), or a layer in eval mode.
+
+The policy lives here as well: :func:`check_layer_graphs` (what a run with graphs may not combine),
+:func:`attach_layer_graphs` (one :class:`LayerGraphs` per model chunk's block) and
+:func:`arm_after_warmup` (the trainer's call at the start of each step).
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from mcore.config.fields import ConfigError
+
+# Selective recompute modules that device graphs can capture: they recompute inside the backward pass
+# that reads them (mcore.tensor_parallel.recompute.RecomputeWhenSaved) and run no backward of their own.
+GRAPH_SAFE_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act"})
 
 
 def _signature(hidden: torch.Tensor, extras: Sequence[torch.Tensor | None]) -> tuple:
@@ -204,3 +214,75 @@ class LayerGraphs:
         self._captured, self._static_extras = layers, extras
         self._signature = _signature(hidden, extras)
         self.armed = False
+
+
+# --------------------------------------------------------------------------------------------------
+# policy: when a run may use the graphs, where they go, when they are captured
+
+
+def check_layer_graphs(cfg, backend) -> None:
+    """What ``--cuda-graph-impl local`` cannot replay, as one :class:`ConfigError` naming the flag.
+
+    ``cfg`` is the run's configuration (:class:`mcore.training.run_config.RunConfig`: its ``model``,
+    ``parallel``, ``training`` and ``optimizer`` groups)."""
+    model, parallel = cfg.model, cfg.parallel
+    flag = "--cuda-graph-impl local"
+    if "device_graphs" not in backend.capabilities():
+        raise ConfigError(f"{flag}: backend {backend.name!r} has no device graphs")
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"{flag} keeps one micro-batch's layer activations at a time: it needs "
+            f"--pipeline-model-parallel-size 1 (got {parallel.pipeline_model_parallel_size})"
+        )
+    if cfg.training.compile_layers:
+        raise ConfigError(f"{flag} and --compile-layers: choose one")
+    captured_recompute = model.selective_recompute_modules - GRAPH_SAFE_RECOMPUTE_MODULES
+    if model.recompute_granularity == "full" or captured_recompute:
+        # The backward graph is captured with torch.autograd.grad; a checkpointed region backpropagates
+        # with its own backward() call, which accumulates into .grad instead of returning gradients.
+        # layernorm and mlp_act recompute inside the backward that reads them, which is captured.
+        what = (
+            "--recompute-granularity full"
+            if model.recompute_granularity == "full"
+            else f"--recompute-modules {' '.join(sorted(captured_recompute))}"
+        )
+        raise ConfigError(
+            f"{flag}: {what} cannot be captured (a checkpointed region runs its own backward pass); "
+            "--recompute-granularity selective --recompute-modules layernorm mlp_act can"
+        )
+    if model.attention_dropout > 0.0:
+        raise ConfigError(
+            f"{flag}: --attention-dropout {model.attention_dropout} draws from the tensor-parallel RNG "
+            "stream, whose state swaps cannot be captured; use --attention-dropout 0"
+        )
+    if model.hidden_dropout > 0.0 and parallel.sequence_parallel:
+        raise ConfigError(
+            f"{flag}: --hidden-dropout {model.hidden_dropout} with --sequence-parallel draws from the "
+            "tensor-parallel RNG stream, whose state swaps cannot be captured"
+        )
+    if cfg.optimizer.overlap_param_gather:
+        raise ConfigError(
+            f"{flag}: --overlap-param-gather waits for parameters in module hooks that a replay skips"
+        )
+
+
+def attach_layer_graphs(chunks: Sequence[torch.nn.Module], backend) -> None:
+    """Give each model chunk's transformer block its :class:`LayerGraphs` (before the DDP wrap)."""
+    for chunk in chunks:
+        chunk.decoder.layer_graphs = LayerGraphs(chunk.decoder.layers, backend)
+
+
+def layer_graphs_of(chunks: Sequence[torch.nn.Module]) -> list[LayerGraphs]:
+    """The :class:`LayerGraphs` of the (unwrapped) chunks' blocks; empty when the run uses none."""
+    decoders = [getattr(chunk, "decoder", None) for chunk in chunks]
+    return [d.layer_graphs for d in decoders if getattr(d, "layer_graphs", None) is not None]
+
+
+def arm_after_warmup(graphs: Sequence[LayerGraphs], steps_run: int, warmup_steps: int) -> None:
+    """At the start of a training step: arm the graphs not captured yet once ``warmup_steps`` eager
+    steps have run (``--cuda-graph-warmup-steps``), so they are captured in this step's first forward."""
+    if steps_run < warmup_steps:
+        return
+    for layer_graphs in graphs:
+        if not layer_graphs.captured:
+            layer_graphs.arm()

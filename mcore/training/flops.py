@@ -43,3 +43,20 @@ def gpt_flops(
         + 2 * gated * ffn / h  # MLP up (and gate) and down
     )
     return 6 * batch_size * s * h * h * (L * per_layer + vocab_size / h)
+
+
+def gpt_flops_per_sample(model, vocab_size: int) -> float:
+    """:func:`gpt_flops` of one sample (``seq_length`` tokens) for a model config
+    (:class:`mcore.models.config.ModelConfig`) and padded vocabulary."""
+    return gpt_flops(
+        batch_size=1,
+        seq_length=model.seq_length,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        vocab_size=vocab_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups if model.group_query_attention else None,
+        ffn_hidden_size=model.ffn_hidden_size,
+        swiglu=model.swiglu,
+        kv_channels=model.kv_channels,
+    )

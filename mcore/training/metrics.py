@@ -27,6 +27,8 @@ import time
 from typing import Any
 
 from mcore.training.config import TrainingConfig
+from mcore.training.timers import format_timers, timer_scalars
+from mcore.utils.async_host import host_floats
 
 
 class MetricsWriter:
@@ -94,6 +96,66 @@ class MetricsWriter:
             record = {"kind": kind, "iteration": iteration, "time": time.time(), **values, **aliases}
             self._json.write(json.dumps(record) + "\n")
             self._json.flush()
+
+    def log_step(
+        self,
+        state,
+        train_iters: int | None,
+        *,
+        seconds_per_iter: float,
+        global_batch_size: int,
+        seq_length: int,
+        learning_rate: float,
+        losses: dict[str, float],
+        loss_scale,
+        grad_norm: float | None,
+        params_norm,
+        flops_per_sample: float,
+        world_size: int,
+        peak_flops: float | None,
+        memory: dict[str, int],
+        times: dict[str, list[float | None]] | None = None,
+    ) -> dict[str, Any]:
+        """One log interval's output: the console line (and the timer block) on the logging rank, the
+        TensorBoard tags, the ``--log-json`` record; returns the values (the JSON record's keys).
+
+        ``state`` is the training state after the interval's last step (its ``iteration``,
+        ``consumed_train_samples``, ``skipped_iterations``, ``nan_iterations``); ``losses`` the
+        interval's mean losses; ``loss_scale`` and ``params_norm`` may be device tensors (read here);
+        ``memory`` the backend's ``memory_stats()``; ``times`` the collected phase timers.
+        """
+        tflops = flops_per_sample * global_batch_size / seconds_per_iter / world_size
+        values = {
+            "consumed_samples": state.consumed_train_samples,
+            "iteration_time_ms": 1000 * seconds_per_iter,
+            "learning_rate": learning_rate,
+            "global_batch_size": global_batch_size,
+            "losses": losses,
+            "loss_scale": host_floats([loss_scale])[0],
+            "grad_norm": grad_norm,
+            "params_norm": host_floats([params_norm])[0],
+            "skipped_iterations": state.skipped_iterations,
+            "nan_iterations": state.nan_iterations,
+            "tokens_per_s": global_batch_size * seq_length / seconds_per_iter,
+            "tflops_per_device": tflops / 1e12,
+            "mfu": tflops / peak_flops if peak_flops else None,
+            "mem_allocated_gib": memory["allocated"] / 2**30,
+            "mem_peak_gib": memory["peak_allocated"] / 2**30,
+            "mem_allocated_bytes": memory["allocated"],
+            "mem_peak_bytes": memory["peak_allocated"],
+        }
+        if self.enabled:
+            print(format_train_line(state.iteration, train_iters, values), flush=True)
+            if times:
+                print(format_timers(times, self.cfg.timing_log_option), flush=True)
+        tags = train_tensorboard_scalars(values, log_timers=self.cfg.log_timers_to_tensorboard)
+        if self.cfg.log_timers_to_tensorboard:
+            tags.update(timer_scalars(times or {}))
+        self.tagged_scalars(state.iteration, state.consumed_train_samples, tags)
+        flat = {k: v for k, v in values.items() if k != "losses"}
+        flat.update(values["losses"])
+        self.record(state.iteration, flat)
+        return flat
 
     def close(self) -> None:
         if self._tensorboard is not None:

@@ -1,0 +1,401 @@
+"""The training loop: :class:`Trainer` runs training and evaluation steps over this rank's model
+chunks, and :meth:`Trainer.train` the loop (step, log, evaluate, save, exit) of a run that
+:func:`mcore.training.pretrain.build_training` built.
+
+Its parts: :class:`~mcore.training.step_stats.StepStats` (the steps' results, read at log
+intervals), :class:`~mcore.training.metrics.MetricsWriter` (the log line, TensorBoard, JSON),
+:class:`~mcore.training.checkpointer.Checkpointer` (when to save), :mod:`mcore.training.signals`
+(when to stop) and :mod:`mcore.models.layer_graphs` (when to capture device graphs).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore.backend import DeviceBackend
+from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
+from mcore.distributed.finalize import finalize_model_grads
+from mcore.distributed.groups import ProcessGroups
+from mcore.distributed.watchdog import note_step
+from mcore.models.layer_graphs import arm_after_warmup, layer_graphs_of
+from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
+from mcore.tensor_parallel.fp8 import update_fp8_scales
+from mcore.training.checkpointer import Checkpointer
+from mcore.training.context import TrainContext, TrainResult, TrainState
+from mcore.training.device_memory import release_unused_device_memory
+from mcore.training.flops import gpt_flops_per_sample
+from mcore.training.lr_scheduler import LRScheduler
+from mcore.training.metrics import MetricsWriter, Timer, eval_tensorboard_scalars
+from mcore.training.microbatches import MicroBatchCalculator
+from mcore.training.params_norm import params_l2_norm
+from mcore.training.run_config import RunConfig
+from mcore.training.signals import ExitFlags, SignalHandler, exit_message, exit_reason
+from mcore.training.step_stats import StepStats
+from mcore.training.timers import Timers
+from mcore.utils.async_host import HostValue, stage_to_host
+
+
+class Trainer:
+    """Runs training and evaluation steps over this rank's model chunks.
+
+    A training step never waits for the device (the host keeps issuing work while the device runs):
+    :meth:`train_step` returns the logged values as device tensors, and the caller reads them with
+    :meth:`reduce_logs` when it needs them (at log intervals). With an optimizer that skips a
+    non-finite update on the device (``skips_nonfinite_on_device``) the data-parallel NaN check is
+    deferred as well: each step's NaN flags are staged to the host (:func:`stage_to_host`) and
+    checked during the next step (:meth:`check_nan`), when the device is past them, so the error
+    comes one step late but the parameters never took the NaN step. Otherwise the check stays in
+    :meth:`~mcore.distributed.ddp.DistributedDataParallel.finish_grad_sync` and waits, as before.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        groups: ProcessGroups,
+        backend: DeviceBackend,
+        model: list,
+        optimizer,
+        scheduler: LRScheduler,
+        forward_step: Callable,
+        batches: MicroBatchCalculator,
+    ):
+        self.cfg, self.groups, self.backend = cfg, groups, backend
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.forward_step = forward_step
+        self.batches = batches
+        vp = len(model)
+        self.schedule = get_forward_backward_func(groups.pp_size, vp)
+        self.dtype = cfg.precision.params_dtype
+        self.device = groups.device
+        self._chunk_modules = [list(chunk.modules()) for chunk in model]
+        self._ddp_chunks = [chunk for chunk in model if isinstance(chunk, DistributedDataParallel)]
+        self.iteration = 0
+        """The iteration of the last :meth:`train_step` (named in a deferred NaN error)."""
+        self.steps_run = 0
+        """Training steps this trainer ran (the device graphs are captured after the warm-up ones)."""
+        self._layer_graphs = layer_graphs_of([unwrap_model(chunk) for chunk in model])
+        self._pending_nan: collections.deque[tuple[int, HostValue, list[int], int | None]] = (
+            collections.deque()
+        )
+        self.timers = Timers()
+        """Phase timers (``--timing-log-level``; none run by default, see :mod:`mcore.training.timers`)."""
+        self.context: TrainContext | None = None
+        """The built run that :meth:`train` trains (set by :meth:`from_context`)."""
+
+    @classmethod
+    def from_context(cls, ctx: TrainContext, forward_step: Callable) -> Trainer:
+        """A trainer of the run that :func:`~mcore.training.pretrain.build_training` built."""
+        trainer = cls(
+            ctx.cfg, ctx.groups, ctx.backend, ctx.model, ctx.optimizer, ctx.scheduler, forward_step,
+            ctx.batches,
+        )  # fmt: skip
+        trainer.context = ctx
+        return trainer
+
+    def _train_mode(self) -> None:
+        """Put every module in training mode; ``Module.train()`` only when one is not (it sets an
+        attribute through ``Module.__setattr__`` on every module, about 1 ms for a 24-layer GPT,
+        at the start of the step while the device waits)."""
+        for chunk, modules in zip(self.model, self._chunk_modules):
+            if not all(m.training for m in modules):
+                chunk.train()
+
+    def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
+        return self.schedule(
+            ForwardBackwardArgs(
+                forward_step_func=self.forward_step,
+                data_iterator=data_iterator,
+                model=self.model,
+                num_microbatches=self.batches.num_microbatches,
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                hidden_size=self.cfg.model.hidden_size,
+                groups=self.groups,
+                sequence_parallel=self.cfg.parallel.sequence_parallel,
+                dtype=self.dtype,
+                forward_only=forward_only,
+                grad_scale_func=None if forward_only else self.optimizer.scale_loss,
+                no_sync_func=None if forward_only else [chunk.no_sync for chunk in self.model],
+                finalize_grads_func=None
+                if forward_only
+                else functools.partial(finalize_model_grads, groups=self.groups),
+                timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
+            )
+        )
+
+    def _average_logs(self, logs: list[dict]) -> dict[str, torch.Tensor]:
+        """Mean of each logged value over this rank's micro-batches (on the last stage), as 0-d device
+        tensors: nothing is read on the host, and the data-parallel average is :meth:`reduce_logs`'s."""
+        if not logs:
+            return {}
+        keys = sorted(logs[0])
+        values = torch.stack(
+            [torch.stack([log[k].detach().float().reshape(()) for k in keys]) for log in logs]
+        )
+        mean = values.mean(0).to(self.device)
+        return dict(zip(keys, mean.unbind()))
+
+    def reduce_logs(self, steps: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+        """The floats of the logs of several steps (from :meth:`train_step`), each averaged over the
+        data-parallel ranks: one collective and one wait for the device for all of them.
+
+        A collective over ``groups.dp`` on the last pipeline stage: every data-parallel rank there calls
+        it with the same steps (elsewhere the logs are empty and nothing is communicated).
+        """
+        out: list[dict[str, float]] = [{} for _ in steps]
+        by_keys: dict[tuple[str, ...], list[int]] = {}
+        for i, logs in enumerate(steps):
+            if logs:
+                by_keys.setdefault(tuple(logs), []).append(i)
+        for keys, indices in by_keys.items():
+            values = torch.stack([torch.stack([steps[i][k] for k in keys]) for i in indices])
+            if self.groups.dp is not None and self.groups.dp_size > 1:
+                dist.all_reduce(values, group=self.groups.dp)
+                values /= self.groups.dp_size
+            for i, row in zip(indices, values.tolist()):
+                out[i] = {k: float(v) for k, v in zip(keys, row)}
+        return out
+
+    def defers_nan_check(self) -> bool:
+        """Whether the NaN check of the gradients is deferred (see the class docstring)."""
+        return bool(getattr(self.optimizer, "skips_nonfinite_on_device", False)) and any(
+            chunk.ddp_config.check_for_nan_in_loss_and_grad for chunk in self._ddp_chunks
+        )
+
+    def train_step(
+        self, data_iterator, iteration: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], bool, float | torch.Tensor | None]:
+        """One optimizer step over a global batch, without waiting for the device.
+
+        Returns ``(logs, update_successful, grad_norm)``: ``logs`` maps each logged name to this rank's
+        micro-batch mean as a 0-d device tensor (read them with :meth:`reduce_logs`; empty off the last
+        pipeline stage); ``update_successful`` and ``grad_norm`` as the optimizer's ``step()`` returned
+        them (``grad_norm`` a float, None, or a 0-d device tensor whose non-finite value means the
+        update was skipped on the device). ``iteration`` (default: one more than the last) names the
+        step in a deferred NaN error.
+        """
+        self.iteration = iteration if iteration is not None else self.iteration + 1
+        deferred = self.defers_nan_check()
+        for chunk in self._ddp_chunks:
+            chunk.defer_nan_check = deferred
+        self.check_nan(wait=False)  # flags of earlier steps that have reached the host already
+        self._train_mode()
+        arm_after_warmup(self._layer_graphs, self.steps_run, self.cfg.training.device_graph_warmup_steps)
+        self.steps_run += 1
+        self.optimizer.zero_grad()
+        with self.timers("forward-backward"):
+            logs = self._run_schedule(data_iterator, forward_only=False)
+        update_fp8_scales(self.model, (self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
+        if self.cfg.training.empty_unused_memory_level >= 1:
+            release_unused_device_memory(self.backend.device_type)
+        # The previous step's flags: the device has this step's forward and backward queued behind
+        # them, so waiting for them does not let it run dry.
+        self.check_nan()
+        with self.timers("optimizer"):
+            ok, grad_norm, _ = self.optimizer.step()
+        if self.cfg.training.empty_unused_memory_level >= 2:
+            release_unused_device_memory(self.backend.device_type)
+        if deferred:
+            self._stage_nan_check(grad_norm)
+        if ok:
+            self.scheduler.step(self.batches.current_global_batch_size)
+        return self._average_logs(logs), ok, grad_norm
+
+    def _stage_nan_check(self, grad_norm) -> None:
+        """Stage this step's NaN flags (and a tensor gradient norm) for :meth:`check_nan`."""
+        parts, counts = [], []
+        for chunk in self._ddp_chunks:
+            flags = chunk.nan_flags()
+            counts.append(0 if flags is None else flags.numel())
+            if flags is not None:
+                parts.append(flags.float())
+        norm_at = None
+        if isinstance(grad_norm, torch.Tensor):
+            norm_at = sum(counts)
+            parts.append(grad_norm.detach().float().reshape(1).to(self.device))
+        if parts:
+            staged = stage_to_host(torch.cat(parts))
+            self._pending_nan.append((self.iteration, staged, counts, norm_at))
+
+    def check_nan(self, wait: bool = True) -> None:
+        """Raise the NaN error of an earlier step whose deferred NaN check found one (a no-op when
+        nothing is deferred). ``wait=False`` checks only the steps whose flags reached the host.
+
+        Raises:
+            RuntimeError: the DDP message (rank, parameters) naming the iteration; or, when only the
+                global gradient norm is NaN (a NaN on another rank, or made by the reduction), a
+                message naming the iteration and the rank.
+        """
+        while self._pending_nan:
+            iteration, staged, counts, norm_at = self._pending_nan[0]
+            if not wait and not staged.ready():
+                return
+            self._pending_nan.popleft()
+            values = staged.tolist()
+            offset = 0
+            for chunk, count in zip(self._ddp_chunks, counts):
+                if count:
+                    chunk.raise_if_nan(values[offset : offset + count], iteration=iteration)
+                offset += count
+            if norm_at is not None and math.isnan(values[norm_at]):
+                raise RuntimeError(
+                    f"NaN in the gradients of iteration {iteration} on rank {self.groups.rank}: the "
+                    "global gradient norm is NaN (the update was skipped)"
+                )
+
+    @torch.no_grad()
+    def evaluate(self, data_iterator, iters: int) -> dict[str, float]:
+        for chunk in self.model:
+            chunk.eval()
+        steps = [
+            self._average_logs(self._run_schedule(data_iterator, forward_only=True)) for _ in range(iters)
+        ]
+        totals: dict[str, float] = {}
+        for logs in self.reduce_logs(steps):
+            for key, value in logs.items():
+                totals[key] = totals.get(key, 0.0) + value / iters
+        for chunk in self.model:
+            chunk.train()
+        return totals
+
+    # ----------------------------------------------------------------------------------------------
+    # the loop
+
+    def train(self) -> TrainResult:
+        """Train the built run (:meth:`from_context`): steps until ``--train-iters`` (or the samples) or
+        an exit condition, with logging, validation and saves at their intervals; then the final save,
+        and the final validation and test when training finished."""
+        ctx, t = self.context, self.cfg.training
+        state = ctx.state
+        self.timers = Timers(t.timing_log_level, t.timing_log_option, self.backend.synchronize)
+        train_iter = self.timers.wrap_iterator(ctx.train_iter)
+        writer = MetricsWriter(
+            t,
+            self.groups.rank == self.groups.last_rank,
+            run_config={k: dataclasses.asdict(v) for k, v in self.cfg.as_dict().items()},
+        )
+        train_iters = t.train_iters if t.train_iters is not None else _iters_for_samples(t, self.batches)
+        self.flops_per_sample = gpt_flops_per_sample(self.cfg.model, ctx.padded_vocab_size)
+        self.peak_flops = (t.peak_tflops * 1e12) if t.peak_tflops else self.backend.peak_flops(self.dtype)
+        timer = Timer(self.backend.synchronize)
+        train_losses: list[float] = []
+        handler = SignalHandler() if t.exit_signal_handler else contextlib.nullcontext()
+        exit_flags = ExitFlags(t, handler, self.device, time.time())
+        stats = StepStats(self, state, self.scheduler, train_losses)
+        checkpointer = Checkpointer(
+            self.cfg, self.model, self.optimizer, self.scheduler, self.groups,
+            metadata={"tokenizer_vocab_size": ctx.tokenizer_vocab_size, "padded_vocab_size": ctx.padded_vocab_size},
+            before_save=stats.flush,  # the saved state counts every step, and no NaN step is saved
+        )  # fmt: skip
+
+        stop = None
+        with handler:
+            timer.start()
+            while not t.skip_train and state.iteration < train_iters and not stop:
+                self._train_iteration(train_iter, state, stats)
+                if state.iteration % t.log_interval == 0:
+                    self._log_interval(state, stats, timer, writer, train_iters)
+                if ctx.has_valid and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+                    self.evaluate_and_log(ctx.valid_iter, state, writer, "validation")
+                    state.consumed_valid_samples += t.eval_iters * t.global_batch_size
+                checkpointer.maybe_save(state)
+                stop = exit_reason(t, state.iteration, exit_flags)
+            stats.flush()
+            checkpointer.maybe_save(state, final=True)
+        checkpointer.finalize(blocking=True)
+        if stop:
+            saved = checkpointer.saved_dir(state.iteration)
+            print_rank_0(self.groups, exit_message(stop, state.iteration, saved, t, handler))
+
+        valid_loss = test_loss = None
+        if not stop and t.eval_iters > 0:
+            if ctx.has_valid:
+                valid_loss = self.evaluate_and_log(ctx.valid_iter, state, writer, "validation", final=True)
+            if ctx.has_test:
+                test_loss = self.evaluate_and_log(ctx.test_iter, state, writer, "test", final=True)
+        writer.close()
+        return TrainResult(state, train_losses, valid_loss, test_loss, exit_reason=stop or "finished")
+
+    def _train_iteration(self, train_iter, state: TrainState, stats: StepStats) -> None:
+        """One step, and the state's counters after it; its results stay on the device (``stats``
+        reads them at log intervals)."""
+        self.batches.update(state.consumed_train_samples)
+        note_step(state.iteration + 1)
+        losses, ok, grad_norm = self.train_step(train_iter, iteration=state.iteration + 1)
+        state.iteration += 1
+        gbs = self.batches.current_global_batch_size
+        state.consumed_train_samples += gbs
+        state.floating_point_operations_so_far += self.flops_per_sample * gbs
+        if not ok:
+            state.skipped_iterations += 1
+        stats.add(losses, ok, grad_norm, gbs)
+
+    def _log_interval(self, state: TrainState, stats: StepStats, timer: Timer, writer, train_iters) -> None:
+        """The log line, TensorBoard tags and JSON record of the interval that ends at this step."""
+        t = self.cfg.training
+        elapsed = timer.stop()
+        params_norm = params_l2_norm(self.model, self.groups, self.device) if t.log_params_norm else None
+        stats.flush()
+        losses, steps = stats.end_interval()
+        writer.log_step(
+            state, train_iters, seconds_per_iter=elapsed / steps,
+            global_batch_size=self.batches.current_global_batch_size, seq_length=self.cfg.model.seq_length,
+            learning_rate=self.scheduler.get_lr(), losses=losses, loss_scale=self.optimizer.loss_scale,
+            grad_norm=stats.grad_norm, params_norm=params_norm, flops_per_sample=self.flops_per_sample,
+            world_size=self.groups.world_size, peak_flops=self.peak_flops, memory=self.backend.memory_stats(),
+            times=self.timers.collect(steps, self.device),
+        )  # fmt: skip
+        timer.start()
+
+    def evaluate_and_log(
+        self, data_iter, state: TrainState, writer: MetricsWriter, split: str, final: bool = False
+    ) -> float | None:
+        """Evaluate ``--eval-iters`` batches of ``split``, print Megatron's line, log the losses;
+        returns the ``lm loss`` (None off the ranks that have it)."""
+        results = self.evaluate(data_iter, self.cfg.training.eval_iters)
+        if not results:
+            return None
+        parts = [f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}" for k, v in results.items()]
+        label = f"{split} loss at {'the end of training' if final else f'iteration {state.iteration}'}"
+        print_rank_last(self.groups, f" {label} | " + " | ".join(parts))
+        ppl = self.cfg.training.log_validation_ppl_to_tensorboard
+        writer.tagged_scalars(
+            state.iteration, state.consumed_train_samples, eval_tensorboard_scalars(results, split, ppl)
+        )
+        writer.record(state.iteration, {**results, "final": final}, kind=split)
+        return results.get("lm loss")
+
+
+def _iters_for_samples(t, batches: MicroBatchCalculator) -> int:
+    """Iterations needed to consume ``--train-samples`` under the rampup."""
+    consumed, iters = 0, 0
+    probe = MicroBatchCalculator(
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        data_parallel_size=batches.data_parallel_size,
+        rampup_batch_size=batches.rampup,
+    )
+    while consumed < t.train_samples:
+        probe.update(consumed)
+        consumed += probe.current_global_batch_size
+        iters += 1
+    return iters
+
+
+def print_rank_last(groups: ProcessGroups, message: str) -> None:
+    if groups.rank == groups.last_rank:
+        print(message, flush=True)
+
+
+def print_rank_0(groups: ProcessGroups, message: str) -> None:
+    if groups.rank == 0:
+        print(message, flush=True)
