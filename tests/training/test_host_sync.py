@@ -211,7 +211,11 @@ def test_lazy_grad_norm_and_deferred_nan_check_log_the_same(monkeypatch, capsys,
     deferred, lazy_lines, lazy_records = _run(capsys, tmp_path, "lazy", argv)
     assert len(eager_lines) == 3 and "grad norm: " in eager_lines[0]
     assert lazy_lines == eager_lines
-    assert lazy_records == eager_records
+
+    def without_memory(records):  # device memory differs with the lazy norm's buffers on a GPU
+        return [{k: v for k, v in r.items() if not k.startswith("mem_")} for r in records]
+
+    assert without_memory(lazy_records) == without_memory(eager_records)
     assert deferred.train_losses == eager.train_losses
     assert deferred.state == eager.state
 
