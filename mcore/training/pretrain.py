@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch.distributed as dist
 
 from mcore.backend import DeviceBackend, current_backend
+from mcore.checkpoint.format import CheckpointError
 from mcore.config.fields import ConfigError
 from mcore.data.builder import build_train_valid_test_datasets
 from mcore.data.errors import DataError
@@ -218,6 +219,11 @@ def no_validation_warning(cfg: RunConfig) -> str:
     )
 
 
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+"""Errors of the user's input or environment (flags, data, a damaged checkpoint, a full disk): one line on
+stderr from the rank that saw it first, exit status 2, no traceback (:func:`watch_job`)."""
+
+
 def pretrain(
     model_provider: Callable,
     forward_step: Callable,
@@ -245,9 +251,9 @@ def pretrain(
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     try:
-        with watch_job(groups, cfg.parallel, user_errors=(ConfigError, DataError)):
+        with watch_job(groups, cfg.parallel, user_errors=USER_ERRORS):
             return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
-    except (ConfigError, DataError) as err:
+    except USER_ERRORS as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:

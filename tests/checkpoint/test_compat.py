@@ -6,6 +6,7 @@ then tries to continue from it through ``pretrain`` (``--load``), as a user woul
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -78,11 +79,11 @@ def _continue(saved: Path, *extra: str) -> dict:
         "vocab-same-padding",
     ],
 )
-def test_a_different_model_is_refused_naming_the_values(saved, extra, message):
-    with pytest.raises(
-        CheckpointError, match=rf"iter_0000004 is not compatible with this model: .*{message}"
-    ):
+def test_a_different_model_is_refused_naming_the_values(saved, extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # pretrain: one line on stderr, exit status 2
         _continue(saved, *extra)
+    assert exit_info.value.code == 2
+    assert re.search(rf"iter_0000004 is not compatible with this model: .*{message}", capsys.readouterr().err)
 
 
 def test_swiglu_and_tokenizer_type_are_compared():
