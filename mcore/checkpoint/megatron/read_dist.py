@@ -21,9 +21,9 @@ import torch
 
 from mcore.checkpoint.format import CheckpointError
 from mcore.checkpoint.load import ShardReader
-from mcore.checkpoint.megatron.args import check_supported, model_flags_from_args
+from mcore.checkpoint.megatron.args import check_supported
 from mcore.checkpoint.megatron.names import REPLICATED, UnsupportedTensor, map_layer_param, map_name
-from mcore.checkpoint.megatron.read_torch import megatron_layout, placement_json, train_state_from_args
+from mcore.checkpoint.megatron.read_torch import megatron_metadata, placement_json
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
 
 FORMAT_TORCH_DIST = "megatron-torch_dist"
@@ -115,24 +115,9 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
                 }
             )
     iteration = common.get("iteration", 0)
-    return {
-        "format": FORMAT_TORCH_DIST,
-        "iteration": int(iteration) if iteration != "release" else 0,
-        "layout": megatron_layout(args),
-        "train_state": train_state_from_args(args, iteration),
-        "scheduler": None,
-        "optimizer": {"saved": False},
-        "rng_saved": False,
-        "run_config": {"model": model_flags_from_args(args)},
-        "megatron": {
-            "checkpoint_version": float(common.get("checkpoint_version", 0) or 0),
-            "has_optimizer": has_optimizer or "optimizer" in common,
-            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
-            "vocab_size": getattr(args, "orig_vocab_size", None) or getattr(args, "vocab_size", None),
-        },
-        "files": {},
-        "records": records,
-    }
+    version = float(common.get("checkpoint_version", 0) or 0)
+    has_optimizer = has_optimizer or "optimizer" in common
+    return megatron_metadata(FORMAT_TORCH_DIST, args, iteration, version, has_optimizer, records, {})
 
 
 def load_dcp_tensors(iter_dir: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:

@@ -200,8 +200,24 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
                 record["qkv_heads"] = local_heads
             records.append(record)
     iteration = head.get("iteration", head.get("total_iters", 0))
+    has_optimizer = "optimizer" in head or any((iter_dir / s / "distrib_optim.pt").is_file() for s in subs)
+    return megatron_metadata(FORMAT_TORCH, args, iteration, version, has_optimizer, records, files)
+
+
+def megatron_metadata(
+    fmt: str,
+    args: Any,
+    iteration: int | str,
+    checkpoint_version: float,
+    has_optimizer: bool,
+    records: list[dict[str, Any]],
+    files: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``metadata.json``-shaped dict mcore's loader reads, for a Megatron-LM checkpoint of format
+    ``fmt`` (weights only: no optimizer, scheduler or RNG state is offered; ``megatron`` keeps what the
+    Megatron-specific checks need)."""
     return {
-        "format": FORMAT_TORCH,
+        "format": fmt,
         "iteration": int(iteration) if iteration != "release" else 0,
         "layout": megatron_layout(args),
         "train_state": train_state_from_args(args, iteration),
@@ -210,9 +226,8 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
         "rng_saved": False,
         "run_config": {"model": model_flags_from_args(args)},
         "megatron": {
-            "checkpoint_version": version,
-            "has_optimizer": "optimizer" in head
-            or any((iter_dir / s / "distrib_optim.pt").is_file() for s in subs),
+            "checkpoint_version": checkpoint_version,
+            "has_optimizer": has_optimizer,
             "padded_vocab_size": getattr(args, "padded_vocab_size", None),
             "vocab_size": getattr(args, "orig_vocab_size", None) or getattr(args, "vocab_size", None),
         },
