@@ -92,7 +92,9 @@ def _operands(gen, m, n, k, rowwise, a_dtype=E4M3, b_dtype=E4M3):
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
 def test_scaled_linear_ops_match_dequantize_matmul(backend, rowwise):
     if rowwise and "fp8_rowwise" not in backend.capabilities():
-        pytest.skip("no fp8_rowwise")
+        pytest.skip(
+            f"backend {backend.name!r} lacks the fp8_rowwise capability (a device without per-row FP8 scaling, e.g. pre-Hopper)"
+        )
     dev = backend.device()
     gen = torch.Generator().manual_seed(1)
     m, n, k = 64, 48, 32
@@ -148,7 +150,9 @@ def _fp8_model_linear(x, w, b, dy, recipe: Fp8Recipe):
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 def test_fp8_linear_is_the_quantized_model(backend, recipe, fmt):
     if recipe == "rowwise" and "fp8_rowwise" not in backend.capabilities():
-        pytest.skip("no fp8_rowwise")
+        pytest.skip(
+            f"backend {backend.name!r} lacks the fp8_rowwise capability (a device without per-row FP8 scaling, e.g. pre-Hopper)"
+        )
     dev = backend.device()
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     gen = torch.Generator().manual_seed(2)
