@@ -47,8 +47,12 @@ class CoreAttention(torch.nn.Module):
     it draws from the TP RNG stream (different on every TP rank, Megatron's convention).
     """
 
-    def __init__(self, config: ModelConfig, ctx: BuildContext, layer_number: int = 1):
+    def __init__(self, config: ModelConfig, ctx: BuildContext, layer_number: int = 1, causal: bool = True):
         super().__init__()
+        # Decoders mask the future (Megatron's AttnMaskType.causal); encoders (BERT, the T5 encoder) and
+        # cross-attention see every position not masked by ``attention_mask`` (AttnMaskType.padding).
+        # A spec chooses: ``ModuleSpec(CoreAttention, params={"causal": False})``.
+        self.causal = causal
         self.dropout = config.attention_dropout
         self.scale = 1.0 / math.sqrt(config.kv_channels)
 
@@ -60,10 +64,10 @@ class CoreAttention(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         attention_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``query [s, b, n_p, d]``, ``key``/``value [s, b, g_p, d]`` -> ``[s, b, n_p d]``.
+        """``query [s, b, n_p, d]``, ``key``/``value [s_k, b, g_p, d]`` -> ``[s, b, n_p d]``.
 
-        ``attention_mask``: bool, broadcastable to ``[b, n_p, s, s]``, True = masked (in addition to the
-        causal mask). ``attention_bias``: additive, ``[1, n_p, s, s]`` (ALiBi).
+        ``attention_mask``: bool, broadcastable to ``[b, n_p, s, s_k]``, True = masked (in addition to the
+        causal mask when ``causal``). ``attention_bias``: additive, ``[1, n_p, s, s]`` (ALiBi).
         """
         s, b, n, d = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
@@ -71,7 +75,14 @@ class CoreAttention(torch.nn.Module):
         rng = get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext()
         with rng:
             out = get_ops().attention(
-                q, k, v, causal=True, mask=attention_mask, bias=attention_bias, dropout_p=p, scale=self.scale
+                q,
+                k,
+                v,
+                causal=self.causal,
+                mask=attention_mask,
+                bias=attention_bias,
+                dropout_p=p,
+                scale=self.scale,
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
