@@ -1,18 +1,19 @@
 """Rule-based sentence splitting for ``mcore-preprocess-data --split-sentences`` (no download, no model).
 
 Megatron-LM splits with NLTK's pretrained punkt model, which NLTK downloads at run time. mcore uses the
-rules below instead; they reproduce punkt's output on ordinary prose (punkt's slicing and whitespace
-conventions are followed exactly) but not its learned statistics. Where the two disagree, the
-difference is in where one boundary falls, never in the text: the sentences of a text always
-concatenate back to it, less the whitespace between them (kept with ``--keep-newlines``).
+rules below instead, modeled on punkt's boundaries and on the way its slices treat whitespace, but
+without its learned statistics (not compared against punkt output: NLTK's models are not available
+here). Where the two disagree, the difference is in where a boundary falls, never in the text: the
+sentences of a text concatenate back to it, less the whitespace between them (kept with
+``--keep-newlines``).
 
 A boundary follows a run of sentence-final punctuation ``. ! ? …`` plus any closing quotes or brackets
 (``" ' ” ’ » ) ] }``), when whitespace comes next, unless
 
 * the next word starts with a lower-case letter ("e.g. this", "approx. five", "... and so"), or
 * the run is a single ``.`` ending a known abbreviation (:data:`ABBREVIATIONS`, case-insensitive: titles,
-  "etc", "e.g", "vs", "fig", "no", months ...), a single letter (an initial, "J. Smith"), or a word
-  with an inner period ("U.S.", "e.g.", "Ph.D.").
+  "etc", "vs", "fig", "no", months ...), a single letter (an initial, "J. Smith"), or short letter
+  groups joined by periods ("U.S.", "e.g.", "Ph.D."; not "3.14").
 
 CJK full stops ``。 ！ ？ ．`` (with closing ``」 』 ） ” ’``) end a sentence whether or not whitespace follows.
 Decimal numbers, URLs, e-mail addresses and "3.14" never split (no whitespace after the period).
