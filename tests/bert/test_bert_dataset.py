@@ -279,3 +279,24 @@ def test_bad_inputs_are_one_clear_error(bert_data, tmp_path):
     with pytest.raises(DataError, match=r"train split of .*s_text_sentence.*no document yields a sample"):
         build_bert_datasets(data, tokenizer, 32, 1, (10, 0, 0))
     assert len(IndexedDataset(str(tmp_path / "s_text_sentence"))) == 5
+
+
+def test_vectorized_fisher_yates_equals_the_swap_loop():
+    from mcore.data.masked_indices import MT19937_64, fisher_yates_permutation
+
+    for count in (0, 1, 2, 3, 7, 100, 5000):
+        for seed in (1, 2, 1235):
+            want = list(range(count))
+            if count > 1:
+                draws = MT19937_64(seed).draw(count - 1).tolist()
+                for i, r in zip(range(count - 1, 0, -1), draws):
+                    j = r % (i + 1)
+                    want[i], want[j] = want[j], want[i]
+            assert fisher_yates_permutation(count, seed).tolist() == want, (count, seed)
+
+
+def test_mt19937_64_matches_the_standard():
+    from mcore.data.masked_indices import MT19937_64
+
+    # C++11 [rand.predef]: the 10000th output of a default-constructed std::mt19937_64 (seed 5489).
+    assert int(MT19937_64(5489).draw(10000)[-1]) == 9981545732273789042
