@@ -473,7 +473,7 @@ def import_bert_from_hf(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     flags = megatron_model_flags(cfg)
-    if heads.architecture == MASKED_LM:
+    if heads.architecture == MASKED_LM and "--bert-no-binary-head" not in flags:
         flags.append("--bert-no-binary-head")
     if files is not None:
         flags += ["--tokenizer-type", files.tokenizer_type, "--vocab-file", files.vocab_file]
