@@ -688,9 +688,10 @@ class T5Model(torch.nn.Module):
         )
         if not self.post_process:
             return hidden_states
-        return self.lm_head(hidden_states, self._output_weight(), lm_labels)
+        return self.lm_head(hidden_states, self.output_weight(), lm_labels)
 
-    def _output_weight(self) -> torch.Tensor | None:
+    def output_weight(self) -> torch.Tensor | None:
+        """The weight the output layer multiplies by when it has none of its own (tied, with the embedding)."""
         if self.share_embeddings_and_output_weights and self.pre_process:
             return self.embedding.word_embeddings.weight
         return None
