@@ -83,7 +83,6 @@ def test_beam_search(generator):
     assert cached.tokens == full.tokens and cached.scores == pytest.approx(full.scores, rel=1e-6)
 
 
-
 def test_cross_attention_keys_are_computed_once():
     generator = _generator("hf_v1_1")
     calls = []
