@@ -252,7 +252,7 @@ def checkpoint_errors() -> tuple[type[BaseException], ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.export",
-        description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2 or Llama), "
+        description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2, Llama or T5 v1.1), "
         "checking logit parity.",
     )
     parser.add_argument(

@@ -267,7 +267,7 @@ _LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.importer",
-        description="Import a local Hugging Face GPT-2 or Llama model as an mcore checkpoint, checking logit parity.",
+        description="Import a local Hugging Face GPT-2, Llama or T5 v1.1 model as an mcore checkpoint, checking parity.",
     )
     parser.add_argument(
         "--hf-dir", required=True, help="Local Hugging Face model directory (nothing is downloaded)."
