@@ -16,9 +16,9 @@ import torch
 
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig, padded_vocab_size
 from mcore.inference.generation import SamplingParams
 from mcore.inference.t5_generation import T5TextGenerator
+from mcore.models.config import ModelConfig, padded_vocab_size
 from mcore.models.t5 import T5Model
 from mcore.testing.distributed import run_distributed
 
