@@ -19,6 +19,10 @@ id unless ``--no-stop-at-eod``), ``--no-kv-cache``. The checkpoint may come from
 id before every prompt (Megatron's ``add_BOS``). ``--output-json FILE`` writes every result, with each
 generated token's log-probability (``--return-output-log-probs``) and logits (``--return-logits``).
 
+A T5 checkpoint (encoder layers in it) generates with the whole model on every rank (any TP size,
+pipeline size 1): each prompt goes through the encoder once, and the decoder starts from the
+tokenizer's ``bos`` (Megatron's T5 data) or pad id (Hugging Face T5) (:mod:`mcore.inference.t5_generation`).
+
 Settings that would be silently ignored are refused: ``--greedy`` with ``--temperature``/``--top-k``/
 ``--top-p``, beam search with ``--top-k``/``--top-p``.
 """
