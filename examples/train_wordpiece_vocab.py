@@ -1,0 +1,103 @@
+"""Train a BERT WordPiece ``vocab.txt`` with the ``tokenizers`` library (nothing is downloaded).
+
+    python examples/train_wordpiece_vocab.py --output-dir bert --vocab-size 4000
+    python examples/train_wordpiece_vocab.py --input my_corpus.jsonl --output-dir bert
+
+Without ``--input`` the corpus is the Python documentation that ships with every Python
+(``pydoc_data.topics``: the language reference, about 80 topics of English prose and examples),
+written to ``{output-dir}/corpus.jsonl`` as one JSON line per topic (``{"text": ...}``), the input
+``mcore-preprocess-data --split-sentences`` expects. With ``--input`` the ``--json-keys`` fields of
+your JSON Lines file are read (``text`` by default) and no corpus is written.
+
+The vocabulary is what Megatron's ``BertWordPieceLowerCase`` (default) or, with ``--cased``,
+``BertWordPieceCase`` reads: one token per line, ``[PAD]`` (id 0), ``[UNK]``, ``[CLS]``, ``[SEP]``,
+``[MASK]`` first, then the WordPiece pieces (``##`` marks a continuation), trained with the BERT
+normalizer and pre-tokenizer of the same casing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Iterator
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def python_docs_corpus() -> list[str]:
+    """The Python documentation topics (one document each), whitespace as written."""
+    from pydoc_data.topics import topics
+
+    return [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
+
+
+def read_jsonl(path: pathlib.Path, keys: list[str]) -> Iterator[str]:
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"error: {path}:{number} is not a JSON line ({err.msg})") from None
+            for key in keys:
+                if key not in record:
+                    raise SystemExit(f"error: {path}:{number} has no key {key!r} (see --json-keys)")
+                yield str(record[key])
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` under a temporary name, then rename: a reader never sees a partial file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def train_vocab(texts: list[str], vocab_size: int, lowercase: bool) -> list[str]:
+    """The trained WordPiece vocabulary, special tokens first (ids as in a Google BERT vocab.txt)."""
+    from tokenizers import BertWordPieceTokenizer
+
+    tokenizer = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase)
+    tokenizer.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
+    vocab = tokenizer.get_vocab()
+    return sorted(vocab, key=vocab.__getitem__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", required=True, type=pathlib.Path, help="where vocab.txt is written")
+    parser.add_argument("--input", type=pathlib.Path, help="a JSON Lines corpus (default: the Python docs)")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields of --input to read")
+    parser.add_argument(
+        "--vocab-size", type=int, default=4000, help="vocabulary size, special tokens included"
+    )
+    parser.add_argument("--cased", action="store_true", help="keep case and accents (BertWordPieceCase)")
+    args = parser.parse_args(argv)
+    if args.vocab_size < len(SPECIAL_TOKENS) + 100:
+        parser.error(f"--vocab-size {args.vocab_size} is too small for a WordPiece vocabulary (at least 105)")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    if args.input is None:
+        texts = python_docs_corpus()
+        corpus = args.output_dir / "corpus.jsonl"
+        write_atomically(corpus, "".join(json.dumps({"text": text}) + "\n" for text in texts))
+        print(f"corpus: {len(texts)} documents (the Python documentation) -> {corpus}")
+    else:
+        if not args.input.is_file():
+            parser.error(f"--input {args.input}: no such file")
+        texts = list(read_jsonl(args.input, args.json_keys))
+        if not texts:
+            parser.error(f"--input {args.input} holds no text")
+    vocab = train_vocab(texts, args.vocab_size, lowercase=not args.cased)
+    out = args.output_dir / "vocab.txt"
+    write_atomically(out, "".join(token + "\n" for token in vocab))
+    print(f"vocab: {len(vocab)} WordPiece tokens ({'cased' if args.cased else 'lowercase'}) -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
