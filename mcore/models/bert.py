@@ -1,0 +1,423 @@
+"""Megatron's BERT: a bidirectional encoder with a masked-LM head and a binary (NSP/SOP) head.
+
+Buildable as a whole or as one pipeline-stage chunk, on the same transformer layers as GPT
+(:func:`bert_layer_spec`: GPT's pre-LN layer with ``CoreAttention(causal=False)``). Megatron-core's
+``BertModel`` with the local layer spec is the reference, and so are its parameter names::
+
+    embedding.word_embeddings.weight                [Vp/p, h]   vocab rows (first stage)
+    embedding.position_embeddings.weight            [max_pos, h] replicated (learned_absolute)
+    embedding.tokentype_embeddings.weight           [T, h]      replicated (T = num_tokentypes > 0)
+    encoder.layers.{i}.*                            GPT's decoder.layers.{i}.* (see mcore.models.gpt)
+    encoder.final_layernorm.weight / .bias          [h]         replicated (last stage)
+    lm_head.dense.weight / .bias                    [h, h] / [h] replicated
+    lm_head.layer_norm.weight / .bias               [h]         replicated
+    output_layer.bias                               [Vp/p]      vocab rows
+    output_layer.weight                             [Vp/p, h]   only untied, or the tied copy on a
+                                                                last stage that is not the first
+    pooler.dense.weight / .bias                     [h, h] / [h] replicated (with the binary head)
+    binary_head.weight / .bias                      [2, h] / [2] replicated (with the binary head)
+
+The computation (``x`` the embeddings ``[s, b, h]``, pad = ``padding_mask == 0``)::
+
+    e      = dropout(word[ids] + pos[0..s-1] + tokentype[types])
+    y      = final_layernorm(layers(e, key mask = pad))          bidirectional; a pad key is masked
+                                                                  for every query (HF's [b,1,1,s])
+    logits = layer_norm(gelu(y W_d^T + b_d)) E^T + b_out         E tied to the word embeddings
+    pooled = tanh(y[0] W_p^T + b_p)                              the first ([CLS]) token
+    binary = pooled W_b^T + b_b                                  [b, 2]
+
+Sequence parallelism: the LM head's dense and norm run on the ``[s/p, b, h]`` shards (their gradients
+are summed over TP like the layers' norms); the pooler all-gathers the sequence and every TP rank
+runs it and the binary head whole (their gradients are complete on every rank).
+
+Loss: with ``lm_labels`` the per-token vocab-parallel cross-entropy ``[b, s]`` (fp32). Positions whose
+label is negative (Megatron's BERT dataset writes -1 where nothing is predicted) get loss 0 and no
+gradient, at every TP size (Megatron computes a meaningless value there that its loss mask removes).
+
+Token types follow Megatron's ``pretrain_bert.py``: 2 with the binary head, none without
+(``--bert-no-binary-head``); ``num_tokentypes`` overrides it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from mcore.backend import get_ops
+from mcore.config.fields import ConfigError, check
+from mcore.distributed.groups import ProcessGroups
+from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
+from mcore.models.config import ModelConfig, check_tensor_parallel
+from mcore.models.context import BuildContext
+from mcore.models.embeddings import LanguageModelEmbedding
+from mcore.models.mlp import MLP, MLPSubmodules
+from mcore.models.norms import Norm
+from mcore.models.positions import RotaryEmbedding
+from mcore.models.spec import ModuleSpec
+from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
+from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mcore.tensor_parallel.mappings import (
+    all_reduce_sequence_parallel_grads,
+    gather_from_sequence_parallel_region,
+)
+from mcore.tensor_parallel.sharding import (
+    ZEROS,
+    NormalInit,
+    ParamLayout,
+    ShardSpec,
+    build_shard_specs,
+    init_method_normal,
+    initialize_parameters,
+    make_parameter,
+)
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+BERT_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+_LOCAL_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
+
+
+def bert_layer_spec() -> ModuleSpec:
+    """The BERT encoder layer: GPT's pre-LN layer whose core attention is not causal (padding mask only)."""
+    return ModuleSpec(
+        TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=ModuleSpec(Norm),
+            self_attention=ModuleSpec(
+                SelfAttention,
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=ModuleSpec(CoreAttention, params={"causal": False}),
+                    linear_proj=RowParallelLinear,
+                ),
+            ),
+            pre_mlp_layernorm=ModuleSpec(Norm),
+            mlp=ModuleSpec(
+                MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+            ),
+        ),
+    )
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """``y = x W^T + b`` with ``W [out, in]`` and ``b [out]`` whole on every TP rank (Megatron's
+    ``get_linear_layer``: weight ``N(0, std^2)``, bias 0).
+
+    ``sequence_parallel``: the layer is applied to sequence shards, so its gradients need a TP sum.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        ctx: BuildContext,
+        *,
+        init_std: float,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__()
+        weight = ParamLayout(
+            (output_size, input_size), init=NormalInit(init_std), sequence_parallel=sequence_parallel
+        )
+        bias = ParamLayout((output_size,), init=ZEROS, sequence_parallel=sequence_parallel)
+        self.weight = make_parameter(weight, ctx.tp_size, dtype=ctx.params_dtype, device=ctx.device)
+        self.bias = make_parameter(bias, ctx.tp_size, dtype=ctx.params_dtype, device=ctx.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class BertLMHead(torch.nn.Module):
+    """The masked-LM transform before the output layer: ``layer_norm(gelu(dense(y)))``, ``[.., h] -> [.., h]``.
+
+    The GeLU is the exact (erf) one, as megatron-core's ``BertLMHead`` and Hugging Face's ``"gelu"``.
+    """
+
+    def __init__(self, config: ModelConfig, ctx: BuildContext):
+        super().__init__()
+        h = config.hidden_size
+        self.dense = ReplicatedLinear(
+            h, h, ctx, init_std=config.init_method_std, sequence_parallel=ctx.sequence_parallel
+        )
+        # Always a LayerNorm (megatron-core's LNImpl), whatever --normalization the layers use.
+        self.layer_norm = Norm(replace(config, normalization="LayerNorm"), ctx)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dense = self.dense
+        return self.layer_norm(get_ops().bias_gelu(F.linear(hidden_states, dense.weight), dense.bias))
+
+
+class Pooler(torch.nn.Module):
+    """``tanh(dense(y[0]))``: the first token's final hidden state, ``[s, b, h] -> [b, h]``.
+
+    With sequence parallelism the sequence is all-gathered first; every TP rank then runs the pooler
+    whole, so the gradient of the gather keeps this rank's chunk (no sum over TP).
+    """
+
+    def __init__(self, config: ModelConfig, ctx: BuildContext):
+        super().__init__()
+        self.ctx = ctx
+        self.dense = ReplicatedLinear(
+            config.hidden_size, config.hidden_size, ctx, init_std=config.init_method_std
+        )
+
+    def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
+        if self.ctx.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, self.ctx.tp_group, tensor_parallel_output_grad=False
+            )
+        return torch.tanh(self.dense(hidden_states[sequence_index]))
+
+
+class BertModel(torch.nn.Module):
+    """Megatron's BERT (pre-LN encoder, MLM head, optional binary head), or one pipeline chunk of it.
+
+    Args:
+        config: the model flags (``--apply-residual-connection-post-layernorm`` takes each layer's
+            residual after its norm, as Megatron does).
+        groups: process groups; the model uses ``groups.tp``.
+        vocab_size: the *padded* vocabulary size (:func:`mcore.models.config.padded_vocab_size`).
+        pre_process, post_process, layer_offset, num_layers, sequence_parallel, params_dtype,
+            device, seed: as :class:`mcore.models.gpt.GPTModel`.
+        add_binary_head: the pooler and the NSP/SOP head (``--bert-no-binary-head`` removes them).
+        num_tokentypes: rows of the token-type table; ``None``: 2 with the binary head, 0 without
+            (Megatron's ``pretrain_bert.py``).
+        layer_spec: the encoder-layer spec (default :func:`bert_layer_spec`).
+
+    Raises:
+        ConfigError: the model does not split over TP, or a setting BERT does not support.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        groups: ProcessGroups,
+        vocab_size: int,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_offset: int = 0,
+        num_layers: int | None = None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        seed: int = 1234,
+        add_binary_head: bool = True,
+        num_tokentypes: int | None = None,
+        layer_spec: ModuleSpec | None = None,
+    ):
+        super().__init__()
+        tp = groups.tp_size
+        check_tensor_parallel(config, tp, sequence_parallel)
+        check(
+            vocab_size % tp == 0,
+            f"padded vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={tp}; "
+            "compute it with padded_vocab_size()",
+        )
+        check(
+            config.position_embedding_type in BERT_POSITION_EMBEDDING_TYPES,
+            f"--position-embedding-type {config.position_embedding_type}: BERT supports "
+            f"{' or '.join(BERT_POSITION_EMBEDDING_TYPES)} (as megatron-core's BertModel)",
+        )
+        check(
+            config.output_layer_loss_chunks == 0,
+            f"--output-layer-loss-chunks {config.output_layer_loss_chunks}: BERT's output layer has a "
+            "bias, which the chunked output-layer loss does not support; leave it at 0",
+        )
+        num_layers = config.num_layers - layer_offset if num_layers is None else num_layers
+        if not (0 <= layer_offset and num_layers >= 0 and layer_offset + num_layers <= config.num_layers):
+            raise ConfigError(
+                f"layers [{layer_offset}, {layer_offset + num_layers}) of this chunk are outside "
+                f"num_layers={config.num_layers}"
+            )
+        if num_tokentypes is None:
+            num_tokentypes = 2 if add_binary_head else 0
+        check(num_tokentypes >= 0, f"num_tokentypes={num_tokentypes} must be >= 0")
+        self.config = config
+        self.groups = groups
+        self.vocab_size = vocab_size
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_offset, self.num_layers = layer_offset, num_layers
+        self.sequence_parallel = sequence_parallel
+        self.add_binary_head = add_binary_head
+        self.num_tokentypes = num_tokentypes
+        self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
+        self.ctx = BuildContext(
+            tp_group=groups.tp,
+            tp_size=tp,
+            tp_rank=groups.tp_rank,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device if device is not None else groups.device,
+            num_layers=config.num_layers,
+        )
+        self.input_tensor: torch.Tensor | None = None
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, self.ctx, vocab_size, num_tokentypes)
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+        self.encoder = TransformerBlock(
+            config,
+            self.ctx,
+            layer_spec or bert_layer_spec(),
+            num_layers=num_layers,
+            layer_offset=layer_offset,
+            post_process=post_process,
+        )
+        if post_process:
+            tied = self.share_embeddings_and_output_weights
+            self.lm_head = BertLMHead(config, self.ctx)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                tp_group=groups.tp,
+                bias=True,
+                gather_output=False,
+                sequence_parallel=sequence_parallel,
+                init_method=init_method_normal(config.init_method_std),
+                vocab_padded=True,
+                skip_weight_param_allocation=tied and pre_process,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                params_dtype=params_dtype,
+                device=self.ctx.device,
+            )
+            # The output bias runs over the padded vocabulary too (resharding re-pads it).
+            bias = self.output_layer.bias
+            bias.shard_layout = replace(bias.shard_layout, vocab_padded=True)
+            if tied and not pre_process:
+                # The last stage's copy of the word embedding: same logical tensor, same init (as GPT).
+                weight = self.output_layer.weight
+                weight.shard_layout = replace(weight.shard_layout, logical_name=WORD_EMBEDDINGS)
+                weight.shared_embedding = True
+            if add_binary_head:
+                self.pooler = Pooler(config, self.ctx)
+                self.binary_head = ReplicatedLinear(
+                    config.hidden_size, 2, self.ctx, init_std=config.init_method_std
+                )
+        if pre_process and self.share_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+        self._shard_specs = build_shard_specs(self, groups.tp_rank, tp, self._logical_name)
+        initialize_parameters(self, self._shard_specs, seed)
+
+    # -- naming and sharding ------------------------------------------------------------------------
+
+    def _logical_name(self, local_name: str) -> str:
+        return _LOCAL_LAYER.sub(
+            lambda m: f"encoder.layers.{int(m.group(1)) + self.layer_offset}.", local_name
+        )
+
+    def sharded_parameters(self) -> dict[str, ShardSpec]:
+        """For every parameter (key: its name in ``named_parameters()``), where it sits in the model
+        (logical names with global layer numbers; see :meth:`mcore.models.gpt.GPTModel.sharded_parameters`).
+        """
+        return dict(self._shard_specs)
+
+    def sequence_parallel_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters whose gradients must be summed over TP with sequence parallelism."""
+        params = dict(self.named_parameters())
+        return [params[name] for name, spec in self._shard_specs.items() if spec.sequence_parallel]
+
+    def all_reduce_sequence_parallel_grads(self) -> None:
+        """Sum the sequence-parallel parameters' gradients over TP (call after backward; no-op without SP)."""
+        if self.sequence_parallel:
+            all_reduce_sequence_parallel_grads(self.sequence_parallel_parameters(), self.groups.tp)
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
+        """The tied word-embedding weight this chunk holds (as :class:`~mcore.models.gpt.GPTModel`)."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    # -- forward ------------------------------------------------------------------------------------
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """The hidden states ``[s, b, h]`` a non-first pipeline chunk starts from (Megatron's contract)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"BertModel takes one input tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    @staticmethod
+    def attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+        """``padding_mask [b, s]`` (1 = token, 0 = pad) -> bool ``[b, 1, 1, s]``, True = masked key.
+
+        Every query (pad positions too) attends to the real tokens only: Hugging Face's BERT mask and
+        megatron-core's ``b11s`` mask. (Megatron's local ``b1ss`` mask also blanks the pad *queries*;
+        their outputs differ, but no loss reads them.)
+        """
+        return (padding_mask < 0.5)[:, None, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        padding_mask: torch.Tensor,
+        tokentype_ids: torch.Tensor | None = None,
+        lm_labels: torch.Tensor | None = None,
+    ):
+        """Run this chunk.
+
+        Args:
+            input_ids: ``[b, s]`` int64 ids (first chunk only).
+            padding_mask: ``[b, s]``, 1 = token, 0 = padding (every chunk needs it).
+            tokentype_ids: ``[b, s]`` segment ids (default all 0); must be None without a token-type
+                table (``--bert-no-binary-head``, as Megatron's ``pretrain_bert.py`` passes None).
+            lm_labels: ``[b, s]`` target ids (last chunk); negative = not predicted (loss 0).
+
+        Returns:
+            last chunk with labels: ``(lm_loss [b, s] fp32, binary_logits [b, 2] fp32 or None)``;
+            last chunk without labels: ``(lm_logits [b, s, Vp/p], binary_logits or None)``;
+            other chunks: hidden states ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism).
+        """
+        mask = self.attention_mask(padding_mask)
+        if self.pre_process:
+            if tokentype_ids is not None and self.num_tokentypes == 0:
+                raise ValueError(
+                    "tokentype_ids given, but this BertModel has no token-type embeddings "
+                    "(num_tokentypes=0: --bert-no-binary-head); pass tokentype_ids=None"
+                )
+            hidden_states = self.embedding(input_ids, None, tokentype_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("a non-first pipeline chunk needs set_input_tensor() before forward()")
+            hidden_states = self.input_tensor
+
+        rotary_freqs = None
+        if self.config.position_embedding_type == "rope":
+            seq_len = hidden_states.shape[0] * (self.ctx.tp_size if self.sequence_parallel else 1)
+            rotary_freqs = self.rotary_pos_emb(seq_len, None, device=hidden_states.device)
+
+        hidden_states = self.encoder(hidden_states, mask, rotary_freqs)
+        if not self.post_process:
+            return hidden_states
+
+        binary_logits = None
+        if self.add_binary_head:
+            binary_logits = self.binary_head(self.pooler(hidden_states)).float()
+
+        weight = None
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            weight = self.embedding.word_embeddings.weight
+        logits, _ = self.output_layer(self.lm_head(hidden_states), weight=weight)  # [s, b, Vp/p]
+        if lm_labels is None:
+            return logits.transpose(0, 1).contiguous(), binary_logits
+        labels = lm_labels.transpose(0, 1)
+        ignored = labels < 0
+        loss = vocab_parallel_cross_entropy(
+            logits,
+            labels.masked_fill(ignored, 0).contiguous(),
+            self.groups.tp,
+            0.0,
+            overwrite_logits=self.config.cross_entropy_loss_fusion,
+        )  # [s, b]
+        loss = loss.masked_fill(ignored, 0.0)
+        return loss.transpose(0, 1).contiguous(), binary_logits
