@@ -93,9 +93,9 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 
 def _takes_token_types(model: torch.nn.Module) -> bool:
-    """Whether the chunk embeds token types (the binary head's two sentences; Megatron passes
-    ``tokentype_ids=None`` with ``--bert-no-binary-head``). Chunks without the embedding ignore them."""
-    return bool(getattr(unwrap_model(model), "add_binary_head", True))
+    """Whether the chunk has a token-type table (two types with the binary head; none with
+    ``--bert-no-binary-head``, where Megatron passes ``tokentype_ids=None``)."""
+    return getattr(unwrap_model(model), "num_tokentypes", 0) > 0
 
 
 def forward_step(data_iterator, model: torch.nn.Module):
@@ -106,6 +106,11 @@ def forward_step(data_iterator, model: torch.nn.Module):
     ``labels`` (-1 where not predicted), ``loss_mask``, ``padding_mask`` (1 = token) [b, s] and
     ``is_random`` [b].
     """
+    if data_iterator is None:
+        raise RuntimeError(
+            "BERT's forward step needs the micro-batch on every pipeline stage (each encoder layer "
+            "reads its padding mask): call pretrain(..., data_on_every_stage=True)"
+        )
     batch = next(data_iterator)
     device = _model_device(model)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -117,8 +122,3 @@ def forward_step(data_iterator, model: torch.nn.Module):
         lm_labels=batch["labels"].long(),
     )
     return output, functools.partial(loss_func, batch["loss_mask"], batch["is_random"].long())
-
-
-def flops_per_sample(cfg: RunConfig):
-    """The run's ``flops_per_sample(model_config, padded_vocab_size)`` for ``pretrain``."""
-    return functools.partial(bert_flops_per_sample, binary_head=binary_head(cfg))
