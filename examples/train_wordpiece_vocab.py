@@ -24,8 +24,6 @@ import pathlib
 import sys
 from collections.abc import Iterator
 
-SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
 
 def python_docs_corpus() -> list[str]:
     """The Python documentation topics (one document each), whitespace as written."""
@@ -56,16 +54,13 @@ def write_atomically(path: pathlib.Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def train_vocab(texts: list[str], vocab_size: int, lowercase: bool) -> list[str]:
-    """The trained WordPiece vocabulary, special tokens first (ids as in a Google BERT vocab.txt)."""
-    from tokenizers import BertWordPieceTokenizer
+def train_vocab(texts: list[str], vocab_size: int, output_dir: pathlib.Path, lowercase: bool) -> list[str]:
+    """Train with :func:`mcore.data.tokenizers.train_wordpiece_vocab` (the ``tokenizers`` library's
+    WordPiece trainer) and return the vocabulary it wrote, special tokens first."""
+    from mcore.data.tokenizers import train_wordpiece_vocab
 
-    tokenizer = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase)
-    tokenizer.train_from_iterator(
-        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False
-    )
-    vocab = tokenizer.get_vocab()
-    return sorted(vocab, key=vocab.__getitem__)
+    path = train_wordpiece_vocab(texts, vocab_size, output_dir, lower_case=lowercase)
+    return pathlib.Path(path).read_text(encoding="utf-8").splitlines()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cased", action="store_true", help="keep case and accents (BertWordPieceCase)")
     args = parser.parse_args(argv)
-    if args.vocab_size < len(SPECIAL_TOKENS) + 100:
+    if args.vocab_size < 105:
         parser.error(f"--vocab-size {args.vocab_size} is too small for a WordPiece vocabulary (at least 105)")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if args.input is None:
@@ -92,9 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         texts = list(read_jsonl(args.input, args.json_keys))
         if not texts:
             parser.error(f"--input {args.input} holds no text")
-    vocab = train_vocab(texts, args.vocab_size, lowercase=not args.cased)
+    vocab = train_vocab(texts, args.vocab_size, args.output_dir, lowercase=not args.cased)
     out = args.output_dir / "vocab.txt"
-    write_atomically(out, "".join(token + "\n" for token in vocab))
     print(f"vocab: {len(vocab)} WordPiece tokens ({'cased' if args.cased else 'lowercase'}) -> {out}")
     return 0
 
