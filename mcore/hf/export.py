@@ -9,8 +9,9 @@ Command::
 The directory gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards with
 ``model.safetensors.index.json``) and the tokenizer files of the run's tokenizer
 (:mod:`mcore.hf.tokenizer`). GPT-2-style models become ``GPT2LMHeadModel``, Llama-style models
-``LlamaForCausalLM`` (:mod:`mcore.hf.config` lists what is refused). The padded vocabulary is cut to
-the tokenizer's size.
+``LlamaForCausalLM`` (:mod:`mcore.hf.config` lists what is refused), BERT models
+``MegatronBertForPreTraining`` (``MegatronBertForMaskedLM`` without the binary head; :mod:`mcore.hf.bert`,
+:mod:`mcore.hf.bert_io`). The padded vocabulary is cut to the tokenizer's size.
 
 Everything is written to a temporary sibling directory; the logit-parity check
 (:mod:`mcore.hf.parity`) loads it with ``transformers`` and compares with the mcore model, and only
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mcore.data.config import TokenizerConfig
+from mcore.hf.bert import is_bert_state
 from mcore.hf.config import ARCHITECTURES, check_exportable, hf_config_dict
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.hf.mapping import mcore_to_hf
@@ -147,6 +149,22 @@ def export_to_hf(
         check_parity: run the logit-parity check before the directory is put in place.
         tolerance: the largest allowed fp32 logit difference.
     """
+    if is_bert_state(state):  # Megatron's BERT -> MegatronBertForPreTraining / ForMaskedLM
+        from mcore.hf.bert_io import export_bert_to_hf
+
+        return export_bert_to_hf(
+            state,
+            run_config,
+            output_dir,
+            vocab_size=vocab_size,
+            tokenizer_config=tokenizer_config,
+            fallback_vocab_size=fallback_vocab_size,
+            dtype=dtype,
+            check_parity=check_parity,
+            tolerance=tolerance,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+        )
     cfg = model_config_from_run_config(run_config)
     family = check_exportable(cfg)
     _prepare_output(output_dir, overwrite)
@@ -257,7 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument(
         "--tokenizer-type",
         default=None,
-        choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+        choices=[
+            "GPT2BPETokenizer",
+            "HuggingFaceTokenizer",
+            "NullTokenizer",
+            "BertWordPieceLowerCase",
+            "BertWordPieceCase",
+        ],
     )
     tok.add_argument("--vocab-file", default=None)
     tok.add_argument("--merge-file", default=None)

@@ -14,7 +14,9 @@ the parity check then rounds the Hugging Face weights the same way and keeps the
 config. The command prints the Megatron flags that build the same model.
 
 Refused (:class:`~mcore.hf.errors.ConversionError`, exit status 2): a directory without
-``config.json`` or weights, an architecture other than ``GPT2LMHeadModel``/``LlamaForCausalLM``,
+``config.json`` or weights, an architecture other than ``GPT2LMHeadModel``/``LlamaForCausalLM``/
+``MegatronBertForPreTraining``/``MegatronBertForMaskedLM`` (:mod:`mcore.hf.bert_io`; the post-LN
+``BertForPreTraining`` is refused with the reason),
 settings mcore cannot express (:func:`mcore.hf.config.model_config_from_hf`), a tokenizer whose size
 differs from ``vocab_size``, embedding rows that differ from ``vocab_size``. A failed parity check
 exits with status 1 and writes nothing.
@@ -36,6 +38,7 @@ import torch
 
 from mcore.config.fields import ConfigError
 from mcore.data.config import TokenizerConfig
+from mcore.hf.bert import is_bert_hf_config
 from mcore.hf.config import ARCHITECTURES, family_of_hf_config, megatron_model_flags, model_config_from_hf
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.hf.mapping import hf_to_mcore
@@ -141,6 +144,22 @@ def import_from_hf(
     from mcore import checkpoint
 
     hf = read_hf_config(hf_dir)
+    if is_bert_hf_config(hf):  # MegatronBertForPreTraining / ForMaskedLM (BertForPreTraining is refused)
+        from mcore.hf.bert_io import import_bert_from_hf
+
+        return import_bert_from_hf(
+            hf_dir,
+            save_dir,
+            hf,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            dtype=dtype,
+            use_tokenizer=use_tokenizer,
+            check_parity=check_parity,
+            tolerance=tolerance,
+            check_layout=lambda cfg: _check_layout(
+                cfg, tensor_model_parallel_size, pipeline_model_parallel_size
+            ),
+        )
     where = os.path.join(hf_dir, "config.json")
     family = family_of_hf_config(hf, where)
     try:

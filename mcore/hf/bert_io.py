@@ -1,0 +1,469 @@
+"""BERT through ``mcore-export-hf`` / ``mcore-import-hf``: directories, tokenizer files, logit parity.
+
+:func:`mcore.hf.export.export_to_hf` hands a BERT checkpoint (recognized by its tensors,
+:func:`mcore.hf.bert.is_bert_state`) to :func:`export_bert_to_hf`, and
+:func:`mcore.hf.importer.import_from_hf` a BERT ``config.json`` to :func:`import_bert_from_hf`; both
+keep the GPT path's guarantees (staging directory renamed into place only after the parity check,
+one :class:`~mcore.hf.errors.ConversionError` naming what cannot be converted).
+
+Parity (:func:`check_bert_parity`): both sides in fp32, eval mode, on a fixed ``2 x 24`` batch whose
+second sample ends in 5 padding tokens and (with token types) whose second half is segment B;
+compared: the MLM logits at every position (cut to the real vocabulary) and, with the binary head,
+the 2-way NSP/SOP logits, with Hugging Face's ``eager`` attention (``MegatronBert*`` has no other).
+Tolerance 1e-4.
+
+Tokenizer files: Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase`` (``--vocab-file
+vocab.txt``) become ``vocab.txt`` + ``tokenizer_config.json`` naming ``BertTokenizer`` with
+``do_lower_case`` and BERT's special tokens, so ``AutoTokenizer`` and ``pipeline("fill-mask")`` work
+on the export; ``--vocab-extra-ids N`` tokens are appended to ``vocab.txt`` as additional special
+tokens (the ids Megatron gives them). Import maps a ``vocab.txt`` back to the WordPiece type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore.distributed.groups import ProcessGroups
+from mcore.hf.bert import (
+    MASKED_LM,
+    BertHeads,
+    bert_config_from_hf,
+    bert_hf_config_dict,
+    bert_hf_to_mcore,
+    bert_mcore_to_hf,
+    check_bert_exportable,
+)
+from mcore.hf.errors import ConversionError, ParityError
+from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, parity_tokens
+from mcore.models.config import ModelConfig, padded_vocab_size
+
+WORDPIECE_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
+"""Megatron's BERT tokenizer types and whether they lower-case."""
+SPECIAL_TOKENS = {
+    "unk_token": "[UNK]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "cls_token": "[CLS]",
+    "mask_token": "[MASK]",
+}
+PAD_TAIL = 5
+"""Padding tokens at the end of the parity batch's second sample."""
+
+
+# -- tokenizer files --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WordPieceFiles:
+    """A BERT WordPiece tokenizer as the run config records it (``--tokenizer-type``, ``--vocab-file``)."""
+
+    tokenizer_type: str
+    vocab_file: str
+    vocab_extra_ids: int = 0
+
+    @property
+    def lower_case(self) -> bool:
+        return WORDPIECE_TYPES[self.tokenizer_type]
+
+    def tokens(self) -> list[str]:
+        """The vocabulary in id order (``vocab.txt`` lines, then ``<extra_id_i>``)."""
+        try:
+            with open(self.vocab_file, encoding="utf-8") as f:
+                tokens = [line.rstrip("\n") for line in f]
+        except OSError as err:
+            raise ConversionError(
+                f"--vocab-file {self.vocab_file}: cannot read the run's BERT vocabulary ({err}); point to it "
+                "with --tokenizer-type and --vocab-file, or give --vocab-size to export without one"
+            ) from None
+        return tokens + [f"<extra_id_{i}>" for i in range(self.vocab_extra_ids)]
+
+
+def wordpiece_files(tokenizer: Any) -> WordPieceFiles | None:
+    """The WordPiece settings of a tokenizer config (a TokenizerConfig or its dict), else None."""
+    if tokenizer is None:
+        return None
+    get = tokenizer.get if isinstance(tokenizer, Mapping) else lambda k, d=None: getattr(tokenizer, k, d)
+    kind = get("tokenizer_type")
+    if kind not in WORDPIECE_TYPES:
+        return None
+    if not get("vocab_file"):
+        raise ConversionError(f"--tokenizer-type {kind} needs --vocab-file (the WordPiece vocab.txt)")
+    return WordPieceFiles(kind, get("vocab_file"), int(get("vocab_extra_ids", 0) or 0))
+
+
+def write_wordpiece_tokenizer(files: WordPieceFiles, out_dir: str, model_max_length: int | None) -> list[str]:
+    """``vocab.txt`` and the ``BertTokenizer`` ``tokenizer_config.json`` in ``out_dir``."""
+    tokens = files.tokens()
+    missing = [t for t in SPECIAL_TOKENS.values() if t not in tokens]
+    if missing:
+        raise ConversionError(f"{files.vocab_file}: the BERT vocabulary lacks {', '.join(missing)}")
+    with open(os.path.join(out_dir, "vocab.txt"), "w", encoding="utf-8") as f:
+        f.writelines(token + "\n" for token in tokens)
+    config: dict[str, Any] = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": files.lower_case,
+        "tokenize_chinese_chars": True,
+        "strip_accents": None,
+        "model_max_length": model_max_length or 512,
+        **SPECIAL_TOKENS,
+    }
+    if files.vocab_extra_ids:
+        config["additional_special_tokens"] = tokens[-files.vocab_extra_ids :]
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+    return ["vocab.txt", "tokenizer_config.json"]
+
+
+def import_wordpiece_tokenizer(hf_dir: str, dest_dir: str) -> WordPieceFiles | None:
+    """Copy ``hf_dir/vocab.txt`` into ``dest_dir``; None when the directory has none."""
+    source = os.path.join(hf_dir, "vocab.txt")
+    if not os.path.isfile(source):
+        return None
+    lower = True  # BertTokenizer's default
+    config_path = os.path.join(hf_dir, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                lower = bool(json.load(f).get("do_lower_case", True))
+        except (OSError, ValueError) as err:
+            raise ConversionError(f"{config_path}: cannot read: {err}") from None
+    os.makedirs(dest_dir, exist_ok=True)
+    shutil.copyfile(source, os.path.join(dest_dir, "vocab.txt"))
+    kind = "BertWordPieceLowerCase" if lower else "BertWordPieceCase"
+    return WordPieceFiles(kind, os.path.join(dest_dir, "vocab.txt"))
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+# -- parity ---------------------------------------------------------------------------------------------
+
+
+def parity_batch(vocab_size: int, max_positions: int, heads: BertHeads) -> dict[str, torch.Tensor]:
+    """The fixed parity batch: ids, padding mask (sample 1 ends in padding) and token types."""
+    ids = parity_tokens(vocab_size, max_positions)
+    b, s = ids.shape
+    padding = torch.ones(b, s, dtype=torch.long)
+    padding[1, max(1, s - PAD_TAIL) :] = 0
+    types = None
+    if heads.num_tokentypes >= 2:
+        types = torch.zeros(b, s, dtype=torch.long)
+        types[:, s // 2 :] = 1
+    return {"input_ids": ids, "attention_mask": padding, "token_type_ids": types}
+
+
+@torch.no_grad()
+def mcore_bert_logits(
+    cfg: ModelConfig, heads: BertHeads, state: Mapping[str, torch.Tensor], vocab_size: int, batch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``(MLM logits [b, s, V], binary logits [b, 2] or None)`` of the mcore BERT (TP=1, CPU)."""
+    from mcore.inference.loading import load_logical_state
+    from mcore.models.bert import BertModel
+
+    padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, 1)
+    model = BertModel(
+        cfg,
+        ProcessGroups.single(),
+        padded,
+        add_binary_head=heads.add_binary_head,
+        num_tokentypes=heads.num_tokentypes,
+        device=torch.device("cpu"),
+    )
+    load_logical_state(model, {k: v.float() for k, v in state.items()}, vocab_size)
+    model.eval()
+    logits, binary = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    return logits[..., :vocab_size].float(), None if binary is None else binary.float()
+
+
+@torch.no_grad()
+def hf_bert_logits(
+    hf_dir: str, heads: BertHeads, batch, attn_implementation: str, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``(MLM logits, binary logits or None)`` of the ``MegatronBert*`` model in ``hf_dir``."""
+    try:
+        import transformers
+        from transformers import AutoModelForMaskedLM, AutoModelForPreTraining
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise ConversionError(
+            "the parity check needs the 'transformers' package (pip install 'mcore-train[hf]')"
+        ) from None
+    auto = AutoModelForPreTraining if heads.add_binary_head else AutoModelForMaskedLM
+    dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = auto.from_pretrained(
+            hf_dir,
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+            **{dtype_arg: torch.float32},
+        )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        raise ConversionError(f"{hf_dir}: transformers did not load the weights cleanly: {problems}")
+    model.eval()
+    if round_to is not None:
+        for param in model.parameters():
+            param.copy_(param.to(round_to).float())
+    out = model(**batch)
+    if heads.add_binary_head:
+        return out.prediction_logits.float(), out.seq_relationship_logits.float()
+    return out.logits.float(), None
+
+
+def check_bert_parity(
+    cfg: ModelConfig,
+    heads: BertHeads,
+    state: Mapping[str, torch.Tensor],
+    vocab_size: int,
+    hf_dir: str,
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    attn_implementations: Sequence[str] = ("eager",),  # MegatronBert has no sdpa path (transformers 5)
+    round_to: torch.dtype | None = None,
+    raise_on_failure: bool = True,
+) -> ParityReport:
+    """MLM (and NSP/SOP) logits of the mcore BERT and of ``hf_dir`` on the same batch (module docstring).
+
+    Raises:
+        ParityError: the largest difference exceeds ``tolerance`` or an MLM argmax differs.
+    """
+    batch = parity_batch(vocab_size, cfg.max_position_embeddings, heads)
+    ours, our_binary = mcore_bert_logits(cfg, heads, state, vocab_size, batch)
+    report = ParityReport(0.0, tolerance=tolerance, batch_shape=tuple(batch["input_ids"].shape))
+    if round_to is not None:
+        report.weights_dtype = str(round_to).removeprefix("torch.")
+    for impl in attn_implementations:
+        theirs, their_binary = hf_bert_logits(hf_dir, heads, batch, impl, round_to)
+        if theirs.shape != ours.shape:
+            raise ConversionError(
+                f"{hf_dir}: Hugging Face MLM logits have shape {tuple(theirs.shape)}, mcore {tuple(ours.shape)}"
+            )
+        diffs = {f"{impl} mlm": float((theirs - ours).abs().max())}
+        if our_binary is not None:
+            diffs[f"{impl} nsp"] = float((their_binary - our_binary).abs().max())
+        report.per_implementation.update(diffs)
+        report.max_abs_diff = max(report.max_abs_diff, *diffs.values())
+        chosen = ours.gather(-1, theirs.argmax(-1, keepdim=True)).squeeze(-1)
+        report.argmax_equal &= bool(((ours.max(-1).values - chosen) <= tolerance).all())
+    if raise_on_failure and not report.ok:
+        raise ParityError("parity check FAILED: " + report.describe())
+    return report
+
+
+# -- export ----------------------------------------------------------------------------------------------
+
+
+def export_bert_to_hf(
+    state: Mapping[str, torch.Tensor],
+    run_config,
+    output_dir: str,
+    *,
+    vocab_size: int | None = None,
+    tokenizer_config=None,
+    fallback_vocab_size: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    check_parity: bool = True,
+    tolerance: float = DEFAULT_TOLERANCE,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+):
+    """:func:`mcore.hf.export.export_to_hf` for a BERT checkpoint (same arguments and report)."""
+    from mcore.checkpoint.run_configs import model_config_from_run_config, run_config_groups
+    from mcore.hf.export import (
+        DEFAULT_MAX_SHARD_BYTES,
+        DTYPES,
+        ExportReport,
+        _dtype_name,
+        _prepare_output,
+        write_safetensors,
+    )
+
+    cfg = model_config_from_run_config(run_config)
+    check_bert_exportable(cfg)
+    _prepare_output(output_dir, overwrite)
+    files = wordpiece_files(tokenizer_config or run_config_groups(run_config).get("tokenizer"))
+    generic_tokenizer = None
+    if files is not None:
+        try:
+            size = len(files.tokens())
+        except ConversionError as err:
+            if vocab_size is None and fallback_vocab_size is None:
+                raise
+            print(f"warning: {err}; exporting without tokenizer files", file=sys.stderr)
+            files, size = None, None
+    else:  # another tokenizer type (HuggingFaceTokenizer, NullTokenizer, none): the GPT path's files
+        from mcore.hf.export import tokenizer_config_from_run_config
+        from mcore.hf.tokenizer import load_tokenizer, tokenizer_info
+
+        try:
+            generic_tokenizer = load_tokenizer(
+                tokenizer_config or tokenizer_config_from_run_config(run_config)
+            )
+        except ConversionError:
+            if vocab_size is None and fallback_vocab_size is None:
+                raise
+        size = tokenizer_info(generic_tokenizer, vocab_size or fallback_vocab_size).vocab_size
+    vocab_size = vocab_size or size or fallback_vocab_size
+    if vocab_size is None:
+        raise ConversionError("the real vocabulary size is unknown: give --vocab-size")
+    if size is not None and vocab_size < size:
+        raise ConversionError(
+            f"--vocab-size {vocab_size} is smaller than the tokenizer's vocabulary ({size})"
+        )
+    pad_id = None
+    if files is not None:
+        pad_id = files.tokens().index(SPECIAL_TOKENS["pad_token"]) if "[PAD]" in files.tokens() else None
+    if isinstance(dtype, str):
+        dtype = None if dtype == "auto" else DTYPES[dtype]
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype if state else torch.float32
+        dtype = dtype if dtype in DTYPES.values() else torch.float32
+    hf_state, heads = bert_mcore_to_hf(state, cfg, vocab_size)
+    tensors = {k: v.to(dtype) for k, v in hf_state.items()}
+    config = bert_hf_config_dict(cfg, vocab_size, heads, pad_token_id=pad_id, dtype=_dtype_name(dtype))
+
+    output_dir = os.path.abspath(output_dir)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{secrets.token_hex(4)}")
+    os.makedirs(staging)
+    try:
+        _write_json(os.path.join(staging, "config.json"), config)
+        written = ["config.json"]
+        written += write_safetensors(tensors, staging, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        if files is not None:
+            written += write_wordpiece_tokenizer(files, staging, cfg.max_position_embeddings)
+        elif generic_tokenizer is not None:
+            from mcore.hf.tokenizer import write_hf_tokenizer
+
+            written += write_hf_tokenizer(generic_tokenizer, staging, cfg.max_position_embeddings)
+        report = ExportReport(output_dir, heads.architecture, vocab_size, _dtype_name(dtype), written)
+        if check_parity:
+            rounded = {k: v.to(dtype) for k, v in state.items()}
+            report.parity = check_bert_parity(cfg, heads, rounded, vocab_size, staging, tolerance=tolerance)
+        if os.path.isdir(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+# -- import ----------------------------------------------------------------------------------------------
+
+
+def import_bert_from_hf(
+    hf_dir: str,
+    save_dir: str,
+    hf: Mapping[str, Any],
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    dtype: str | torch.dtype | None = None,
+    use_tokenizer: bool = True,
+    check_parity: bool = True,
+    tolerance: float = DEFAULT_TOLERANCE,
+    check_layout=None,
+):
+    """:func:`mcore.hf.importer.import_from_hf` for a ``MegatronBert*`` directory (same report)."""
+    from mcore import checkpoint
+    from mcore.config.fields import ConfigError
+    from mcore.hf.config import megatron_model_flags
+    from mcore.hf.importer import DTYPES, TOKENIZER_SUBDIR, ImportReport, read_hf_weights
+
+    where = os.path.join(hf_dir, "config.json")
+    try:
+        cfg, heads = bert_config_from_hf(hf, where, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except (ConfigError, KeyError, TypeError) as err:
+        raise ConversionError(f"{where}: not a valid MegatronBert config: {err}") from None
+    if check_layout is not None:
+        check_layout(cfg)
+    vocab_size = hf.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ConversionError(f"{where}: vocab_size={vocab_size!r} must be a positive integer")
+    if os.path.isdir(save_dir) and os.listdir(save_dir):
+        raise ConversionError(f"--save {save_dir}: the directory is not empty")
+
+    parent = os.path.dirname(os.path.abspath(save_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    try:
+        files = import_wordpiece_tokenizer(hf_dir, staging) if use_tokenizer else None
+        if use_tokenizer and files is None:
+            print(f"warning: {hf_dir} has no vocab.txt; the checkpoint records no tokenizer", file=sys.stderr)
+        if files is not None and len(files.tokens()) > vocab_size:
+            raise ConversionError(
+                f"{hf_dir}: vocab.txt has {len(files.tokens())} tokens but config.json says vocab_size="
+                f"{vocab_size}; the tokenizer does not belong to this model (use --no-tokenizer)"
+            )
+        hf_state = read_hf_weights(hf_dir)
+        word_key = "bert.embeddings.word_embeddings.weight"
+        if word_key in hf_state and hf_state[word_key].shape[0] != vocab_size:
+            raise ConversionError(
+                f"{hf_dir}: {word_key} has {hf_state[word_key].shape[0]} rows but vocab_size={vocab_size}"
+            )
+        if isinstance(dtype, str):
+            dtype = None if dtype == "auto" else DTYPES[dtype]
+        padded = padded_vocab_size(vocab_size, make_vocab_size_divisible_by, 1)
+        state = bert_hf_to_mcore(hf_state, cfg, heads, padded)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        report = ImportReport(os.path.abspath(save_dir), heads.architecture, cfg, None, vocab_size, padded)
+        if check_parity:
+            rounded = dtype if dtype not in (None, torch.float32) else None
+            report.parity = check_bert_parity(
+                cfg, heads, state, vocab_size, hf_dir, tolerance=tolerance, round_to=rounded
+            )
+
+        os.makedirs(save_dir, exist_ok=True)
+        tokenizer_group: dict[str, Any] = {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1}
+        if files is not None:
+            final = os.path.join(os.path.abspath(save_dir), TOKENIZER_SUBDIR)
+            shutil.move(staging, final)
+            files = dataclasses.replace(files, vocab_file=os.path.join(final, "vocab.txt"))
+            tokenizer_group = {"tokenizer_type": files.tokenizer_type, "vocab_file": files.vocab_file}
+        report.tokenizer_config = files
+        run_config = {
+            "model": dataclasses.asdict(cfg),
+            "tokenizer": tokenizer_group,
+            "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
+        }
+        checkpoint.save_logical_model_checkpoint(
+            save_dir,
+            state,
+            run_config,
+            metadata={
+                "tokenizer_vocab_size": len(files.tokens()) if files is not None else vocab_size,
+                "bert_binary_head": heads.add_binary_head,
+                "imported_from": os.path.abspath(hf_dir),
+            },
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    flags = megatron_model_flags(cfg)
+    if heads.architecture == MASKED_LM:
+        flags.append("--bert-no-binary-head")
+    if files is not None:
+        flags += ["--tokenizer-type", files.tokenizer_type, "--vocab-file", files.vocab_file]
+    else:
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size - 1)]
+    report.flags = [*flags, "--load", report.save_dir, "--finetune"]
+    return report
