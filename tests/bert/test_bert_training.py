@@ -7,7 +7,7 @@
 * bf16 at TP=2 with sequence parallelism: the single-process bf16 run's losses.
 * A TP=2 checkpoint: resumed at TP=2 bit for bit; loaded at TP=1 x PP=2 it continues like the run that
   never changed layout.
-* ``--bert-no-binary-head``: no ``sop loss``, no token types; the FLOPs line counts BERT's head.
+* ``--bert-no-binary-head``: no ``sop loss``, no token types. BERT's FLOPs: GPT's plus its heads.
 """
 
 from __future__ import annotations
@@ -127,3 +127,16 @@ def test_no_binary_head_trains_the_masked_lm_alone(tmp_path):
     without = train(["--train-iters", "2", "--bert-no-binary-head"], str(tmp_path / "nohead.jsonl"))
     assert without["sop"] == [None, None] and all(v > 0 for v in without["lm"])
     assert without["lm"][0] != with_head["lm"][0]  # no token-type embedding in the input
+
+
+def test_bert_flops_add_the_lm_head_transform_and_the_pooler_to_gpts():
+    from mcore.models.config import ModelConfig
+    from mcore.training.flops import bert_flops_per_sample, gpt_flops_per_sample
+
+    h, s, vocab = 64, 32, 1024
+    base = dict(num_layers=2, hidden_size=h, num_attention_heads=4, seq_length=s)
+    with_head = ModelConfig(**base)
+    without = ModelConfig(**base, bert_binary_head=False)
+    gpt = gpt_flops_per_sample(with_head, vocab)
+    assert bert_flops_per_sample(without, vocab) - gpt == 6 * s * h * h
+    assert bert_flops_per_sample(with_head, vocab) - gpt == 6 * s * h * h + 6 * h * h + 12 * h
