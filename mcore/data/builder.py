@@ -83,26 +83,43 @@ def build_train_valid_test_datasets(
         )
     config = gpt_dataset_config(data_config, tokenizer, seq_length, seed)
     sizes = list(train_valid_test_num_samples)
+    return build_split_datasets(
+        data_config, config, sizes, GPTDataset, lambda: (MockGPTDataset, MockLowLevelDataset(tokenizer))
+    )
+
+
+def build_split_datasets(
+    data_config: DataConfig, config, sizes: list[int | None], dataset_cls, mock
+) -> Datasets:
+    """(train, valid, test) of ``dataset_cls`` (GPT's, or e.g. BERT's) by the rules of the module doc.
+
+    ``config`` is the dataset class's config (it has ``split_matrix``, ``tokenizer``, ``path_to_cache``,
+    ``mmap_bin_files``, ``mid_level_dataset_surplus``); ``mock()`` gives ``(mock class, low-level
+    dataset)`` for ``--mock-data``. A class with ``numel_low_level_dataset`` splits what that counts
+    (BERT: documents), otherwise sequences.
+    """
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed:
-        return _build(data_config, config, sizes)
+        return _build(data_config, config, sizes, dataset_cls, mock)
     # Rank 0 builds and writes the caches; the others then find them. Building is deterministic, so a
     # rank that cannot read the cache (unwritable directory) just builds the same arrays itself.
     if torch.distributed.get_rank() == 0:
-        datasets = _build(data_config, config, sizes)
+        datasets = _build(data_config, config, sizes, dataset_cls, mock)
         torch.distributed.barrier()
         return datasets
     torch.distributed.barrier()
-    return _build(data_config, config, sizes)
+    return _build(data_config, config, sizes, dataset_cls, mock)
 
 
-def _build(data_config: DataConfig, config: GPTDatasetConfig, sizes: list[int | None]) -> Datasets:
+def _build(
+    data_config: DataConfig, config, sizes: list[int | None], dataset_cls=GPTDataset, mock=None
+) -> Datasets:
     if data_config.mock_data:
-        low = MockLowLevelDataset(config.tokenizer)
-        return _split_datasets(MockGPTDataset, low, None, config.split_matrix, sizes, config)
+        mock_cls, low = mock()
+        return _split_datasets(mock_cls, low, None, config.split_matrix, sizes, config)
     if data_config.data_path:
         prefixes, weights = parse_blend(data_config.data_path, "--data-path")
-        return _build_blend(prefixes, weights, config.split_matrix, sizes, config, "--data-path")
+        return _build_blend(prefixes, weights, config.split_matrix, sizes, config, "--data-path", dataset_cls)
     per_split = (data_config.train_data_path, data_config.valid_data_path, data_config.test_data_path)
     if not any(per_split):
         raise ConfigError("no training data: give --data-path, --train-data-path/..., or --mock-data")
@@ -116,12 +133,13 @@ def _build(data_config: DataConfig, config: GPTDatasetConfig, sizes: list[int | 
         matrix[i] = (0.0, 1.0)
         only = [None, None, None]
         only[i] = sizes[i]
-        out[i] = _build_blend(prefixes, weights, matrix, only, config, flag)[i]
+        out[i] = _build_blend(prefixes, weights, matrix, only, config, flag, dataset_cls)[i]
     return out[0], out[1], out[2]
 
 
 def _split_datasets(cls, low, path, matrix, sizes, config: GPTDatasetConfig) -> Datasets:
-    ranges = split_ranges(matrix, len(low.sequence_lengths))
+    numel = getattr(cls, "numel_low_level_dataset", None)
+    ranges = split_ranges(matrix, numel(low) if numel is not None else len(low.sequence_lengths))
     out = [
         None if ranges[i] is None else cls(low, path, ranges[i], sizes[i], SPLIT_NAMES[i], config)
         for i in range(3)
@@ -143,9 +161,10 @@ def _build_blend(
     sizes: list[int | None],
     config: GPTDatasetConfig,
     flag: str,
+    dataset_cls=GPTDataset,
 ) -> Datasets:
     if len(prefixes) == 1 and weights is None:
-        return _split_datasets(GPTDataset, _open(prefixes[0], config), prefixes[0], matrix, sizes, config)
+        return _split_datasets(dataset_cls, _open(prefixes[0], config), prefixes[0], matrix, sizes, config)
     if weights is not None:
         weights = normalize(weights)
         for i in range(3):
@@ -158,7 +177,7 @@ def _build_blend(
         target = None
         asked = [[None, None, None] for _ in prefixes]
     components = [
-        _split_datasets(GPTDataset, _open(prefix, config), prefix, matrix, asked[k], config)
+        _split_datasets(dataset_cls, _open(prefix, config), prefix, matrix, asked[k], config)
         for k, prefix in enumerate(prefixes)
     ]
     out: list[torch.utils.data.Dataset | None] = [None, None, None]

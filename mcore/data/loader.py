@@ -18,6 +18,9 @@ key                 shape / dtype       meaning
                                         documents. Absent otherwise: the model builds its causal mask.
 ==================  ==================  =============================================================
 
+BERT batches carry Megatron's BERT keys instead (``text``, ``types``, ``labels``, ``is_random``,
+``padding_mask``, ``loss_mask``, ``truncated``; documented in :mod:`mcore.data.bert_dataset`).
+
 Sampling (Megatron's ``MegatronPretrainingSampler``): sample ids ``consumed_samples,
 consumed_samples + 1, ...`` are grouped into global micro-batches of ``micro_batch_size *
 data_parallel_size``; data-parallel rank ``r`` takes the slice ``[r * mbs, (r + 1) * mbs)`` of each, and
@@ -56,7 +59,19 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+BATCH_KEYS = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "attention_mask",
+    # BERT (mcore.data.bert_dataset: Megatron's BERTMaskedWordPieceDataset keys)
+    "text",
+    "types",
+    "is_random",
+    "padding_mask",
+    "truncated",
+)
 
 
 class PretrainingSampler:
