@@ -17,7 +17,11 @@ import sys
 
 def fill_mask(model_dir: pathlib.Path, text: str, top_k: int) -> list[dict]:
     from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
+    from transformers.utils import logging
 
+    # Loading a *ForPreTraining export as *ForMaskedLM leaves out its pooler and binary head, which
+    # transformers reports key by key; fill-mask does not use them.
+    logging.set_verbosity_error()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForMaskedLM.from_pretrained(model_dir)
     fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, device="cpu")

@@ -20,22 +20,15 @@ micro-batch (every pipeline stage reads it: each encoder layer needs its padding
 the per-token loss and the binary logits with the loss closure; ``pretrain`` does the rest.
 """
 
+from mcore.data import bert_datasets_provider
 from mcore.training.bert import bert_flops_per_sample, forward_step, model_provider
 from mcore.training.pretrain import pretrain
-
-
-def datasets_provider(cfg, tokenizer, num_samples):
-    """Megatron's BERT datasets (``BERTMaskedWordPieceDataset``) from ``--data-path`` or ``--mock-data``."""
-    from mcore.data import bert_datasets_provider
-
-    return bert_datasets_provider(cfg, tokenizer, num_samples)
-
 
 if __name__ == "__main__":
     pretrain(
         model_provider,
         forward_step,
-        datasets_provider,
+        bert_datasets_provider,
         args_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
         data_on_every_stage=True,
         flops_per_sample=bert_flops_per_sample,

@@ -5,7 +5,7 @@
 
 Without ``--input`` the corpus is the Python documentation that ships with every Python
 (``pydoc_data.topics``: the language reference, about 80 topics of English prose and examples),
-written to ``{output-dir}/corpus.jsonl`` as one JSON line per topic (``{"text": ...}``), the input
+written to ``{output-dir}/corpus.jsonl`` as one JSON line per group of paragraphs (``{"text": ...}``), the input
 ``mcore-preprocess-data --split-sentences`` expects. With ``--input`` the ``--json-keys`` fields of
 your JSON Lines file are read (``text`` by default) and no corpus is written.
 
@@ -21,15 +21,29 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import sys
 from collections.abc import Iterator
 
 
-def python_docs_corpus() -> list[str]:
-    """The Python documentation topics (one document each), whitespace as written."""
+def python_docs_corpus(min_chars: int = 400) -> list[str]:
+    """The Python documentation topics as documents of consecutive paragraphs (at least ``min_chars``
+    characters each, a topic's last one may be shorter): about 800 documents, enough for Megatron's
+    document-level ``--split 949,50,1`` to give every split at least one."""
     from pydoc_data.topics import topics
 
-    return [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
+    documents = []
+    for name in sorted(topics):
+        current = ""
+        for paragraph in re.split(r"\n\s*\n", topics[name]):
+            if paragraph.strip():
+                current = f"{current}\n\n{paragraph.strip()}" if current else paragraph.strip()
+            if len(current) >= min_chars:
+                documents.append(current)
+                current = ""
+        if current:
+            documents.append(current)
+    return documents
 
 
 def read_jsonl(path: pathlib.Path, keys: list[str]) -> Iterator[str]:
