@@ -6,7 +6,7 @@
   2e-5).
 * bf16 at TP=2 with sequence parallelism: the single-process bf16 run's losses.
 * A TP=2 checkpoint: resumed at TP=2 bit for bit; loaded at TP=1 x PP=2 it continues like the run that
-  never changed layout.
+  never changed layout. With Megatron's dropout (0.1) a TP=2 resume is bit for bit too.
 * ``--bert-no-binary-head``: no ``sop loss``, no token types. BERT's FLOPs: GPT's plus its heads.
 """
 
@@ -140,3 +140,16 @@ def test_bert_flops_add_the_lm_head_transform_and_the_pooler_to_gpts():
     gpt = gpt_flops_per_sample(with_head, vocab)
     assert bert_flops_per_sample(without, vocab) - gpt == 6 * s * h * h
     assert bert_flops_per_sample(with_head, vocab) - gpt == 6 * s * h * h + 6 * h * h + 12 * h
+
+
+def test_resume_with_megatrons_dropout_is_bit_exact(tmp_path):
+    """Dropout 0.1 (Megatron's default) at TP=2: the resumed run draws the masks the straight run drew."""
+    common = ["--train-iters", "4", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    common += ["--tensor-model-parallel-size", "2"]
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    straight = run_distributed(train, 2, [*common, *save], str(tmp_path / "straight.jsonl"))[-1]
+    load = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "2"]
+    resumed = run_distributed(train, 2, [*common, *load], str(tmp_path / "resumed.jsonl"))[-1]
+    assert resumed["lm"] == straight["lm"][2:] and resumed["sop"] == straight["sop"][2:]
+    no_dropout = train(["--train-iters", "4"], str(tmp_path / "plain.jsonl"))
+    assert straight["lm"][1:] != no_dropout["lm"][1:]  # dropout was on
