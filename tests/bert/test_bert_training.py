@@ -153,3 +153,16 @@ def test_resume_with_megatrons_dropout_is_bit_exact(tmp_path):
     assert resumed["lm"] == straight["lm"][2:] and resumed["sop"] == straight["sop"][2:]
     no_dropout = train(["--train-iters", "4"], str(tmp_path / "plain.jsonl"))
     assert straight["lm"][1:] != no_dropout["lm"][1:]  # dropout was on
+
+
+def test_megatron_bert_flags_parse_or_are_refused_by_name(capsys):
+    from mcore.training.run_config import parse_run_config
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+    cfg = parse_run_config([*base, "--bert-no-binary-head", "--mask-prob", "0.2", "--short-seq-prob", "0.05"])
+    assert (cfg.model.bert_binary_head, cfg.data.mask_prob, cfg.data.short_seq_prob) == (False, 0.2, 0.05)
+    assert parse_run_config(base).model.bert_binary_head is True  # Megatron's default: the binary head
+    with pytest.raises(SystemExit):
+        parse_run_config([*base, "--bert-load", "ict_ckpt"])
+    err = capsys.readouterr().err
+    assert "--bert-load is a Megatron-LM flag mcore does not support" in err and "--load" in err
