@@ -30,9 +30,7 @@ from mcore.checkpoint.geometry import full_placement
 from mcore.checkpoint.load import resolve_iteration_dir
 from mcore.checkpoint.save import _record, publish, run_config_dict
 
-VOCAB_PADDED_NAMES = frozenset(
-    {"embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"}
-)
+VOCAB_PADDED_NAMES = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
 """Logical tensors whose dim 0 is the padded vocabulary (informational in the metadata: the loading
 model's own shard specs decide how rows are re-padded)."""
 

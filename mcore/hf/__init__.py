@@ -1,4 +1,4 @@
-"""Hugging Face interoperability: GPT-2 and Llama export/import with self-checking logit parity.
+"""Hugging Face interoperability: GPT-2, Llama and BERT export/import with self-checking logit parity.
 
 Commands::
 
@@ -13,7 +13,8 @@ Library (all on logical, unsharded state dicts, so independent of the checkpoint
 
 Every export and import runs the same token batch through both models and fails (writing nothing)
 when the largest logit difference exceeds the tolerance (fp32: 1e-4). :mod:`mcore.hf.mapping` states
-the mapping (names, shapes, QKV and gate/up packing, RoPE conventions).
+the mapping (names, shapes, QKV and gate/up packing, RoPE conventions); :mod:`mcore.hf.bert` and
+:mod:`mcore.hf.bert_io` do the same for Megatron's BERT (``MegatronBertForPreTraining``).
 """
 
 import importlib

@@ -43,6 +43,7 @@ model reproduces its outputs; it is refused with a message naming ``MegatronBert
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -219,8 +220,10 @@ def bert_config_from_hf(
         attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
         init_method_std=hf.get("initializer_range", 0.02),
     )
-    kwargs.update(overrides)
     binary = arch == PRETRAINING
+    if "bert_binary_head" in {f.name for f in dataclasses.fields(ModelConfig)}:
+        kwargs["bert_binary_head"] = binary  # the training flag (--bert-no-binary-head), where it exists
+    kwargs.update(overrides)
     return ModelConfig(**kwargs), BertHeads(binary, int(hf.get("type_vocab_size", 2)) if binary else 0)
 
 

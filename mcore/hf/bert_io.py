@@ -15,8 +15,11 @@ Tolerance 1e-4.
 Tokenizer files: Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase`` (``--vocab-file
 vocab.txt``) become ``vocab.txt`` + ``tokenizer_config.json`` naming ``BertTokenizer`` with
 ``do_lower_case`` and BERT's special tokens, so ``AutoTokenizer`` and ``pipeline("fill-mask")`` work
-on the export; ``--vocab-extra-ids N`` tokens are appended to ``vocab.txt`` as additional special
-tokens (the ids Megatron gives them). Import maps a ``vocab.txt`` back to the WordPiece type.
+on the export. The written ``vocab.txt`` is Megatron's vocabulary: the tokens Megatron's
+``_BertWordPieceTokenizer`` appends when absent (``[BOS]``, ``[EOS]``, the ``--vocab-extra-ids N``
+``<extra_id_*>``) are appended with the same ids, so the model's rows and the tokenizer agree. Import
+maps a ``vocab.txt`` back to the WordPiece type (Megatron's tokenizer then appends ``[BOS]``/``[EOS]``
+if the file lacks them: ids past the model's vocabulary, which BERT's data never uses).
 """
 
 from __future__ import annotations
@@ -76,17 +79,27 @@ class WordPieceFiles:
     def lower_case(self) -> bool:
         return WORDPIECE_TYPES[self.tokenizer_type]
 
-    def tokens(self) -> list[str]:
-        """The vocabulary in id order (``vocab.txt`` lines, then ``<extra_id_i>``)."""
+    def vocab_lines(self) -> list[str]:
+        """The ``vocab.txt`` tokens in id order."""
         try:
             with open(self.vocab_file, encoding="utf-8") as f:
-                tokens = [line.rstrip("\n") for line in f]
+                return [line.rstrip("\n") for line in f]
         except OSError as err:
             raise ConversionError(
                 f"--vocab-file {self.vocab_file}: cannot read the run's BERT vocabulary ({err}); point to it "
                 "with --tokenizer-type and --vocab-file, or give --vocab-size to export without one"
             ) from None
-        return tokens + [f"<extra_id_{i}>" for i in range(self.vocab_extra_ids)]
+
+    def tokens(self) -> list[str]:
+        """Megatron's vocabulary in id order (``_BertWordPieceTokenizer``): the ``vocab.txt`` lines, then
+        ``[BOS]`` and ``[EOS]`` and ``<extra_id_0..N-1>``, each appended only when absent."""
+        tokens = self.vocab_lines()
+        present = set(tokens)
+        for token in ("[BOS]", "[EOS]", *(f"<extra_id_{i}>" for i in range(self.vocab_extra_ids))):
+            if token not in present:
+                tokens.append(token)
+                present.add(token)
+        return tokens
 
 
 def wordpiece_files(tokenizer: Any) -> WordPieceFiles | None:
@@ -118,8 +131,9 @@ def write_wordpiece_tokenizer(files: WordPieceFiles, out_dir: str, model_max_len
         "model_max_length": model_max_length or 512,
         **SPECIAL_TOKENS,
     }
+    config["bos_token"], config["eos_token"] = "[BOS]", "[EOS]"
     if files.vocab_extra_ids:
-        config["additional_special_tokens"] = tokens[-files.vocab_extra_ids :]
+        config["additional_special_tokens"] = [f"<extra_id_{i}>" for i in range(files.vocab_extra_ids)]
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
     return ["vocab.txt", "tokenizer_config.json"]
 
@@ -409,9 +423,9 @@ def import_bert_from_hf(
         files = import_wordpiece_tokenizer(hf_dir, staging) if use_tokenizer else None
         if use_tokenizer and files is None:
             print(f"warning: {hf_dir} has no vocab.txt; the checkpoint records no tokenizer", file=sys.stderr)
-        if files is not None and len(files.tokens()) > vocab_size:
+        if files is not None and len(files.vocab_lines()) > vocab_size:
             raise ConversionError(
-                f"{hf_dir}: vocab.txt has {len(files.tokens())} tokens but config.json says vocab_size="
+                f"{hf_dir}: vocab.txt has {len(files.vocab_lines())} tokens but config.json says vocab_size="
                 f"{vocab_size}; the tokenizer does not belong to this model (use --no-tokenizer)"
             )
         hf_state = read_hf_weights(hf_dir)
@@ -459,7 +473,7 @@ def import_bert_from_hf(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     flags = megatron_model_flags(cfg)
-    if heads.architecture == MASKED_LM:
+    if heads.architecture == MASKED_LM and "--bert-no-binary-head" not in flags:
         flags.append("--bert-no-binary-head")
     if files is not None:
         flags += ["--tokenizer-type", files.tokenizer_type, "--vocab-file", files.vocab_file]

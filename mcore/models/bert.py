@@ -46,8 +46,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from mcore.backend import get_ops
+from mcore.backend import current_backend, get_ops
 from mcore.config.fields import ConfigError, check
+from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.config import ModelConfig, check_tensor_parallel
@@ -186,6 +187,8 @@ class BertModel(torch.nn.Module):
         num_tokentypes: rows of the token-type table; ``None``: 2 with the binary head, 0 without
             (Megatron's ``pretrain_bert.py``).
         layer_spec: the encoder-layer spec (default :func:`bert_layer_spec`).
+        fp8: the FP8 flags: the encoder layers' linears run in FP8 as GPT's do; the LM head, pooler
+            and binary head stay in the parameter dtype (megatron-core's are plain linears too).
 
     Raises:
         ConfigError: the model does not split over TP, or a setting BERT does not support.
@@ -208,9 +211,13 @@ class BertModel(torch.nn.Module):
         add_binary_head: bool = True,
         num_tokentypes: int | None = None,
         layer_spec: ModuleSpec | None = None,
+        fp8: Fp8Config | None = None,
     ):
         super().__init__()
         tp = groups.tp_size
+        if fp8 is not None and fp8.enabled:
+            backend = current_backend()
+            fp8.check_with(config.num_layers, backend.capabilities(), backend.name)
         check_tensor_parallel(config, tp, sequence_parallel)
         check(
             vocab_size % tp == 0,
@@ -252,6 +259,7 @@ class BertModel(torch.nn.Module):
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
             device=device if device is not None else groups.device,
+            fp8=fp8 if fp8 is not None and fp8.enabled else None,
             num_layers=config.num_layers,
         )
         self.input_tensor: torch.Tensor | None = None

@@ -37,6 +37,7 @@ transformers = pytest.importorskip("transformers")
 
 WORDS = "the cat sat on a mat dog ran to park big small red blue house tree runs ##s ##ed ##ing".split()
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz", ".", ","]
+MEGATRON_VOCAB = len(VOCAB) + 2  # Megatron's BERT tokenizer appends [BOS] and [EOS]
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, norm_epsilon=1e-12)
 
 
@@ -49,7 +50,9 @@ def vocab_file(tmp_path_factory):
 
 def _bert_checkpoint(root, vocab_file: str, binary_head: bool) -> tuple[str, dict, ModelConfig]:
     cfg = ModelConfig(**CONFIG)
-    model = BertModel(cfg, ProcessGroups.single(), padded_vocab_size(len(VOCAB)), add_binary_head=binary_head)
+    model = BertModel(
+        cfg, ProcessGroups.single(), padded_vocab_size(MEGATRON_VOCAB), add_binary_head=binary_head
+    )
     gen = torch.Generator().manual_seed(3)
     state = {}
     for local, spec in model.sharded_parameters().items():
@@ -60,7 +63,7 @@ def _bert_checkpoint(root, vocab_file: str, binary_head: bool) -> tuple[str, dic
         "model": dataclasses.asdict(cfg),
         "tokenizer": {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": vocab_file},
     }
-    save_logical_model_checkpoint(ckpt, state, run_config, metadata={"tokenizer_vocab_size": len(VOCAB)})
+    save_logical_model_checkpoint(ckpt, state, run_config, metadata={"tokenizer_vocab_size": MEGATRON_VOCAB})
     return ckpt, state, cfg
 
 
@@ -82,7 +85,7 @@ def test_export_has_mlm_and_nsp_parity(exported):
     config = json.load(open(os.path.join(exported["out"], "config.json")))
     arch = "MegatronBertForPreTraining" if exported["binary_head"] else "MegatronBertForMaskedLM"
     assert config["architectures"] == [arch] and config["model_type"] == "megatron-bert"
-    assert config["vocab_size"] == len(VOCAB) and config["type_vocab_size"] == (
+    assert config["vocab_size"] == MEGATRON_VOCAB and config["type_vocab_size"] == (
         2 if exported["binary_head"] else 1
     )
     assert {"vocab.txt", "tokenizer_config.json", "model.safetensors"} <= set(os.listdir(exported["out"]))
@@ -106,10 +109,10 @@ def test_fill_mask_pipeline_predicts_mcores_token(exported):
     ).eval()
     from mcore.inference.loading import load_logical_state
 
-    load_logical_state(ours, exported["state"], len(VOCAB))
+    load_logical_state(ours, exported["state"], MEGATRON_VOCAB)
     with torch.no_grad():
         logits, _ = ours(ids, torch.ones_like(ids))
-    assert best["token"] == int(logits[0, position, : len(VOCAB)].argmax())
+    assert best["token"] == int(logits[0, position, :MEGATRON_VOCAB].argmax())
     assert fill.tokenizer.convert_ids_to_tokens(ids[0, 0].item()) == "[CLS]"
 
 
@@ -123,7 +126,7 @@ def test_import_of_the_export_gives_the_same_tensors(exported, capsys):
     assert set(state) == set(exported["state"])
     padded = ("embedding.word_embeddings.weight", "output_layer.bias")  # rows past V: padding, not exported
     for name, tensor in exported["state"].items():
-        rows = len(VOCAB) if name in padded else None
+        rows = MEGATRON_VOCAB if name in padded else None
         assert torch.equal(state[name][:rows], tensor[:rows]), name
     assert metadata["run_config"]["tokenizer"]["tokenizer_type"] == "BertWordPieceLowerCase"
 
@@ -179,5 +182,5 @@ def test_parity_check_catches_a_wrong_tensor(exported):
     state[name] = state[name].flip(0)  # NSP classes swapped / LM-head features permuted
     with pytest.raises(ParityError, match="FAILED"):
         check_bert_parity(
-            exported["cfg"], BertHeads(binary, 2 if binary else 0), state, len(VOCAB), exported["out"]
+            exported["cfg"], BertHeads(binary, 2 if binary else 0), state, MEGATRON_VOCAB, exported["out"]
         )

@@ -9,7 +9,8 @@ parallel one from the same seed and compares, on a batch with padding, two token
 * every gradient of ``masked-mean MLM loss + NSP loss`` (by logical name, TP slices cut from the
   reference with ``ShardSpec.shard``).
 
-TP cases run with and without full / selective recomputation and ``--bert-no-binary-head``. PP=2 runs
+TP cases run with and without full / selective recomputation and ``--bert-no-binary-head``, and with
+``--apply-residual-connection-post-layernorm`` plus untied output weights. PP=2 runs
 through the real pipeline schedule (first stage: embedding + layer 0, last stage: layer 1 + heads;
 two micro-batches; tied embedding copies summed by ``finalize_model_grads``).
 """
@@ -79,8 +80,13 @@ def _loss(output, batch, binary_head: bool) -> torch.Tensor:
     return loss
 
 
-def _model(groups, sp=False, recompute="none", binary_head=True, **chunk) -> BertModel:
-    cfg = ModelConfig(**MODEL, **RECOMPUTE[recompute])
+VARIANTS = {"default": {}, "post-ln-residual-untied": dict(
+    apply_residual_connection_post_layernorm=True, untie_embeddings_and_output_weights=True
+)}  # fmt: skip
+
+
+def _model(groups, sp=False, recompute="none", binary_head=True, variant="default", **chunk) -> BertModel:
+    cfg = ModelConfig(**MODEL, **RECOMPUTE[recompute], **VARIANTS[variant])
     return BertModel(
         cfg,
         groups,
@@ -93,7 +99,7 @@ def _model(groups, sp=False, recompute="none", binary_head=True, **chunk) -> Ber
     )
 
 
-def _run(model: BertModel, binary_head: bool):
+def _run(model: BertModel, binary_head: bool = True):
     batch = _batch()
     types = batch["types"] if binary_head else None
     output = model(batch["text"], batch["padding_mask"], types, lm_labels=batch["labels"])
@@ -127,8 +133,13 @@ def _compare(model, result, reference) -> dict[str, float]:
 
 def _tensor_parallel_cases() -> dict:
     references = {bh: _run(_model(ProcessGroups.single(), binary_head=bh), bh) for bh in (True, False)}
+    variant = "post-ln-residual-untied"
+    references[variant] = _run(_model(ProcessGroups.single(), variant=variant))
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
     out = {}
+    for sp in (False, True):
+        model = _model(groups, sp, variant=variant)
+        out[(sp, variant, True)] = _compare(model, _run(model), references[variant])
     for sp in (False, True):
         for recompute in RECOMPUTE:
             for binary_head in (True, False):
@@ -207,7 +218,7 @@ def results():
 def test_tensor_and_sequence_parallel_match_one_process(results):
     failures = []
     for rank, r in enumerate(results):
-        assert len(r["tp"]) == 2 * (len(RECOMPUTE) + 1)
+        assert len(r["tp"]) == 2 * (len(RECOMPUTE) + 2)
         for (sp, recompute, binary_head), diffs in r["tp"].items():
             if diffs["weights"] != 0.0 or any(v > TOL for k, v in diffs.items() if k != "params"):
                 failures.append(

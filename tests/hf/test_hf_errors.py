@@ -65,12 +65,15 @@ def test_import_needs_a_model_directory(source, tmp_path):
 
 
 def test_import_refuses_an_unsupported_architecture(source, tmp_path, capsys):
-    bert = variant(source, tmp_path, lambda c: {**c, "architectures": ["BertModel"], "model_type": "bert"})
+    # (BERT has its own path and message: tests/bert/test_bert_hf.py)
+    mamba = variant(
+        source, tmp_path, lambda c: {**c, "architectures": ["MambaForCausalLM"], "model_type": "mamba"}
+    )
     with pytest.raises(
-        ConversionError, match=r"unsupported architecture \['BertModel'\] \(model_type 'bert'\)"
+        ConversionError, match=r"unsupported architecture \['MambaForCausalLM'\] \(model_type 'mamba'\)"
     ):
-        import_from_hf(bert, str(tmp_path / "ckpt"))
-    assert import_main(["--hf-dir", bert, "--save", str(tmp_path / "ckpt")]) == 2
+        import_from_hf(mamba, str(tmp_path / "ckpt"))
+    assert import_main(["--hf-dir", mamba, "--save", str(tmp_path / "ckpt")]) == 2
     assert "unsupported architecture" in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
 
