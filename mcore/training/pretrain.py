@@ -155,17 +155,16 @@ def build_data_iterators(
     state: TrainState,
     backend: DeviceBackend,
     num_chunks: int,
-    *,
-    data_on_every_stage: bool = False,
+    every_stage: bool = False,
 ):
     """Per split: whether it exists (known on every rank) and, on the ranks that take data (first and
-    last pipeline stage; every stage with ``data_on_every_stage``, as an encoder's padding mask is
-    needed by every layer), one iterator per model chunk (each chunk reads the same micro-batches)."""
+    last pipeline stage; every stage with ``every_stage``, as an encoder's padding mask is needed by
+    every layer), one iterator per model chunk (each chunk reads the same micro-batches)."""
     datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
     # A split asked for no samples (--eval-iters 0) may hold none (a tiny test share): no loader then.
     datasets = [ds if ds is not None and len(ds) > 0 else None for ds in datasets]
     exists = tuple(ds is not None for ds in datasets)
-    if not (groups.is_first_stage or groups.is_last_stage or data_on_every_stage):
+    if not (every_stage or groups.is_first_stage or groups.is_last_stage):
         return exists, (None, None, None)
     pin = backend.device_type != "cpu"
     mbs = cfg.training.micro_batch_size
@@ -364,7 +363,7 @@ def build_training(
                 state,
                 backend,
                 len(model),
-                data_on_every_stage=data_on_every_stage,
+                every_stage=data_on_every_stage,
             )  # fmt: skip
         )
         if t.eval_iters > 0 and not ctx.has_valid:
