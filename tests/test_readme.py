@@ -37,6 +37,10 @@ EXERCISED = {
     r"^python examples/npu_smoke\.py": ("tests/npu/test_simulated_npu_adaptor.py", "npu_smoke.py"),
     r"^python -m mcore\.backends": ("tests/plugins/test_backends_cli.py", '"mcore.backends"'),
     r"^python benchmarks/train_throughput\.py": ("tests/test_readme.py", "train_throughput.py"),
+    # BERT
+    r"^python examples/train_wordpiece_vocab\.py": ("tests/bert/test_bert_quickstart.py", "PROGRAMS"),
+    r"^torchrun .*examples/pretrain_bert\.py": ("tests/bert/test_bert_quickstart.py", "PROGRAMS"),
+    r"^python examples/fill_mask\.py": ("tests/bert/test_bert_quickstart.py", "PROGRAMS"),
 }
 
 

@@ -24,7 +24,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mcore.config.fields import ConfigError, flag_name
+from mcore.config.fields import ConfigError, flag_name, turns_off
 from mcore.config.megatron_flags import (
     IGNORED_MEGATRON_FLAGS,
     LEGACY_FLAG_VALUES,
@@ -53,7 +53,7 @@ def _add_field(group: argparse._ArgumentGroup, field: dataclasses.Field, annotat
     if base is bool:
         # "--no-X" clears a field that defaults to True (--no-gradient-accumulation-fusion); a field
         # named no_x (--no-load-optim) is an ordinary switch that sets True.
-        negative = flag_name(field).startswith("--no-") and field.default is True
+        negative = turns_off(flag_name(field)) and field.default is True
         kwargs["action"] = "store_false" if negative else "store_true"
     else:
         if origin in (list, tuple, Sequence):

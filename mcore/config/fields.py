@@ -67,6 +67,12 @@ def flag_name(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
+def turns_off(spelling: str) -> bool:
+    """Whether a boolean flag's spelling says "off": ``--no-X``, or a model's ``--<model>-no-X``
+    (Megatron's ``--bert-no-binary-head``). Such a flag stores ``False`` into a field defaulting to True."""
+    return spelling.startswith("--no-") or "-no-" in spelling
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run. The message names every value involved."""
 

@@ -64,6 +64,11 @@ UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
     "--spec": "mcore builds GPT layers from its own specs",
     "--retro-add-retriever": "RETRO is not implemented",
     "--use-mup": "muP is not implemented",
+    # BERT: Megatron's retrieval (ICT / biencoder) and embedding tools, not pretrain_bert.py
+    "--bert-load": "Megatron's ICT / biencoder pretraining (pretrain_ict.py) is not implemented; a BERT "
+    "run continues from its own checkpoint with --load",
+    "--bert-embedder-type": "biencoder retrieval models (pretrain_ict.py) are not implemented",
+    "--output-bert-embeddings": "BERT embedding extraction (tools/bert_embedding) is not implemented",
 }
 
 

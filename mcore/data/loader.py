@@ -131,9 +131,12 @@ class PretrainingSampler:
 
 
 def collate_batch(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack per-sample dicts into the batch contract (keys outside it are dropped)."""
-    keys = [k for k in BATCH_KEYS if k in samples[0]]
-    return {k: torch.stack([s[k] for s in samples]) for k in keys}
+    """Stack per-sample dicts (tensors, numpy arrays or numbers) into a batch: the GPT contract's keys
+    first, then any other key in the samples' order (BERT's ``text``, ``types``, ``is_random``,
+    ``padding_mask``, ... pass through to its forward step)."""
+    first = samples[0]
+    keys = [k for k in BATCH_KEYS if k in first] + [k for k in first if k not in BATCH_KEYS]
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
 
 
 def loader_seed(seed: int, split: str, consumed_samples: int, data_parallel_rank: int) -> int:

@@ -286,7 +286,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json", **overr
 
 def megatron_model_flags(cfg: ModelConfig) -> list[str]:
     """The Megatron command-line flags that build ``cfg`` (only those that differ from the defaults)."""
-    from mcore.config.fields import flag_name
+    from mcore.config.fields import flag_name, turns_off
 
     always = {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"}
     flags: list[str] = []
@@ -309,7 +309,7 @@ def megatron_model_flags(cfg: ModelConfig) -> list[str]:
             continue
         spelling = flag_name(field)
         if isinstance(value, bool):
-            if value != spelling.startswith("--no-"):
+            if value != turns_off(spelling):
                 flags.append(spelling)
         elif isinstance(value, (tuple, list)):  # nargs="+" (--recompute-modules)
             flags.extend([spelling, *map(str, value)])

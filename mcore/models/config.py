@@ -177,6 +177,14 @@ class ModelConfig:
         name="--no-gradient-accumulation-fusion",
     )
 
+    # BERT
+    bert_binary_head: bool = flag(
+        True,
+        "BERT without the binary (sentence-order) head, its pooler and its token types "
+        "(Megatron's pretrain_bert.py); the loss is the masked-LM loss alone.",
+        name="--bert-no-binary-head",
+    )
+
     def __post_init__(self) -> None:
         self._resolve_encoder_decoder()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

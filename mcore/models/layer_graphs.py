@@ -266,16 +266,24 @@ def check_layer_graphs(cfg, backend) -> None:
         )
 
 
+def transformer_block(chunk: torch.nn.Module) -> torch.nn.Module | None:
+    """A model chunk's transformer block: GPT's ``decoder``, an encoder-only model's (BERT's)
+    ``encoder``; None when it has neither."""
+    block = getattr(chunk, "decoder", None)
+    return block if block is not None else getattr(chunk, "encoder", None)
+
+
 def attach_layer_graphs(chunks: Sequence[torch.nn.Module], backend) -> None:
     """Give each model chunk's transformer block its :class:`LayerGraphs` (before the DDP wrap)."""
     for chunk in chunks:
-        chunk.decoder.layer_graphs = LayerGraphs(chunk.decoder.layers, backend)
+        block = transformer_block(chunk)
+        block.layer_graphs = LayerGraphs(block.layers, backend)
 
 
 def layer_graphs_of(chunks: Sequence[torch.nn.Module]) -> list[LayerGraphs]:
     """The :class:`LayerGraphs` of the (unwrapped) chunks' blocks; empty when the run uses none."""
-    decoders = [getattr(chunk, "decoder", None) for chunk in chunks]
-    return [d.layer_graphs for d in decoders if getattr(d, "layer_graphs", None) is not None]
+    blocks = [transformer_block(chunk) for chunk in chunks]
+    return [b.layer_graphs for b in blocks if getattr(b, "layer_graphs", None) is not None]
 
 
 def arm_after_warmup(graphs: Sequence[LayerGraphs], steps_run: int, warmup_steps: int) -> None:

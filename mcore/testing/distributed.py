@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 _FORKSERVER_PRELOAD = ["torch", "mcore.backend", "mcore.distributed.groups"]
@@ -72,7 +73,17 @@ def _load_function(ref: tuple[str, str, str | None]) -> Callable:
     return target
 
 
-def _rank_main(fn_ref, args, kwargs, rank, world_size, port, backend_name, results, setup_ref=None) -> None:
+def _rank_main(
+    fn_ref, args, kwargs, rank, world_size, port, backend_name, results, setup_ref=None, stdio=None
+) -> None:
+    if stdio is not None:
+        # The caller's stdout/stderr as they are now: the forkserver (and so every rank it forks)
+        # kept the ones of the first run_distributed call of the process, which a later pytest
+        # capture (capfd) no longer reads.
+        for target, handle in zip((1, 2), stdio):
+            fd = handle.detach()
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -163,6 +174,7 @@ def run_distributed(
                 backend_name,
                 results,
                 None if rank_setup is None else _function_ref(rank_setup),
+                (reduction.DupFd(1), reduction.DupFd(2)),
             ),
             # Not daemonic: a rank may start DataLoader workers (--num-workers), which daemonic
             # processes cannot; the ``finally`` below kills every rank still alive.

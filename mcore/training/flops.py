@@ -60,3 +60,15 @@ def gpt_flops_per_sample(model, vocab_size: int) -> float:
         swiglu=model.swiglu,
         kv_channels=model.kv_channels,
     )
+
+
+def bert_flops_per_sample(model, vocab_size: int) -> float:
+    """Training FLOPs of one BERT sample: :func:`gpt_flops_per_sample` (its attention term already
+    counts the full, bidirectional ``s x s`` scores) plus the LM head's dense ``h x h`` transform on
+    every token (``6 s h^2``) and, with the binary head, the pooler's ``h x h`` dense and the ``h x 2``
+    classifier on the first token of each sample (``6 h^2 + 12 h``). Megatron counts BERT with its GPT
+    formula; these extra terms are what a BERT computes beyond it."""
+    h, s = model.hidden_size, model.seq_length
+    binary_head = getattr(model, "bert_binary_head", True)
+    extra = 6 * s * h * h + ((6 * h * h + 12 * h) if binary_head else 0)
+    return gpt_flops_per_sample(model, vocab_size) + extra

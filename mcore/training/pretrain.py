@@ -36,7 +36,12 @@ from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
 from mcore.distributed.watchdog import watch_job
 from mcore.models.config import padded_vocab_size, validate_model_parallel
-from mcore.models.layer_graphs import GRAPH_SAFE_RECOMPUTE_MODULES, attach_layer_graphs, check_layer_graphs
+from mcore.models.layer_graphs import (
+    GRAPH_SAFE_RECOMPUTE_MODULES,
+    attach_layer_graphs,
+    check_layer_graphs,
+    transformer_block,
+)
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.layout import build_model_chunks
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
@@ -121,7 +126,7 @@ def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable,
         if "compile_layers" not in backend.capabilities():
             raise ConfigError(f"--compile-layers: backend {backend.name!r} cannot compile layers")
         for chunk in chunks:
-            for layer in chunk.decoder.layers:
+            for layer in transformer_block(chunk).layers:
                 backend.compile_layer(layer)
     if cfg.training.device_graph_impl == "local":
         attach_layer_graphs(chunks, current_backend())
@@ -150,14 +155,16 @@ def build_data_iterators(
     state: TrainState,
     backend: DeviceBackend,
     num_chunks: int,
+    every_stage: bool = False,
 ):
     """Per split: whether it exists (known on every rank) and, on the ranks that take data (first and
-    last pipeline stage), one iterator per model chunk (each chunk reads the same micro-batches)."""
+    last pipeline stage; every stage with ``every_stage``, as an encoder's padding mask is needed by
+    every layer), one iterator per model chunk (each chunk reads the same micro-batches)."""
     datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
     # A split asked for no samples (--eval-iters 0) may hold none (a tiny test share): no loader then.
     datasets = [ds if ds is not None and len(ds) > 0 else None for ds in datasets]
     exists = tuple(ds is not None for ds in datasets)
-    if not (groups.is_first_stage or groups.is_last_stage):
+    if not (every_stage or groups.is_first_stage or groups.is_last_stage):
         return exists, (None, None, None)
     pin = backend.device_type != "cpu"
     mbs = cfg.training.micro_batch_size
@@ -233,12 +240,19 @@ def pretrain(
     extra_config_groups: dict[str, type] | None = None,
     cfg: RunConfig | None = None,
     args_defaults: dict | None = None,
+    data_on_every_stage: bool = False,
+    flops_per_sample: Callable | None = None,
 ) -> TrainResult:
     """Train a model with Megatron-LM's command line (see the module docstring for the providers).
 
     User mistakes (bad flags, impossible layouts, unavailable backends, missing data) end the process
     with one message on stderr and exit status 2. ``args_defaults`` are the script's own defaults by
     config field name, as in Megatron (``{"tokenizer_type": "GPT2BPETokenizer"}``).
+
+    For models other than GPT: ``data_on_every_stage`` gives every pipeline stage a data iterator (an
+    encoder's layers all need the batch's padding mask; GPT's read data on the first and last stage
+    only); ``flops_per_sample(model_config, padded_vocab_size)`` is the model's training FLOPs per
+    sample for the throughput line (default :func:`mcore.training.flops.gpt_flops_per_sample`).
     """
     try:
         cfg = cfg or parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
@@ -252,7 +266,10 @@ def pretrain(
         raise SystemExit(2) from None
     try:
         with watch_job(groups, cfg.parallel, user_errors=USER_ERRORS):
-            return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
+            return _pretrain(
+                cfg, groups, backend, model_provider, forward_step, datasets_provider,
+                data_on_every_stage=data_on_every_stage, flops_per_sample=flops_per_sample,
+            )  # fmt: skip
     except USER_ERRORS as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -270,9 +287,14 @@ def _pretrain(
     model_provider: Callable,
     forward_step: Callable,
     datasets_provider: Callable,
+    *,
+    data_on_every_stage: bool = False,
+    flops_per_sample: Callable | None = None,
 ) -> TrainResult:
-    ctx = build_training(cfg, groups, backend, model_provider, datasets_provider)
-    return Trainer.from_context(ctx, forward_step).train()
+    ctx = build_training(
+        cfg, groups, backend, model_provider, datasets_provider, data_on_every_stage=data_on_every_stage
+    )
+    return Trainer.from_context(ctx, forward_step, flops_per_sample=flops_per_sample).train()
 
 
 def build_training(
@@ -284,13 +306,15 @@ def build_training(
     *,
     vocab_size: int | None = None,
     verbose: bool = True,
+    data_on_every_stage: bool = False,
 ) -> TrainContext:
     """Build a run on set-up process groups: seeds, tokenizer and padded vocabulary, model chunks (DDP),
     optimizer, micro-batch calculator, LR schedule, the ``--load`` checkpoint, data iterators.
 
     ``datasets_provider=None`` builds no data (the caller feeds the steps, as the throughput benchmark
     does); ``vocab_size`` replaces the tokenizer's vocabulary size before padding; ``verbose=False``
-    prints nothing (the arguments block, the backend line, the parameter count, ``--log-memory``).
+    prints nothing (the arguments block, the backend line, the parameter count, ``--log-memory``);
+    ``data_on_every_stage``: see :func:`pretrain`.
     """
     t = cfg.training
     say = functools.partial(print_rank_0, groups) if verbose else (lambda message: None)
@@ -331,7 +355,16 @@ def build_training(
     )  # fmt: skip
     if datasets_provider is not None:
         (_, ctx.has_valid, ctx.has_test), (ctx.train_iter, ctx.valid_iter, ctx.test_iter) = (
-            build_data_iterators(cfg, groups, tokenizer, datasets_provider, state, backend, len(model))
+            build_data_iterators(
+                cfg,
+                groups,
+                tokenizer,
+                datasets_provider,
+                state,
+                backend,
+                len(model),
+                every_stage=data_on_every_stage,
+            )  # fmt: skip
         )
         if t.eval_iters > 0 and not ctx.has_valid:
             say(no_validation_warning(cfg))

@@ -90,15 +90,22 @@ class Trainer:
         """Phase timers (``--timing-log-level``; none run by default, see :mod:`mcore.training.timers`)."""
         self.context: TrainContext | None = None
         """The built run that :meth:`train` trains (set by :meth:`from_context`)."""
+        self.model_flops_per_sample: Callable = gpt_flops_per_sample
+        """``(model_config, padded_vocab_size) -> FLOPs`` of one training sample (the throughput line)."""
 
     @classmethod
-    def from_context(cls, ctx: TrainContext, forward_step: Callable) -> Trainer:
-        """A trainer of the run that :func:`~mcore.training.pretrain.build_training` built."""
+    def from_context(
+        cls, ctx: TrainContext, forward_step: Callable, *, flops_per_sample: Callable | None = None
+    ) -> Trainer:
+        """A trainer of the run that :func:`~mcore.training.pretrain.build_training` built;
+        ``flops_per_sample(model_config, padded_vocab_size)`` counts the model's FLOPs (default GPT's)."""
         trainer = cls(
             ctx.cfg, ctx.groups, ctx.backend, ctx.model, ctx.optimizer, ctx.scheduler, forward_step,
             ctx.batches,
         )  # fmt: skip
         trainer.context = ctx
+        if flops_per_sample is not None:
+            trainer.model_flops_per_sample = flops_per_sample
         return trainer
 
     def _train_mode(self) -> None:
@@ -284,7 +291,7 @@ class Trainer:
             run_config={k: dataclasses.asdict(v) for k, v in self.cfg.as_dict().items()},
         )
         train_iters = t.train_iters if t.train_iters is not None else _iters_for_samples(t, self.batches)
-        self.flops_per_sample = gpt_flops_per_sample(self.cfg.model, ctx.padded_vocab_size)
+        self.flops_per_sample = self.model_flops_per_sample(self.cfg.model, ctx.padded_vocab_size)
         self.peak_flops = (t.peak_tflops * 1e12) if t.peak_tflops else self.backend.peak_flops(self.dtype)
         timer = Timer(self.backend.synchronize)
         train_losses: list[float] = []
