@@ -61,6 +61,7 @@ class StepStats:
 
     def flush(self) -> None:
         self.trainer.check_nan()
+        self.trainer.token_ids.check()
         if not self.pending:
             return
         pending, self.pending = self.pending, []
