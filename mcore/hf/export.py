@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -42,6 +43,9 @@ from mcore.inference.loading import (
     model_config_from_run_config,
     tokenizer_config_from_run_config,
 )
+from mcore.utils.console import configure_console
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -155,7 +159,7 @@ def export_to_hf(
     except ConversionError as err:
         if vocab_size is None and fallback_vocab_size is None:
             raise
-        print(f"warning: {err}; exporting without tokenizer files", file=sys.stderr)
+        logger.warning(f"warning: {err}; exporting without tokenizer files")
         tokenizer, vocab_size = None, vocab_size or fallback_vocab_size
     info = tokenizer_info(tokenizer, vocab_size)
     if isinstance(dtype, str):
@@ -289,6 +293,7 @@ def tokenizer_config_from_args(args: argparse.Namespace) -> TokenizerConfig | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
     args = build_parser().parse_args(argv)
     try:
         report = export_checkpoint(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import sys
@@ -43,6 +44,9 @@ from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
 from mcore.hf.tokenizer import check_tokenizer_matches, import_hf_tokenizer, load_tokenizer
 from mcore.models.config import ModelConfig, check_tensor_parallel, padded_vocab_size
 from mcore.pipeline.layout import stage_layer_counts
+from mcore.utils.console import configure_console
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_SUBDIR = "tokenizer"
@@ -162,9 +166,7 @@ def import_from_hf(
         if use_tokenizer:
             tok_config = import_hf_tokenizer(hf_dir, staging, family)
             if tok_config is None:
-                print(
-                    f"warning: {hf_dir} has no tokenizer files; the checkpoint records none", file=sys.stderr
-                )
+                logger.warning(f"warning: {hf_dir} has no tokenizer files; the checkpoint records none")
             else:
                 check_tokenizer_matches(load_tokenizer(tok_config), vocab_size, hf_dir)
 
@@ -285,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from mcore.hf.export import checkpoint_errors
 
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
     args = build_parser().parse_args(argv)
     given = [f for f in _LAYOUT_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
     if given:

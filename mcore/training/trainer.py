@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ from mcore.training.step_stats import StepStats
 from mcore.training.timers import Timers
 from mcore.training.token_id_check import TokenIdCheck
 from mcore.utils.async_host import HostValue, stage_to_host
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -399,10 +402,13 @@ def _iters_for_samples(t, batches: MicroBatchCalculator) -> int:
 
 
 def print_rank_last(groups: ProcessGroups, message: str) -> None:
+    """Megatron's ``print_rank_last``: ``message`` as an INFO record on the last rank (where the
+    losses are), shown on stdout by :func:`mcore.utils.console.configure_console`."""
     if groups.rank == groups.last_rank:
-        print(message, flush=True)
+        logger.info(message)
 
 
 def print_rank_0(groups: ProcessGroups, message: str) -> None:
+    """Megatron's ``print_rank_0``: ``message`` as an INFO record on rank 0."""
     if groups.rank == 0:
-        print(message, flush=True)
+        logger.info(message)
