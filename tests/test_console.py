@@ -22,7 +22,7 @@ CLI_PRINTS = {
     ("checkpoint/inspect.py", "main"),
     ("checkpoint/inspect.py", "say"),  # mcore-inspect-checkpoint's report
     ("checkpoint/megatron/write.py", "main"),
-    ("hf/export.py", "main"),
+    ("hf/export.py", "run_conversion"),  # the report or error of mcore-export-hf / mcore-import-hf
     ("hf/importer.py", "main"),
     ("inference/generate.py", "main"),
 }

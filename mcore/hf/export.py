@@ -27,8 +27,9 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -292,11 +293,27 @@ def tokenizer_config_from_args(args: argparse.Namespace) -> TokenizerConfig | No
         raise ConversionError(str(err)) from None
 
 
+def run_conversion(convert: Callable[[], Any]) -> int:
+    """Run a conversion for a command line (``mcore-export-hf``, ``mcore-import-hf``): print its
+    report and return 0, or print one error line and return 1 (the logit-parity check failed) or 2
+    (bad input: the checkpoint, the flags, the files)."""
+    try:
+        report = convert()
+    except ParityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (ConversionError, OSError, *checkpoint_errors()) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.describe())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     configure_console()  # the library's lines (notes, checkpoint progress) on the console
     args = build_parser().parse_args(argv)
-    try:
-        report = export_checkpoint(
+    return run_conversion(
+        lambda: export_checkpoint(
             args.load,
             args.save,
             iteration=args.ckpt_step,
@@ -307,14 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tolerance=args.tolerance,
             overwrite=args.overwrite,
         )
-    except ParityError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except (ConversionError, OSError, *checkpoint_errors()) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(report.describe())
-    return 0
+    )
 
 
 if __name__ == "__main__":

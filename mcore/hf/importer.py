@@ -38,7 +38,7 @@ import torch
 from mcore.config.fields import ConfigError
 from mcore.data.config import TokenizerConfig
 from mcore.hf.config import ARCHITECTURES, family_of_hf_config, megatron_model_flags, model_config_from_hf
-from mcore.hf.errors import ConversionError, ParityError
+from mcore.hf.errors import ConversionError
 from mcore.hf.mapping import hf_to_mcore
 from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
 from mcore.hf.tokenizer import check_tokenizer_matches, import_hf_tokenizer, load_tokenizer
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mcore.hf.export import checkpoint_errors
+    from mcore.hf.export import run_conversion
 
     configure_console()  # the library's lines (notes, checkpoint progress) on the console
     args = build_parser().parse_args(argv)
@@ -297,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        report = import_from_hf(
+    return run_conversion(
+        lambda: import_from_hf(
             args.hf_dir,
             args.save,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
@@ -307,14 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_parity=not args.no_parity_check,
             tolerance=args.tolerance,
         )
-    except ParityError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except (ConversionError, OSError, *checkpoint_errors()) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(report.describe())
-    return 0
+    )
 
 
 if __name__ == "__main__":
