@@ -358,13 +358,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
-    return dtype
-
-
 def load_torch_file(path: Path, expected_size: int | None, mmap: bool = True) -> dict[str, Any]:
     """``torch.load`` a checkpoint file after checking it exists and has the recorded size.
 

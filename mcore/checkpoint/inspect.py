@@ -27,6 +27,7 @@ from mcore.checkpoint.format import (
     read_metadata,
     read_tracker,
 )
+from mcore.utils.console import configure_console
 
 _MODEL_KEYS = (
     "num_layers",
@@ -172,6 +173,7 @@ def _natural_key(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
     parser = argparse.ArgumentParser(
         prog="python -m mcore.checkpoint.inspect", description="Describe an mcore checkpoint directory."
     )

@@ -48,6 +48,7 @@ from mcore.checkpoint.save import (
     _rank,
     log0,
     optimizer_key_specs,
+    parallel_layout,
     rng_state_from_file,
 )
 from mcore.distributed.ddp import unwrap_model
@@ -229,18 +230,6 @@ def _agree(error: str | None) -> None:
         raise CheckpointError(f"loading the checkpoint failed on rank {r}: {msg}")
 
 
-def _layout_now(model, optimizer, groups) -> dict:
-    return {
-        "tensor_model_parallel_size": groups.tp_size,
-        "pipeline_model_parallel_size": groups.pp_size,
-        "data_parallel_size": groups.dp_size,
-        "context_parallel_size": groups.cp_size,
-        "virtual_pipeline_model_parallel_size": len(model),
-        "world_size": groups.world_size,
-        "parallel_order": groups.topology.order,
-    }
-
-
 def _describe(layout: dict) -> str:
     return (
         f"tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
@@ -304,7 +293,7 @@ def load_checkpoint(
     finetune = bool(config.finetune)
     load_optim = optimizer is not None and not (config.no_load_optim or finetune)
     load_rng = not (config.no_load_rng or finetune)
-    now = _layout_now(model, optimizer, groups)
+    now = parallel_layout(model, groups)
     same_layout = all(meta["layout"].get(k) == v for k, v in now.items())
 
     megatron_note = _check_megatron_load(path, meta, load_optim=load_optim)  # None for mcore's format

@@ -21,6 +21,7 @@ Protocol of one save (all ranks call :func:`save_checkpoint` at the same iterati
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import threading
@@ -104,9 +105,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def parallel_layout(model: list, groups) -> dict[str, Any]:
+    """The parallel layout of this run (``model``: its chunks) as a checkpoint's metadata records it,
+    and as a load compares it with the saved one."""
+    return {
+        "tensor_model_parallel_size": groups.tp_size,
+        "pipeline_model_parallel_size": groups.pp_size,
+        "data_parallel_size": groups.dp_size,
+        "context_parallel_size": groups.cp_size,
+        "virtual_pipeline_model_parallel_size": len(model),
+        "world_size": groups.world_size,
+        "parallel_order": groups.topology.order,
+    }
+
+
 def log0(message: str) -> None:
+    """``message`` as an INFO record of the ``mcore.checkpoint`` logger, on rank 0 only."""
     if _rank() == 0:
-        print(message, flush=True)
+        logging.getLogger("mcore.checkpoint").info(message)
 
 
 # -- what a rank owns -------------------------------------------------------------------------------
@@ -436,13 +452,7 @@ def _common_metadata(config, state, model, optimizer, scheduler, groups, run_con
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch_version": torch.__version__,
         "layout": {
-            "tensor_model_parallel_size": groups.tp_size,
-            "pipeline_model_parallel_size": groups.pp_size,
-            "data_parallel_size": groups.dp_size,
-            "context_parallel_size": groups.cp_size,
-            "virtual_pipeline_model_parallel_size": len(model),
-            "world_size": groups.world_size,
-            "parallel_order": groups.topology.order,
+            **parallel_layout(model, groups),
             "use_distributed_optimizer": bool(optimizer is not None and optimizer.distributed),
         },
         "train_state": _state_dict_of(state),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import os
 import sys
 import types
@@ -109,9 +110,10 @@ _IGNORED_DEST = "ignored:"
 
 
 def _say(message: str) -> None:
-    """A note for the user, once per job (rank 0 of a launcher, or a lone process)."""
+    """A note for the user (an INFO record: on stdout, as Megatron's notes), once per job (rank 0 of a
+    launcher, or a lone process)."""
     if os.environ.get("RANK", "0") == "0":
-        print(message, flush=True)
+        logging.getLogger(__name__).info(message)
 
 
 def rewrite_legacy_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -219,7 +221,8 @@ def parse_config(
 
     ``extra_args`` are flags another parser owns (kept out of the unknown-flag check). ``defaults``
     maps field names to the defaults a script sets for them (Megatron's ``args_defaults``, e.g.
-    ``{"tokenizer_type": "GPT2BPETokenizer"}`` in ``pretrain_gpt.py``); a flag given wins.
+    ``{"tokenizer_type": "GPT2BPETokenizer"}`` in ``pretrain_gpt.py``); a flag given wins. Its notes
+    are INFO records (the entry point shows them: :func:`mcore.utils.console.configure_console`).
     """
     parser = build_parser(groups, prog=prog)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
+from mcore.data.loader import check_sampler_layout
+
 
 class CyclicPretrainingSampler:
     """Batch sampler yielding this data-parallel rank's sample ids, epoch after epoch, shuffled per epoch.
@@ -39,12 +41,7 @@ class CyclicPretrainingSampler:
         data_parallel_size: int,
         seed: int,
     ) -> None:
-        if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise ValueError(
-                f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} must be positive"
-            )
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank={data_parallel_rank} outside [0, {data_parallel_size})")
+        check_sampler_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.global_micro_batch = micro_batch_size * data_parallel_size
         self.epoch_samples = total_samples - total_samples % self.global_micro_batch
         if self.epoch_samples <= 0:

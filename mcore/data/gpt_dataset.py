@@ -188,14 +188,14 @@ class GPTDataset(torch.utils.data.Dataset):
         )
         cached = cache.load()
         if cached is not None:
-            logger.info(
+            logger.debug(
                 "loaded %s %s indices from %s*", type(self).__name__, self.index_split, cache.path("")
             )
             return cached
         start = time.perf_counter()
         arrays = self._build_indices()
         saved = cache.save(arrays)
-        logger.info(
+        logger.debug(
             "built %s %s indices (%d samples) in %.2f s%s",
             type(self).__name__,
             self.index_split,

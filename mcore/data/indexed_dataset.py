@@ -387,8 +387,8 @@ def check_token_ids(
     tokens spread evenly over the ``.bin`` (first and last tokens included; the whole file when it is
     that small): at most 256 Ki tokens (0.5 MiB of uint16), whatever the dataset's size. A dataset
     tokenized with another tokenizer has ids out of range nearly everywhere, so a sample finds it;
-    the embedding checks every batch on the device as well
-    (:func:`mcore.tensor_parallel.layers.assert_ids_in_vocab`).
+    every batch is checked as well, on the device and read at the trainer's log intervals
+    (:class:`mcore.training.token_id_check.TokenIdCheck`).
 
     Raises:
         DataError: naming the ``.bin``, the offending id, its token index and byte offset, and the bound.

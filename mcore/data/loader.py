@@ -74,6 +74,16 @@ BATCH_KEYS = (
 )
 
 
+def check_sampler_layout(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:
+    """Raise ``ValueError`` unless the sizes are positive and the rank is in ``[0, data_parallel_size)``."""
+    if micro_batch_size <= 0 or data_parallel_size <= 0:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} must be positive"
+        )
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"data_parallel_rank={data_parallel_rank} outside [0, {data_parallel_size})")
+
+
 class PretrainingSampler:
     """Batch sampler yielding this data-parallel rank's sample ids of each global micro-batch.
 
@@ -97,12 +107,7 @@ class PretrainingSampler:
                 f"consumed_samples={consumed_samples} leaves no samples in a dataset of {total_samples}; "
                 "the run has used all the data it was built for (ask for more samples)"
             )
-        if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise ValueError(
-                f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} must be positive"
-            )
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank={data_parallel_rank} outside [0, {data_parallel_size})")
+        check_sampler_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size

@@ -20,6 +20,7 @@ from mcore.config.cli import parse_config
 from mcore.config.fields import check, flag
 from mcore.data.errors import DataError
 from mcore.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path
+from mcore.utils.console import configure_console
 
 PROG = "mcore-merge-datasets"
 
@@ -86,6 +87,7 @@ def merge_datasets(prefixes: Sequence[str], out_prefix: str) -> IndexedDataset:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; exit status 0 on success, 1 on bad data, 2 on bad flags."""
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
     config = parse_config({"merge": MergeConfig}, argv, prog=PROG)["merge"]
     try:
         prefixes = resolve_prefixes(config.input)

@@ -65,6 +65,7 @@ from mcore.data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path
 from mcore.data.parquet_input import PARQUET_SUFFIX, check_parquet_file, is_parquet, parquet_json_lines
 from mcore.data.sentences import split_sentences
 from mcore.data.tokenizers import Tokenizer, build_tokenizer
+from mcore.utils.console import configure_console
 
 PROG = "mcore-preprocess-data"
 _INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", PARQUET_SUFFIX)
@@ -496,6 +497,7 @@ def _output_error(config: PreprocessConfig, err: OSError) -> DataError:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; exit status 0 on success, 1 on bad data, 2 on bad flags."""
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
     configs = parse_config({"input": PreprocessConfig, "tokenizer": TokenizerConfig}, argv, prog=PROG)
     config, tokenizer_config = configs["input"], configs["tokenizer"]
     if tokenizer_config.tokenizer_type is None:

@@ -24,6 +24,7 @@ Exit statuses: 2 for a user error (as a single process), 1 for anything else.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -32,6 +33,8 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 USER_ERROR_EXIT = 2
 FAILURE_EXIT = 1
@@ -103,13 +106,11 @@ class Watchdog:
         timeout_s: float,
         interval_s: float = 1.0,
         generation: int = 1,
-        out=None,
     ):
         self.store = dist.PrefixStore(f"{_PREFIX}/{generation}/", store)
         self.groups = groups
         self.rank, self.world_size = groups.rank, groups.world_size
         self.silent_after_s, self.timeout_s, self.interval_s = silent_after_s, timeout_s, interval_s
-        self.out = out or sys.stderr
         topology = groups.topology
         self.axes_of: dict[int, list[str]] = {}
         for axis in _AXES:
@@ -333,7 +334,7 @@ class Watchdog:
         first. ``claim=False``: print ``line`` without claiming (the store is unreachable)."""
         first = claim and line is not None and self._claim(line, code)
         if first or (line is not None and not claim):
-            print(line, file=self.out, flush=True)
+            logger.error(line)
         else:
             found = self._claimed_by()
             deadline = time.monotonic() + 2.0  # the claimer writes its line right after its claim
@@ -342,13 +343,9 @@ class Watchdog:
                 found = self._claimed_by()
             if found is not None:
                 code, rank, _ = found
-                print(
-                    f"rank {self.rank}: stopping: rank {rank} reported the job's error",
-                    file=self.out,
-                    flush=True,
-                )
+                logger.error(f"rank {self.rank}: stopping: rank {rank} reported the job's error")
             elif line is not None:
-                print(line, file=self.out, flush=True)
+                logger.error(line)
         self._leave()
         sys.stdout.flush()
         os._exit(code)

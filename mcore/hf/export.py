@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +54,9 @@ from mcore.inference.loading import (
     model_config_from_run_config,
     tokenizer_config_from_run_config,
 )
+from mcore.utils.console import configure_console
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -182,7 +187,7 @@ def export_to_hf(
     except ConversionError as err:
         if vocab_size is None and fallback_vocab_size is None:
             raise
-        print(f"warning: {err}; exporting without tokenizer files", file=sys.stderr)
+        logger.warning(f"warning: {err}; exporting without tokenizer files")
         tokenizer, vocab_size = None, vocab_size or fallback_vocab_size
     info = tokenizer_info(tokenizer, vocab_size)
     if isinstance(dtype, str):
@@ -325,10 +330,27 @@ def tokenizer_config_from_args(args: argparse.Namespace) -> TokenizerConfig | No
         raise ConversionError(str(err)) from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_conversion(convert: Callable[[], Any]) -> int:
+    """Run a conversion for a command line (``mcore-export-hf``, ``mcore-import-hf``): print its
+    report and return 0, or print one error line and return 1 (the logit-parity check failed) or 2
+    (bad input: the checkpoint, the flags, the files)."""
     try:
-        report = export_checkpoint(
+        report = convert()
+    except ParityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (ConversionError, OSError, *checkpoint_errors()) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.describe())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
+    args = build_parser().parse_args(argv)
+    return run_conversion(
+        lambda: export_checkpoint(
             args.load,
             args.save,
             iteration=args.ckpt_step,
@@ -339,14 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tolerance=args.tolerance,
             overwrite=args.overwrite,
         )
-    except ParityError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except (ConversionError, OSError, *checkpoint_errors()) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(report.describe())
-    return 0
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import sys
@@ -40,7 +41,7 @@ from mcore.config.fields import ConfigError
 from mcore.data.config import TokenizerConfig
 from mcore.hf.bert import is_bert_hf_config
 from mcore.hf.config import ARCHITECTURES, family_of_hf_config, megatron_model_flags, model_config_from_hf
-from mcore.hf.errors import ConversionError, ParityError
+from mcore.hf.errors import ConversionError
 from mcore.hf.mapping import hf_to_mcore
 from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
 from mcore.hf.t5 import (
@@ -54,6 +55,9 @@ from mcore.hf.t5 import (
 from mcore.hf.tokenizer import check_tokenizer_matches, import_hf_tokenizer, load_tokenizer
 from mcore.models.config import ModelConfig, check_tensor_parallel, padded_vocab_size
 from mcore.pipeline.layout import stage_layer_counts
+from mcore.utils.console import configure_console
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_SUBDIR = "tokenizer"
@@ -192,9 +196,7 @@ def import_from_hf(
         if use_tokenizer:
             tok_config = import_hf_tokenizer(hf_dir, staging, family)
             if tok_config is None:
-                print(
-                    f"warning: {hf_dir} has no tokenizer files; the checkpoint records none", file=sys.stderr
-                )
+                logger.warning(f"warning: {hf_dir} has no tokenizer files; the checkpoint records none")
             else:
                 check_tokenizer_matches(load_tokenizer(tok_config), vocab_size, hf_dir)
 
@@ -313,8 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mcore.hf.export import checkpoint_errors
+    from mcore.hf.export import run_conversion
 
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
     args = build_parser().parse_args(argv)
     given = [f for f in _LAYOUT_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
     if given:
@@ -324,8 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        report = import_from_hf(
+    return run_conversion(
+        lambda: import_from_hf(
             args.hf_dir,
             args.save,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
@@ -334,14 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_parity=not args.no_parity_check,
             tolerance=args.tolerance,
         )
-    except ParityError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except (ConversionError, OSError, *checkpoint_errors()) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(report.describe())
-    return 0
+    )
 
 
 if __name__ == "__main__":

@@ -281,7 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mcore.checkpoint import CheckpointError
     from mcore.distributed.groups import destroy_parallel, initialize_parallel
     from mcore.plugins.manager import BackendSelectionError, PluginError, select_backend
+    from mcore.utils.console import configure_console
 
+    configure_console()  # the library's lines (checkpoint loading) on the console
     configs = parse_config(GROUPS, argv, prog="python -m mcore.inference.generate")
     gen: GenerateConfig = configs["generation"]
     parallel: ParallelConfig = configs["parallel"]

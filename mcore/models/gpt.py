@@ -58,7 +58,7 @@ from mcore.models.positions import RotaryEmbedding
 from mcore.models.spec import ModuleSpec
 from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TokenIdRange
 from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
 from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
 from mcore.tensor_parallel.sharding import (
@@ -210,6 +210,9 @@ class GPTModel(torch.nn.Module):
                 weight = self.output_layer.weight
                 weight.shard_layout = replace(weight.shard_layout, logical_name=WORD_EMBEDDINGS)
                 weight.shared_embedding = True
+            # The labels' vocabulary check (the inputs' is the embedding's): a label appears in no
+            # input when it is a sample's last token. -100 is the loss's ignore index.
+            self.token_id_range = TokenIdRange(vocab_size, "label", ignore_index=-100)
         if pre_process and self.share_embeddings_and_output_weights:
             # Megatron's marker: one of the (up to two) copies of the tied word embedding.
             self.embedding.word_embeddings.weight.shared_embedding = True
@@ -320,6 +323,8 @@ class GPTModel(torch.nn.Module):
         weight = None
         if self.share_embeddings_and_output_weights and self.pre_process:
             weight = self.embedding.word_embeddings.weight
+        if labels is not None:
+            labels = self.token_id_range.observe(labels)
         if labels is not None and self.config.output_layer_loss_chunks > 0:
             loss = output_layer_cross_entropy(  # the logits only ever exist one chunk at a time
                 self.output_layer,

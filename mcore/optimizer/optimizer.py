@@ -159,6 +159,7 @@ class MegatronOptimizer:
         self.skips_nonfinite_on_device = self.flat
         """A non-finite gradient norm skips the update on the device; :meth:`step` never waits for it."""
         self._underflow_checked = False  # see _refuse_underflowed_gradients
+        self._zero_norm_seen: torch.Tensor | None = None  # see check_deferred_underflow
         self.main_params: list[MainParam] = []
         for key, _, param, chunk in named:
             entry = self._make_main_param(key, param, chunk, group_of[id(param)], tp_rank)
@@ -361,7 +362,8 @@ class MegatronOptimizer:
 
         With clipping the norm is known every step, so every step is checked; without it the norm is
         computed (one more reduction and host read) only at the first applied step, where a scale too
-        small for the model shows. Every rank sees the same global norm and raises together.
+        small for the model shows. Every rank sees the same global norm and raises together. The flat
+        path checks every step on the device and raises later (:meth:`check_deferred_underflow`).
         """
         if grad_norm is None:
             if self._underflow_checked:
@@ -370,6 +372,19 @@ class MegatronOptimizer:
             grad_norm = global_grad_norm(counted, self._norm_group(), self._device)
         self._underflow_checked = True
         if grad_norm == 0.0:
+            raise underflow_error(self.grad_scaler)
+
+    def check_deferred_underflow(self) -> None:
+        """Flat path: raise :class:`LossScaleUnderflowError` when a step since the last call had an
+        all-zero global gradient with a loss scale (see :meth:`_refuse_underflowed_gradients`).
+
+        The flat step keeps the decision on the device (``grad_norm == 0``, or-ed over the steps); the
+        trainer calls this where it reads the steps' losses and norms anyway (a log interval, a save,
+        the end of training), so the host waits for the device no more often than before. Every rank
+        holds the same global norm and raises together. A no-op on the per-parameter path.
+        """
+        seen, self._zero_norm_seen = self._zero_norm_seen, None
+        if seen is not None and bool(seen):
             raise underflow_error(self.grad_scaler)
 
     def _flat_step(self) -> tuple[bool, torch.Tensor | None, None]:
@@ -400,6 +415,10 @@ class MegatronOptimizer:
         scale = None
         if self.grad_scaler is not None:  # a static --loss-scale with bf16: unscale in the kernel
             grad_norm = grad_norm * self.grad_scaler.inv_scale
+            # all-zero gradients (the scaled ones underflowed): refused at the next read of the
+            # step's results (check_deferred_underflow), not with a wait here
+            zero = grad_norm == 0.0
+            self._zero_norm_seen = zero if self._zero_norm_seen is None else self._zero_norm_seen | zero
             scale = torch.full((), self.grad_scaler.inv_scale, dtype=torch.float32, device=grad_norm.device)
         if cfg.clip_grad > 0.0:
             clip = torch.clamp(cfg.clip_grad / (grad_norm + 1e-6), max=1.0)

@@ -444,24 +444,56 @@ class RowParallelLinear(torch.nn.Module):
         )
 
 
-def assert_ids_in_vocab(ids: torch.Tensor, vocab_size: int) -> None:
-    """Fail unless every id is in ``[0, vocab_size)``, without waiting for the device.
+class TokenIdRange:
+    """The smallest and largest token id a module has seen since the last :meth:`take`, kept on the
+    device: the per-batch vocabulary check that never waits for the device.
 
-    ``torch._assert_async``: the condition is computed and asserted on the device, so the host never
-    synchronizes. On the CPU (and wherever the check runs eagerly) it raises a ``RuntimeError`` with
-    the message below at once; on an accelerator a failed assert aborts the process from the device,
-    as an out-of-range index does in Megatron. Which dataset file and which id: the sample check made
-    when the dataset was opened names them (:func:`mcore.data.indexed_dataset.check_token_ids`).
+    A check that raised at once would need the host to read the ids (a wait for the device every
+    micro-batch), and one asserted on the device (``torch._assert_async``) aborts the process with the
+    accelerator's generic "device-side assert", naming neither the id nor the data. So the module
+    records ``(min, max)`` of every micro-batch's ids as a 2-element int64 device tensor, makes the ids
+    safe for its lookup, and the trainer stages :meth:`take` to the host once per step and reads it
+    where it reads the losses anyway (:class:`mcore.training.token_id_check.TokenIdCheck`), raising one
+    ``DataError`` that names the id, the iteration and the data.
+
+    Args:
+        vocab_size: the padded vocabulary ``V``: valid ids are ``[0, V)``.
+        role: what the ids are, for the message (``"input id"``, ``"label"``).
+        ignore_index: an id allowed besides ``[0, V)`` (the loss's ignore index, -100), or None.
     """
-    if ids.numel() == 0:
-        return
-    low, high = torch.aminmax(ids)
-    torch._assert_async(
-        (low >= 0) & (high < vocab_size),
-        f"token id out of range: every input id must be in [0, {vocab_size}) (the padded vocabulary of "
-        "the model); the data was tokenized with a larger vocabulary than --tokenizer-type/--vocab-size "
-        "give (check the dataset against its tokenizer)",
-    )
+
+    def __init__(self, vocab_size: int, role: str, ignore_index: int | None = None):
+        self.vocab_size, self.role, self.ignore_index = vocab_size, role, ignore_index
+        self._range: torch.Tensor | None = None
+
+    def observe(self, ids: torch.Tensor) -> torch.Tensor:
+        """Record the range of ``ids`` (on the device, no host sync) and return ids safe to use: an id
+        outside ``[0, V)`` becomes 0 (or the ignore index), so no lookup or loss kernel indexes out of
+        bounds before the trainer reports it."""
+        if ids.numel() == 0:
+            return ids
+        seen = ids
+        if self.ignore_index is not None:
+            seen = ids.masked_fill(ids == self.ignore_index, 0)
+        low, high = torch.aminmax(seen)
+        if self._range is not None:
+            low, high = torch.minimum(self._range[0], low), torch.maximum(self._range[1], high)
+        self._range = torch.stack([low, high])
+        bad = (seen < 0) | (seen >= self.vocab_size)
+        return ids.masked_fill(bad, 0 if self.ignore_index is None else self.ignore_index)
+
+    def take(self) -> torch.Tensor | None:
+        """``[min, max]`` (int64, on the ids' device) of the ids seen since the last call, or None when
+        none were; the next call starts afresh."""
+        seen, self._range = self._range, None
+        return seen
+
+    def out_of_range(self, low: int, high: int) -> int | None:
+        """The offending id of a range read on the host (the largest if too large, else the smallest if
+        negative), or None when every id was in ``[0, V)``."""
+        if high >= self.vocab_size:
+            return high
+        return low if low < 0 else None
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -507,14 +539,16 @@ class VocabParallelEmbedding(torch.nn.Module):
         per_rank = self.weight.shape[0]
         self.vocab_start_index = group_rank(tp_group) * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
+        self.token_id_range = TokenIdRange(num_embeddings, "input id")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [b, s]`` -> ``[b, s, h]`` (or ``[s/p, b, h]`` with ``reduce_scatter_embeddings``).
 
-        Every id must be in ``[0, V)``: checked on the device (:func:`assert_ids_in_vocab`), since with
-        TP > 1 an id no rank owns would silently embed as zeros and at TP = 1 fail as a bare index error.
+        Every id must be in ``[0, V)``: :attr:`token_id_range` records each batch's range on the
+        device for the trainer's check (with TP > 1 an id no rank owns would silently embed as zeros,
+        at TP = 1 fail as a bare index error or a device-side assert); an id outside is looked up as 0.
         """
-        assert_ids_in_vocab(ids, self.num_embeddings)
+        ids = self.token_id_range.observe(ids)
         if self.tp_size > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)

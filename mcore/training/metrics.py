@@ -21,6 +21,7 @@ The JSON-lines file (``--log-json``) keeps mcore's own keys (``lm loss``, ``lear
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -29,6 +30,8 @@ from typing import Any
 from mcore.training.config import TrainingConfig
 from mcore.training.timers import format_timers, timer_scalars
 from mcore.utils.async_host import host_floats
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -145,9 +148,9 @@ class MetricsWriter:
             "mem_peak_bytes": memory["peak_allocated"],
         }
         if self.enabled:
-            print(format_train_line(state.iteration, train_iters, values), flush=True)
+            logger.info(format_train_line(state.iteration, train_iters, values))
             if times:
-                print(format_timers(times, self.cfg.timing_log_option), flush=True)
+                logger.info(format_timers(times, self.cfg.timing_log_option))
         tags = train_tensorboard_scalars(values, log_timers=self.cfg.log_timers_to_tensorboard)
         if self.cfg.log_timers_to_tensorboard:
             tags.update(timer_scalars(times or {}))

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.timers import Timers
 from mcore.training.trainer import Trainer, print_rank_0, print_rank_last
+from mcore.utils.console import configure_console
 
 __all__ = [
     "GRAPH_SAFE_RECOMPUTE_MODULES",
@@ -71,6 +72,8 @@ __all__ = [
     "print_rank_last",
     "setup_backend",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,13 +250,15 @@ def pretrain(
 
     User mistakes (bad flags, impossible layouts, unavailable backends, missing data) end the process
     with one message on stderr and exit status 2. ``args_defaults`` are the script's own defaults by
-    config field name, as in Megatron (``{"tokenizer_type": "GPT2BPETokenizer"}``).
+    config field name, as in Megatron (``{"tokenizer_type": "GPT2BPETokenizer"}``). The console lines
+    are ``mcore`` log records (:func:`mcore.utils.console.configure_console`).
 
     For models other than GPT: ``data_on_every_stage`` gives every pipeline stage a data iterator (an
     encoder's layers all need the batch's padding mask; GPT's read data on the first and last stage
     only); ``flops_per_sample(model_config, padded_vocab_size)`` is the model's training FLOPs per
     sample for the throughput line (default :func:`mcore.training.flops.gpt_flops_per_sample`).
     """
+    configure_console()
     try:
         cfg = cfg or parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
         backend = setup_backend(cfg)
@@ -262,7 +267,7 @@ def pretrain(
         owns_process_group = not dist.is_initialized()
         groups = initialize_parallel(cfg.parallel, backend)
     except (ConfigError, BackendSelectionError, PluginError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        logger.error(f"error: {err}")
         raise SystemExit(2) from None
     try:
         with watch_job(groups, cfg.parallel, user_errors=USER_ERRORS):
@@ -271,7 +276,7 @@ def pretrain(
                 data_on_every_stage=data_on_every_stage, flops_per_sample=flops_per_sample,
             )  # fmt: skip
     except USER_ERRORS as err:
-        print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
+        logger.error(f"error (rank {groups.rank}): {err}")
         raise SystemExit(2) from None
     finally:
         # Tear down what this call set up, while the interpreter is whole (see destroy_parallel).
@@ -331,7 +336,7 @@ def build_training(
     model = build_model(cfg, groups, model_provider, vocab)
     if verbose and groups.dp_rank == 0:
         count = sum(p.nelement() for chunk in model for p in unwrap_model(chunk).parameters())
-        print(format_parameter_count(groups.tp_rank, groups.pp_rank, count), flush=True)
+        logger.info(format_parameter_count(groups.tp_rank, groups.pp_rank, count))
     optimizer = build_optimizer(cfg.optimizer, cfg.precision, model, groups, lr=cfg.scheduler.lr or 0.0)
     batches = MicroBatchCalculator(
         global_batch_size=t.global_batch_size,
@@ -374,7 +379,7 @@ def build_training(
 
 
 def log_memory_per_rank(groups: ProcessGroups, report: dict[str, int]) -> None:
-    """Print every rank's parameter / gradient / optimizer-state bytes on rank 0 (so the 1/DP saving of
+    """Log every rank's parameter / gradient / optimizer-state bytes on rank 0 (so the 1/DP saving of
     the distributed optimizer is visible); large jobs get the smallest and largest rank only."""
     reports = [report]
     if dist.is_initialized() and groups.world_size > 1:
@@ -384,11 +389,8 @@ def log_memory_per_rank(groups: ProcessGroups, report: dict[str, int]) -> None:
         return
     if len(reports) <= 16:
         for rank, r in enumerate(reports):
-            print(f"> memory rank {rank}: {format_memory_report(r)}", flush=True)
+            logger.info(f"> memory rank {rank}: {format_memory_report(r)}")
         return
     by_state = sorted(range(len(reports)), key=lambda i: reports[i]["optimizer_state"])
     for label, rank in (("least", by_state[0]), ("most", by_state[-1])):
-        print(
-            f"> memory rank {rank} ({label} optimizer state): {format_memory_report(reports[rank])}",
-            flush=True,
-        )
+        logger.info(f"> memory rank {rank} ({label} optimizer state): {format_memory_report(reports[rank])}")

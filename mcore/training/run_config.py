@@ -8,6 +8,7 @@ checked once by :func:`validate_run_config`, with messages naming every value.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,9 @@ from mcore.models.config import ModelConfig
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 from mcore.training.config import TrainingConfig
 from mcore.training.lr_scheduler import SchedulerConfig
+from mcore.utils.console import configure_console
+
+logger = logging.getLogger(__name__)
 
 CONFIG_GROUPS: dict[str, type] = {
     "parallel": ParallelConfig,
@@ -70,6 +74,7 @@ def parse_run_config(
     """Parse Megatron's flags into a :class:`RunConfig` (exit 2 with one message on a mistake).
 
     ``args_defaults``: a script's own defaults by field name (Megatron's ``args_defaults``)."""
+    configure_console()  # the command line's notes and errors, and the run's lines, on the console
     groups = {**CONFIG_GROUPS, **(extra_groups or {})}
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--use-checkpoint-args" in argv:  # the checkpoint's model flags replace the command line's
@@ -79,6 +84,6 @@ def parse_run_config(
         try:
             argv = apply_checkpoint_args(argv)
         except CheckpointError as err:
-            print(f"error: {err}", file=sys.stderr)
+            logger.error(f"error: {err}")
             raise SystemExit(2) from None
     return RunConfig(parse_config(groups, argv, prog=prog, defaults=args_defaults))

@@ -29,7 +29,10 @@ class StepStats:
     :meth:`add` keeps a step's logs (device tensors) and gradient norm (a float, None, or a lazy 0-d
     device tensor) without reading them; :meth:`flush` reads every kept step at once (one
     data-parallel collective, one wait for the device) when a log line, a checkpoint or the end of
-    training needs them, and first raises a deferred NaN error (:meth:`Trainer.check_nan`). Per step,
+    training needs them, and first raises a deferred error: NaN (:meth:`Trainer.check_nan`), a token
+    id outside the vocabulary (:class:`~mcore.training.token_id_check.TokenIdCheck`), all-zero
+    gradients under a static loss scale on the flat optimizer path
+    (``MegatronOptimizer.check_deferred_underflow``). Per step,
     in order, it then does what the loop did after each step before: count NaN/inf losses
     (``nan_iterations``), append the ``lm loss`` to ``train_losses``, add the losses to the sums of the
     current log interval; ``grad_norm`` becomes the last step's norm. A lazy norm that is not finite
@@ -61,6 +64,10 @@ class StepStats:
 
     def flush(self) -> None:
         self.trainer.check_nan()
+        self.trainer.token_ids.check()
+        check_underflow = getattr(self.trainer.optimizer, "check_deferred_underflow", None)
+        if check_underflow is not None:  # the flat optimizer's all-zero-gradient check
+            check_underflow()
         if not self.pending:
             return
         pending, self.pending = self.pending, []

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +42,10 @@ from mcore.training.run_config import RunConfig
 from mcore.training.signals import ExitFlags, SignalHandler, exit_message, exit_reason
 from mcore.training.step_stats import StepStats
 from mcore.training.timers import Timers
+from mcore.training.token_id_check import TokenIdCheck
 from mcore.utils.async_host import HostValue, stage_to_host
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -86,6 +90,8 @@ class Trainer:
         self._pending_nan: collections.deque[tuple[int, HostValue, list[int], int | None]] = (
             collections.deque()
         )
+        self.token_ids = TokenIdCheck(model, getattr(cfg, "data", None))
+        """The per-batch vocabulary check: staged every step, read with the deferred NaN check."""
         self.timers = Timers()
         """Phase timers (``--timing-log-level``; none run by default, see :mod:`mcore.training.timers`)."""
         self.context: TrainContext | None = None
@@ -195,12 +201,14 @@ class Trainer:
         for chunk in self._ddp_chunks:
             chunk.defer_nan_check = deferred
         self.check_nan(wait=False)  # flags of earlier steps that have reached the host already
+        self.token_ids.check(wait=False)
         self._train_mode()
         arm_after_warmup(self._layer_graphs, self.steps_run, self.cfg.training.device_graph_warmup_steps)
         self.steps_run += 1
         self.optimizer.zero_grad()
         with self.timers("forward-backward"):
             logs = self._run_schedule(data_iterator, forward_only=False)
+        self.token_ids.stage(f"iteration {self.iteration}")
         update_fp8_scales(self.model, (self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
         if self.cfg.training.empty_unused_memory_level >= 1:
             release_unused_device_memory(self.backend.device_type)
@@ -266,10 +274,12 @@ class Trainer:
         steps = [
             self._average_logs(self._run_schedule(data_iterator, forward_only=True)) for _ in range(iters)
         ]
+        self.token_ids.stage(f"an evaluation after iteration {self.iteration}")
         totals: dict[str, float] = {}
         for logs in self.reduce_logs(steps):
             for key, value in logs.items():
                 totals[key] = totals.get(key, 0.0) + value / iters
+        self.token_ids.check()  # the device is past the evaluation: its logs were read
         for chunk in self.model:
             chunk.train()
         return totals
@@ -399,10 +409,13 @@ def _iters_for_samples(t, batches: MicroBatchCalculator) -> int:
 
 
 def print_rank_last(groups: ProcessGroups, message: str) -> None:
+    """Megatron's ``print_rank_last``: ``message`` as an INFO record on the last rank (where the
+    losses are), shown on stdout by :func:`mcore.utils.console.configure_console`."""
     if groups.rank == groups.last_rank:
-        print(message, flush=True)
+        logger.info(message)
 
 
 def print_rank_0(groups: ProcessGroups, message: str) -> None:
+    """Megatron's ``print_rank_0``: ``message`` as an INFO record on rank 0."""
     if groups.rank == 0:
-        print(message, flush=True)
+        logger.info(message)

@@ -1,6 +1,7 @@
 """Token ids outside the vocabulary: refused when the dataset is opened (naming the file and the id)
-and, for data that bypass that check, by the embedding on every batch (TP=1 and TP=2), on the
-device and without a host sync."""
+and, for data that bypass that check, on every batch (TP=1 and TP=2): the embedding and the loss
+record the ids' range on the device, without a host sync, and the trainer's check names the id
+(the real-process jobs are in ``test_token_id_check_e2e.py``)."""
 
 from __future__ import annotations
 
@@ -84,18 +85,54 @@ def _tiny_gpt(groups, vocab=128):
     return GPTModel(cfg, groups, vocab)
 
 
-def test_a_batch_with_an_id_out_of_range_fails_at_tp1():
+def _staged_error(model, where="iteration 7") -> str | None:
+    """The DataError the trainer's check raises for what ``model`` saw, or None."""
+    from mcore.training.token_id_check import TokenIdCheck
+
+    check = TokenIdCheck([model], DataConfig(data_path=("/data/a_text_document",)))
+    check.stage(where)
+    try:
+        check.check()
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def test_a_batch_with_an_id_out_of_range_is_named_at_tp1():
     from mcore.distributed.groups import ProcessGroups
 
     model = _tiny_gpt(ProcessGroups.single())
     ids = torch.randint(0, 128, (2, 8))
-    assert torch.isfinite(model(ids, labels=ids).float()).all()  # in range: unaffected
-    ids[1, 3] = 130
-    with pytest.raises(RuntimeError, match=r"token id out of range: every input id must be in \[0, 128\)"):
-        model(ids, labels=ids)
-    ids[1, 3] = -1
-    with pytest.raises(RuntimeError, match=r"token id out of range"):
-        model(ids)
+    assert torch.isfinite(model(ids, labels=ids).float()).all()
+    assert _staged_error(model) is None  # in range: nothing to say
+    bad = ids.clone()
+    bad[1, 3] = 130
+    # no IndexError (nor, on an accelerator, a device-side assert): the id is looked up as 0
+    assert torch.isfinite(model(bad, labels=ids).float()).all()
+    message = _staged_error(model)
+    assert message == (
+        "token id 130 (input id) in the batch of iteration 7 is outside the padded vocabulary [0, 128) of "
+        "the model; data: --data-path /data/a_text_document. The data was tokenized with a larger "
+        "vocabulary than --tokenizer-type/--vocab-size give: check the dataset against its tokenizer"
+    )
+    bad[1, 3] = -1
+    model(bad)
+    assert "token id -1 (input id)" in _staged_error(model)
+
+
+def test_a_label_out_of_range_is_named_and_the_ignore_index_is_not():
+    """A sample's last token is a label only: the loss does not index out of bounds, the check names it."""
+    from mcore.distributed.groups import ProcessGroups
+
+    model = _tiny_gpt(ProcessGroups.single())
+    ids = torch.randint(0, 128, (2, 8))
+    labels = ids.clone()
+    labels[0, -1] = -100  # the loss's ignore index
+    assert torch.isfinite(model(ids, labels=labels).float()).all()
+    assert _staged_error(model) is None
+    labels[1, -1] = 300
+    assert torch.isfinite(model(ids, labels=labels).float()).all()
+    assert "token id 300 (label) in the batch of iteration 7" in _staged_error(model)
 
 
 def _tp2_rank():
@@ -105,16 +142,17 @@ def _tp2_rank():
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
     model = _tiny_gpt(groups)
     ids = torch.arange(16).reshape(2, 8)
-    ok = bool(torch.isfinite(model(ids, labels=ids).float()).all())
+    ok = bool(torch.isfinite(model(ids, labels=ids).float()).all()) and _staged_error(model) is None
     ids[0, 0] = 200  # owned by no rank: the vocab-parallel embedding would give zeros silently
-    try:
-        model(ids, labels=ids)
-    except RuntimeError as err:
-        return ok, str(err)
-    return ok, None
+    model(ids, labels=ids)
+    return ok, _staged_error(model)
 
 
-def test_a_batch_with_an_id_out_of_range_fails_at_tp2():
+def test_a_batch_with_an_id_out_of_range_is_named_at_tp2():
     for ok, message in run_distributed(_tp2_rank, 2, timeout=120):
         assert ok
-        assert message is not None and "token id out of range: every input id must be in [0, 128)" in message
+        assert message is not None
+        assert (
+            "token id 200 (input id) in the batch of iteration 7 is outside the padded vocabulary [0, 128)"
+            in message
+        )

@@ -253,6 +253,38 @@ def test_a_static_loss_scale_that_underflows_every_gradient_stops_with_one_line(
     ], err
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--use-distributed-optimizer"],
+        # no clipping: the flat step's norm is checked all the same; read every 2nd step only
+        [
+            "--use-distributed-optimizer",
+            "--use-precision-aware-optimizer",
+            "--clip-grad",
+            "0",
+            "--log-interval",
+            "2",
+        ],
+    ],
+    ids=["distopt", "precision-aware-no-clip"],
+)
+def test_bf16_static_loss_scale_that_underflows_on_the_flat_path_stops_with_one_line(corpus, capsys, extra):
+    """The flat (one-pass, device-side) optimizer refuses all-zero gradients as the per-parameter
+    path does, read where the step's results are read (no wait of its own)."""
+    scale = 2.0**-126  # bf16 gradients of loss * scale flush to zero
+    argv = _argv(corpus, "--bf16", "--loss-scale", str(scale), "--lr-warmup-iters", "1", *extra, iters=4)
+    with pytest.raises(SystemExit) as info:
+        pretrain(model_provider, forward_step, argv=argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error (rank 0): every gradient is zero at loss scale {scale:g}: the scaled gradients underflowed "
+        f"to zero and the update would not train the model; raise --loss-scale {scale:g} (Megatron's "
+        "static scales are powers of 2 such as 4096) or leave it out for the dynamic loss scale"
+    ], err
+
+
 def test_bf16_with_a_static_loss_scale_trains_on_unscaled_gradients(corpus, tmp_path):
     """The losses and gradient norms equal those without a scale (up to the two optimizer paths' float
     rounding: the scaled run takes the per-parameter path, which unscales; the flat AdamW path never

@@ -48,6 +48,7 @@ from mcore.checkpoint.format import (
 from mcore.checkpoint.megatron.args import args_from_model_config
 from mcore.checkpoint.megatron.names import REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param
 from mcore.checkpoint.megatron.read_torch import rank_dir_name
+from mcore.utils.console import configure_console
 
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 """Modules whose ``_extra_state`` megatron-core's local spec emits (value None)."""
@@ -335,6 +336,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    configure_console()  # the library's lines (notes, checkpoint progress) on the console
     args = parse_args(argv)
     for flag in ("target_tensor_model_parallel_size", "target_pipeline_model_parallel_size"):
         if getattr(args, flag) < 1:
