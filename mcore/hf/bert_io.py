@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +50,8 @@ from mcore.hf.bert import (
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, parity_tokens
 from mcore.models.config import ModelConfig, padded_vocab_size
+
+logger = logging.getLogger(__name__)
 
 WORDPIECE_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
 """Megatron's BERT tokenizer types and whether they lower-case."""
@@ -321,7 +323,7 @@ def export_bert_to_hf(
         except ConversionError as err:
             if vocab_size is None and fallback_vocab_size is None:
                 raise
-            print(f"warning: {err}; exporting without tokenizer files", file=sys.stderr)
+            logger.warning(f"warning: {err}; exporting without tokenizer files")
             files, size = None, None
     else:  # another tokenizer type (HuggingFaceTokenizer, NullTokenizer, none): the GPT path's files
         from mcore.hf.export import tokenizer_config_from_run_config
@@ -422,7 +424,7 @@ def import_bert_from_hf(
     try:
         files = import_wordpiece_tokenizer(hf_dir, staging) if use_tokenizer else None
         if use_tokenizer and files is None:
-            print(f"warning: {hf_dir} has no vocab.txt; the checkpoint records no tokenizer", file=sys.stderr)
+            logger.warning(f"warning: {hf_dir} has no vocab.txt; the checkpoint records no tokenizer")
         if files is not None and len(files.vocab_lines()) > vocab_size:
             raise ConversionError(
                 f"{hf_dir}: vocab.txt has {len(files.vocab_lines())} tokens but config.json says vocab_size="
