@@ -32,6 +32,15 @@ SAVED_AT = 3  # Megatron iterations before the save
 CONTINUE = 3  # iterations after it (the reference losses)
 TRAIN_ITERS = SAVED_AT + CONTINUE
 SEED = 1234  # mcore's default --seed: TinyDataset(seed) gives the same samples on both sides
+DATA_VOCAB = 100  # the token ids of the samples (megatron_runs.tiny_datasets_provider's)
+
+# The softmax of the loss runs over the padded vocabulary, whose extra rows are trained parameters: the
+# losses of two runs agree only when their padded vocabularies do. Megatron pads to 128 * TP (256 at
+# TP=2), mcore at TP=1 to 128: a vocabulary of 256 (mcore: NullTokenizer --vocab-size 255, plus its
+# end-of-document id) is padded to 256 by both.
+FAMILY = "gpt256"
+mr.FAMILIES[FAMILY] = {**mr.FAMILIES["gpt"], "vocab_size": 256}
+MCORE_VOCAB_FLAG = "255"
 
 
 class _CpuTorch:
@@ -78,7 +87,7 @@ def batch(iteration: int, family: str) -> dict[str, torch.Tensor]:
     """The global batch of ``iteration`` (0-based): TinyDataset samples in order."""
     from ckpt_runs import TinyDataset
 
-    data = TinyDataset(GLOBAL_BATCH * TRAIN_ITERS, mr.SEQ, mr.FAMILIES[family]["vocab_size"], SEED)
+    data = TinyDataset(GLOBAL_BATCH * TRAIN_ITERS, mr.SEQ, DATA_VOCAB, SEED)
     samples = [data[i] for i in range(iteration * GLOBAL_BATCH, (iteration + 1) * GLOBAL_BATCH)]
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
@@ -203,3 +212,31 @@ def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
     continued = [train_step(i) for i in range(SAVED_AT, TRAIN_ITERS)]
     ps.destroy_model_parallel()
     return {"losses": losses, "continued": continued}
+
+
+# -- the mcore side ---------------------------------------------------------------------------------
+
+
+def mcore_resume(load: str, save: str, extra: list[str]) -> dict:
+    """Rank function: mcore's ``pretrain`` resumes the Megatron checkpoint (optimizer state and
+    schedule included: no ``--no-load-optim``) with Megatron's hyperparameters and continues to
+    iteration ``TRAIN_ITERS`` on the same samples; returns the losses of the continued iterations."""
+    from mcore.testing.distributed import test_backend_name
+    from mcore.training.gpt import forward_step, model_provider
+    from mcore.training.pretrain import pretrain
+
+    argv = [
+        "--device-backend", test_backend_name(),
+        "--load", load, "--use-checkpoint-args",
+        "--save", save, "--save-interval", "1000",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--global-batch-size", str(GLOBAL_BATCH),
+        "--lr", str(LR), "--min-lr", "0", "--lr-decay-style", "constant",
+        "--weight-decay", "0.01", "--adam-beta1", "0.9", "--adam-beta2", "0.999", "--adam-eps", "1e-8",
+        "--clip-grad", "1.0", "--train-iters", str(TRAIN_ITERS), "--seed", str(SEED),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", MCORE_VOCAB_FLAG,
+        "--log-interval", "1000", "--eval-iters", "0", "--num-workers", "0",
+        *extra,
+    ]  # fmt: skip
+    result = pretrain(model_provider, forward_step, mr.tiny_datasets_provider, argv=argv)
+    return {"losses": list(result.train_losses), "iteration": result.state.iteration}
