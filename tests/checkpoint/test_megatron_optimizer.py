@@ -102,7 +102,9 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind):
 )
 def test_resumed_losses_match_megatron(megatron_runs, tmp_path, kind, world, extra):
     out, megatron = megatron_runs[kind]
-    result = run_distributed(mo.mcore_resume, world, str(out / "torch"), str(tmp_path / "s"), extra, timeout=300)
+    result = run_distributed(
+        mo.mcore_resume, world, str(out / "torch"), str(tmp_path / "s"), extra, timeout=300
+    )
     losses, want = result[0]["losses"], megatron["continued"]
     print(f"{kind}: mcore {losses} Megatron {want}")
     assert result[0]["iteration"] == mo.TRAIN_ITERS
@@ -110,7 +112,12 @@ def test_resumed_losses_match_megatron(megatron_runs, tmp_path, kind, world, ext
     assert torch.allclose(torch.tensor(losses), torch.tensor(want), rtol=0, atol=LOSS_TOL)
     if kind == "per_param":  # the control: a fresh Adam state gives other losses after the first step
         fresh = run_distributed(
-            mo.mcore_resume, 1, str(out / "torch"), str(tmp_path / "f"), [*extra, "--no-load-optim"], timeout=300
+            mo.mcore_resume,
+            1,
+            str(out / "torch"),
+            str(tmp_path / "f"),
+            [*extra, "--no-load-optim"],
+            timeout=300,
         )[0]["losses"]
         assert abs(fresh[0] - want[0]) < LOSS_TOL  # the same weights
         assert abs(fresh[-1] - want[-1]) > 100 * LOSS_TOL

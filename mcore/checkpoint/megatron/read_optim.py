@@ -78,7 +78,9 @@ def torch_optimizer_records(path: Path, fname: str, data: dict, params: list[Ran
         raise CheckpointError(f"{path}: no optimizer state (saved with --no-save-optim)")
     inner = saved.get("optimizer") if "state" not in saved else saved
     if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
-        raise CheckpointError(f"{path}: 'optimizer' holds no torch optimizer state_dict (state, param_groups)")
+        raise CheckpointError(
+            f"{path}: 'optimizer' holds no torch optimizer state_dict (state, param_groups)"
+        )
     masters = saved.get("fp32_from_fp16_params")
     groups = inner["param_groups"]
     state = inner["state"]
@@ -106,7 +108,9 @@ def torch_optimizer_records(path: Path, fname: str, data: dict, params: list[Ran
         for j, (index, param) in enumerate(zip(indices, members)):
             entry = state.get(index)
             if entry is None or any(k not in entry for k in OPTIM_KINDS):
-                raise CheckpointError(f"{path}: optimizer state index {index} ({param.key}) has no Adam moments")
+                raise CheckpointError(
+                    f"{path}: optimizer state index {index} ({param.key}) has no Adam moments"
+                )
             for kind in OPTIM_KINDS:
                 if tuple(entry[kind].shape) != param.shape:
                     raise CheckpointError(
@@ -188,8 +192,10 @@ def distributed_optimizer_records(
             f"{path}: {len(chunks)} model chunks with {sum(len(state[c]) for c in chunks)} buffers: "
             "only one model chunk with one parameter dtype is read (no virtual pipeline or experts)"
         )
-    (dtype_key, buffers), = state[0].items()
-    dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(getattr(args, "context_parallel_size", 1) or 1)
+    ((dtype_key, buffers),) = state[0].items()
+    dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(
+        getattr(args, "context_parallel_size", 1) or 1
+    )
     bucket_size = None
     if getattr(args, "overlap_grad_reduce", False) and pp_rank == 0:
         bucket_size = getattr(args, "ddp_bucket_size", None) or max(40000000, 1000000 * dp)
@@ -249,7 +255,9 @@ def map_grad_scaler(saved: Any) -> dict | None:
     """Megatron's dynamic grad scaler state (``scale`` a tensor) as mcore's."""
     if not isinstance(saved, dict) or "scale" not in saved:
         return None
-    out = {"scale": float(saved["scale"].item() if isinstance(saved["scale"], torch.Tensor) else saved["scale"])}
+    out = {
+        "scale": float(saved["scale"].item() if isinstance(saved["scale"], torch.Tensor) else saved["scale"])
+    }
     for key in ("growth_tracker", "hysteresis_tracker"):
         if key in saved:
             out[key] = int(saved[key])
