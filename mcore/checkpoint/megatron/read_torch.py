@@ -272,8 +272,9 @@ def megatron_metadata(
     files: dict[str, Any],
 ) -> dict[str, Any]:
     """The ``metadata.json``-shaped dict mcore's loader reads, for a Megatron-LM checkpoint of format
-    ``fmt`` (weights only: no optimizer, scheduler or RNG state is offered; ``megatron`` keeps what the
-    Megatron-specific checks need)."""
+    ``fmt`` (weights: the ``torch`` reader adds the optimizer records and scheduler after it, see
+    :func:`_add_optimizer_state`; no RNG state is offered; ``megatron`` keeps what the Megatron-specific
+    checks need)."""
     return {
         "format": fmt,
         "iteration": int(iteration) if iteration != "release" else 0,
