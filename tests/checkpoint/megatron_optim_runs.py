@@ -17,6 +17,7 @@ clipping 1.0), and ``OptimizerParamScheduler`` (constant learning rate) stepped 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -108,6 +109,30 @@ def _per_param_state(optimizer, ddp_model, distributed: bool) -> dict[str, dict[
             state["exp_avg_sq"] = st["exp_avg_sq"].clone()
         out[name] = state
     return out
+
+
+def save_torch_dist(root: str, ddp, optimizer, scheduler, args, distributed: bool) -> None:
+    """``--ckpt-format torch_dist`` as Megatron-LM's ``save_checkpoint`` writes it: the model's and the
+    optimizer's sharded state dicts (the distributed optimizer in the model-space
+    ``fully_reshardable`` layout, ``--dist-ckpt-optim-fully-reshardable``) through
+    ``dist_checkpointing.save``."""
+
+    folder = os.path.join(root, f"iter_{SAVED_AT:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+    model_sd = ddp.module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if distributed else None
+    dist_args = argparse.Namespace(**{**vars(args), "ckpt_format": "torch_dist"})
+    sharded = {
+        "args": dist_args,
+        "checkpoint_version": 3.0,
+        "iteration": SAVED_AT,
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata),
+        "opt_param_scheduler": scheduler.state_dict(),
+    }
+    mr.save_dist_checkpoint(sharded, folder)
 
 
 def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
@@ -204,10 +229,12 @@ def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
     torch.save(
         _per_param_state(optimizer, ddp, distributed), os.path.join(out_dir, f"reference_tp{tp_rank}.pt")
     )
+    save_torch_dist(os.path.join(out_dir, "torch_dist"), ddp, optimizer, scheduler, args, distributed)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(out_dir, "torch", "latest_checkpointed_iteration.txt"), "w") as fh:
-            fh.write(str(SAVED_AT))
+        for fmt in ("torch", "torch_dist"):
+            with open(os.path.join(out_dir, fmt, "latest_checkpointed_iteration.txt"), "w") as fh:
+                fh.write(str(SAVED_AT))
 
     continued = [train_step(i) for i in range(SAVED_AT, TRAIN_ITERS)]
     ps.destroy_model_parallel()
