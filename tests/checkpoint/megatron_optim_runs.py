@@ -12,7 +12,8 @@ optional), ``get_megatron_optimizer`` (torch's AdamW on CPU, the default weight-
 clipping 1.0), and ``OptimizerParamScheduler`` (constant learning rate) stepped by the global batch.
 ``--ckpt-format torch``: ``model_optim_rng.pt`` holds ``optimizer.state_dict()`` and
 ``opt_param_scheduler``; the distributed optimizer's parameter state goes to ``distrib_optim.pt``
-(``save_parameter_state``), as ``megatron/training/checkpointing.py`` writes them.
+(``save_parameter_state``), as ``megatron/training/checkpointing.py`` writes them. ``--ckpt-format
+torch_dist`` (:func:`save_torch_dist`): the model's and the optimizer's sharded state dicts.
 """
 
 from __future__ import annotations
@@ -111,18 +112,20 @@ def _per_param_state(optimizer, ddp_model, distributed: bool) -> dict[str, dict[
     return out
 
 
-def save_torch_dist(root: str, ddp, optimizer, scheduler, args, distributed: bool) -> None:
+def save_torch_dist(
+    root: str, ddp, optimizer, scheduler, args, distributed: bool, sharding: str = "fully_reshardable"
+) -> None:
     """``--ckpt-format torch_dist`` as Megatron-LM's ``save_checkpoint`` writes it: the model's and the
-    optimizer's sharded state dicts (the distributed optimizer in the model-space
-    ``fully_reshardable`` layout, ``--dist-ckpt-optim-fully-reshardable``) through
-    ``dist_checkpointing.save``."""
+    optimizer's sharded state dicts through ``dist_checkpointing.save``; the distributed optimizer in
+    the ``sharding`` layout (``fully_reshardable``: model space, ``--dist-ckpt-optim-fully-reshardable``;
+    ``dp_reshardable``: Megatron-LM's default, bucket space)."""
 
     folder = os.path.join(root, f"iter_{SAVED_AT:07d}")
     if dist.get_rank() == 0:
         os.makedirs(folder, exist_ok=True)
     dist.barrier()
     model_sd = ddp.module.sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if distributed else None
+    metadata = {"distrib_optim_sharding_type": sharding} if distributed else None
     dist_args = argparse.Namespace(**{**vars(args), "ckpt_format": "torch_dist"})
     sharded = {
         "args": dist_args,
@@ -230,6 +233,16 @@ def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
         _per_param_state(optimizer, ddp, distributed), os.path.join(out_dir, f"reference_tp{tp_rank}.pt")
     )
     save_torch_dist(os.path.join(out_dir, "torch_dist"), ddp, optimizer, scheduler, args, distributed)
+    if distributed:
+        save_torch_dist(
+            os.path.join(out_dir, "torch_dist_bucket_space"),
+            ddp,
+            optimizer,
+            scheduler,
+            args,
+            True,
+            "dp_reshardable",
+        )
     dist.barrier()
     if dist.get_rank() == 0:
         for fmt in ("torch", "torch_dist"):

@@ -1,8 +1,10 @@
-"""Megatron-LM's Adam state read from its ``--ckpt-format torch`` checkpoints (``model_optim_rng.pt``'s
-``optimizer``; ``distrib_optim.pt`` with ``--use-distributed-optimizer``), against the real megatron-core.
+"""Megatron-LM's Adam state read from its checkpoints, against the real megatron-core: ``--ckpt-format
+torch`` (``model_optim_rng.pt``'s ``optimizer``; ``distrib_optim.pt`` with ``--use-distributed-optimizer``)
+and ``torch_dist`` (model-space ``optimizer.state.*`` tensors).
 
 megatron-core trains a tiny GPT (4 layers, hidden 64, tied embeddings, vocabulary padded to 256) at
-TP=2 for 3 Adam iterations on gloo, saves, and trains 3 more (:mod:`megatron_optim_runs`). mcore
+TP=2 for 3 Adam iterations on gloo, saves in both formats, and trains 3 more
+(:mod:`megatron_optim_runs`). mcore, from either format,
 
 * loads each checkpoint at TP=1 into its per-parameter optimizer: ``exp_avg``, ``exp_avg_sq``, the
   fp32 main parameters and the Adam step equal Megatron's own per-parameter state (read through its
@@ -11,8 +13,8 @@ TP=2 for 3 Adam iterations on gloo, saves, and trains 3 more (:mod:`megatron_opt
   per-parameter optimizer, and at DP=2 with the distributed one, and gives Megatron's losses of the 3
   continued iterations; with ``--no-load-optim`` (fresh Adam moments) they differ, so the comparison
   sees the state;
-* refuses, naming the file, a missing ``distrib_optim.pt`` and SGD state, when (and only when) a run asks
-  for the optimizer state.
+* refuses, naming the file, a missing ``distrib_optim.pt``, SGD state and the distributed optimizer's
+  bucket-space torch_dist layout, when (and only when) a run asks for the optimizer state.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ ITER_DIR = f"iter_{mo.SAVED_AT:07d}"
 
 @pytest.fixture(scope="module")
 def megatron_runs(tmp_path_factory):
-    """``{"per_param" | "distributed": (dir, losses)}``: megatron-core's checkpoint of iteration 3
-    (``dir/torch``), its per-parameter reference state (``dir/reference_tp<r>.pt``) and its losses."""
+    """``{"per_param" | "distributed": (dir, losses)}``: megatron-core's checkpoints of iteration 3
+    (``dir/torch``, ``dir/torch_dist``), its per-parameter reference state (``dir/reference_tp<r>.pt``) and its losses."""
     runs = {}
     for kind, distributed in (("per_param", False), ("distributed", True)):
         out = tmp_path_factory.mktemp(f"megatron_{kind}")
@@ -61,8 +63,9 @@ def megatron_whole(out, name: str, kind: str) -> torch.Tensor:
     return torch.cat(shards, dim=1 if split == ROW else 0)
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("kind", ["per_param", "distributed"])
-def test_adam_state_equals_megatron_by_name(megatron_runs, kind):
+def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
     from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
     from mcore.inference.loading import build_model_chunk
     from mcore.models.config import ModelConfig
@@ -70,7 +73,7 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind):
     from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 
     out, _ = megatron_runs[kind]
-    load = str(out / "torch")
+    load = str(out / fmt)
     groups = ProcessGroups.single()
     cfg = ModelConfig(**{**checkpoint_model_flags(load), "hidden_dropout": 0.0, "attention_dropout": 0.0})
     model = build_model_chunk(cfg, groups, 256, None, device=torch.device("cpu"))
@@ -100,17 +103,18 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind):
     ],
     ids=["megatron-tp2-to-tp1", "megatron-distopt-tp2-to-distopt-dp2"],
 )
-def test_resumed_losses_match_megatron(megatron_runs, tmp_path, kind, world, extra):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_resumed_losses_match_megatron(megatron_runs, tmp_path, kind, world, extra, fmt):
     out, megatron = megatron_runs[kind]
-    result = run_distributed(
-        mo.mcore_resume, world, str(out / "torch"), str(tmp_path / "s"), extra, timeout=300
-    )
+    result = run_distributed(mo.mcore_resume, world, str(out / fmt), str(tmp_path / "s"), extra, timeout=300)
     losses, want = result[0]["losses"], megatron["continued"]
-    print(f"{kind}: mcore {losses} Megatron {want}")
+    print(f"{kind} {fmt}: mcore {losses} Megatron {want}")
     assert result[0]["iteration"] == mo.TRAIN_ITERS
     assert len(losses) == mo.CONTINUE
     assert torch.allclose(torch.tensor(losses), torch.tensor(want), rtol=0, atol=LOSS_TOL)
-    if kind == "per_param":  # the control: a fresh Adam state gives other losses after the first step
+    if (
+        kind == "per_param" and fmt == "torch"
+    ):  # the control: a fresh Adam state gives other losses after the first step
         fresh = run_distributed(
             mo.mcore_resume,
             1,
@@ -146,3 +150,14 @@ def test_sgd_state_is_refused_naming_the_checkpoint(megatron_runs, tmp_path):
     meta = read_any_metadata(copy)
     with pytest.raises(CheckpointError, match=rf"{copy}: the optimizer state is 'sgd'.*--no-load-optim"):
         check_megatron_load(copy, meta, load_optim=True)
+
+
+def test_bucket_space_torch_dist_optimizer_state_is_refused_naming_the_flag(megatron_runs):
+    out, _ = megatron_runs["distributed"]
+    path = out / "torch_dist_bucket_space" / ITER_DIR
+    meta = read_any_metadata(path)
+    assert check_megatron_load(path, meta, load_optim=False)  # the weights still load
+    with pytest.raises(
+        CheckpointError, match=r"bucket layout \(dp_reshardable\).*--dist-ckpt-optim-fully-reshardable"
+    ):
+        check_megatron_load(path, meta, load_optim=True)
