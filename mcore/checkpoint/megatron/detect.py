@@ -82,7 +82,7 @@ def check_megatron_load(path: Path, meta: dict[str, Any], *, load_optim: bool) -
         raise CheckpointError(f"{info['optimizer_error']}; {instead}")
     if load_optim and not (meta.get("optimizer") or {}).get("saved"):
         held = (
-            "holds optimizer state in a format mcore does not read (torch_dist)"
+            "holds optimizer state that mcore does not read"
             if info.get("has_optimizer")
             else "holds no optimizer state"
         )

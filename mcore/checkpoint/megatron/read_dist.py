@@ -7,7 +7,13 @@ with a leading axis of ``num_layers`` (global layer numbers), norms under the Tr
 (``self_attention.linear_qkv.layer_norm_weight``), SwiGLU fc1 as the global ``[gate; up]``; the tied
 output copy is stored once under the word embedding. Each key's global tensor is what mcore's logical
 tensor is (per layer), so every record is a whole logical tensor and the loader slices what each rank
-needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) and optimizer keys are not model weights.
+needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped.
+
+Optimizer state: the model-space keys ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,param}.<key>``
+(the non-distributed optimizer; the distributed one saved ``fully_reshardable`` or
+``fully_sharded_model_space``) have the global shape of ``<key>`` and become optimizer records the same
+way; the Adam step comes from ``common.pt``. The distributed optimizer's bucket-space layouts
+(``optimizer.distributed.*``) are refused when a run asks for the optimizer state.
 """
 
 from __future__ import annotations
