@@ -75,6 +75,8 @@ def shim_megatron_optimizer_for_cpu() -> None:
 
     for module in (opt, clip, dopt, pgb, mutils):
         module.torch = _CpuTorch()
+    if getattr(torch.Tensor.type, "_cuda_names", False):
+        return  # shimmed already (several runs in one process)
     plain_type = torch.Tensor.type
 
     def cuda_type(self, *args, **kwargs):
@@ -82,6 +84,7 @@ def shim_megatron_optimizer_for_cpu() -> None:
             return plain_type(self, *args, **kwargs)
         return plain_type(self).replace("torch.", "torch.cuda.", 1)
 
+    cuda_type._cuda_names = True
     torch.Tensor.type = cuda_type
 
 
@@ -98,15 +101,22 @@ def _per_param_state(optimizer, ddp_model, distributed: bool) -> dict[str, dict[
     """name -> {param (the fp32 main copy), exp_avg, exp_avg_sq, step} of this TP rank, read through
     Megatron's own optimizer objects (the reference the reader's mapping is checked against)."""
     inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    masters = {}  # bf16 model parameter -> its fp32 main copy (the non-distributed mixed-precision optimizer)
+    for model_group, main_group in zip(
+        getattr(inner, "float16_groups", []), getattr(inner, "fp32_from_float16_groups", [])
+    ):
+        masters.update({id(p): m for p, m in zip(model_group, main_group)})
     out = {}
     for name, param in ddp_model.module.named_parameters():
+        name = name.removeprefix("module.")  # Float16Module
         if distributed:
             tensors = inner._get_main_param_and_optimizer_states(param)
             keys = ("param", "exp_avg", "exp_avg_sq")
             state = {k: tensors[k].detach().clone().reshape(param.shape) for k in keys}
         else:
-            st = inner.optimizer.state[param]
-            state = {"param": param.detach().clone(), "exp_avg": st["exp_avg"].clone()}
+            main = masters.get(id(param), param)
+            st = inner.optimizer.state[main]
+            state = {"param": main.detach().clone(), "exp_avg": st["exp_avg"].clone()}
             state["exp_avg_sq"] = st["exp_avg_sq"].clone()
         out[name] = state
     return out
@@ -138,7 +148,7 @@ def save_torch_dist(
     mr.save_dist_checkpoint(sharded, folder)
 
 
-def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
+def train_save_continue(out_dir: str, family: str, distributed: bool, bf16: bool = False) -> dict:
     """Rank function (TP=2, PP=1): train ``SAVED_AT`` Adam iterations, save ``<out_dir>/torch``
     (``model_optim_rng.pt`` with the optimizer state, ``distrib_optim.pt`` with
     ``distributed``), write Megatron's per-parameter optimizer state to
@@ -155,8 +165,13 @@ def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
     torch.manual_seed(1234)
     model = mr.build_megatron_model(family, tp, 1)
     mr.perturb_norms_and_biases(model)
+    if bf16:  # Megatron-LM's --bf16: the model in bf16 (Float16Module), fp32 main params and grads
+        from megatron.core.transformer.module import Float16Module
+
+        model.config.bf16 = True
+        model = Float16Module(model.config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+        grad_reduce_in_fp32=bf16, overlap_grad_reduce=False, use_distributed_optimizer=distributed
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     opt_config = OptimizerConfig(
@@ -169,7 +184,8 @@ def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
         adam_eps=1e-8,
         clip_grad=1.0,
         use_distributed_optimizer=distributed,
-        params_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     decay_steps = TRAIN_ITERS * GLOBAL_BATCH
@@ -217,6 +233,8 @@ def train_save_continue(out_dir: str, family: str, distributed: bool) -> dict:
     args.optimizer = "adam"
     args.use_distributed_optimizer = distributed
     args.lr = LR
+    args.bf16 = bf16
+    args.params_dtype = torch.bfloat16 if bf16 else torch.float32
     state = {
         "args": args,
         "checkpoint_version": 3.0,
@@ -280,3 +298,13 @@ def mcore_resume(load: str, save: str, extra: list[str]) -> dict:
     ]  # fmt: skip
     result = pretrain(model_provider, forward_step, mr.tiny_datasets_provider, argv=argv)
     return {"losses": list(result.train_losses), "iteration": result.state.iteration}
+
+
+def train_variants(out_root: str, family: str, variants: list[tuple[str, bool, bool]]) -> dict:
+    """Rank function: :func:`train_save_continue` for each ``(name, distributed, bf16)`` into
+    ``<out_root>/<name>`` in one process (one start-up for all)."""
+    results = {}
+    for name, distributed, bf16 in variants:
+        os.makedirs(os.path.join(out_root, name), exist_ok=True)
+        results[name] = train_save_continue(os.path.join(out_root, name), family, distributed, bf16)
+    return results

@@ -3,7 +3,7 @@ torch`` (``model_optim_rng.pt``'s ``optimizer``; ``distrib_optim.pt`` with ``--u
 and ``torch_dist`` (model-space ``optimizer.state.*`` tensors).
 
 megatron-core trains a tiny GPT (4 layers, hidden 64, tied embeddings, vocabulary padded to 256) at
-TP=2 for 3 Adam iterations on gloo, saves in both formats, and trains 3 more
+TP=2 for 3 Adam iterations on gloo (fp32 and ``--bf16``, with and without its distributed optimizer), saves in both formats, and trains 3 more
 (:mod:`megatron_optim_runs`). mcore, from either format,
 
 * loads each checkpoint at TP=1 into its per-parameter optimizer: ``exp_avg``, ``exp_avg_sq``, the
@@ -41,16 +41,21 @@ LOSS_TOL = 1e-5
 ITER_DIR = f"iter_{mo.SAVED_AT:07d}"
 
 
+VARIANTS = [  # (name, Megatron's distributed optimizer, --bf16)
+    ("per_param", False, False),
+    ("distributed", True, False),
+    ("per_param_bf16", False, True),
+    ("distributed_bf16", True, True),
+]
+
+
 @pytest.fixture(scope="module")
 def megatron_runs(tmp_path_factory):
-    """``{"per_param" | "distributed": (dir, losses)}``: megatron-core's checkpoints of iteration 3
-    (``dir/torch``, ``dir/torch_dist``), its per-parameter reference state (``dir/reference_tp<r>.pt``) and its losses."""
-    runs = {}
-    for kind, distributed in (("per_param", False), ("distributed", True)):
-        out = tmp_path_factory.mktemp(f"megatron_{kind}")
-        results = run_distributed(mo.train_save_continue, 2, str(out), mo.FAMILY, distributed, timeout=300)
-        runs[kind] = (out, results[0])
-    return runs
+    """``{variant: (dir, losses)}``: megatron-core's checkpoints of iteration 3 (``dir/torch``,
+    ``dir/torch_dist``), its per-parameter reference state (``dir/reference_tp<r>.pt``) and its losses."""
+    out = tmp_path_factory.mktemp("megatron")
+    results = run_distributed(mo.train_variants, 2, str(out), mo.FAMILY, VARIANTS, timeout=400)
+    return {name: (out / name, results[0][name]) for name, _, _ in VARIANTS}
 
 
 def megatron_whole(out, name: str, kind: str) -> torch.Tensor:
@@ -64,7 +69,7 @@ def megatron_whole(out, name: str, kind: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-@pytest.mark.parametrize("kind", ["per_param", "distributed"])
+@pytest.mark.parametrize("kind", [name for name, _, _ in VARIANTS])
 def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
     from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
     from mcore.inference.loading import build_model_chunk
@@ -76,8 +81,10 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
     load = str(out / fmt)
     groups = ProcessGroups.single()
     cfg = ModelConfig(**{**checkpoint_model_flags(load), "hidden_dropout": 0.0, "attention_dropout": 0.0})
-    model = build_model_chunk(cfg, groups, 256, None, device=torch.device("cpu"))
-    optimizer = build_optimizer(OptimizerConfig(), PrecisionConfig(), [model], groups, lr=mo.LR)
+    bf16 = kind.endswith("bf16")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = build_model_chunk(cfg, groups, 256, None, device=torch.device("cpu"), params_dtype=dtype)
+    optimizer = build_optimizer(OptimizerConfig(), PrecisionConfig(bf16=bf16), [model], groups, lr=mo.LR)
     state = load_checkpoint(CheckpointConfig(load=load), [model], optimizer, None, groups)
     assert state["iteration"] == mo.SAVED_AT
 
@@ -86,10 +93,11 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
     for entry in optimizer.main_params:
         shape = tuple(entry.model_param.shape)
         assert entry.state["step"] == mo.SAVED_AT, entry.key
+        assert entry.model_param.dtype == dtype
         for name, ours in (
             ("exp_avg", entry.state["exp_avg"]),
             ("exp_avg_sq", entry.state["exp_avg_sq"]),
-            ("param", optimizer.master_of(entry)),
+            ("param", optimizer.master_of(entry)),  # fp32 (bf16: Megatron's fp32 main parameters)
         ):
             want = megatron_whole(out, entry.key, name)
             assert torch.equal(ours.view(shape), want), f"{entry.key} {name}"

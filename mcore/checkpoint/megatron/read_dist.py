@@ -164,7 +164,8 @@ def _optimizer_step(
     common_path: Path, common: dict, args: Any, bucket_space: str | None, records: list
 ) -> int:
     """The Adam step of a torch_dist checkpoint's model-space optimizer state (``common.pt``:
-    ``optimizer.state.common_step``, or the distributed optimizer's ``param_groups[*].step``).
+    ``optimizer.state.common_step``, ``optimizer.optimizer.state.common_step`` with mixed precision, or
+    the distributed optimizer's ``optimizer.optimizer.param_groups[*].step``).
 
     Raises:
         CheckpointError: not Adam, a bucket-space distributed-optimizer layout, no moments, no step.
@@ -187,9 +188,10 @@ def _optimizer_step(
     kinds = {r["kind"] for r in records}
     if not {"exp_avg", "exp_avg_sq"} <= kinds:
         raise CheckpointError(f"{iter_dir}: no optimizer.state.exp_avg / exp_avg_sq tensors (not Adam?)")
-    step = (saved.get("state") or {}).get("common_step")
+    inner = saved.get("optimizer") if isinstance(saved.get("optimizer"), dict) else {}
+    step = (saved.get("state") or inner.get("state") or {}).get("common_step")  # fp32 / mixed precision
     if step is None:
-        steps = {g.get("step") for g in (saved.get("optimizer") or {}).get("param_groups", [])}
+        steps = {g.get("step") for g in inner.get("param_groups", [])}
         steps.discard(None)
         step = steps.pop() if len(steps) == 1 else None
     if step is None:

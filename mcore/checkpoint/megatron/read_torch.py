@@ -228,7 +228,9 @@ def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank
     """Optimizer records (:mod:`.read_optim`) into ``meta``; what cannot be read becomes
     ``meta["megatron"]["optimizer_error"]``, raised only for a run that asks for the optimizer state."""
     optimizer = str(getattr(args, "optimizer", "adam"))
-    distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    distributed = bool(getattr(args, "use_distributed_optimizer", False)) or any(
+        (p.parent / DISTRIB_OPTIM).is_file() for p in (iter_dir / f for f in loaded)
+    )
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
     records = []
     try:
