@@ -19,6 +19,7 @@ TP=2 for 3 Adam iterations on gloo (fp32 and ``--bf16``, with and without its di
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -58,9 +59,14 @@ def megatron_runs(tmp_path_factory):
     return {name: (out / name, results[0][name]) for name, _, _ in VARIANTS}
 
 
+@functools.cache
+def megatron_reference(path) -> dict:
+    return torch.load(path)
+
+
 def megatron_whole(out, name: str, kind: str) -> torch.Tensor:
     """Megatron's state ``kind`` of parameter ``name``, its TP=2 shards joined as mcore's TP=1 tensor."""
-    shards = [torch.load(out / f"reference_tp{r}.pt")[name][kind] for r in range(2)]
+    shards = [megatron_reference(out / f"reference_tp{r}.pt")[name][kind] for r in range(2)]
     split = map_name(name, 0, swiglu=False, tied=True).split
     if split == REPLICATED:
         return shards[0]
@@ -88,7 +94,7 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
     state = load_checkpoint(CheckpointConfig(load=load), [model], optimizer, None, groups)
     assert state["iteration"] == mo.SAVED_AT
 
-    reference = torch.load(out / "reference_tp0.pt")
+    reference = megatron_reference(out / "reference_tp0.pt")
     assert {e.key for e in optimizer.main_params} == set(reference)
     for entry in optimizer.main_params:
         shape = tuple(entry.model_param.shape)
