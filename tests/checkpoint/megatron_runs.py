@@ -241,7 +241,6 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
     """Rank function: build the model at TP x PP, save ``<out_dir>/torch`` and ``<out_dir>/torch_dist``,
     and write its logits to ``<out_dir>/logits.pt`` (from the rank that has them)."""
     shim_megatron_for_cpu()
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tp, pp)
@@ -294,6 +293,22 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
         "iteration": ITERATION,
         "model": model.sharded_state_dict(),
     }
+    save_dist_checkpoint(sharded, dist_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for r in (root, dist_root):
+            with open(os.path.join(r, "latest_checkpointed_iteration.txt"), "w") as fh:
+                fh.write(str(ITERATION))
+    logits = megatron_logits(model, family, tp, pp)
+    if logits is not None:
+        torch.save({"ids": inputs(family)[0], "logits": logits}, os.path.join(out_dir, "logits.pt"))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    return None
+
+
+def save_dist_checkpoint(sharded: dict, dist_dir: str) -> None:
+    """``dist_checkpointing.save`` with the ``torch_dist`` strategy, from a test rank (collective)."""
     # Megatron's file writer forks one writer process per bucket and collects their results through
     # a spawned multiprocessing Manager. A test rank is daemonic (it may not have children) and its
     # main module is not importable by a spawned process: the save is synchronous here, so a plain
@@ -302,6 +317,7 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
     import queue
 
     import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     fs_async._get_write_results_queue = queue.Queue
@@ -314,17 +330,6 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
         dist_checkpointing.save(sharded, dist_dir, strategy)
     finally:
         config["daemon"] = daemon
-    dist.barrier()
-    if dist.get_rank() == 0:
-        for r in (root, dist_root):
-            with open(os.path.join(r, "latest_checkpointed_iteration.txt"), "w") as fh:
-                fh.write(str(ITERATION))
-    logits = megatron_logits(model, family, tp, pp)
-    if logits is not None:
-        torch.save({"ids": inputs(family)[0], "logits": logits}, os.path.join(out_dir, "logits.pt"))
-    dist.barrier()
-    ps.destroy_model_parallel()
-    return None
 
 
 def megatron_load_logits(ckpt_root: str, family: str, fmt: str) -> torch.Tensor:

@@ -14,8 +14,11 @@ Reading (``--load DIR`` detects the format, :mod:`.detect`; nothing to convert f
 
 Both present the saved shards to mcore's loader as placements of mcore's logical tensors (the same
 names: megatron-core's, with global layer numbers), so the loader's resharding copies them into any
-TP/PP/DP layout. Model weights only: the optimizer state is refused with a message (``--no-load-optim``
-or ``--finetune``), RNG states are reseeded (``--seed`` + iteration), as after a layout change.
+TP/PP/DP layout. The ``torch`` format's Adam state (``model_optim_rng.pt``'s ``optimizer``, or
+``distrib_optim.pt``, :mod:`.read_optim`) and ``torch_dist``'s model-space ``optimizer.state.*`` tensors
+become optimizer records the same way; what cannot be mapped is refused with a message naming the file
+(``--no-load-optim`` or ``--finetune``). RNG states are reseeded (``--seed`` + iteration), as after a
+layout change.
 
 Writing (:mod:`.write`): ``mcore-export-megatron --load DIR --save OUT --ckpt-format torch|torch_dist``.
 """

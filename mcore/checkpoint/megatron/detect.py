@@ -62,30 +62,40 @@ def open_reader(iter_dir: str | Path, meta: dict[str, Any], *, verify: bool = Tr
 
 
 def check_megatron_load(path: Path, meta: dict[str, Any], *, load_optim: bool) -> str | None:
-    """For a Megatron checkpoint: refuse an optimizer-state load (naming what to pass instead) and
-    return the line to log about what is and is not restored; None for an mcore checkpoint.
+    """For a Megatron checkpoint: refuse an optimizer-state load that cannot be served (no state saved,
+    or a layout :mod:`.read_optim` does not map, naming the file) and return the line to log about what
+    is and is not restored; None for an mcore checkpoint.
 
     Raises:
         CheckpointError: the run asks for the optimizer state (neither ``--no-load-optim`` nor
-            ``--finetune``).
+            ``--finetune``) and the checkpoint has none, or one that cannot be read.
     """
     if meta.get("format") not in MEGATRON_FORMATS:
         return None
     info = meta.get("megatron", {})
-    if load_optim:
+    instead = (
+        "load it with --no-load-optim (resume: the weights, the iteration and the consumed samples, with "
+        "a fresh optimizer and learning-rate schedule, as Megatron does with --no-load-optim) or "
+        "--finetune (the weights only, from iteration 0)"
+    )
+    if load_optim and info.get("optimizer_error"):
+        raise CheckpointError(f"{info['optimizer_error']}; {instead}")
+    if load_optim and not (meta.get("optimizer") or {}).get("saved"):
         held = (
-            "holds optimizer state, which mcore does not read"
+            "holds optimizer state that mcore does not read"
             if info.get("has_optimizer")
-            else ("holds no optimizer state")
+            else "holds no optimizer state"
         )
-        raise CheckpointError(
-            f"{path} is a Megatron-LM checkpoint ({meta['format']}) that {held}: load it with "
-            "--no-load-optim (resume: the weights, the iteration and the consumed samples, with a fresh "
-            "optimizer and learning-rate schedule, as Megatron does with --no-load-optim) or --finetune "
-            "(the weights only, from iteration 0)"
+        raise CheckpointError(f"{path} is a Megatron-LM checkpoint ({meta['format']}) that {held}: {instead}")
+    restored = "model weights"
+    if load_optim:
+        restored += ", Adam state (exp_avg, exp_avg_sq, step" + (
+            ", fp32 main params)" if any(r["kind"] == "main_param" for r in meta["records"]) else ")"
         )
+        if meta.get("scheduler") is not None:
+            restored += ", learning-rate schedule"
     return (
         f"  Megatron-LM checkpoint ({meta['format']}, checkpoint_version "
-        f"{info.get('checkpoint_version')}): model weights loaded; Megatron's RNG states are not "
+        f"{info.get('checkpoint_version')}): {restored} loaded; Megatron's RNG states are not "
         "restored (the run's --seed is used)"
     )

@@ -7,7 +7,13 @@ with a leading axis of ``num_layers`` (global layer numbers), norms under the Tr
 (``self_attention.linear_qkv.layer_norm_weight``), SwiGLU fc1 as the global ``[gate; up]``; the tied
 output copy is stored once under the word embedding. Each key's global tensor is what mcore's logical
 tensor is (per layer), so every record is a whole logical tensor and the loader slices what each rank
-needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) and optimizer keys are not model weights.
+needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped.
+
+Optimizer state: the model-space keys ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,param}.<key>``
+(the non-distributed optimizer; the distributed one saved ``fully_reshardable`` or
+``fully_sharded_model_space``) have the global shape of ``<key>`` and become optimizer records the same
+way; the Adam step comes from ``common.pt``. The distributed optimizer's bucket-space layouts
+(``optimizer.distributed.*``) are refused when a run asks for the optimizer state.
 """
 
 from __future__ import annotations
@@ -23,11 +29,19 @@ from mcore.checkpoint.format import CheckpointError
 from mcore.checkpoint.load import ShardReader
 from mcore.checkpoint.megatron.args import check_supported
 from mcore.checkpoint.megatron.names import REPLICATED, UnsupportedTensor, map_layer_param, map_name
+from mcore.checkpoint.megatron.read_optim import map_grad_scaler, map_scheduler
 from mcore.checkpoint.megatron.read_torch import megatron_metadata, placement_json
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
 
 FORMAT_TORCH_DIST = "megatron-torch_dist"
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_OPTIM_STATE = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
+_OPTIM_KINDS = {
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+    "fp32_param": "main_param",
+    "param": "main_param",
+}
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine", "common_state", "content_metadata")
 
 
@@ -79,34 +93,42 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
     tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
     num_layers = int(args.num_layers)
 
-    records = []
+    records, optim_records = [], []
     has_optimizer = False
+    bucket_space = None  # a distributed-optimizer key of a bucket-space layout (not read)
     for key, info in _dcp_metadata(iter_dir).state_dict_metadata.items():
-        if key.startswith(_NOT_MODEL) or "/shard_" in key:
+        kind, model_key = "param", key
+        state_match = _OPTIM_STATE.match(key)
+        if state_match:
+            kind, model_key = _OPTIM_KINDS[state_match.group(1)], state_match.group(2)
+        elif key.startswith(_NOT_MODEL) or "/shard_" in key:
             has_optimizer |= key.startswith("optimizer.")
+            if key.startswith("optimizer.distributed."):
+                bucket_space = bucket_space or key
             continue
         if not isinstance(info, TensorStorageMetadata):
             continue
+        has_optimizer |= kind != "param"
         shape = tuple(info.size)
         dtype = str(info.properties.dtype).removeprefix("torch.")
         try:
-            if key.startswith("decoder.layers.") and not _PER_LAYER.match(key):
+            if model_key.startswith("decoder.layers.") and not _PER_LAYER.match(model_key):
                 if shape[0] != num_layers:
                     raise CheckpointError(
                         f"{iter_dir}: {key} stacks {shape[0]} layers, args.num_layers={num_layers}"
                     )
-                suffix, _ = map_layer_param(key.removeprefix("decoder.layers."), swiglu)
+                suffix, _ = map_layer_param(model_key.removeprefix("decoder.layers."), swiglu)
                 entries = [(f"decoder.layers.{i}.{suffix}", i, shape[1:]) for i in range(num_layers)]
             else:
-                target = map_name(key, 0, swiglu=swiglu, tied=tied)
+                target = map_name(model_key, 0, swiglu=swiglu, tied=tied)
                 entries = [] if target is None else [(target.name, None, shape)]
         except UnsupportedTensor as err:
             raise CheckpointError(f"{iter_dir}: {err}") from None
         for name, index, tshape in entries:
-            records.append(
+            (records if kind == "param" else optim_records).append(
                 {
                     "name": name,
-                    "kind": "param",
+                    "kind": kind,
                     "file": key,
                     "key": key,
                     "index": index,
@@ -117,7 +139,66 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
     iteration = common.get("iteration", 0)
     version = float(common.get("checkpoint_version", 0) or 0)
     has_optimizer = has_optimizer or "optimizer" in common
-    return megatron_metadata(FORMAT_TORCH_DIST, args, iteration, version, has_optimizer, records, {})
+    meta = megatron_metadata(FORMAT_TORCH_DIST, args, iteration, version, has_optimizer, records, {})
+    if has_optimizer:
+        try:
+            step = _optimizer_step(common_path, common, args, bucket_space, optim_records)
+        except CheckpointError as err:
+            meta["megatron"]["optimizer_error"] = str(err)
+            return meta
+        for rec in optim_records:
+            rec["step"] = step
+        meta["records"] += optim_records
+        saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+        meta["optimizer"] = {
+            "saved": True,
+            "type": "adam",
+            "grad_scaler": map_grad_scaler(saved.get("grad_scaler")),
+            "param_groups": [],
+        }
+        meta["scheduler"] = map_scheduler(common.get("opt_param_scheduler"))
+    return meta
+
+
+def _optimizer_step(
+    common_path: Path, common: dict, args: Any, bucket_space: str | None, records: list
+) -> int:
+    """The Adam step of a torch_dist checkpoint's model-space optimizer state (``common.pt``:
+    ``optimizer.state.common_step``, ``optimizer.optimizer.state.common_step`` with mixed precision, or
+    the distributed optimizer's ``optimizer.optimizer.param_groups[*].step``).
+
+    Raises:
+        CheckpointError: not Adam, a bucket-space distributed-optimizer layout, no moments, no step.
+    """
+    iter_dir = common_path.parent
+    optimizer = str(getattr(args, "optimizer", "adam"))
+    if optimizer != "adam":
+        raise CheckpointError(
+            f"{iter_dir}: the optimizer state is {optimizer!r} (args.optimizer); mcore reads Megatron's "
+            "Adam state only"
+        )
+    saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    sharding = saved.get("param_state_sharding_type")
+    if bucket_space is not None or sharding in ("dp_reshardable", "dp_zero_gather_scatter"):
+        raise CheckpointError(
+            f"{iter_dir}: the distributed optimizer's state is saved in its bucket layout "
+            f"({sharding or bucket_space}), which is not read: save it with "
+            "--dist-ckpt-optim-fully-reshardable (model-space optimizer.state.* tensors)"
+        )
+    kinds = {r["kind"] for r in records}
+    if not {"exp_avg", "exp_avg_sq"} <= kinds:
+        raise CheckpointError(f"{iter_dir}: no optimizer.state.exp_avg / exp_avg_sq tensors (not Adam?)")
+    inner = saved.get("optimizer") if isinstance(saved.get("optimizer"), dict) else {}
+    step = (saved.get("state") or inner.get("state") or {}).get("common_step")  # fp32 / mixed precision
+    if step is None:
+        steps = {g.get("step") for g in inner.get("param_groups", [])}
+        steps.discard(None)
+        step = steps.pop() if len(steps) == 1 else None
+    if step is None:
+        raise CheckpointError(
+            f"{common_path}: no Adam step (optimizer.state.common_step or param_groups' step)"
+        )
+    return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
 
 
 def load_dcp_tensors(iter_dir: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:

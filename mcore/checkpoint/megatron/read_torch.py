@@ -28,8 +28,18 @@ from mcore.checkpoint.megatron.names import (
     SWIGLU,
     UnsupportedTensor,
     flatten_state,
+    is_skipped,
     local_layer_count,
     map_name,
+)
+from mcore.checkpoint.megatron.read_optim import (
+    DISTRIB_OPTIM,
+    RankParam,
+    distributed_optimizer_records,
+    map_grad_scaler,
+    map_scheduler,
+    optimizer_tensor,
+    torch_optimizer_records,
 )
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
 
@@ -160,10 +170,12 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
         )
 
     states: dict[tuple[int, int], tuple[str, dict]] = {}
+    loaded: dict[str, dict] = {}  # rank file -> its whole dict (the optimizer state is read from it)
     for sub, (t, p) in wanted.items():
         path = _rank_file(iter_dir, sub)
         data = head if path == first else load_megatron_file(path)
         states[(t, p)] = (str(path.relative_to(iter_dir)), _model_state(data, path))
+        loaded[states[(t, p)][0]] = data
     counts = [local_layer_count(states[(0, p)][1]) for p in range(pp)]
     if sum(counts) != int(args.num_layers):
         raise CheckpointError(
@@ -173,14 +185,18 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
     offsets = [sum(counts[:p]) for p in range(pp)]
 
     records, files = [], {}
+    rank_params: dict[tuple[int, int], list[RankParam]] = {}
     for (t, p), (fname, state) in sorted(states.items()):
         files[fname] = {"size": (iter_dir / fname).stat().st_size}
+        params = rank_params[(t, p)] = []
         for key, value in state.items():
             try:
                 target = map_name(key, offsets[p], swiglu=swiglu, tied=tied)
             except UnsupportedTensor as err:
                 raise CheckpointError(f"{iter_dir / fname}: {err}") from None
             if target is None or (target.split == REPLICATED and t != 0):
+                if not is_skipped(key) and isinstance(value, torch.Tensor):
+                    params.append(RankParam(key, tuple(value.shape), None))  # still in the optimizer
                 continue  # skipped, or a replica of what TP rank 0 holds
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(
@@ -199,9 +215,53 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
                 record["qkv_version"] = version
                 record["qkv_heads"] = local_heads
             records.append(record)
+            params.append(RankParam(key, tuple(value.shape), record))
     iteration = head.get("iteration", head.get("total_iters", 0))
-    has_optimizer = "optimizer" in head or any((iter_dir / s / "distrib_optim.pt").is_file() for s in subs)
-    return megatron_metadata(FORMAT_TORCH, args, iteration, version, has_optimizer, records, files)
+    has_optimizer = "optimizer" in head or any((iter_dir / s / DISTRIB_OPTIM).is_file() for s in subs)
+    meta = megatron_metadata(FORMAT_TORCH, args, iteration, version, has_optimizer, records, files)
+    if has_optimizer:
+        _add_optimizer_state(meta, iter_dir, head, args, rank_params, loaded)
+    return meta
+
+
+def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank_params: dict, loaded: dict):
+    """Optimizer records (:mod:`.read_optim`) into ``meta``; what cannot be read becomes
+    ``meta["megatron"]["optimizer_error"]``, raised only for a run that asks for the optimizer state."""
+    optimizer = str(getattr(args, "optimizer", "adam"))
+    distributed = bool(getattr(args, "use_distributed_optimizer", False)) or any(
+        (p.parent / DISTRIB_OPTIM).is_file() for p in (iter_dir / f for f in loaded)
+    )
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    records = []
+    try:
+        if optimizer != "adam":
+            raise CheckpointError(
+                f"{iter_dir}: the optimizer state is {optimizer!r} (args.optimizer); mcore reads Megatron's "
+                "Adam state only (load with --no-load-optim)"
+            )
+        for (t, p), params in sorted(rank_params.items()):
+            sub = rank_dir_name(t, p, pp)
+            fname = str(_rank_file(iter_dir, sub).relative_to(iter_dir))
+            if distributed:
+                records += distributed_optimizer_records(
+                    iter_dir / sub / DISTRIB_OPTIM, f"{sub}/{DISTRIB_OPTIM}", loaded[fname], params, args, p
+                )
+            else:
+                records += torch_optimizer_records(iter_dir / fname, fname, loaded[fname], params)
+    except CheckpointError as err:
+        meta["megatron"]["optimizer_error"] = str(err)
+        return
+    meta["records"] += records
+    for rec in records:
+        meta["files"].setdefault(rec["file"], {"size": (iter_dir / rec["file"]).stat().st_size})
+    saved = head.get("optimizer") if isinstance(head.get("optimizer"), dict) else {}
+    meta["optimizer"] = {
+        "saved": True,
+        "type": optimizer,
+        "grad_scaler": map_grad_scaler(saved.get("grad_scaler")),
+        "param_groups": [],
+    }
+    meta["scheduler"] = map_scheduler(head.get("opt_param_scheduler"))
 
 
 def megatron_metadata(
@@ -214,8 +274,9 @@ def megatron_metadata(
     files: dict[str, Any],
 ) -> dict[str, Any]:
     """The ``metadata.json``-shaped dict mcore's loader reads, for a Megatron-LM checkpoint of format
-    ``fmt`` (weights only: no optimizer, scheduler or RNG state is offered; ``megatron`` keeps what the
-    Megatron-specific checks need)."""
+    ``fmt`` (weights: the ``torch`` reader adds the optimizer records and scheduler after it, see
+    :func:`_add_optimizer_state`; no RNG state is offered; ``megatron`` keeps what the Megatron-specific
+    checks need)."""
     return {
         "format": fmt,
         "iteration": int(iteration) if iteration != "release" else 0,
@@ -263,15 +324,35 @@ class MegatronTorchReader(ShardReader):
     """:class:`ShardReader` over Megatron ``model_optim_rng.pt`` files (records from
     :func:`read_torch_metadata`); a file is read when a record in it is first needed."""
 
+    def raw(self, name: str) -> dict:
+        """A rank file's whole dict (``model_optim_rng.pt`` or ``distrib_optim.pt``), loaded once."""
+        if not hasattr(self, "_raw"):
+            self._raw: dict[str, dict] = {}
+        if name not in self._raw:
+            self._raw[name] = load_megatron_file(self.dir / name)
+        return self._raw[name]
+
     def file(self, name: str) -> dict:
         if name not in self._open:
-            data = load_megatron_file(self.dir / name)
-            self._open[name] = _model_state(data, self.dir / name)
+            self._open[name] = _model_state(self.raw(name), self.dir / name)
         return self._open[name]
+
+    def close(self) -> None:
+        super().close()
+        self._raw = {}
 
     def tensor(self, rec: dict) -> torch.Tensor:
         path = self.dir / rec["file"]
-        t = self.file(rec["file"]).get(rec["key"])
+        if rec["kind"] != "param":
+            try:
+                t = optimizer_tensor(self.raw(rec["file"]), rec).float()
+            except (KeyError, IndexError, TypeError, RuntimeError) as err:
+                raise CheckpointError(
+                    f"{path}: the optimizer state of {rec['key']!r} changed since the checkpoint was "
+                    f"indexed ({type(err).__name__}: {err})"
+                ) from None
+        else:
+            t = self.file(rec["file"]).get(rec["key"])
         if not isinstance(t, torch.Tensor) or t.numel() != rec["numel"]:
             raise CheckpointError(f"{path}: tensor {rec['key']!r} changed since the checkpoint was indexed")
         if "qkv_version" in rec:

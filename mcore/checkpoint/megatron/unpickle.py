@@ -64,7 +64,9 @@ class _PickleModule:
 
 
 def load_megatron_file(path: str | Path) -> dict[str, Any]:
-    """``torch.load`` of a Megatron ``model_optim_rng.pt`` (or ``common.pt``) on the CPU.
+    """``torch.load`` of a Megatron ``model_optim_rng.pt`` (or ``common.pt``, ``distrib_optim.pt``) on
+    the CPU, memory-mapped where the file allows (torch's zip format): the tensors' bytes are read only
+    when used, so indexing a checkpoint (its optimizer state included) does not read it all.
 
     Raises:
         CheckpointError: the file is missing or cannot be read (named).
@@ -75,7 +77,12 @@ def load_megatron_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"Megatron checkpoint file {path} is missing")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
+        try:
+            data = torch.load(
+                path, map_location="cpu", weights_only=False, pickle_module=_PickleModule, mmap=True
+            )
+        except RuntimeError:  # a legacy (non-zip) torch.save file cannot be mapped
+            data = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
     except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file
         raise CheckpointError(f"Megatron checkpoint file {path} cannot be read (corrupted?): {err}") from None
     if not isinstance(data, dict):
