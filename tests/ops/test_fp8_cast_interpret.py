@@ -1,10 +1,10 @@
 """The CUDA backend's FP8 cast kernels under Triton's CPU interpreter.
 
 A CPU-only check of ``backends/cuda/triton_kernels/fp8_cast.py`` through the CUDA dispatchers
-``fp8_amax`` and ``fp8_cast``: the amax (NaN counted as inf), the cast with the scale formed from an
+``fp8_amax`` and ``fp8_cast``: the amax (NaN counted as inf; grid-strided blocks), the cast with the scale formed from an
 amax in the kernel (margins, saturation, zero and non-finite amaxes), the transposed write alone or
 with the row-major one, tiles that do not divide the shape, a strided input (``W^T`` as a view), a
-given scale with the amax recorded into a slot of a larger buffer, against
+given scale with the amax recorded into a slot (grid-strided tiles) of a larger buffer, against
 :mod:`mcore.ops.reference`: the FP8 bytes, the scale inverse and the amax must be identical. The
 kernels run on CPU tensors with ``TRITON_INTERPRET=1``, which must be on before Triton defines them,
 so the checks run in a child process. It needs Triton installed (the ``test`` extra installs it, so
@@ -65,6 +65,9 @@ def _main() -> int:
             failures.append(what)
 
     cfg = {"BLOCK_M": 32, "BLOCK_K": 16, "num_warps": 4}  # several ragged tiles on small shapes
+    # few programs (the interpreter's 4 "SMs" x 1) and small amax blocks: the grid-strided loops of
+    # both kernels take several iterations, with a ragged last block
+    kernels.PROGRAMS_PER_SM, kernels.AMAX_BLOCK = 1, 64
     real_cast = kernels.cast
     kernels.cast = lambda *a, **k: real_cast(*a, **k, config=cfg)
 
