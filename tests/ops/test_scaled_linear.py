@@ -26,6 +26,7 @@ from mcore.tensor_parallel.fp8 import (
     scale_from_amax,
     update_fp8_scales,
 )
+from mcore.testing import conformance
 from mcore.testing.distributed import test_backend_name as _test_backend_name
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -120,6 +121,15 @@ def test_cast_from_amax_forms_the_scale_and_records_amaxes(backend, dtype, shape
     assert record.tolist() == [7.0, 41.0, 7.0]
     backend.ops.fp8_cast((x * 0.01).to(dev), dtype, scale=torch.tensor(2.0, device=dev), amax_record=slot)
     assert record.tolist() == [7.0, 41.0, 7.0]  # a running max
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in conformance.OP_CASES if c.op.startswith("fp8_")], ids=lambda c: c.name
+)
+def test_fp8_conformance_cases(backend, case):
+    """The conformance suite's FP8 cast cases on the selected backend: the same bytes as the reference."""
+    for dtype in case.dtypes:
+        conformance.check_op(backend, case, dtype)
 
 
 def _operands(gen, m, n, k, rowwise, a_dtype=E4M3, b_dtype=E4M3):
