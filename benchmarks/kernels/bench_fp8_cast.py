@@ -120,6 +120,18 @@ def main() -> None:
                 rows.append(
                     {"shape": f"[{m}, {k}]", "path": f"sweep {bm}x{bk}/{warps}", "ms": ms, "GB/s": gbs}
                 )
+    if args.sweep:  # the amax-recording cast: programs per SM of its grid-strided loop
+        from mcore.backends.cuda.triton_kernels import fp8_cast as kernels
+
+        x = torch.randn(TOKENS, 8192, device=dev, dtype=torch.bfloat16)
+        scale, record = torch.tensor(3.0, device=dev), torch.zeros(1, device=dev)
+        default = kernels.PROGRAMS_PER_SM
+        for per_sm in (2, 4, 8, 16, 10**6):
+            kernels.PROGRAMS_PER_SM = per_sm
+            ms = bench(lambda: kernels.cast(x, fp8, scale=scale, columnwise=True, amax_record=record))
+            print(f"sweep recording cast [{TOKENS}, 8192] programs/SM {per_sm}: {ms * 1e3:7.1f} us")
+            rows.append({"shape": f"[{TOKENS}, 8192]", "path": f"sweep record {per_sm}/SM", "ms": ms})
+        kernels.PROGRAMS_PER_SM = default
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -116,7 +116,8 @@ def _cast_kernel(
     if pid == 0:
         tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
     tiles_k = tl.cdiv(K, BLOCK_K)
-    running_amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    # per row of the tile: max over the row is a reduction within warps (no shared memory, no barrier)
+    running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for tile in range(pid, tl.cdiv(M, BLOCK_M) * tiles_k, programs):
         rows = ((tile // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = ((tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
@@ -124,7 +125,7 @@ def _cast_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
         x = x.to(tl.float32)
         if RECORD_AMAX:
-            running_amax = tl.maximum(running_amax, tl.where(x == x, tl.abs(x), float("inf")))
+            running_amax = tl.maximum(running_amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
         y = x * scale
         # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
         y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
@@ -137,7 +138,7 @@ def _cast_kernel(
             mask_t = (cols[:, None] < K) & (rows[None, :] < M)
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
     if RECORD_AMAX:
-        tl.atomic_max(amax_record_ptr, tl.max(tl.max(running_amax, axis=1), axis=0))
+        tl.atomic_max(amax_record_ptr, tl.max(running_amax, axis=0))
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
