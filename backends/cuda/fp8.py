@@ -12,8 +12,8 @@ serves only its kernels. ``torch._scaled_mm`` is the cuBLASLt FP8 GEMM torchao i
 * per-row scales (``[M, 1]`` x ``[1, N]``): Hopper (sm_90) only, bf16 output.
 
 The per-tensor casts of the tensorwise and delayed recipes (``fp8_amax``, ``fp8_cast``) are the
-hand-written Triton kernels of :mod:`mcore.backends.cuda.triton_kernels.fp8_cast`: an amax pass with
-one atomic per block, then one kernel that forms the scale on the device, casts, writes the FP8
+hand-written Triton kernels of :mod:`mcore.backends.cuda.triton_kernels.fp8_cast`: an amax pass
+(grid-strided, one atomic per program), then one kernel that forms the scale on the device, casts, writes the FP8
 tensor and its transpose with coalesced stores (the other GEMMs' NT operand) and, for the delayed
 recipe, records the amax in the same pass. The row-scaled cast (``fp8_quantize``, rowwise recipe) is
 an Inductor-generated kernel (``torch.compile`` of the reference, dynamic shapes). Inside an outer

@@ -76,7 +76,9 @@ class Fp8DelayedState(torch.nn.Module):
     ``[L, 3]``, the current ``scale [3]`` and the amax recorded during this step ``pending_amax [3]``.
 
     History and scales are buffers (so they move with the module and live on its device) and go into
-    checkpoints through :func:`fp8_extra_state`; ``pending_amax`` is zero at step boundaries.
+    checkpoints through :func:`fp8_extra_state`; ``pending_amax`` is zero at step boundaries and the
+    casts keep the running max of each role's amaxes in it (``fp8_cast(amax_record=...)``, in place:
+    graph- and recompute-safe).
     """
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | None = None):
@@ -86,11 +88,6 @@ class Fp8DelayedState(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("pending_amax", torch.zeros(3, device=device), persistent=False)
-
-    def record(self, role: int, amax: torch.Tensor) -> None:
-        """Keep the largest amax seen for ``role`` this step (in place: graph- and recompute-safe)."""
-        slot = self.pending_amax[role : role + 1]
-        torch.maximum(slot, amax.reshape(1), out=slot)
 
     def extra_repr(self) -> str:
         return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}"
