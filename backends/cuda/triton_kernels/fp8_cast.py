@@ -7,17 +7,19 @@ Transformer Engine's current-scaling cast is two passes over a bf16 tensor ``x [
 * :func:`amax`: a grid-strided loop over blocks of ``x`` keeps a running ``max |x|`` in registers;
   each program ``atomic_max``-es it into one fp32 word (zeroed first), so the amax costs one read of
   ``x`` and no partial-results pass.
-* :func:`cast`: ``[BLOCK_M, BLOCK_K]`` tiles (grid-strided when it records an amax). Each program forms the scale on the
-  device from the amax (no separate scale kernels: the host never waits, and CUDA graphs capture it),
-  casts its tile and writes it to ``q [M, K]`` (``rowwise``) and/or, transposed in registers and
-  shared memory, to ``q^T [K, M]`` (``columnwise``), both with coalesced stores; program ``(0, 0)``
-  writes ``scale_inv``. With a given scale (the delayed recipe) it can instead record the tile's amax
-  into a running-max slot (``amax_record``), so delayed scaling needs no amax pass at all.
+* :func:`cast`: ``[BLOCK_M, BLOCK_K]`` tiles, one per program (grid-strided when it records an
+  amax). Each program forms the scale on the device from the amax (no separate scale kernels: the
+  host never waits, and CUDA graphs capture it), casts its tiles and writes them to ``q [M, K]``
+  (``rowwise``) and/or, transposed in registers and shared memory, to ``q^T [K, M]``
+  (``columnwise``), both with coalesced stores; program 0 writes ``scale_inv``. With a given scale
+  (the delayed recipe) it can record the amax into a running-max slot (``amax_record``) in the same
+  pass, so delayed scaling needs no amax pass at all.
 
 The arithmetic is :mod:`mcore.ops.reference`'s bit for bit: the scale is ``(1 / amax) *
-(fp8_max / 2^margin)`` and its inverse ``1 / scale`` with correctly rounded fp32 reciprocals, ``x * scale`` is an fp32 product clamped to the format's finite
-range and rounded to nearest even. A NaN in ``x`` counts as an infinite amax (the reference's NaN
-amax), which gives the same scale (1, as for any amax that is not finite).
+(fp8_max / 2^margin)`` and its inverse ``1 / scale``, with correctly rounded fp32 reciprocals;
+``x * scale`` is an fp32 product clamped to the format's finite range and rounded to nearest even.
+A NaN in ``x`` counts as an infinite amax (the reference's NaN amax), which gives the same scale (1,
+as for any amax that is not finite).
 
 Under Triton's CPU interpreter the fp32 -> fp8 conversion is not round-to-nearest-even (it rounds
 the mantissa half-up and drops the carry into the exponent: 124.4 becomes 64 in e4m3), so there
