@@ -2,7 +2,7 @@
 # FP8 on one GPU (the commands of benchmarks/README.md's FP8 section): the FP8 op/linear tests on
 # CUDA, then bf16 vs FP8 training throughput at 24L h2048 (the plain+compile reference in the FP8
 # run's process) and at a Llama-style 12L h4096. JSON lines under $OUT.
-# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|big|llama|all]
+# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|kernels|big|rowwise|profile|llama|all]
 set -u
 OUT=${OUT:-/tmp/fp8_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,9 +19,17 @@ fi
 if [[ $what == big || $what == all ]]; then
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe tensorwise --reference plain --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise
   $TT $BIG $PA $G --iters 20 --out "$OUT/fp8.jsonl" --label bf16
-  for recipe in delayed rowwise; do
-    $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe $recipe --iters 20 --out "$OUT/fp8.jsonl" --label fp8-$recipe
-  done
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed
+fi
+if [[ $what == rowwise || $what == all ]]; then
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe rowwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-rowwise
+fi
+if [[ $what == profile || $what == all ]]; then
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe tensorwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise-profiled \
+    --profile-steps 2 --profile-out "$OUT/profile.txt" --profile-top 30
+fi
+if [[ $what == kernels || $what == all ]]; then
+  python benchmarks/kernels/bench_fp8_cast.py --json "$OUT/fp8_cast.json" | tee "$OUT/fp8_cast.log"
 fi
 if [[ $what == llama || $what == all ]]; then
   $TT $LLAMA $PA $G $RC --iters 10 --out "$OUT/fp8.jsonl" --label llama-bf16

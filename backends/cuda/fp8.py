@@ -11,11 +11,14 @@ serves only its kernels. ``torch._scaled_mm`` is the cuBLASLt FP8 GEMM torchao i
   added into an fp32 ``main_grad``);
 * per-row scales (``[M, 1]`` x ``[1, N]``): Hopper (sm_90) only, bf16 output.
 
-The casts (``fp8_quantize``, ``fp8_quantize_transpose``) are Inductor-generated Triton kernels
-(``torch.compile`` of the reference, dynamic shapes): one read of the input, the FP8 tensor (and its
-transpose, for the other GEMMs' NT layouts) written in the same pass. Inside an outer
-``torch.compile`` (``--compile-layers``) they trace the reference, which Inductor fuses with the
-neighbouring ops. Shapes ``_scaled_mm`` refuses (a contraction or output dim not a multiple of 16,
+The per-tensor casts of the tensorwise and delayed recipes (``fp8_amax``, ``fp8_cast``) are the
+hand-written Triton kernels of :mod:`mcore.backends.cuda.triton_kernels.fp8_cast`: an amax pass
+(grid-strided, one atomic per program), then one kernel that forms the scale on the device, casts, writes the FP8
+tensor and its transpose with coalesced stores (the other GEMMs' NT operand) and, for the delayed
+recipe, records the amax in the same pass. The row-scaled cast (``fp8_quantize``, rowwise recipe) is
+an Inductor-generated kernel (``torch.compile`` of the reference, dynamic shapes). Inside an outer
+``torch.compile`` (``--compile-layers``) all of them trace the reference, which Inductor fuses with
+the neighbouring ops. Shapes ``_scaled_mm`` refuses (a contraction or output dim not a multiple of 16,
 e5m2 x e5m2) and CPU tensors run the reference (dequantize, matmul in fp32).
 
 The forward GEMM uses fast (single-level) fp32 accumulation and the two gradient GEMMs the split
@@ -58,13 +61,57 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -
     return _compiled(reference.fp8_quantize, _key(x, scale, fp8_dtype))(x, scale, fp8_dtype)
 
 
-def fp8_quantize_transpose(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not x.is_cuda or _compiling():
-        return reference.fp8_quantize_transpose(x, scale, fp8_dtype)
-    compiled = _compiled(reference.fp8_quantize_transpose, _key(x, scale, fp8_dtype))
-    return compiled(x, scale, fp8_dtype)
+def _triton_cast_fits(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    from .ops import _on_kernel_device
+
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _on_kernel_device(x, *tensors)
+
+
+def fp8_amax(x: torch.Tensor) -> torch.Tensor:
+    if _compiling() or not x.is_contiguous() or not _triton_cast_fits(x):
+        return reference.fp8_amax(x)
+    from .triton_kernels import fp8_cast as kernels
+
+    return kernels.amax(x)
+
+
+def fp8_cast(
+    x, fp8_dtype, *, scale=None, amax=None, margin=0, rowwise=True, columnwise=False, amax_record=None
+):
+    given = amax if amax is not None else scale
+    fits = (
+        not _compiling()
+        and (scale is None) != (amax is None)
+        and x.dim() == 2
+        and given.numel() == 1
+        and fp8_dtype in _FP8
+        and given.dtype == torch.float32
+        and (amax_record is None or (amax_record.numel() == 1 and amax_record.dtype == torch.float32))
+        and _triton_cast_fits(x, given, amax_record)
+    )
+    if not fits:
+        return reference.fp8_cast(
+            x,
+            fp8_dtype,
+            scale=scale,
+            amax=amax,
+            margin=margin,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            amax_record=amax_record,
+        )
+    from .triton_kernels import fp8_cast as kernels
+
+    return kernels.cast(
+        x,
+        fp8_dtype,
+        scale=scale,
+        amax=amax,
+        margin=margin,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        amax_record=amax_record,
+    )
 
 
 def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_sinv: torch.Tensor) -> bool:
@@ -126,7 +173,8 @@ def scaled_linear_wgrad(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, main_
 
 FP8_OPS = {
     "fp8_quantize": fp8_quantize,
-    "fp8_quantize_transpose": fp8_quantize_transpose,
+    "fp8_amax": fp8_amax,
+    "fp8_cast": fp8_cast,
     "scaled_linear_forward": scaled_linear_forward,
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,

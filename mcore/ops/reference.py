@@ -439,13 +439,52 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -
     return (x.float() * scale).clamp(-limit, limit).to(fp8_dtype).contiguous()
 
 
-def fp8_quantize_transpose(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, q^T)`` of a 2-D ``x [M, K]`` with one per-tensor ``scale``: ``q [M, K]`` and a contiguous
-    ``q^T [K, M]`` (Transformer Engine's cast-transpose: the NT operand of the other GEMMs)."""
-    # both from x (not q^T from q): a compiler can then write both in one pass over x
-    return fp8_quantize(x, scale, fp8_dtype), fp8_quantize(x.t(), scale, fp8_dtype)
+def fp8_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over all elements as a 0-dim fp32 tensor (NaN where ``x`` has one; a backend may
+    return inf instead: both give the scale 1 and are kept out of the delayed recipe's scales)."""
+    return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def fp8_scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> torch.Tensor:
+    """Current scaling's ``scale = fp8_max / amax / 2^margin`` in fp32 (1 where ``amax`` is 0 or not
+    finite), capped at fp32's largest value: the largest magnitude maps onto the format's largest."""
+    amax = amax.float()
+    scale = (torch.finfo(fp8_dtype).max / (2.0**margin)) / amax
+    ok = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(ok, scale, torch.ones_like(scale))
+    return scale.clamp(max=torch.finfo(torch.float32).max)
+
+
+def fp8_cast(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    margin: int = 0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_record: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Transformer Engine's per-tensor quantize of a 2-D ``x [M, K]``: ``(q, q^T, scale_inv)``.
+
+    The scale is either given (``scale``, 0-dim fp32: the delayed recipe) or formed from ``amax``
+    (0-dim fp32, already reduced over the ranks that share the tensor: current scaling) as
+    :func:`fp8_scale_from_amax` with ``margin``; exactly one of the two. ``rowwise`` returns
+    ``q = fp8_quantize(x, scale) [M, K]`` (else None), ``columnwise`` the contiguous transpose
+    ``q^T [K, M]`` (the NT operand of the other GEMMs; else None), and ``scale_inv = 1 / scale``.
+    ``amax_record`` (a one-element fp32 tensor): ``max(amax_record, fp8_amax(x))`` is stored into it
+    in place (the delayed recipe's amax, taken during the cast instead of in a pass of its own).
+    """
+    if (scale is None) == (amax is None):
+        raise ValueError("fp8_cast takes exactly one of scale= and amax=")
+    if amax is not None:
+        scale = fp8_scale_from_amax(amax, fp8_dtype, margin)
+    if amax_record is not None:
+        torch.maximum(amax_record, fp8_amax(x).reshape(amax_record.shape), out=amax_record)
+    q = fp8_quantize(x, scale, fp8_dtype) if rowwise else None
+    qT = fp8_quantize(x.t(), scale, fp8_dtype) if columnwise else None
+    return q, qT, scale.reciprocal()
 
 
 def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -528,7 +567,8 @@ REFERENCE_OPS = {
     "adam_step_flat": adam_step_flat,
     "accumulate_weight_grad": accumulate_weight_grad,
     "fp8_quantize": fp8_quantize,
-    "fp8_quantize_transpose": fp8_quantize_transpose,
+    "fp8_amax": fp8_amax,
+    "fp8_cast": fp8_cast,
     "scaled_linear_forward": scaled_linear_forward,
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,

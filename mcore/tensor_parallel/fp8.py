@@ -44,6 +44,7 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.config.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, Fp8Recipe  # noqa: F401 (re-exported)
+from mcore.ops import reference
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_size
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -58,12 +59,9 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
     """``fp8_max / amax / 2^margin`` in fp32 (1 where ``amax`` is 0 or not finite), capped at fp32's
-    largest value: the scale that maps the largest magnitude onto the format's largest value."""
-    amax = amax.float()
-    scale = (fp8_max(dtype) / (2.0**margin)) / amax
-    ok = (amax > 0) & torch.isfinite(amax)
-    scale = torch.where(ok, scale, torch.ones_like(scale))
-    return scale.clamp(max=torch.finfo(torch.float32).max)
+    largest value: the scale that maps the largest magnitude onto the format's largest value (the op
+    ``fp8_cast`` forms the same scale itself from an ``amax=``)."""
+    return reference.fp8_scale_from_amax(amax, dtype, margin)
 
 
 def _amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -78,7 +76,9 @@ class Fp8DelayedState(torch.nn.Module):
     ``[L, 3]``, the current ``scale [3]`` and the amax recorded during this step ``pending_amax [3]``.
 
     History and scales are buffers (so they move with the module and live on its device) and go into
-    checkpoints through :func:`fp8_extra_state`; ``pending_amax`` is zero at step boundaries.
+    checkpoints through :func:`fp8_extra_state`; ``pending_amax`` is zero at step boundaries and the
+    casts keep the running max of each role's amaxes in it (``fp8_cast(amax_record=...)``, in place:
+    graph- and recompute-safe).
     """
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | None = None):
@@ -88,11 +88,6 @@ class Fp8DelayedState(torch.nn.Module):
         self.register_buffer("amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("pending_amax", torch.zeros(3, device=device), persistent=False)
-
-    def record(self, role: int, amax: torch.Tensor) -> None:
-        """Keep the largest amax seen for ``role`` this step (in place: graph- and recompute-safe)."""
-        slot = self.pending_amax[role : role + 1]
-        torch.maximum(slot, amax.reshape(1), out=slot)
 
     def extra_repr(self) -> str:
         return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}"
@@ -124,21 +119,22 @@ class Fp8Linear:
             all_reduce_in_tensor_model_parallel_group(amax, self.tp_group, op="max")
         return amax
 
-    def tensor_scale(self, role: int, t: torch.Tensor, record: bool = True) -> torch.Tensor:
-        """The per-tensor scale of ``t`` (role ``role``) for the tensorwise and delayed recipes.
+    def scaling(self, role: int, t: torch.Tensor, record: bool = True) -> dict[str, Any]:
+        """How the op ``fp8_cast`` scales ``t`` (role ``role``) for the tensorwise and delayed recipes:
+        its keyword arguments ``scale=``/``amax=``, ``margin=``, ``amax_record=``.
 
-        Delayed: the step's fixed scale; with ``record`` the amax of ``t`` is kept for the update
-        (training forwards and backwards record, evaluation does not)."""
+        Tensorwise: ``amax=`` the amax of ``t`` (max-reduced over TP where ``t`` is split), from which
+        the cast forms the scale on the device. Delayed: ``scale=`` the step's fixed scale and, with
+        ``record``, ``amax_record=`` this role's running-max slot, which the cast updates in the same
+        pass (training forwards and backwards record, evaluation does not)."""
         if self.state is not None:
+            kwargs: dict[str, Any] = {"scale": self.state.scale[role]}
             if record:
-                self.state.record(role, _amax(t))
-            # a tensor of its own, not a 0-dim view at an offset into the [3] buffer: compiled casts
-            # must not be handed a view whose storage offset they might not guard on
-            return self.state.scale[role].clone()
+                kwargs["amax_record"] = self.state.pending_amax[role : role + 1]
+            return kwargs
         sharded = role == WEIGHT or (role == GRAD_OUTPUT) == (self.parallel_mode == "column")
-        amax = self._reduce(_amax(t), sharded)
-        dtype = self.recipe.bwd_dtype if role == GRAD_OUTPUT else self.recipe.fwd_dtype
-        return scale_from_amax(amax, dtype, self.recipe.margin)
+        amax = self._reduce(get_ops().fp8_amax(t), sharded)
+        return {"amax": amax, "margin": self.recipe.margin}
 
     def row_scale(self, t: torch.Tensor, dtype: torch.dtype, contraction_split: bool) -> torch.Tensor:
         """Rowwise: one scale per row of the NT operand ``t [rows, K]`` (``[rows, 1]``), from the row
@@ -156,8 +152,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 GEMMs (see the module docstring); ``x [..., K]``, ``W [N, K]``.
 
     Saved for backward (tensorwise/delayed): ``x_qT [K, M]`` in FP8 (half the bytes of the bf16 input a
-    bf16 linear keeps) and the weight with its scale; the backward quantizes ``W^T`` again with the
-    same scale, which reproduces the forward's ``W_q`` exactly, instead of keeping an FP8 copy.
+    bf16 linear keeps) and the weight with its amax (tensorwise) or scale (delayed); the backward
+    quantizes ``W^T`` again from the same amax or scale, which reproduces the forward's ``W_q``
+    exactly, instead of keeping an FP8 copy.
     Rowwise (and ``--no-fp8-wgrad``) keep ``x`` itself: the wgrad operand needs other scales.
     """
 
@@ -175,16 +172,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
             w_q, w_sinv = _quantize_rows(call, weight, fwd, row_split)
             ctx.save_for_backward(x2d, weight)
         else:
-            x_scale = call.tensor_scale(INPUT, x2d, training)
-            w_scale = call.tensor_scale(WEIGHT, weight, training)
-            x_sinv, w_sinv = x_scale.reciprocal(), w_scale.reciprocal()
-            if recipe.wgrad:
-                x_q, x_qT = ops.fp8_quantize_transpose(x2d, x_scale, fwd)
-                ctx.save_for_backward(x_qT, x_sinv, weight, w_scale)
-            else:
-                x_q = ops.fp8_quantize(x2d, x_scale, fwd)
-                ctx.save_for_backward(x2d, None, weight, w_scale)
-            w_q = ops.fp8_quantize(weight, w_scale, fwd)
+            x_scaling = call.scaling(INPUT, x2d, training)
+            w_scaling = call.scaling(WEIGHT, weight, training)
+            x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
+            w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
+            # the backward casts W^T again from the same amax (tensorwise) or scale (delayed)
+            ctx.w_from_amax = "amax" in w_scaling
+            w_given = w_scaling["amax" if ctx.w_from_amax else "scale"]
+            x_saved = x_qT if recipe.wgrad else x2d
+            ctx.save_for_backward(x_saved, x_sinv, weight, w_given, w_sinv)
         y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -209,13 +205,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_qT, xT_sinv = _quantize_rows(call, x2d.t(), fwd, False)
                 grad_weight = _fp8_wgrad(ctx, weight, dy_qT, x_qT, dyT_sinv, xT_sinv)
         else:
-            x_saved, x_sinv, weight, w_scale = ctx.saved_tensors
-            dy_scale = call.tensor_scale(GRAD_OUTPUT, dy2d)
-            dy_sinv = dy_scale.reciprocal()
-            dy_q, dy_qT = ops.fp8_quantize_transpose(dy2d, dy_scale, bwd)
+            x_saved, x_sinv, weight, w_given, w_sinv = ctx.saved_tensors
+            dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
+            need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
+            dy_q, dy_qT, dy_sinv = ops.fp8_cast(
+                dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling
+            )
             if ctx.needs_input_grad[0]:
-                w_qT = ops.fp8_quantize(weight.t(), w_scale, fwd)
-                grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_scale.reciprocal(), ctx.out_dtype)
+                w_scaling = (
+                    {"amax": w_given, "margin": recipe.margin} if ctx.w_from_amax else {"scale": w_given}
+                )
+                _, w_qT, _ = ops.fp8_cast(weight, fwd, rowwise=False, columnwise=True, **w_scaling)
+                grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.wgrad:
                     grad_weight = _fp8_wgrad(ctx, weight, dy_qT, x_saved, dy_sinv, x_sinv)

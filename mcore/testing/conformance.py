@@ -206,6 +206,23 @@ def _fp8_quantize_make(dtype, gen):
     return [x, torch.tensor(20.0), torch.float8_e4m3fn], {}
 
 
+def _fp8_amax_make(dtype, gen):
+    return [_randn(gen, 40, 48, scale=3.0, dtype=dtype)], {}
+
+
+def _fp8_cast_make(from_amax: bool):
+    """The cast and its transpose with the scale formed from an amax below the tensor's (the largest
+    values saturate), or with a given scale and the amax recorded in place (the delayed recipe)."""
+
+    def make(dtype, gen):
+        (x, scale, fp8_dtype), _ = _fp8_quantize_make(dtype, gen)
+        if from_amax:
+            return [x, torch.float8_e5m2], {"amax": torch.tensor(300.0), "margin": 1, "columnwise": True}
+        return [x, fp8_dtype], {"scale": scale, "columnwise": True, "amax_record": torch.zeros(1)}
+
+    return make
+
+
 def _fp8_operand(gen, rows: int, k: int, fp8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
     return (torch.randn(rows, k, generator=gen) * 64).to(fp8_dtype)
 
@@ -388,12 +405,16 @@ OP_CASES: tuple[OpCase, ...] = (
         dtypes=(torch.float32, torch.bfloat16),
         capability="fp8",
     ),
-    OpCase(
-        "fp8_quantize_transpose",
-        "fp8_quantize_transpose",
-        _fp8_quantize_make,
-        dtypes=(torch.float32, torch.bfloat16),
-        capability="fp8",
+    OpCase("fp8_amax", "fp8_amax", _fp8_amax_make, dtypes=(torch.float32, torch.bfloat16), capability="fp8"),
+    *(
+        OpCase(
+            f"fp8_cast_{how}",
+            "fp8_cast",
+            _fp8_cast_make(from_amax=how == "from_amax"),
+            dtypes=(torch.float32, torch.bfloat16),
+            capability="fp8",
+        )
+        for how in ("from_amax", "scale_recording_amax")
     ),
     *(
         OpCase(
@@ -491,12 +512,19 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
             assert_close(got.float(), want.float(), bound_dtype, case.kind, f"{what}: {name}")
         return
 
-    if case.op.startswith("fp8_"):  # the cast: exactly the reference's bytes
-        ours = fn(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    if case.op.startswith("fp8_"):  # the casts and the amax: exactly the reference's bytes
+        on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        ours = fn(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args], **on_device)
         expected = ref_fn(*args, **kwargs)
+        if "amax_record" in kwargs:  # updated in place: compared as one more result
+            ours, expected = (*ours, on_device["amax_record"]), (*expected, kwargs["amax_record"])
         ours, expected = (t if isinstance(t, tuple) else (t,) for t in (ours, expected))
         for got, want in zip(ours, expected, strict=True):
-            if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
+            if (got is None) != (want is None):
+                raise ConformanceError(f"{what}: a result is {got!r}, the reference's {want!r}")
+            if want is not None and not torch.equal(
+                got.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+            ):
                 raise ConformanceError(f"{what}: the FP8 bytes differ from the reference's")
         return
 

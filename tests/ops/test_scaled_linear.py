@@ -26,6 +26,7 @@ from mcore.tensor_parallel.fp8 import (
     scale_from_amax,
     update_fp8_scales,
 )
+from mcore.testing import conformance
 from mcore.testing.distributed import test_backend_name as _test_backend_name
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -69,14 +70,66 @@ def test_quantize_is_the_saturating_cast(backend, dtype):
     assert got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got[0, 0].float() == torch.finfo(dtype).max and got[0, 1].float() == -torch.finfo(dtype).max
-    q, qT = backend.ops.fp8_quantize_transpose(x.to(dev), scale.to(dev), dtype)
+    q, qT, scale_inv = backend.ops.fp8_cast(x.to(dev), dtype, scale=scale.to(dev), columnwise=True)
     assert torch.equal(q.cpu().view(torch.uint8), want.view(torch.uint8))
     assert qT.is_contiguous() and torch.equal(qT.cpu().view(torch.uint8), want.t().view(torch.uint8))
+    assert scale_inv.item() == scale.reciprocal().item()
+    q, qT, _ = backend.ops.fp8_cast(x.to(dev), dtype, scale=scale.to(dev), rowwise=False, columnwise=True)
+    assert q is None and torch.equal(qT.cpu().view(torch.uint8), want.t().view(torch.uint8))
     # a transposed view quantizes to the contiguous transpose
     rows = backend.ops.fp8_quantize(x.to(dev).t(), scale.to(dev), dtype).cpu()
     assert rows.is_contiguous() and torch.equal(
         rows.view(torch.uint8), want.t().contiguous().view(torch.uint8)
     )
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(48, 80), (130, 272), (1, 16)], ids=["small", "ragged_tiles", "one_row"])
+def test_cast_from_amax_forms_the_scale_and_records_amaxes(backend, dtype, shape):
+    """``fp8_amax`` then ``fp8_cast(amax=...)``: the current-scaling cast with the scale formed on the
+    device (``fp8_max / amax / 2^margin``), byte for byte the independent model; a given scale with
+    ``amax_record`` keeps the running max of the amaxes (the delayed recipe's pass-free amax)."""
+    dev = backend.device()
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(*shape, generator=gen) * 5).to(torch.bfloat16)
+    x[0, 0] = -41.0  # the amax
+    amax = backend.ops.fp8_amax(x.to(dev))
+    assert amax.dtype == torch.float32 and amax.item() == 41.0
+    amax = amax * 0.5  # a smaller (e.g. stale) amax: the largest values saturate
+    for margin in (0, 2):
+        # fp32, as torch evaluates ``limit / amax``: the reciprocal, then the product
+        scale = torch.tensor(20.5).reciprocal() * (torch.finfo(dtype).max / 2**margin)
+        want = _model_quantize(x.float(), scale, dtype)
+        q, qT, scale_inv = backend.ops.fp8_cast(x.to(dev), dtype, amax=amax, margin=margin, columnwise=True)
+        assert torch.equal(q.cpu().view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(qT.cpu().view(torch.uint8), want.t().contiguous().view(torch.uint8))
+        assert scale_inv.item() == scale.reciprocal().item()
+        limit = torch.finfo(dtype).max
+        assert q[0, 0].float().item() == -min(2 * limit / 2**margin, limit)  # saturated without a margin
+    # a NaN stays NaN (the NaN check downstream sees it)
+    x_nan = x.clone()
+    x_nan[-1, -1] = float("nan")
+    q, qT, _ = backend.ops.fp8_cast(x_nan.to(dev), dtype, amax=amax, columnwise=True)
+    assert torch.isnan(q[-1, -1].float()).item() and torch.isnan(qT[-1, -1].float()).item()
+    # a zero or non-finite amax gives the scale 1 (the reference's guard)
+    for bad in (0.0, float("inf"), float("nan")):
+        _, _, scale_inv = backend.ops.fp8_cast(x.to(dev), dtype, amax=torch.tensor(bad, device=dev))
+        assert scale_inv.item() == 1.0
+    record = torch.full((3,), 7.0, device=dev)
+    slot = record[1:2]
+    backend.ops.fp8_cast(x.to(dev), dtype, scale=torch.tensor(2.0, device=dev), amax_record=slot)
+    assert record.tolist() == [7.0, 41.0, 7.0]
+    backend.ops.fp8_cast((x * 0.01).to(dev), dtype, scale=torch.tensor(2.0, device=dev), amax_record=slot)
+    assert record.tolist() == [7.0, 41.0, 7.0]  # a running max
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in conformance.OP_CASES if c.op.startswith("fp8_")], ids=lambda c: c.name
+)
+def test_fp8_conformance_cases(backend, case):
+    """The conformance suite's FP8 cast cases on the selected backend: the same bytes as the reference."""
+    for dtype in case.dtypes:
+        conformance.check_op(backend, case, dtype)
 
 
 def _operands(gen, m, n, k, rowwise, a_dtype=E4M3, b_dtype=E4M3):

@@ -1,0 +1,202 @@
+"""FP8 casts for the FP8 linears: an amax reduction and one cast(-transpose) kernel per tensor.
+
+Transformer Engine's current-scaling cast is two passes over a bf16 tensor ``x [M, K]``: the amax
+``max |x|`` (one read), then the cast ``q = saturate(x * scale)`` with ``scale = fp8_max / amax /
+2^margin`` (one read, the FP8 writes). Here each pass is one kernel:
+
+* :func:`amax`: a grid-strided loop over blocks of ``x`` keeps a running ``max |x|`` in registers;
+  each program ``atomic_max``-es it into one fp32 word (zeroed first), so the amax costs one read of
+  ``x`` and no partial-results pass.
+* :func:`cast`: ``[BLOCK_M, BLOCK_K]`` tiles, one per program (grid-strided when it records an
+  amax). Each program forms the scale on the device from the amax (no separate scale kernels: the
+  host never waits, and CUDA graphs capture it), casts its tiles and writes them to ``q [M, K]``
+  (``rowwise``) and/or, transposed in registers and shared memory, to ``q^T [K, M]``
+  (``columnwise``), both with coalesced stores; program 0 writes ``scale_inv``. With a given scale
+  (the delayed recipe) it can record the amax into a running-max slot (``amax_record``) in the same
+  pass, so delayed scaling needs no amax pass at all.
+
+The arithmetic is :mod:`mcore.ops.reference`'s bit for bit: the scale is ``(1 / amax) *
+(fp8_max / 2^margin)`` and its inverse ``1 / scale``, with correctly rounded fp32 reciprocals;
+``x * scale`` is an fp32 product clamped to the format's finite range and rounded to nearest even.
+A NaN in ``x`` counts as an infinite amax (the reference's NaN amax), which gives the same scale (1,
+as for any amax that is not finite).
+
+Under Triton's CPU interpreter the fp32 -> fp8 conversion is not round-to-nearest-even (it rounds
+the mantissa half-up and drops the carry into the exponent: 124.4 becomes 64 in e4m3), so there
+the kernel first rounds onto the FP8 grid in fp32 (:func:`_round_to_fp8_grid`, exact) and the
+conversion only re-encodes; on the GPU the hardware conversion (``cvt.rn.satfinite``) rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, sm_count
+
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+_MIN_NORMAL_EXP = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+
+AMAX_BLOCK = 8192
+"""Elements one loop iteration of an :func:`amax` program reduces (16 KB of bf16)."""
+
+PROGRAMS_PER_SM = 16
+"""Programs per multiprocessor of the grid-strided loops, so that each program ends with one atomic
+on the single amax word, not one per block or tile. Measured on an H100 (8192 x 8192 bf16, cast and
+transpose recording the amax): 116 us with 2-4 programs per SM, 105 us with 16, 107 us with one
+program per tile; the same cast without the record 99 us."""
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(numel, BLOCK), programs):
+        offs = tl.full([], BLOCK, tl.int64) * block + tl.arange(0, BLOCK)  # 64-bit offsets
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.where(x == x, tl.abs(x), float("inf")))  # NaN -> inf: not finite either way
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _scale_from_amax(amax, FP8_LIMIT: tl.constexpr):
+    # FP8_LIMIT = fp8_max / 2^margin, exact in fp32. The reference's ``limit / amax`` is torch's
+    # ``amax.reciprocal() * limit`` (how a Python number divided by a tensor is evaluated): the
+    # correctly rounded reciprocal, then one rounded product, not one correctly rounded quotient
+    ok = (amax > 0.0) & (amax < float("inf"))
+    scale = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.where(ok, amax, 1.0)) * FP8_LIMIT
+    scale = tl.where(ok, scale, 1.0)
+    return tl.minimum(scale, 3.4028234663852886e38)
+
+
+@triton.jit
+def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """``y`` (fp32, within the format's range) rounded to nearest even onto the FP8 grid, in fp32:
+    the grid step is ``2^(max(e, e_min) - mantissa_bits)`` for ``y``'s binary exponent ``e``."""
+    exp = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step_exp = tl.maximum(exp, MIN_NORMAL_EXP) - MANTISSA_BITS
+    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
+    t = y * inv_step  # exact (a power of two), |t| < 2^(MANTISSA_BITS + 1)
+    magic = 12582912.0  # 1.5 * 2^23: adding and removing it rounds |t| < 2^22 to an integer, ties to even
+    return ((t + magic) - magic) * step
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_in_ptr,
+    scale_inv_ptr,
+    amax_record_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    FP8_LIMIT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    FROM_AMAX: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    scale = tl.load(scale_in_ptr)
+    if FROM_AMAX:
+        scale = _scale_from_amax(scale, FP8_LIMIT)
+    if pid == 0:
+        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    # per row of the tile: max over the row is a reduction within warps (no shared memory, no barrier)
+    running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M) * tiles_k, programs):
+        rows = ((tile // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = ((tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if RECORD_AMAX:
+            running_amax = tl.maximum(running_amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+        y = x * scale
+        # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
+        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+        if ROUND_IN_FP32:
+            y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+        q = y.to(FP8, fp_downcast_rounding="rtne")
+        if ROWWISE:
+            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        if COLUMNWISE:
+            mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+    if RECORD_AMAX:
+        tl.atomic_max(amax_record_ptr, tl.max(running_amax, axis=0))
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over all elements of a contiguous ``x``, as a 0-dim fp32 tensor (inf with a NaN)."""
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    numel = x.numel()
+    if numel:
+        programs = min(triton.cdiv(numel, AMAX_BLOCK), PROGRAMS_PER_SM * sm_count(x.device))
+        _amax_kernel[(programs,)](x, out, numel, BLOCK=AMAX_BLOCK, num_warps=8)
+    return out
+
+
+def cast(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    margin: int = 0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_record: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """The op ``fp8_cast`` on a 2-D ``x [M, K]`` (any strides): see :func:`mcore.ops.reference.fp8_cast`."""
+    m, k = x.shape
+    fp8_max = float(torch.finfo(fp8_dtype).max)
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
+    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    given = amax if amax is not None else scale
+    cfg = {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, **(config or {})}
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(k, cfg["BLOCK_K"])
+    # one tile a program (more programs in flight) unless the amax is recorded (one atomic a program)
+    grid = (min(tiles, PROGRAMS_PER_SM * sm_count(x.device)) if amax_record is not None else tiles,)
+    _cast_kernel[grid](
+        x,
+        q if q is not None else scale_inv,  # unused pointers still need a tensor
+        qt if qt is not None else scale_inv,
+        given,
+        scale_inv,
+        amax_record if amax_record is not None else scale_inv,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        FP8_LIMIT=fp8_max / 2.0**margin,
+        FP8_MAX=fp8_max,
+        FP8=_TL_FP8[fp8_dtype],
+        MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
+        MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
+        ROUND_IN_FP32=INTERPRET,
+        FROM_AMAX=amax is not None,
+        RECORD_AMAX=amax_record is not None,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+        **cfg,
+    )
+    return q, qt, scale_inv

@@ -1,0 +1,126 @@
+"""The CUDA backend's FP8 cast kernels under Triton's CPU interpreter.
+
+A CPU-only check of ``backends/cuda/triton_kernels/fp8_cast.py`` through the CUDA dispatchers
+``fp8_amax`` and ``fp8_cast``: the amax (NaN counted as inf; grid-strided blocks), the cast with the scale formed from an
+amax in the kernel (margins, saturation, zero and non-finite amaxes), the transposed write alone or
+with the row-major one, tiles that do not divide the shape, a strided input (``W^T`` as a view), a
+given scale with the amax recorded into a slot (grid-strided tiles) of a larger buffer, against
+:mod:`mcore.ops.reference`: the FP8 bytes, the scale inverse and the amax must be identical. The
+kernels run on CPU tensors with ``TRITON_INTERPRET=1``, which must be on before Triton defines them,
+so the checks run in a child process. It needs Triton installed (the ``test`` extra installs it, so
+CI runs it); ``MCORE_TEST_BACKEND=cuda pytest tests/ops/test_scaled_linear.py`` is the GPU check.
+
+By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_fp8_cast_interpret.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+def test_fp8_cast_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _main() -> int:
+    import torch
+    from mcore.backends.cuda import fp8 as cuda_fp8
+    from mcore.backends.cuda.triton_kernels import fp8_cast as kernels
+
+    from mcore.ops import reference
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    gen = torch.Generator().manual_seed(0)
+    failures = []
+    calls = {"amax": 0, "cast": 0}
+    for name in calls:  # count kernel launches: the dispatchers must not fall back to the reference
+        original = getattr(kernels, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(kernels, name, counted)
+
+    def same(what, got, want):
+        if (got is None) != (want is None):
+            failures.append(f"{what}: {got!r} vs {want!r}")
+            return
+        if got is None:
+            return
+        ok = got.dtype == want.dtype and got.shape == want.shape
+        ok = ok and torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        print(what, "ok" if ok else "DIFFERS")
+        if not ok:
+            failures.append(what)
+
+    cfg = {"BLOCK_M": 32, "BLOCK_K": 16, "num_warps": 4}  # several ragged tiles on small shapes
+    # few programs (the interpreter's 4 "SMs" x 1) and small amax blocks: the grid-strided loops of
+    # both kernels take several iterations, with a ragged last block
+    kernels.PROGRAMS_PER_SM, kernels.AMAX_BLOCK = 1, 64
+    real_cast = kernels.cast
+    kernels.cast = lambda *a, **k: real_cast(*a, **k, config=cfg)
+
+    for shape in ((37, 50), (64, 32), (1, 16)):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(*shape, generator=gen) * 4).to(dtype)
+            x[0, -1] = 30.0
+            what = f"{tuple(shape)} {str(dtype)[6:]}"
+            same(f"amax {what}", cuda_fp8.fp8_amax(x), reference.fp8_amax(x))
+            for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                for margin in (0, 3):
+                    for amax in (30.0, 11.0, 0.0, float("inf")):  # exact, saturating, the two guards
+                        a = torch.tensor(amax)
+                        for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+                            args = dict(amax=a, margin=margin, rowwise=rowwise, columnwise=columnwise)
+                            got = cuda_fp8.fp8_cast(x, fp8_dtype, **args)
+                            want = reference.fp8_cast(x, fp8_dtype, **args)
+                            tag = f"cast {what} {str(fp8_dtype)[6:]} m{margin} amax {amax} {rowwise}/{columnwise}"
+                            for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+                                same(f"{tag} {part}", g, w)
+            # a transposed view (the weight's W^T), a given scale, the amax recorded into a slot
+            for source in (x, x.t()):
+                slot_got, slot_want = torch.full((3,), 2.0), torch.full((3,), 2.0)
+                scale = torch.full((3,), 9.5)[1]
+                got = cuda_fp8.fp8_cast(
+                    source, torch.float8_e4m3fn, scale=scale, columnwise=True, amax_record=slot_got[1:2]
+                )
+                want = reference.fp8_cast(
+                    source, torch.float8_e4m3fn, scale=scale, columnwise=True, amax_record=slot_want[1:2]
+                )
+                for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+                    same(f"scaled {what} strides {source.stride()} {part}", g, w)
+                same(f"recorded amax {what} strides {source.stride()}", slot_got, slot_want)
+
+    x = torch.randn(40, 24, generator=gen)
+    x[3, 5] = float("nan")
+    got = cuda_fp8.fp8_amax(x)
+    print("amax with a NaN", got.item())
+    if got.item() != float("inf"):
+        failures.append(f"amax with a NaN: {got.item()} (want inf)")
+    # (the interpreter encodes a NaN as 384, not e4m3fn's NaN: the GPU test checks that NaN stays NaN)
+    _, _, scale_inv = cuda_fp8.fp8_cast(x, torch.float8_e4m3fn, amax=got)
+    if scale_inv.item() != 1.0:
+        failures.append(f"a NaN amax: the scale inverse is {scale_inv.item()}, not 1")
+
+    print("kernel launches", calls)
+    if not (calls["amax"] and calls["cast"]):
+        failures.append(f"the dispatchers fell back to the reference: {calls}")
+    if failures:
+        print("FAILED:", *failures[:20], sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
