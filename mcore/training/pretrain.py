@@ -38,6 +38,12 @@ from mcore.distributed.watchdog import watch_job
 from mcore.models.config import padded_vocab_size, validate_model_parallel
 from mcore.models.layer_graphs import GRAPH_SAFE_RECOMPUTE_MODULES, attach_layer_graphs, check_layer_graphs
 from mcore.optimizer import build_optimizer, format_memory_report
+from mcore.pipeline.encoder_decoder import (
+    ModelType,
+    build_encoder_decoder_chunks,
+    encoder_decoder_stages,
+    encoder_decoder_tensor_shapes,
+)
 from mcore.pipeline.layout import build_model_chunks
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
 from mcore.tensor_parallel.random import model_parallel_seed
@@ -52,6 +58,7 @@ from mcore.training.trainer import Trainer, print_rank_0, print_rank_last
 
 __all__ = [
     "GRAPH_SAFE_RECOMPUTE_MODULES",
+    "ModelType",
     "TrainContext",
     "TrainResult",
     "TrainState",
@@ -112,10 +119,22 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
     return cfg.replace(training=training)
 
 
-def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable, vocab_size: int):
-    """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
+def build_model(
+    cfg: RunConfig,
+    groups: ProcessGroups,
+    model_provider: Callable,
+    vocab_size: int,
+    model_type: ModelType = ModelType.encoder_or_decoder,
+):
+    """This rank's model chunks, each wrapped for data-parallel gradient reduction.
+
+    An encoder-decoder model (T5) is laid out by :mod:`mcore.pipeline.encoder_decoder`: its provider
+    gets ``add_encoder``/``add_decoder`` and each stack's layer range instead of ``layer_offset``."""
     provider = functools.partial(model_provider, cfg, groups, vocab_size)
-    chunks = build_model_chunks(provider, groups, cfg.parallel, cfg.model.num_layers)
+    if model_type == ModelType.encoder_and_decoder:
+        chunks = build_encoder_decoder_chunks(provider, groups, _encoder_decoder_stages(cfg))
+    else:
+        chunks = build_model_chunks(provider, groups, cfg.parallel, cfg.model.num_layers)
     if cfg.training.compile_layers:
         backend = current_backend()
         if "compile_layers" not in backend.capabilities():
@@ -127,6 +146,33 @@ def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable,
         attach_layer_graphs(chunks, current_backend())
     ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
     return [DistributedDataParallel(chunk, ddp_config, groups) for chunk in chunks]
+
+
+def _encoder_decoder_stages(cfg: RunConfig):
+    m = cfg.model
+    return encoder_decoder_stages(
+        m.encoder_num_layers,
+        m.decoder_num_layers,
+        cfg.parallel.pipeline_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_split_rank,
+    )
+
+
+def pipeline_tensor_shapes(cfg: RunConfig, groups: ProcessGroups, model_type: ModelType):
+    """The schedule's ``tensor_shapes``: None (one ``[s, b, h]`` tensor) except for an encoder-decoder
+    model on several stages (:func:`~mcore.pipeline.encoder_decoder.encoder_decoder_tensor_shapes`)."""
+    if model_type != ModelType.encoder_and_decoder or groups.pp_size == 1:
+        return None
+    m = cfg.model
+    return encoder_decoder_tensor_shapes(
+        _encoder_decoder_stages(cfg),
+        encoder_seq_length=m.encoder_seq_length,
+        decoder_seq_length=m.decoder_seq_length,
+        micro_batch_size=cfg.training.micro_batch_size,
+        hidden_size=m.hidden_size,
+        tensor_model_parallel_size=groups.tp_size,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )
 
 
 def train_valid_test_num_samples(cfg: RunConfig) -> tuple[int, int, int]:
@@ -150,14 +196,16 @@ def build_data_iterators(
     state: TrainState,
     backend: DeviceBackend,
     num_chunks: int,
+    every_stage: bool = False,
 ):
     """Per split: whether it exists (known on every rank) and, on the ranks that take data (first and
-    last pipeline stage), one iterator per model chunk (each chunk reads the same micro-batches)."""
+    last pipeline stage; every stage with ``every_stage``, as an encoder-decoder model's masks are
+    needed everywhere), one iterator per model chunk (each chunk reads the same micro-batches)."""
     datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
     # A split asked for no samples (--eval-iters 0) may hold none (a tiny test share): no loader then.
     datasets = [ds if ds is not None and len(ds) > 0 else None for ds in datasets]
     exists = tuple(ds is not None for ds in datasets)
-    if not (groups.is_first_stage or groups.is_last_stage):
+    if not (every_stage or groups.is_first_stage or groups.is_last_stage):
         return exists, (None, None, None)
     pin = backend.device_type != "cpu"
     mbs = cfg.training.micro_batch_size
@@ -233,12 +281,14 @@ def pretrain(
     extra_config_groups: dict[str, type] | None = None,
     cfg: RunConfig | None = None,
     args_defaults: dict | None = None,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> TrainResult:
     """Train a model with Megatron-LM's command line (see the module docstring for the providers).
 
     User mistakes (bad flags, impossible layouts, unavailable backends, missing data) end the process
     with one message on stderr and exit status 2. ``args_defaults`` are the script's own defaults by
-    config field name, as in Megatron (``{"tokenizer_type": "GPT2BPETokenizer"}``).
+    config field name, as in Megatron (``{"tokenizer_type": "GPT2BPETokenizer"}``). ``model_type``:
+    Megatron's ``ModelType`` (``encoder_and_decoder`` for T5: see :mod:`mcore.pipeline.encoder_decoder`).
     """
     try:
         cfg = cfg or parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
@@ -252,7 +302,7 @@ def pretrain(
         raise SystemExit(2) from None
     try:
         with watch_job(groups, cfg.parallel, user_errors=USER_ERRORS):
-            return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider)
+            return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider, model_type)
     except USER_ERRORS as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -270,8 +320,9 @@ def _pretrain(
     model_provider: Callable,
     forward_step: Callable,
     datasets_provider: Callable,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> TrainResult:
-    ctx = build_training(cfg, groups, backend, model_provider, datasets_provider)
+    ctx = build_training(cfg, groups, backend, model_provider, datasets_provider, model_type=model_type)
     return Trainer.from_context(ctx, forward_step).train()
 
 
@@ -284,6 +335,7 @@ def build_training(
     *,
     vocab_size: int | None = None,
     verbose: bool = True,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> TrainContext:
     """Build a run on set-up process groups: seeds, tokenizer and padded vocabulary, model chunks (DDP),
     optimizer, micro-batch calculator, LR schedule, the ``--load`` checkpoint, data iterators.
@@ -304,7 +356,7 @@ def build_training(
         f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size}; padded vocab {vocab}"
     )
 
-    model = build_model(cfg, groups, model_provider, vocab)
+    model = build_model(cfg, groups, model_provider, vocab, model_type)
     if verbose and groups.dp_rank == 0:
         count = sum(p.nelement() for chunk in model for p in unwrap_model(chunk).parameters())
         print(format_parameter_count(groups.tp_rank, groups.pp_rank, count), flush=True)
@@ -327,11 +379,14 @@ def build_training(
     ctx = TrainContext(
         cfg=cfg, groups=groups, backend=backend, tokenizer=tokenizer, padded_vocab_size=vocab,
         tokenizer_vocab_size=tokenizer.vocab_size, model=model, optimizer=optimizer, scheduler=scheduler,
-        batches=batches, state=state,
+        batches=batches, state=state, tensor_shapes=pipeline_tensor_shapes(cfg, groups, model_type),
     )  # fmt: skip
     if datasets_provider is not None:
         (_, ctx.has_valid, ctx.has_test), (ctx.train_iter, ctx.valid_iter, ctx.test_iter) = (
-            build_data_iterators(cfg, groups, tokenizer, datasets_provider, state, backend, len(model))
+            build_data_iterators(
+                cfg, groups, tokenizer, datasets_provider, state, backend, len(model),
+                every_stage=model_type == ModelType.encoder_and_decoder,
+            )  # fmt: skip
         )
         if t.eval_iters > 0 and not ctx.has_valid:
             say(no_validation_warning(cfg))
