@@ -22,15 +22,18 @@ from mcore.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, op
 from mcore.data.loader import build_pretraining_data_loader  # sampler + workers
 from mcore.data.mock_dataset import MockGPTDataset  # --mock-data
 from mcore.data.tokenizers import (  # --tokenizer-type
+    BertWordPieceTokenizer,
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
     NullTokenizer,
     Tokenizer,
     build_tokenizer,
     train_bpe_tokenizer,
+    train_wordpiece_vocab,
 )
 
 __all__ = [
+    "BertWordPieceTokenizer",
     "BlendedDataset",
     "DataConfig",
     "DataError",
@@ -49,4 +52,5 @@ __all__ = [
     "build_train_valid_test_datasets",
     "optimal_dtype",
     "train_bpe_tokenizer",
+    "train_wordpiece_vocab",
 ]

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from mcore.config.fields import ConfigError, check, flag
 from mcore.data.splits import DEFAULT_SPLIT, parse_blend, parse_split
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+    # BERT
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+)
+BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,10 +103,10 @@ class TokenizerConfig:
     """Tokenizer selection and its files."""
 
     tokenizer_type: str | None = flag(None, "Tokenizer to use.", choices=TOKENIZER_TYPES)
-    """GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer."""
+    """GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, BertWordPieceLowerCase or BertWordPieceCase."""
     vocab_file: str | None = flag(
         None,
-        "GPT-2 vocab.json (GPT2BPETokenizer). --vocab is kept as a spelling: the CodeParrot blog's "
+        "GPT-2 vocab.json (GPT2BPETokenizer) or WordPiece vocab.txt (BertWordPiece*). --vocab is kept as a spelling: the CodeParrot blog's "
         "preprocessing line abbreviates it so.",
         aliases=("--vocab",),
     )
@@ -111,9 +119,15 @@ class TokenizerConfig:
     """Path of a Hugging Face tokenizer; nothing is downloaded."""
     vocab_size: int | None = flag(None, "Vocabulary size without EOD (NullTokenizer).")
     """NullTokenizer ids are 0..vocab_size-1 and EOD = vocab_size."""
+    # BERT
+    vocab_extra_ids: int = flag(
+        0, "Append <extra_id_0..N-1> to a BertWordPiece vocabulary (T5's sentinel tokens)."
+    )
+    """Number of T5 sentinel tokens appended after [BOS] and [EOS]."""
 
     def __post_init__(self) -> None:
         kind = self.tokenizer_type
+        check(self.vocab_extra_ids >= 0, f"--vocab-extra-ids {self.vocab_extra_ids} must be >= 0")
         check(
             kind is None or kind in TOKENIZER_TYPES,
             f"tokenizer_type={kind!r} is not one of {', '.join(TOKENIZER_TYPES)}",
@@ -128,6 +142,11 @@ class TokenizerConfig:
             check(
                 self.tokenizer_model is not None,
                 "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model",
+            )
+        elif kind in BERT_TOKENIZER_TYPES:
+            check(
+                self.vocab_file is not None,
+                f"--tokenizer-type {kind} needs --vocab-file (a WordPiece vocab.txt)",
             )
         elif kind == "NullTokenizer":
             check(

@@ -1,6 +1,7 @@
-"""Tokenizers for ``--tokenizer-type``: GPT-2 byte-level BPE, a local Hugging Face tokenizer, and a null one.
+"""Tokenizers for ``--tokenizer-type``: GPT-2 byte-level BPE, BERT WordPiece, a local Hugging Face tokenizer,
+and a null one.
 
-All BPE work is done by the Hugging Face ``tokenizers`` library (Rust), imported lazily so that
+All BPE and WordPiece work is done by the Hugging Face ``tokenizers`` library (Rust), imported lazily so that
 ``import mcore`` does not need it. Every tokenizer offers:
 
 * ``tokenize(text) -> list[int]`` and ``tokenize_batch(texts) -> list[list[int]]``,
@@ -257,6 +258,130 @@ class HuggingFaceTokenizer(_RustBPE):
         )
 
 
+BERT_SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[PAD]", "[MASK]")
+
+
+def load_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
+    """``vocab.txt`` -> {token: id}: one token per line, id = line number, surrounding whitespace stripped
+    (as Megatron's and Google's ``load_vocab``).
+
+    Raises:
+        DataError: a missing or non-UTF-8 file, or a token listed twice (Megatron would silently give the
+            later line's id and a vocabulary size that collides with the tokens it appends).
+    """
+    vocab: dict[str, int] = {}
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            for index, line in enumerate(f):
+                token = line.strip()
+                if token in vocab:
+                    raise DataError(
+                        f"--vocab-file {vocab_file}: token {token!r} on line {index + 1} is already on line "
+                        f"{vocab[token] + 1}; a WordPiece vocabulary lists each token once"
+                    )
+                vocab[token] = index
+    except FileNotFoundError:
+        raise DataError(f"--vocab-file {vocab_file}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"--vocab-file {vocab_file}: not UTF-8 text: {err}") from None
+    return vocab
+
+
+class BertWordPieceTokenizer(_RustBPE):
+    """Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``: BERT WordPiece from a ``vocab.txt``.
+
+    The work is done by the ``tokenizers`` library with BERT's pipeline: clean text (control characters
+    dropped, whitespace -> space), CJK characters split apart, lowercasing *and* accent stripping (NFD,
+    combining marks dropped) only for the lower-case variant, split on whitespace and punctuation, then
+    greedy longest-match-first WordPiece with ``##`` continuations and ``[UNK]`` for a word that does not
+    decompose or is longer than 200 characters (Google's and Megatron's limit; Hugging Face's
+    ``BertTokenizer`` uses 100). ``tokenize`` adds no ``[CLS]``/``[SEP]`` (the datasets place them).
+
+    As Megatron's ``_BertWordPieceTokenizer``: ``[BOS]`` and ``[EOS]`` are appended to the vocabulary when
+    absent, then ``<extra_id_0..N-1>`` for ``--vocab-extra-ids N`` (T5's sentinels); ``vocab_size`` counts
+    them (a 30522-token ``vocab.txt`` gives 30524); ``eod`` is ``[EOS]``; ``cls/sep/pad/mask`` are the ids of
+    ``[CLS] [SEP] [PAD] [MASK]``. Like Megatron, the appended tokens are ids only: the same strings inside
+    a text are tokenized as ordinary text (Hugging Face's BertTokenizer keeps ``[MASK]`` etc. whole).
+    ``detokenize`` joins the tokens with spaces and glues ``##`` pieces, as Megatron's ``decode``.
+
+    Raises:
+        DataError: a missing/unreadable/duplicated vocabulary, or one without ``[CLS] [SEP] [PAD] [MASK]
+            [UNK]``.
+    """
+
+    def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0) -> None:
+        if vocab_extra_ids < 0:
+            raise DataError(f"--vocab-extra-ids {vocab_extra_ids} must be >= 0")
+        self.vocab_file = vocab_file
+        self.lower_case = lower_case
+        self.vocab_extra_ids = vocab_extra_ids
+        vocab = load_wordpiece_vocab(vocab_file)
+        missing = [t for t in (*BERT_SPECIAL_TOKENS, "[UNK]") if t not in vocab]
+        if missing:
+            raise DataError(f"--vocab-file {vocab_file}: no {' '.join(missing)} token (BERT needs them)")
+        self._wordpiece_size = len(vocab)
+        self.bos_token, self.eos_token = "[BOS]", "[EOS]"
+        self.additional_special_tokens = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        for token in (self.bos_token, self.eos_token, *self.additional_special_tokens):
+            vocab.setdefault(token, len(vocab))
+        self.vocab = vocab
+        self.inv_vocab = {i: t for t, i in vocab.items()}
+        self.vocab_size = len(vocab)
+        self.cls, self.sep, self.pad, self.mask = (vocab[t] for t in BERT_SPECIAL_TOKENS)
+        self.bos, self.eos = vocab[self.bos_token], vocab[self.eos_token]
+        self._tok = self._load()
+
+    def _load(self) -> Any:
+        tk = _import_tokenizers()
+        # The WordPiece model knows only vocab.txt; appended tokens are never produced from text.
+        wordpiece_vocab = {t: i for t, i in self.vocab.items() if i < self._wordpiece_size}
+        tok = tk.Tokenizer(
+            tk.models.WordPiece(
+                wordpiece_vocab,
+                unk_token="[UNK]",
+                max_input_chars_per_word=200,
+                continuing_subword_prefix="##",
+            )
+        )
+        tok.normalizer = tk.normalizers.BertNormalizer(
+            clean_text=True,
+            handle_chinese_chars=True,
+            strip_accents=self.lower_case,
+            lowercase=self.lower_case,
+        )
+        tok.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+        return tok
+
+    @property
+    def eod(self) -> int:
+        return self.eos
+
+    @property
+    def additional_special_tokens_ids(self) -> list[int]:
+        """Ids of ``<extra_id_0..N-1>`` in order."""
+        return [self.vocab[t] for t in self.additional_special_tokens]
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        ids = {self.cls, self.sep, self.mask, self.bos, self.eos, self.vocab["[UNK]"]}
+        return frozenset(ids | set(self.additional_special_tokens_ids))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        tokens = [self.inv_vocab[int(i)] for i in ids]
+        return " ".join(tokens).replace(" ##", "").strip()
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(
+            [
+                ("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                ("tokenizer_path", [self.vocab_file]),
+                ("lower_case", self.lower_case),
+                ("vocab_extra_ids", self.vocab_extra_ids),
+            ]
+        )
+
+
 class NullTokenizer(Tokenizer):
     """Synthetic runs: text is whitespace-separated integer ids; ``vocab_size = V + 1``, ``eod = V``."""
 
@@ -300,8 +425,16 @@ def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
     if kind == "NullTokenizer":
         assert config.vocab_size is not None
         return NullTokenizer(config.vocab_size)
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        assert config.vocab_file is not None
+        return BertWordPieceTokenizer(
+            config.vocab_file,
+            lower_case=kind == "BertWordPieceLowerCase",
+            vocab_extra_ids=config.vocab_extra_ids,
+        )
     raise DataError(
-        f"--tokenizer-type {kind!r}: choose GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer"
+        f"--tokenizer-type {kind!r}: choose GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, "
+        "BertWordPieceLowerCase or BertWordPieceCase"
         if kind
         else "--tokenizer-type is required to build a tokenizer"
     )
@@ -361,3 +494,67 @@ def train_bpe_tokenizer(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return paths[0], paths[1]
+
+
+def train_wordpiece_vocab(
+    files_or_iterator: str | os.PathLike | Sequence[str | os.PathLike] | Iterable[str],
+    vocab_size: int,
+    output_dir: str | os.PathLike,
+    lower_case: bool = True,
+    min_frequency: int = 2,
+) -> str:
+    """Train a BERT WordPiece vocabulary and write ``vocab.txt`` (one token per line) to ``output_dir``.
+
+    The vocabulary starts with ``[PAD] [UNK] [CLS] [SEP] [MASK]`` (ids 0-4), then the alphabet and the
+    learned pieces; it works with ``--tokenizer-type BertWordPieceLowerCase`` (``lower_case=True``) or
+    ``BertWordPieceCase`` and with Hugging Face's ``BertTokenizer``. The text is normalized as the
+    tokenizer will normalize it (lowercasing and accent stripping only when ``lower_case``).
+
+    Args:
+        files_or_iterator: a text file path, a list of paths, or an iterable of strings (documents).
+        vocab_size: the largest vocabulary size, special tokens included.
+        output_dir: created if missing; ``vocab.txt`` is written atomically.
+        lower_case: train for the lower-case variant.
+        min_frequency: a pair must occur this often to be merged.
+
+    Returns:
+        The path of ``vocab.txt``.
+    """
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    if vocab_size <= len(specials):
+        raise ValueError(f"vocab_size={vocab_size} must exceed the {len(specials)} special tokens")
+    tk = _import_tokenizers()
+    tok = tk.Tokenizer(tk.models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = tk.normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case
+    )
+    tok.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+    trainer = tk.trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        continuing_subword_prefix="##",
+        show_progress=False,
+    )
+    if isinstance(files_or_iterator, (str, os.PathLike)):
+        tok.train([os.fspath(files_or_iterator)], trainer)
+    elif isinstance(files_or_iterator, Sequence) and all(
+        isinstance(f, (str, os.PathLike)) and os.path.isfile(f) for f in files_or_iterator
+    ):
+        tok.train([os.fspath(f) for f in files_or_iterator], trainer)
+    else:
+        tok.train_from_iterator(files_or_iterator, trainer)
+    vocab = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    output_dir = os.fspath(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    final = os.path.join(output_dir, "vocab.txt")
+    fd, staging = tempfile.mkstemp(prefix=".vocab-", dir=output_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(token + "\n" for token, _ in vocab)
+        os.replace(staging, final)
+    except BaseException:
+        if os.path.exists(staging):
+            os.remove(staging)
+        raise
+    return final
