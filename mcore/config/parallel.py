@@ -97,7 +97,10 @@ class ParallelConfig:
         """Fold ``--encoder-pipeline-model-parallel-size E`` into the split rank: ``E`` encoder stages
         before the ``--pipeline-model-parallel-size`` decoder stages, ``E + P`` stages in all (kept as
         ``pipeline_model_parallel_size = E + P``, ``pipeline_model_parallel_split_rank = E``)."""
-        encoder_stages, split = self.encoder_pipeline_model_parallel_size, self.pipeline_model_parallel_split_rank
+        encoder_stages, split = (
+            self.encoder_pipeline_model_parallel_size,
+            self.pipeline_model_parallel_split_rank,
+        )
         if encoder_stages is not None and encoder_stages > 0:
             check(
                 split is None,
@@ -105,7 +108,9 @@ class ParallelConfig:
                 "not both",
             )
             split = encoder_stages
-            object.__setattr__(self, "pipeline_model_parallel_size", self.pipeline_model_parallel_size + split)
+            object.__setattr__(
+                self, "pipeline_model_parallel_size", self.pipeline_model_parallel_size + split
+            )
             object.__setattr__(self, "pipeline_model_parallel_split_rank", split)
             object.__setattr__(self, "encoder_pipeline_model_parallel_size", None)
         if split is not None:

@@ -17,7 +17,9 @@ caches) first while the other ranks wait at a barrier, then they load the cached
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +36,20 @@ Sizes = Sequence[int | None]
 Datasets = tuple[
     torch.utils.data.Dataset | None, torch.utils.data.Dataset | None, torch.utils.data.Dataset | None
 ]
+
+
+@dataclass(frozen=True)
+class DatasetKind:
+    """What the builder makes of each split: ``dataset(low, path, indices, num_samples, split, config)``
+    over a low-level dataset (``open(prefix, config)``; ``mock_low_level(tokenizer)`` and ``mock_dataset``
+    under ``--mock-data``); ``--split`` divides ``num_elements(low)`` (GPT: sequences; the masked-LM
+    datasets of BERT and T5: documents)."""
+
+    dataset: type
+    mock_dataset: type
+    mock_low_level: Callable[[Tokenizer], Any]
+    num_elements: Callable[[Any], int] = lambda low: len(low.sequence_lengths)
+    open: Callable[[str, Any], Any] | None = None
 
 
 def gpt_dataset_config(
@@ -82,27 +98,33 @@ def build_train_valid_test_datasets(
             f"need 3 sample counts (train, valid, test), got {list(train_valid_test_num_samples)}"
         )
     config = gpt_dataset_config(data_config, tokenizer, seq_length, seed)
+    return build_datasets(data_config, config, train_valid_test_num_samples, GPT_DATASETS)
+
+
+def build_datasets(data_config: DataConfig, config, train_valid_test_num_samples: Sizes, kind: DatasetKind):
+    """(train, valid, test) datasets of ``kind`` with ``config`` (a dataset config with ``split_matrix``,
+    ``path_to_cache``, ``mid_level_dataset_surplus`` and ``tokenizer``), by the rules of the module doc."""
     sizes = list(train_valid_test_num_samples)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed:
-        return _build(data_config, config, sizes)
+        return _build(data_config, config, sizes, kind)
     # Rank 0 builds and writes the caches; the others then find them. Building is deterministic, so a
     # rank that cannot read the cache (unwritable directory) just builds the same arrays itself.
     if torch.distributed.get_rank() == 0:
-        datasets = _build(data_config, config, sizes)
+        datasets = _build(data_config, config, sizes, kind)
         torch.distributed.barrier()
         return datasets
     torch.distributed.barrier()
-    return _build(data_config, config, sizes)
+    return _build(data_config, config, sizes, kind)
 
 
-def _build(data_config: DataConfig, config: GPTDatasetConfig, sizes: list[int | None]) -> Datasets:
+def _build(data_config: DataConfig, config, sizes: list[int | None], kind: DatasetKind) -> Datasets:
     if data_config.mock_data:
-        low = MockLowLevelDataset(config.tokenizer)
-        return _split_datasets(MockGPTDataset, low, None, config.split_matrix, sizes, config)
+        low = kind.mock_low_level(config.tokenizer)
+        return _split_datasets(kind.mock_dataset, low, None, config.split_matrix, sizes, config, kind)
     if data_config.data_path:
         prefixes, weights = parse_blend(data_config.data_path, "--data-path")
-        return _build_blend(prefixes, weights, config.split_matrix, sizes, config, "--data-path")
+        return _build_blend(prefixes, weights, config.split_matrix, sizes, config, "--data-path", kind)
     per_split = (data_config.train_data_path, data_config.valid_data_path, data_config.test_data_path)
     if not any(per_split):
         raise ConfigError("no training data: give --data-path, --train-data-path/..., or --mock-data")
@@ -116,12 +138,12 @@ def _build(data_config: DataConfig, config: GPTDatasetConfig, sizes: list[int | 
         matrix[i] = (0.0, 1.0)
         only = [None, None, None]
         only[i] = sizes[i]
-        out[i] = _build_blend(prefixes, weights, matrix, only, config, flag)[i]
+        out[i] = _build_blend(prefixes, weights, matrix, only, config, flag, kind)[i]
     return out[0], out[1], out[2]
 
 
-def _split_datasets(cls, low, path, matrix, sizes, config: GPTDatasetConfig) -> Datasets:
-    ranges = split_ranges(matrix, len(low.sequence_lengths))
+def _split_datasets(cls, low, path, matrix, sizes, config, kind: DatasetKind) -> Datasets:
+    ranges = split_ranges(matrix, kind.num_elements(low))
     out = [
         None if ranges[i] is None else cls(low, path, ranges[i], sizes[i], SPLIT_NAMES[i], config)
         for i in range(3)
@@ -141,11 +163,15 @@ def _build_blend(
     weights: list[float] | None,
     matrix,
     sizes: list[int | None],
-    config: GPTDatasetConfig,
+    config,
     flag: str,
+    kind: DatasetKind,
 ) -> Datasets:
+    open_low = kind.open or _open
     if len(prefixes) == 1 and weights is None:
-        return _split_datasets(GPTDataset, _open(prefixes[0], config), prefixes[0], matrix, sizes, config)
+        return _split_datasets(
+            kind.dataset, open_low(prefixes[0], config), prefixes[0], matrix, sizes, config, kind
+        )
     if weights is not None:
         weights = normalize(weights)
         for i in range(3):
@@ -158,7 +184,7 @@ def _build_blend(
         target = None
         asked = [[None, None, None] for _ in prefixes]
     components = [
-        _split_datasets(GPTDataset, _open(prefix, config), prefix, matrix, asked[k], config)
+        _split_datasets(kind.dataset, open_low(prefix, config), prefix, matrix, asked[k], config, kind)
         for k, prefix in enumerate(prefixes)
     ]
     out: list[torch.utils.data.Dataset | None] = [None, None, None]
@@ -182,3 +208,7 @@ def _build_blend(
                     else parts[0]
                 )
     return out[0], out[1], out[2]
+
+
+GPT_DATASETS = DatasetKind(GPTDataset, MockGPTDataset, MockLowLevelDataset)
+"""Megatron's GPTDataset (``--mock-data``: :class:`~mcore.data.mock_dataset.MockGPTDataset`)."""

@@ -74,9 +74,16 @@ class DataConfig:
         0.005, "Extra fraction of samples each blended component builds beyond its share."
     )
     """Margin so that a blend never asks a component for more samples than it built."""
+    # T5 (masked-LM datasets; BERT shares these flags)
+    mask_prob: float = flag(0.15, "Probability of replacing a token with a mask (BERT, T5).")
+    """Share of the tokens of a sample that are masked (T5: dropped into sentinel spans)."""
+    short_seq_prob: float = flag(0.1, "Probability of producing a short sequence (BERT, T5).")
+    """Chance that a sample's target length is drawn below the sequence length."""
 
     def __post_init__(self) -> None:
         check(self.num_workers >= 0, f"num_workers={self.num_workers} must be >= 0")
+        check(0 < self.mask_prob < 1, f"--mask-prob {self.mask_prob} must lie strictly between 0 and 1")
+        check(0 <= self.short_seq_prob <= 1, f"--short-seq-prob {self.short_seq_prob} must lie in [0, 1]")
         check(
             self.mid_level_dataset_surplus >= 0,
             f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0",

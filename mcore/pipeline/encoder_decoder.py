@@ -75,9 +75,7 @@ def encoder_decoder_stages(
     """
     if pp_size == 1:
         return [
-            EncoderDecoderStage(
-                True, True, True, True, range(encoder_num_layers), range(decoder_num_layers)
-            )
+            EncoderDecoderStage(True, True, True, True, range(encoder_num_layers), range(decoder_num_layers))
         ]
     if split_rank is None:
         raise ConfigError(
@@ -119,7 +117,10 @@ def encoder_decoder_tensor_shapes(
 ) -> list[list[tuple[int, int, int]]]:
     """Per stage, the shapes of the tensors its forward output holds (the schedule's ``tensor_shapes``)."""
     tp = tensor_model_parallel_size if sequence_parallel else 1
-    for name, length in (("encoder_seq_length", encoder_seq_length), ("decoder_seq_length", decoder_seq_length)):
+    for name, length in (
+        ("encoder_seq_length", encoder_seq_length),
+        ("decoder_seq_length", decoder_seq_length),
+    ):
         check(
             length % tp == 0,
             f"{name}={length} is not divisible by tensor_model_parallel_size={tp} "

@@ -146,7 +146,9 @@ class StageCommunicator:
                 )
             for tensor, shape in zip(tensors, shapes):
                 self.check_tensor(tensor, what, shape)
-                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), pp_ranks[transfer.dst], self.groups.pp))
+                ops.append(
+                    dist.P2POp(dist.isend, tensor.contiguous(), pp_ranks[transfer.dst], self.groups.pp)
+                )
                 described.append(
                     f"{self._describe(transfer.dst)} did not receive the {what} of micro-batch "
                     f"{transfer.microbatch} from {self._describe(self.groups.pp_rank)}"

@@ -309,7 +309,14 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
         backend.synchronize()
     start = time.perf_counter()
     comm = StageCommunicator(
-        groups, shape, a.dtype, device, a.timeout_s, a.stats, backend.synchronize, stage_shapes=a.tensor_shapes
+        groups,
+        shape,
+        a.dtype,
+        device,
+        a.timeout_s,
+        a.stats,
+        backend.synchronize,
+        stage_shapes=a.tensor_shapes,
     )
 
     last_stage = p * vp_size - 1
@@ -335,7 +342,10 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
                         "its output must depend on the tensor given through set_input_tensor()"
                     )
                 outgoing = [
-                    (transfer, [t.detach() for t in parts] if isinstance(result, (list, tuple)) else result.detach())
+                    (
+                        transfer,
+                        [t.detach() for t in parts] if isinstance(result, (list, tuple)) else result.detach(),
+                    )
                     for transfer in tick.sends
                 ]
             tensors = comm.exchange(outgoing, tick.recvs)

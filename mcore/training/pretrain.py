@@ -302,7 +302,9 @@ def pretrain(
         raise SystemExit(2) from None
     try:
         with watch_job(groups, cfg.parallel, user_errors=USER_ERRORS):
-            return _pretrain(cfg, groups, backend, model_provider, forward_step, datasets_provider, model_type)
+            return _pretrain(
+                cfg, groups, backend, model_provider, forward_step, datasets_provider, model_type
+            )
     except USER_ERRORS as err:
         print(f"error (rank {groups.rank}): {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -384,7 +386,13 @@ def build_training(
     if datasets_provider is not None:
         (_, ctx.has_valid, ctx.has_test), (ctx.train_iter, ctx.valid_iter, ctx.test_iter) = (
             build_data_iterators(
-                cfg, groups, tokenizer, datasets_provider, state, backend, len(model),
+                cfg,
+                groups,
+                tokenizer,
+                datasets_provider,
+                state,
+                backend,
+                len(model),
                 every_stage=model_type == ModelType.encoder_and_decoder,
             )  # fmt: skip
         )
