@@ -62,7 +62,6 @@ UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
     "--use-torch-fsdp2": "use --use-distributed-optimizer (ZeRO-1) instead of FSDP",
     "--use-custom-fsdp": "use --use-distributed-optimizer (ZeRO-1) instead of FSDP",
     "--spec": "mcore builds GPT layers from its own specs",
-    "--encoder-num-layers": "encoder-decoder models are not implemented",
     "--retro-add-retriever": "RETRO is not implemented",
     "--use-mup": "muP is not implemented",
 }

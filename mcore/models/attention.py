@@ -167,10 +167,13 @@ class SelfAttention(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         rotary_freqs: torch.Tensor | None = None,
         inference_context=None,
+        attention_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h]`` (``[s/p, b, h]`` with SP) -> (output of the same shape, the un-added proj bias).
 
         ``inference_context``: a key/value cache (see the module docstring), or None.
+        ``attention_bias``: an additive score bias of this rank's heads, broadcastable to
+        ``[b, n_p, s, s_k]`` (T5's relative positions), or None.
         """
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, (n_p + 2 g_p) d]
         s, b = qkv.shape[:2]
@@ -185,6 +188,8 @@ class SelfAttention(torch.nn.Module):
         if inference_context is not None:
             key, value = inference_context.update_kv(self.layer_number, key, value)
         bias = None if self.alibi_slopes is None else alibi_bias(self.alibi_slopes, s, key.shape[0])
+        if attention_bias is not None:
+            bias = attention_bias if bias is None else bias + attention_bias
         if self.recompute_core_attention and self.training:
             context = checkpoint(self.core_attention, query, key, value, attention_mask, bias)
         else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mcore.config.fields import ConfigError, check, flag
 from mcore.config.parallel import ParallelConfig
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none", "relative")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -118,6 +118,27 @@ class ModelConfig:
         "output-layer GEMM); 0: off",
     )
 
+    # T5 (encoder-decoder; :mod:`mcore.models.t5`)
+    encoder_num_layers: int | None = flag(
+        None, "T5: encoder layers (default --num-layers; gives --num-layers when that is absent)."
+    )
+    decoder_num_layers: int | None = flag(None, "T5: decoder layers (default --num-layers).")
+    encoder_seq_length: int | None = flag(
+        None, "T5: encoder sequence length (default --seq-length; gives --seq-length when that is absent)."
+    )
+    decoder_seq_length: int | None = flag(None, "T5: decoder sequence length.")
+    relative_attention_num_buckets: int = flag(
+        32, "T5 relative positions (--position-embedding-type relative): number of buckets."
+    )
+    relative_attention_max_distance: int = flag(
+        128, "T5 relative positions: distance beyond which every relative position shares one bucket."
+    )
+    geglu: bool = flag(
+        False,
+        "Gated GeLU MLP, gelu(x W_gate) * (x W_up) (Hugging Face T5 v1.1 / mT5 'gated-gelu'; the tanh "
+        "approximation with --openai-gelu).",
+    )
+
     # initialization and dropout
     init_method_std: float = flag(0.02, "Std of the normal init; output projections use std/sqrt(2L).")
     use_cpu_initialization: bool = flag(
@@ -157,6 +178,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        self._resolve_encoder_decoder()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             value = getattr(self, name)
             flag_ = "--" + name.replace("_", "-")
@@ -235,6 +257,45 @@ class ModelConfig:
             "(0: off, N: the output layer and loss over N chunks of tokens)",
         )
         self._check_recompute()
+
+    def _resolve_encoder_decoder(self) -> None:
+        """T5's layer counts and lengths, as Megatron's ``validate_args``: ``--num-layers`` and
+        ``--seq-length`` default the encoder's values and the reverse; the decoder's layers default
+        to ``--num-layers``; learned positions must cover both sequences."""
+        if self.num_layers is None and self.encoder_num_layers is not None:
+            self._set("num_layers", self.encoder_num_layers)
+        if self.num_layers is not None:
+            if self.encoder_num_layers is None:
+                self._set("encoder_num_layers", self.num_layers)
+            if self.decoder_num_layers is None:
+                self._set("decoder_num_layers", self.num_layers)
+        if self.seq_length is None and self.encoder_seq_length is not None:
+            self._set("seq_length", self.encoder_seq_length)
+        if self.encoder_seq_length is None and self.seq_length is not None:
+            self._set("encoder_seq_length", self.seq_length)
+        if self.max_position_embeddings is None and self.decoder_seq_length is not None:
+            self._set("max_position_embeddings", max(self.seq_length or 0, self.decoder_seq_length))
+        for name in ("encoder_num_layers", "decoder_num_layers", "encoder_seq_length", "decoder_seq_length"):
+            value = getattr(self, name)
+            flag_ = "--" + name.replace("_", "-")
+            check(
+                value is None or (isinstance(value, int) and value >= 1),
+                f"{name}={value} ({flag_}) must be a positive integer",
+            )
+        for name in ("relative_attention_num_buckets", "relative_attention_max_distance"):
+            value = getattr(self, name)
+            check(value >= 1, f"{name}={value} (--{name.replace('_', '-')}) must be a positive integer")
+        check(not (self.swiglu and self.geglu), "--swiglu and --geglu are two MLPs; choose one")
+        if (
+            self.position_embedding_type == "learned_absolute"
+            and self.decoder_seq_length is not None
+            and self.max_position_embeddings is not None
+        ):
+            check(
+                self.decoder_seq_length <= self.max_position_embeddings,
+                f"decoder_seq_length={self.decoder_seq_length} exceeds "
+                f"max_position_embeddings={self.max_position_embeddings}",
+            )
 
     def _check_recompute(self) -> None:
         gran, method, num = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
@@ -320,6 +381,11 @@ class ModelConfig:
     def share_embeddings_and_output_weights(self) -> bool:
         """The output layer multiplies by the word-embedding table."""
         return not self.untie_embeddings_and_output_weights
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """The MLP's fc1 holds a gate and an up projection (SwiGLU or GeGLU; megatron-core's name)."""
+        return self.swiglu or self.geglu
 
     @property
     def rotary_dim(self) -> int:

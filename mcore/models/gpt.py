@@ -143,6 +143,11 @@ class GPTModel(torch.nn.Module):
             fp8.check_with(config.num_layers, backend.capabilities(), backend.name)
         check_tensor_parallel(config, tp, sequence_parallel)
         check(
+            config.position_embedding_type != "relative",
+            "position_embedding_type='relative' is T5's relative position bias: GPT takes "
+            "learned_absolute, rope, alibi or none",
+        )
+        check(
             vocab_size % tp == 0,
             f"padded vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={tp}; "
             "compute it with padded_vocab_size()",

@@ -43,7 +43,8 @@ class MLPSubmodules:
 
 
 class MLP(torch.nn.Module):
-    """``h -> F -> h`` with GeLU (exact, or tanh with ``--openai-gelu``) or SwiGLU (``--swiglu``)."""
+    """``h -> F -> h`` with GeLU (exact, or tanh with ``--openai-gelu``), SwiGLU (``--swiglu``) or
+    gated GeLU (``--geglu``: ``gelu(gate) * up``, T5 v1.1's; fc1 stacked ``[gate; up]`` as SwiGLU)."""
 
     def __init__(
         self,
@@ -55,9 +56,10 @@ class MLP(torch.nn.Module):
         super().__init__()
         submodules = submodules or MLPSubmodules()
         self.swiglu = config.swiglu
+        self.geglu = config.geglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         self.recompute_activation = "mlp_act" in config.selective_recompute_modules
-        stacked = 2 if config.swiglu else 1
+        stacked = 2 if config.gated_linear_unit else 1
         self.linear_fc1 = build_module(
             submodules.linear_fc1,
             config.hidden_size,
@@ -108,4 +110,9 @@ class MLP(torch.nn.Module):
             if bias is not None:
                 x = x + bias
             return ops.swiglu(x)
+        if self.geglu:
+            if bias is not None:
+                x = x + bias
+            gate, up = x.chunk(2, dim=-1)
+            return ops.bias_gelu(gate, None, self.gelu_approximate) * up
         return ops.bias_gelu(x, bias, self.gelu_approximate)
