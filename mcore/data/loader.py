@@ -57,6 +57,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+T5_BATCH_KEYS = ("text_enc", "text_dec", "enc_mask", "dec_mask", "truncated")
+"""The T5 dataset's keys besides ``labels`` and ``loss_mask`` (:mod:`mcore.data.t5_dataset`)."""
 
 
 class PretrainingSampler:
@@ -117,7 +119,7 @@ class PretrainingSampler:
 
 def collate_batch(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack per-sample dicts into the batch contract (keys outside it are dropped)."""
-    keys = [k for k in BATCH_KEYS if k in samples[0]]
+    keys = [k for k in (*BATCH_KEYS, *T5_BATCH_KEYS) if k in samples[0]]
     return {k: torch.stack([s[k] for s in samples]) for k in keys}
 
 

@@ -71,8 +71,6 @@ class ProcessGroups:
     mp: dist.ProcessGroup | None = None
     dp_cp: dist.ProcessGroup | None = None
     embedding: dist.ProcessGroup | None = None
-    position_embedding: dist.ProcessGroup | None = None
-    """An encoder-decoder pipeline's first encoder and first decoder stage (None otherwise)."""
     world: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = field(default=(0,))
     embedding_ranks: tuple[int, ...] = field(default=(0,))
@@ -221,7 +219,6 @@ def initialize_parallel(
 
     split_rank = config.pipeline_model_parallel_split_rank
     embedding_lists = topology.embedding_groups(split_rank)
-    position_lists = topology.position_embedding_groups(split_rank) if split_rank is not None else None
     return ProcessGroups(
         topology=topology,
         tp=build("tp", "tp"),
@@ -231,9 +228,6 @@ def initialize_parallel(
         mp=build("tp-pp", "mp"),
         dp_cp=build("cp-dp", "dp"),
         embedding=_new_groups(embedding_lists, rank, timeout, options("embedding")),
-        position_embedding=(
-            _new_groups(position_lists, rank, timeout, options("embedding")) if position_lists else None
-        ),
         world=dist.group.WORLD,
         pp_ranks=tuple(topology.group_of("pp")),
         embedding_ranks=tuple(next(g for g in embedding_lists if topology.group_of("pp")[0] in g)),

@@ -127,10 +127,3 @@ class Topology:
         if split_rank is not None:
             return [sorted({g[0], g[split_rank], g[-1]}) for g in self.groups("pp")]
         return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.groups("pp")]
-
-    def position_embedding_groups(self, split_rank: int | None = None) -> list[list[int]]:
-        """Ranks that hold learned position embeddings: the first stage, and with an encoder-decoder
-        split the decoder's first stage (both embed tokens; Megatron's T5 position-embedding ranks)."""
-        if split_rank is not None:
-            return [[g[0], g[split_rank]] for g in self.groups("pp")]
-        return [[g[0]] for g in self.groups("pp")]

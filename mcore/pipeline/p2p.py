@@ -137,7 +137,7 @@ class StageCommunicator:
         ops, described = [], []
         for transfer, payload in sends:
             what = "activation" if transfer.kind == FORWARD else "gradient"
-            tensors = [payload] if self.stage_shapes is None else list(payload)
+            tensors = [payload] if isinstance(payload, torch.Tensor) else list(payload)
             shapes = self.transfer_shapes(transfer)
             if len(tensors) != len(shapes):
                 raise PipelineCommunicationError(

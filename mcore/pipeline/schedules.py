@@ -196,13 +196,16 @@ def _backward_step(
     grad_scale_func: Callable | None,
 ) -> torch.Tensor | None:
     """Backpropagate one micro-batch through one chunk; return the gradient of its input."""
-    if isinstance(output_tensor, (list, tuple)):
-        # Encoder-decoder stage: several outputs, each with the gradient its consumer sent back.
-        torch.autograd.backward(list(output_tensor), grad_tensors=list(output_tensor_grad))
-        return [t.grad for t in input_tensor] if input_tensor is not None else None
     if output_tensor_grad is None and grad_scale_func is not None:
         output_tensor = grad_scale_func(output_tensor)
-    torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    if isinstance(output_tensor, (list, tuple)):
+        # Encoder-decoder stage: several outputs, each with the gradient its consumer sent back (an
+        # output may be an input passed on, e.g. the encoder output: its gradient accumulates there).
+        torch.autograd.backward(list(output_tensor), grad_tensors=list(output_tensor_grad))
+    else:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    if isinstance(input_tensor, (list, tuple)):
+        return [t.grad for t in input_tensor]
     return input_tensor.grad if input_tensor is not None else None
 
 
