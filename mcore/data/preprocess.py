@@ -15,6 +15,13 @@ Per line and key (Megatron's rules): the value is a string (one sentence) or a l
 (pre-split sentences); each non-empty tokenized sentence becomes one sequence; ``--append-eod`` adds the
 EOD id to the last one; a line whose key tokenizes to nothing becomes an empty document.
 
+``--split-sentences`` (BERT's sentence-level data) splits each string value into sentences first and
+writes ``{prefix}_{key}_sentence.{bin,idx}`` (Megatron's names): one document per JSON line, one sequence
+per sentence. Megatron splits with NLTK punkt, downloaded at run time; mcore uses the documented
+rule-based splitter of :mod:`mcore.data.sentences` (English; ``--lang`` other than ``english`` is refused)
+and needs nothing downloaded. ``--keep-newlines`` keeps the whitespace after each sentence with it. A list
+value is taken as already split (Megatron's splitter does not accept one).
+
 The input is streamed: the main process reads chunks of ``--chunk-size`` lines, ``--workers`` processes
 parse and tokenize them, and the main process appends the results in input order (at most
 ``4 * workers`` chunks in flight, so memory stays bounded whatever the input size). A progress line
@@ -56,6 +63,7 @@ from mcore.data.config import TokenizerConfig
 from mcore.data.errors import DataError
 from mcore.data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path, optimal_dtype
 from mcore.data.parquet_input import PARQUET_SUFFIX, check_parquet_file, is_parquet, parquet_json_lines
+from mcore.data.sentences import split_sentences
 from mcore.data.tokenizers import Tokenizer, build_tokenizer
 
 PROG = "mcore-preprocess-data"
@@ -68,7 +76,9 @@ class PreprocessConfig:
 
     input: str | None = flag(None, "JSON Lines or parquet file, directory of them, or glob.")
     """One JSON object per line (JSON Lines), or one row per document (parquet)."""
-    output_prefix: str | None = flag(None, "Output prefix; files are <prefix>_<key>_document.{bin,idx}.")
+    output_prefix: str | None = flag(
+        None, "Output prefix; files are <prefix>_<key>_document.{bin,idx} (_sentence with --split-sentences)."
+    )
     """Where the datasets go."""
     json_keys: tuple[str, ...] = flag(("text",), "JSON keys to tokenize, one dataset each.", nargs="+")
     """Keys whose values are tokenized."""
@@ -85,11 +95,19 @@ class PreprocessConfig:
     partitions: int = flag(1, "Megatron's input partitioning; mcore streams instead, so only 1 is accepted.")
     """Accepted for old scripts."""
     split_sentences: bool = flag(
-        False, "Not supported (needs NLTK); give pre-split lists of strings instead."
+        False,
+        "Split each document into sentences (mcore's rule-based splitter, no download); writes "
+        "<prefix>_<key>_sentence.{bin,idx}, one sequence per sentence (BERT's input).",
     )
-    """Refused with a message."""
-    keep_newlines: bool = flag(False, "Only meaningful with --split-sentences (not supported).")
-    """Refused with a message."""
+    """String values are split by :func:`mcore.data.sentences.split_sentences`; lists are taken as split."""
+    keep_newlines: bool = flag(
+        False, "With --split-sentences: keep the whitespace (line breaks) after each sentence."
+    )
+    """Megatron's --keep-newlines: the whitespace between sentences stays with the sentence before it."""
+    lang: str = flag(
+        "english", "Language of the sentence splitter; the rule-based splitter knows English only."
+    )
+    """Megatron's punkt language; only english is accepted."""
     bad_lines: str = flag(
         "error", "On a malformed line: stop with an error, or skip it and count.", choices=("error", "skip")
     )
@@ -106,10 +124,15 @@ class PreprocessConfig:
         check(self.workers >= 1, f"workers={self.workers} must be >= 1")
         check(self.chunk_size >= 1, f"chunk_size={self.chunk_size} must be >= 1")
         check(self.log_interval >= 1, f"log_interval={self.log_interval} must be >= 1")
-        if self.split_sentences or self.keep_newlines:
+        if self.keep_newlines and not self.split_sentences:
             raise ConfigError(
-                "--split-sentences/--keep-newlines are not supported (they need NLTK punkt); store each "
-                "document's sentences as a JSON list of strings instead, which gives one sequence per sentence"
+                "--keep-newlines applies to --split-sentences; add --split-sentences or drop it"
+            )
+        if self.lang != "english":
+            raise ConfigError(
+                f"--lang {self.lang}: mcore's rule-based sentence splitter knows only english (Megatron's punkt "
+                "models are not downloaded); split the text yourself and give each document as a JSON list "
+                "of sentences"
             )
         if self.partitions != 1:
             raise ConfigError(
@@ -118,9 +141,9 @@ class PreprocessConfig:
             )
 
 
-def output_prefix(prefix: str, key: str) -> str:
-    """``{prefix}_{key}_document`` (Megatron's naming)."""
-    return f"{prefix}_{key}_document"
+def output_prefix(prefix: str, key: str, level: str = "document") -> str:
+    """``{prefix}_{key}_{level}`` (Megatron's naming; level ``sentence`` with ``--split-sentences``)."""
+    return f"{prefix}_{key}_{level}"
 
 
 def resolve_inputs(spec: str) -> list[str]:
@@ -180,12 +203,16 @@ def _init_worker(tokenizer_config: TokenizerConfig, config: PreprocessConfig, dt
         keys=config.json_keys,
         append_eod=config.append_eod,
         skip_empty=config.empty_documents == "skip",
+        split_sentences=config.split_sentences,
+        keep_newlines=config.keep_newlines,
         dtype=np.dtype(dtype),
     )
 
 
-def _parse_line(raw: bytes, offset: int, keys: Sequence[str]) -> list[list[str]] | str:
-    """The sentences of each key, or the reason the line is unusable."""
+def _parse_line(
+    raw: bytes, offset: int, keys: Sequence[str], split: bool = False, keep_newlines: bool = False
+) -> list[list[str]] | str:
+    """The sentences of each key (a string value split when ``split``), or the reason the line is unusable."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -203,7 +230,7 @@ def _parse_line(raw: bytes, offset: int, keys: Sequence[str]) -> list[list[str]]
             return f"missing json key {key!r} (the line has keys: {shown})"
         value = obj[key]
         if isinstance(value, str):
-            out.append([value])
+            out.append(split_sentences(value, keep_newlines) if split else [value])
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
             out.append(value)
         else:
@@ -236,7 +263,7 @@ def encode_chunk(chunk: _Chunk) -> _Encoded:
         offset += len(raw)
         if not raw.strip():
             continue
-        parsed = _parse_line(raw, line_offset, keys)
+        parsed = _parse_line(raw, line_offset, keys, _STATE["split_sentences"], _STATE["keep_newlines"])
         if isinstance(parsed, str):
             bad.append((line_no, parsed))
             continue
@@ -375,7 +402,8 @@ def preprocess(
     if config.append_eod:
         tokenizer.eod  # noqa: B018 -- fail now, naming the tokenizer, if it has no EOD
     dtype = optimal_dtype(tokenizer.vocab_size)
-    prefixes = {key: output_prefix(config.output_prefix, key) for key in config.json_keys}
+    level = "sentence" if config.split_sentences else "document"
+    prefixes = {key: output_prefix(config.output_prefix, key, level) for key in config.json_keys}
     builders: dict[str, IndexedDatasetBuilder] = {}
     try:
         out_dir = os.path.dirname(config.output_prefix)

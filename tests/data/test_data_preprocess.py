@@ -328,7 +328,8 @@ def test_missing_input(bpe_files, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--split-sentences"], "not supported"),
+        (["--keep-newlines"], "--keep-newlines applies to --split-sentences"),
+        (["--split-sentences", "--lang", "german"], "--lang german: mcore's rule-based sentence splitter"),
         (["--partitions", "2"], "drop --partitions"),
         (["--dataset-impl", "lazy"], "invalid choice"),
         (["--workers", "0"], "workers=0 must be >= 1"),
