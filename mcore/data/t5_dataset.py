@@ -3,15 +3,12 @@
 Input: a sentence-level ``.bin/.idx`` (``mcore-preprocess-data --split-sentences``: one item per
 sentence, one document per JSON line). ``--split`` divides the *documents*.
 
-**Sample index** (Megatron's C++ ``build_mapping``, here in Python with the same generators): rows
-``(first sentence, end sentence, target length)``. For each epoch and each document with at least one
-sentence and no sentence longer than 512 tokens, sentences are gathered until their tokens reach the
-target length (and more than one sentence is left) or the document ends; the target length is
-``L = encoder_seq_length - 2``, or with probability ``--short-seq-prob`` (``r % round(1/p) == 0`` for a
-32-bit Mersenne Twister draw ``r`` seeded with ``--seed``) ``2 + r % (L - 1)``. Epochs repeat until the
-requested samples exist; the rows are then shuffled by a Fisher-Yates driven by a 64-bit Mersenne
-Twister seeded ``--seed + 1``. The index is cached like GPT's (``--data-cache-path``; the key includes a
-fingerprint of the data).
+**Sample index**: Megatron's ``build_mapping``
+(:func:`mcore.data.masked_indices.build_sentence_sample_index`, shared with BERT): shuffled rows
+``(first sentence, end sentence, target length)`` of runs of consecutive sentences of one document, with
+target length ``encoder_seq_length - 2`` (room for BOS and EOS), shorter with probability
+``--short-seq-prob``, and at least one sentence per sample. It is cached like GPT's indices
+(``--data-cache-path``; the key includes a fingerprint of the data).
 
 **Sample** ``i`` (its own ``numpy.random.RandomState((seed + i) % 2**32)``): the sentences' tokens,
 truncated to the target length; candidates are whole words (a piece starting ``##`` joins the word
@@ -53,11 +50,9 @@ import torch
 from mcore.data.cache import IndexCache, describe
 from mcore.data.errors import DataError
 from mcore.data.indexed_dataset import IndexedDataset, check_token_ids
+from mcore.data.masked_indices import build_sentence_sample_index
 
 logger = logging.getLogger(__name__)
-
-LONG_SENTENCE_LEN = 512
-"""A document with a sentence longer than this gives no samples (Megatron's rule)."""
 
 _SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -118,133 +113,6 @@ class T5Vocab:
             sep=getattr(tokenizer, "sep", None),
             mask=getattr(tokenizer, "mask", None),
         )
-
-
-# --------------------------------------------------------------------------------------------------
-# the sample index: Megatron's build_mapping
-
-
-def _mt19937_64_stream(seed: int):
-    """The outputs of C++ ``std::mt19937_64(seed)``, in blocks (numpy has only the 32-bit twister).
-
-    Twist done in three vectorised pieces: ``x[i]`` for ``i < n - m`` reads old ``x[i + m]``; for
-    ``n - m <= i < n - 1`` it reads the new ``x[i + m - n]``; the last one reads the new ``x[0]``."""
-    n, m = 312, 156
-    a, upper, lower = np.uint64(0xB5026F5AA96619E9), np.uint64(0xFFFFFFFF80000000), np.uint64(0x7FFFFFFF)
-    state = [seed & 0xFFFFFFFFFFFFFFFF]
-    for i in range(1, n):
-        prev = state[-1]
-        state.append((6364136223846793005 * (prev ^ (prev >> 62)) + i) & 0xFFFFFFFFFFFFFFFF)
-    x = np.array(state, dtype=np.uint64)
-    one, zero = np.uint64(1), np.uint64(0)
-
-    def twist_part(i0: int, i1: int, nxt: np.ndarray, far: np.ndarray) -> None:
-        y = (x[i0:i1] & upper) | (nxt & lower)
-        x[i0:i1] = far ^ (y >> one) ^ np.where((y & one) == one, a, zero)
-
-    while True:
-        twist_part(0, n - m, x[1 : n - m + 1], x[m:n])
-        twist_part(n - m, n - 1, x[n - m + 1 : n], x[0 : m - 1])
-        twist_part(n - 1, n, x[0:1], x[m - 1 : m])
-        y = x.copy()
-        y ^= (y >> np.uint64(29)) & np.uint64(0x5555555555555555)
-        y ^= (y << np.uint64(17)) & np.uint64(0x71D67FFFEDA60000)
-        y ^= (y << np.uint64(37)) & np.uint64(0xFFF7EEE000000000)
-        y ^= y >> np.uint64(43)
-        yield y
-
-
-def _mt19937_64(seed: int, count: int) -> np.ndarray:
-    out, blocks = [], _mt19937_64_stream(seed)
-    have = 0
-    while have < count:
-        block = next(blocks)
-        out.append(block)
-        have += len(block)
-    return np.concatenate(out)[:count] if out else np.zeros(0, np.uint64)
-
-
-class _Rand32:
-    """C++ ``std::mt19937(seed)`` draws: numpy's legacy seeding of MT19937 is the same ``init_genrand``."""
-
-    def __init__(self, seed: int) -> None:
-        self._bits = np.random.RandomState(seed)._bit_generator
-        self._buffer: list[int] = []
-
-    def __call__(self) -> int:
-        if not self._buffer:
-            self._buffer = self._bits.random_raw(4096).tolist()[::-1]
-        return self._buffer.pop()
-
-
-def build_sample_mapping(
-    document_indices: np.ndarray,
-    sequence_lengths: np.ndarray,
-    num_epochs: int,
-    max_num_samples: int | None,
-    max_seq_length: int,
-    short_seq_prob: float,
-    seed: int,
-    min_num_sent: int = 1,
-) -> np.ndarray:
-    """Megatron's ``helpers.build_mapping`` (see the module docstring): ``[n, 3]`` rows of (first
-    sentence, end sentence, target length), uint32 (uint64 past 2**32 sentences), shuffled.
-
-    ``document_indices``: sentence boundaries of the documents (``D + 1`` entries); ``max_num_samples``
-    None: one pass of ``num_epochs``.
-    """
-    short_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
-    rand = _Rand32(seed)
-
-    def target_length() -> int:
-        if short_ratio == 0:
-            return max_seq_length
-        r = rand()
-        return 2 + r % (max_seq_length - 1) if r % short_ratio == 0 else max_seq_length
-
-    docs = np.asarray(document_indices, dtype=np.int64).tolist()
-    sizes = np.asarray(sequence_lengths)
-    long_sentence = sizes > LONG_SENTENCE_LEN
-    # Per document: whether it has a long sentence (only checked for documents of 2+ sentences).
-    has_long = [bool(e - b > 1 and long_sentence[b:e].any()) for b, e in zip(docs[:-1], docs[1:])]
-    size_list = sizes.tolist()
-    rows: list[tuple[int, int, int]] = []
-    limit = max_num_samples if max_num_samples is not None else float("inf")
-    for _epoch in range(num_epochs):
-        if len(rows) >= limit:
-            break
-        produced = len(rows)
-        for doc in range(len(docs) - 1):
-            first, last = docs[doc], docs[doc + 1]
-            remain = last - first
-            if remain < min_num_sent or has_long[doc]:
-                continue
-            start, seq_len, num_sent = first, 0, 0
-            target = target_length()
-            for sent in range(first, last):
-                seq_len += size_list[sent]
-                num_sent += 1
-                remain -= 1
-                if (seq_len >= target and remain > 1 and num_sent >= min_num_sent) or remain == 0:
-                    rows.append((start, sent + 1, target))
-                    start = sent + 1
-                    target = target_length()
-                    seq_len = num_sent = 0
-        if len(rows) == produced:
-            break  # an epoch that yields nothing never will (Megatron would loop forever here)
-    dtype = np.uint64 if len(sizes) > np.iinfo(np.uint32).max else np.uint32
-    maps = np.array(rows, dtype=dtype).reshape(-1, 3)
-    n = len(maps)
-    if n > 1:
-        # Fisher-Yates, i = n-1 .. 1, j = r % (i + 1), on an index (the same swaps, one gather).
-        draws = _mt19937_64(seed + 1, n - 1)
-        bounds = np.arange(n, 1, -1, dtype=np.uint64)
-        picks = (draws % bounds).tolist()
-        order = list(range(n))
-        for i, j in zip(range(n - 1, 0, -1), picks):
-            order[i], order[j] = order[j], order[i]
-        maps = maps[np.asarray(order)]
-    return maps
 
 
 # --------------------------------------------------------------------------------------------------
@@ -421,26 +289,30 @@ class T5Dataset(torch.utils.data.Dataset):
         if cached is not None:
             return cached["sample_index"]
         start = time.perf_counter()
-        if len(self.indices) == 0:
-            index = np.zeros((0, 3), np.uint32)
-        else:
+        index = np.zeros((0, 3), np.uint32)
+        if len(self.indices) > 0:
             bounds = np.append(self.indices, self.indices[-1] + 1)
-            index = build_sample_mapping(
-                self.dataset.document_indices[bounds],
-                self.dataset.sequence_lengths,
-                np.iinfo(np.int32).max - 1 if self.num_samples is not None else 1,
-                self.num_samples,
-                self.config.sequence_length - 2,  # room for one <bos> and one <eos>
-                self.config.short_sequence_probability,
-                self.config.random_seed,
-                1,
-            )
+            try:
+                index = build_sentence_sample_index(
+                    self.dataset.document_indices[bounds],
+                    self.dataset.sequence_lengths,
+                    None if self.num_samples is not None else 1,
+                    self.num_samples,
+                    self.config.sequence_length - 2,  # room for one <bos> and one <eos>
+                    self.config.short_sequence_probability,
+                    self.config.random_seed,
+                    1,
+                )
+            except ValueError as err:
+                where = self.dataset_path or "the mock dataset"
+                raise DataError(f"the {self.index_split} split of {where}: {err}") from None
         if self.num_samples and len(index) < self.num_samples:
             where = self.dataset_path or "the mock dataset"
             raise DataError(
                 f"the {self.index_split} split of {where} ({len(self.indices)} documents under --split "
-                f"{self.config.split!r}) yields no T5 samples, but {self.num_samples} were requested: use more "
-                "data (documents need sentences of at most 512 tokens), change --split, or request none"
+                f"{self.config.split!r}) yields {len(index)} T5 samples, but {self.num_samples} were requested: "
+                "use more data (a document with several sentences needs them all at most 512 tokens), change "
+                "--split, or request fewer"
             )
         saved = cache.save({"sample_index": index})
         logger.info(

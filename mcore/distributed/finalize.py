@@ -104,14 +104,14 @@ def all_reduce_pipeline_shared_grads(model_chunks: Sequence[torch.nn.Module], gr
     sizes = [int(torch.Size(shape).numel()) for shape, _ in entries]
     flat = torch.zeros(sum(sizes), dtype=torch.float32, device=groups.device)
     offset = 0
-    for (shape, param), size in zip(entries, sizes):
+    for (_shape, param), size in zip(entries, sizes):
         grad = _grad_of(param) if param is not None else None
         if grad is not None:
             flat[offset : offset + size].copy_(grad.reshape(-1))
         offset += size
     torch.distributed.all_reduce(flat, group=groups.pp)
     offset = 0
-    for (shape, param), size in zip(entries, sizes):
+    for (_shape, param), size in zip(entries, sizes):
         grad = _grad_of(param) if param is not None else None
         if grad is not None:
             grad.copy_(flat[offset : offset + size].view_as(grad))

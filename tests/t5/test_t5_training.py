@@ -28,7 +28,11 @@ def _argv(corpus, *extra, iters=4):
 
 def _train(argv):
     result = pretrain(
-        model_provider, forward_step, t5_datasets_provider, argv=argv, model_type=ModelType.encoder_and_decoder
+        model_provider,
+        forward_step,
+        t5_datasets_provider,
+        argv=argv,
+        model_type=ModelType.encoder_and_decoder,
     )
     return result.train_losses
 
@@ -47,7 +51,20 @@ def _close(parallel, single):
 def test_tensor_sequence_and_data_parallel_reproduce_the_single_process_losses(t5_corpus):
     single = _train(_argv(t5_corpus))
     assert single[-1] < single[0]
-    assert _train(_argv(t5_corpus, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")) == single
+    assert (
+        _train(
+            _argv(
+                t5_corpus,
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            )
+        )
+        == single
+    )
     for extra in (
         ["--tensor-model-parallel-size", "2"],
         ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -88,6 +105,8 @@ def test_pipeline_split_with_data_parallel_resumes_exactly(t5_corpus, tmp_path):
         "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
     ]  # fmt: skip
     first = run_distributed(_train, 4, _argv(t5_corpus, *layout, "--exit-interval", "2"), timeout=120)
-    resumed = run_distributed(_train, 4, _argv(t5_corpus, *layout, "--load", str(tmp_path / "ckpt")), timeout=120)
+    resumed = run_distributed(
+        _train, 4, _argv(t5_corpus, *layout, "--load", str(tmp_path / "ckpt")), timeout=120
+    )
     assert len(first[-1]) == 2 and len(resumed[-1]) == 2
     _close(first[-1] + resumed[-1], _train(_argv(t5_corpus)))
