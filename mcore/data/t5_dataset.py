@@ -370,8 +370,10 @@ class T5Dataset(torch.utils.data.Dataset):
         dec[:n_dec] = decoder_in
         labels = np.full(s_d, -1, np.int64)
         labels[: len(decoder_out)] = decoder_out
-        enc_mask = (enc != pad).astype(np.int64)
-        dec_mask = (dec != pad).astype(np.int64)
+        # Megatron marks the positions that do not hold the pad id; by length is the same, and stays
+        # right when BOS is the pad id (a T5 vocabulary's decoder start token).
+        enc_mask = (np.arange(s_e) < len(encoder)).astype(np.int64)
+        dec_mask = (np.arange(s_d) < n_dec).astype(np.int64)
         loss_mask = np.zeros(s_d, np.int64)
         loss_mask[:n_dec] = 1
         enc[enc == pad] = 0
