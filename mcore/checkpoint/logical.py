@@ -30,7 +30,10 @@ from mcore.checkpoint.geometry import full_placement
 from mcore.checkpoint.load import resolve_iteration_dir
 from mcore.checkpoint.save import _record, publish, run_config_dict
 
-VOCAB_PADDED_NAMES = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
+VOCAB_PADDED_NAMES = frozenset(
+    {"embedding.word_embeddings.weight", "output_layer.weight"}
+    | {"lm_head.output_layer.weight", "lm_head.output_layer.bias"}  # T5
+)
 """Logical tensors whose dim 0 is the padded vocabulary (informational in the metadata: the loading
 model's own shard specs decide how rows are re-padded)."""
 

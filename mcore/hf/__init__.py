@@ -1,4 +1,4 @@
-"""Hugging Face interoperability: GPT-2 and Llama export/import with self-checking logit parity.
+"""Hugging Face interoperability: GPT-2, Llama and T5 v1.1 export/import with self-checking parity.
 
 Commands::
 
@@ -13,7 +13,8 @@ Library (all on logical, unsharded state dicts, so independent of the checkpoint
 
 Every export and import runs the same token batch through both models and fails (writing nothing)
 when the largest logit difference exceeds the tolerance (fp32: 1e-4). :mod:`mcore.hf.mapping` states
-the mapping (names, shapes, QKV and gate/up packing, RoPE conventions).
+the mapping (names, shapes, QKV and gate/up packing, RoPE conventions); :mod:`mcore.hf.t5` the T5
+one (``T5ForConditionalGeneration``; encoder output, decoder logits and greedy ``generate`` checked).
 """
 
 import importlib

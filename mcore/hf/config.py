@@ -60,6 +60,8 @@ def check_exportable(cfg: ModelConfig) -> str:
             problems.append(f"normalization={cfg.normalization!r} (GPT-2 uses LayerNorm)")
         if cfg.swiglu:
             problems.append("swiglu=True (GPT-2's MLP is not gated; use the llama family with rope)")
+        if cfg.geglu:
+            problems.append("geglu=True (GPT-2's MLP is not gated)")
         if cfg.num_query_groups != cfg.num_attention_heads:
             problems.append(
                 f"num_query_groups={cfg.num_query_groups} != num_attention_heads={cfg.num_attention_heads} "
@@ -297,6 +299,11 @@ def megatron_model_flags(cfg: ModelConfig) -> list[str]:
         if field.name == "num_query_groups" and not cfg.group_query_attention:
             continue
         if field.name == "kv_channels" and value * cfg.num_attention_heads == cfg.hidden_size:
+            continue
+        # T5's layer counts and encoder length default to --num-layers / --seq-length (and vice versa)
+        if field.name in ("encoder_num_layers", "decoder_num_layers") and value == cfg.num_layers:
+            continue
+        if field.name == "encoder_seq_length" and value == cfg.seq_length:
             continue
         if field.name not in always and value == field.default:
             continue

@@ -36,6 +36,14 @@ from mcore.hf.config import ARCHITECTURES, check_exportable, hf_config_dict
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.hf.mapping import mcore_to_hf
 from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
+from mcore.hf.t5 import (
+    T5_ARCHITECTURE,
+    check_t5_exportable,
+    check_t5_parity,
+    is_t5_state,
+    t5_hf_config_dict,
+    t5_mcore_to_hf,
+)
 from mcore.hf.tokenizer import load_tokenizer, tokenizer_info, write_hf_tokenizer
 from mcore.inference.loading import (
     RunConfigLike,
@@ -148,7 +156,8 @@ def export_to_hf(
         tolerance: the largest allowed fp32 logit difference.
     """
     cfg = model_config_from_run_config(run_config)
-    family = check_exportable(cfg)
+    t5 = is_t5_state(state)  # T5 (T5ForConditionalGeneration, mcore.hf.t5) or a GPT family
+    family = check_t5_exportable(cfg) if t5 else check_exportable(cfg)
     _prepare_output(output_dir, overwrite)
     try:
         tokenizer = load_tokenizer(tokenizer_config or tokenizer_config_from_run_config(run_config))
@@ -163,8 +172,9 @@ def export_to_hf(
     if dtype is None:
         dtype = next(iter(state.values())).dtype if state else torch.float32
         dtype = dtype if dtype in DTYPES.values() else torch.float32
-    tensors = {k: v.to(dtype) for k, v in mcore_to_hf(state, cfg, info.vocab_size).items()}
-    config = hf_config_dict(
+    to_hf, config_dict = (t5_mcore_to_hf, t5_hf_config_dict) if t5 else (mcore_to_hf, hf_config_dict)
+    tensors = {k: v.to(dtype) for k, v in to_hf(state, cfg, info.vocab_size).items()}
+    config = config_dict(
         cfg,
         info.vocab_size,
         bos_token_id=info.bos_token_id,
@@ -172,12 +182,13 @@ def export_to_hf(
         pad_token_id=info.pad_token_id,
         dtype=_dtype_name(dtype),
     )
-    generation = {
-        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None
-    }
+    token_keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    generation = {k: config[k] for k in token_keys if config.get(k) is not None}
     # A generation length the model can hold: without one, transformers' text-generation pipeline asks
     # for 256 new tokens and a learned position table shorter than that fails with an IndexError.
-    generation["max_length"] = cfg.max_position_embeddings or cfg.seq_length
+    max_length = cfg.max_position_embeddings or cfg.seq_length
+    if max_length is not None:
+        generation["max_length"] = max_length
 
     output_dir = os.path.abspath(output_dir)
     parent = os.path.dirname(output_dir)
@@ -190,11 +201,13 @@ def export_to_hf(
         files = ["config.json", "generation_config.json"]
         files += write_safetensors(tensors, staging, max_shard_bytes)
         files += write_hf_tokenizer(tokenizer, staging, cfg.max_position_embeddings)
-        report = ExportReport(output_dir, ARCHITECTURES[family], info.vocab_size, _dtype_name(dtype), files)
+        architecture = T5_ARCHITECTURE if t5 else ARCHITECTURES[family]
+        report = ExportReport(output_dir, architecture, info.vocab_size, _dtype_name(dtype), files)
         if check_parity:
             # The same (possibly rounded) weights on both sides, computed in fp32.
             rounded = {k: v.to(dtype) for k, v in state.items()}
-            report.parity = check_logit_parity(cfg, rounded, info.vocab_size, staging, tolerance=tolerance)
+            check = check_t5_parity if t5 else check_logit_parity
+            report.parity = check(cfg, rounded, info.vocab_size, staging, tolerance=tolerance)
         if os.path.isdir(output_dir):
             shutil.rmtree(output_dir)
         os.replace(staging, output_dir)
@@ -239,7 +252,7 @@ def checkpoint_errors() -> tuple[type[BaseException], ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.export",
-        description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2 or Llama), "
+        description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2, Llama or T5 v1.1), "
         "checking logit parity.",
     )
     parser.add_argument(

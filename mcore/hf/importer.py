@@ -40,6 +40,14 @@ from mcore.hf.config import ARCHITECTURES, family_of_hf_config, megatron_model_f
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.hf.mapping import hf_to_mcore
 from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
+from mcore.hf.t5 import (
+    T5,
+    T5_ARCHITECTURE,
+    check_t5_parity,
+    is_t5_hf_config,
+    t5_hf_to_mcore,
+    t5_model_config_from_hf,
+)
 from mcore.hf.tokenizer import check_tokenizer_matches, import_hf_tokenizer, load_tokenizer
 from mcore.models.config import ModelConfig, check_tensor_parallel, padded_vocab_size
 from mcore.pipeline.layout import stage_layer_counts
@@ -142,11 +150,14 @@ def import_from_hf(
 
     hf = read_hf_config(hf_dir)
     where = os.path.join(hf_dir, "config.json")
-    family = family_of_hf_config(hf, where)
+    t5 = is_t5_hf_config(hf)  # T5ForConditionalGeneration (mcore.hf.t5) or a GPT family
+    family = T5 if t5 else family_of_hf_config(hf, where)
+    architecture = T5_ARCHITECTURE if t5 else ARCHITECTURES[family]
+    config_from_hf = t5_model_config_from_hf if t5 else model_config_from_hf
     try:
-        cfg = model_config_from_hf(hf, where, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        cfg = config_from_hf(hf, where, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     except (ConfigError, KeyError, TypeError) as err:
-        raise ConversionError(f"{where}: not a valid {ARCHITECTURES[family]} config: {err}") from None
+        raise ConversionError(f"{where}: not a valid {architecture} config: {err}") from None
     _check_layout(cfg, tensor_model_parallel_size, pipeline_model_parallel_size)
     vocab_size = hf.get("vocab_size")
     if not isinstance(vocab_size, int) or vocab_size < 1:
@@ -172,20 +183,20 @@ def import_from_hf(
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else DTYPES[dtype]
         padded = padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size)
-        word_key = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+        word_key = {"gpt2": "transformer.wte.weight", T5: "shared.weight"}.get(
+            family, "model.embed_tokens.weight"
+        )
         if word_key in hf_state and hf_state[word_key].shape[0] != vocab_size:
             raise ConversionError(
                 f"{hf_dir}: {word_key} has {hf_state[word_key].shape[0]} rows but vocab_size={vocab_size}"
             )
-        state = hf_to_mcore(hf_state, cfg, padded)
+        state = (t5_hf_to_mcore if t5 else hf_to_mcore)(hf_state, cfg, padded)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
-        report = ImportReport(
-            os.path.abspath(save_dir), ARCHITECTURES[family], cfg, tok_config, vocab_size, padded
-        )
+        report = ImportReport(os.path.abspath(save_dir), architecture, cfg, tok_config, vocab_size, padded)
         if check_parity:
             rounded = dtype if dtype not in (None, torch.float32) else None
-            report.parity = check_logit_parity(
+            report.parity = (check_t5_parity if t5 else check_logit_parity)(
                 cfg, state, vocab_size, hf_dir, tolerance=tolerance, round_to=rounded
             )
 
@@ -256,7 +267,7 @@ _LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.importer",
-        description="Import a local Hugging Face GPT-2 or Llama model as an mcore checkpoint, checking logit parity.",
+        description="Import a local Hugging Face GPT-2, Llama or T5 v1.1 model as an mcore checkpoint, checking parity.",
     )
     parser.add_argument(
         "--hf-dir", required=True, help="Local Hugging Face model directory (nothing is downloaded)."

@@ -19,6 +19,10 @@ id unless ``--no-stop-at-eod``), ``--no-kv-cache``. The checkpoint may come from
 id before every prompt (Megatron's ``add_BOS``). ``--output-json FILE`` writes every result, with each
 generated token's log-probability (``--return-output-log-probs``) and logits (``--return-logits``).
 
+A T5 checkpoint (encoder layers in it) generates with the whole model on every rank (any TP size,
+pipeline size 1): each prompt goes through the encoder once, and the decoder starts from the
+tokenizer's ``bos`` (Megatron's T5 data) or pad id (Hugging Face T5) (:mod:`mcore.inference.t5_generation`).
+
 Settings that would be silently ignored are refused: ``--greedy`` with ``--temperature``/``--top-k``/
 ``--top-p``, beam search with ``--top-k``/``--top-p``.
 """
@@ -44,6 +48,7 @@ from mcore.inference.loading import (
     model_config_from_run_config,
     tokenizer_config_from_run_config,
 )
+from mcore.inference.t5_generation import T5TextGenerator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,13 +189,44 @@ def load_generator(
         raise ConfigError(
             f"{load}: the checkpoint names no tokenizer and no vocabulary size; give --tokenizer-type"
         )
-    model = build_model_chunk(cfg, groups, int(vocab_size), device=device, params_dtype=params_dtype)
+    t5 = any(str(rec.get("name", "")).startswith("encoder.layers.") for rec in metadata.get("records", ()))
+    if t5:  # an encoder-decoder checkpoint: the whole T5 on every rank (mcore.inference.t5_generation)
+        model = build_t5_model(cfg, groups, int(vocab_size), device=device, params_dtype=params_dtype)
+    else:
+        model = build_model_chunk(cfg, groups, int(vocab_size), device=device, params_dtype=params_dtype)
     weights_only = CheckpointConfig(
         load=str(load), ckpt_step=int(metadata["iteration"]), no_load_optim=True, no_load_rng=True
     )
     load_checkpoint(weights_only, [model], None, None, groups)
     eod = tokenizer.eod if tokenizer is not None else None
+    if t5:
+        # Megatron's T5 data starts the decoder with the tokenizer's bos; Hugging Face T5 with pad (0)
+        start = getattr(tokenizer, "bos", None) if tokenizer is not None else None
+        pad = getattr(tokenizer, "pad", None) if tokenizer is not None else None
+        generator = T5TextGenerator(
+            model.eval(),
+            groups,
+            int(vocab_size),
+            eod=eod,
+            pad_id=pad,
+            decoder_start_token_id=start or pad or 0,
+        )
+        return generator, tokenizer
     return TextGenerator(model.eval(), groups, int(vocab_size), eod=eod), tokenizer
+
+
+def build_t5_model(cfg, groups, vocab_size: int, *, device=None, params_dtype=torch.float32):
+    """The whole :class:`~mcore.models.t5.T5Model` for generation (TP any size; PP 1)."""
+    from mcore.models.config import padded_vocab_size
+    from mcore.models.t5 import T5Model
+
+    check(
+        groups.pp_size == 1,
+        f"T5 generation runs the whole model on every rank: use --pipeline-model-parallel-size 1 "
+        f"(got {groups.pp_size})",
+    )
+    padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, groups.tp_size)
+    return T5Model(cfg, groups, padded, device=device, params_dtype=params_dtype).eval()
 
 
 def encode_prompts(

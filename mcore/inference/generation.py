@@ -172,6 +172,10 @@ class TextGenerator:
         self.first = groups.is_first_stage
         self.last = groups.is_last_stage
 
+    def _new_cache(self, capacity: int) -> KVCache:
+        """The key/value cache of one ``generate`` call (an encoder-decoder generator keeps more)."""
+        return KVCache(capacity)
+
     # -- one forward step -------------------------------------------------------------------------
 
     def _forward(
@@ -275,7 +279,7 @@ class TextGenerator:
         tokens, valid = self._prepare(prompts, 1)
         b = tokens.shape[0]
         steps = self._budget(tokens, params)
-        state = _Batch(tokens, valid, KVCache(tokens.shape[1] + steps) if params.use_cache else None)
+        state = _Batch(tokens, valid, self._new_cache(tokens.shape[1] + steps) if params.use_cache else None)
         stops = self._stop_ids(params)
         generator = torch.Generator().manual_seed(params.seed)
         out: list[list[int]] = [[] for _ in range(b)]
@@ -349,7 +353,7 @@ class TextGenerator:
         tokens, valid = self._prepare(prompts, k)
         n = len(prompts)
         steps = self._budget(tokens, params)
-        state = _Batch(tokens, valid, KVCache(tokens.shape[1] + steps) if params.use_cache else None)
+        state = _Batch(tokens, valid, self._new_cache(tokens.shape[1] + steps) if params.use_cache else None)
         stops = self._stop_ids(params)
         hyps = [_Hypotheses(k) for _ in range(n)]
         done = [False] * n

@@ -66,3 +66,32 @@ class KVCache:
         self._keys.clear()
         self._values.clear()
         self._lengths.clear()
+
+
+class EncoderDecoderCache(KVCache):
+    """A decoder's self-attention key/value cache plus its cross-attention keys and values.
+
+    The cross-attention keys and values depend only on the encoder output, so each layer computes
+    them on the first decoding step (``cross_kv(layer_number, compute)`` calls ``compute()``) and
+    reads them back afterwards (:class:`mcore.models.cross_attention.CrossAttention`).
+    """
+
+    def __init__(self, capacity: int = 0):
+        super().__init__(capacity)
+        self._cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cross_kv(self, layer_number: int, compute) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cross-attention ``(key, value)`` ``[s_e, b, n_p, d]`` of ``layer_number`` (computed once)."""
+        if layer_number not in self._cross:
+            self._cross[layer_number] = compute()
+        return self._cross[layer_number]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        super().reorder(index)
+        for layer, (key, value) in self._cross.items():
+            rows = index.to(key.device)
+            self._cross[layer] = (key.index_select(1, rows), value.index_select(1, rows))
+
+    def reset(self) -> None:
+        super().reset()
+        self._cross.clear()

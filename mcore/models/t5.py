@@ -56,344 +56,36 @@ like the tied embedding: the pipeline must sum their gradients).
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 
 from mcore.config.fields import ConfigError, check
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.config import ModelConfig, check_tensor_parallel
 from mcore.models.context import BuildContext
-from mcore.models.cross_attention import CrossAttention, CrossAttentionSubmodules
 from mcore.models.embeddings import LanguageModelEmbedding
-from mcore.models.mlp import MLP, MLPSubmodules
-from mcore.models.norms import Norm
-from mcore.models.spec import ModuleSpec, build_module
-from mcore.models.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mcore.tensor_parallel.mappings import (
-    all_reduce_sequence_parallel_grads,
-    scatter_to_tensor_model_parallel_region,
+from mcore.models.relative_position import RelativePositionEmbedding, relative_position_bucket
+from mcore.models.t5_layers import (
+    T5Block,
+    T5CoreAttention,
+    T5Layer,
+    t5_decoder_layer_spec,
+    t5_encoder_layer_spec,
 )
-from mcore.tensor_parallel.recompute import checkpoint
+from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mcore.tensor_parallel.layers import ColumnParallelLinear
+from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
 from mcore.tensor_parallel.sharding import (
-    NormalInit,
-    ParamLayout,
     ShardSpec,
     build_shard_specs,
     init_method_normal,
     initialize_parameters,
-    make_parameter,
 )
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 _LOCAL_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.")
-
-
-# -- relative positions -----------------------------------------------------------------------------
-
-
-def relative_position_bucket(
-    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
-) -> torch.Tensor:
-    """T5's bucket of ``relative_position = key_position - query_position`` (int64, same shape).
-
-    Bidirectional: half the buckets for keys after the query, half before. In each half (``B``
-    buckets), distances ``< B/2`` get a bucket each; larger ones share ``B/2`` logarithmically sized
-    buckets up to ``max_distance``, beyond which all share the last. Causal: only keys at or before
-    the query count (later ones fall in bucket 0, and the causal mask hides them).
-    """
-    buckets = torch.zeros_like(relative_position)
-    if bidirectional:
-        num_buckets //= 2
-        buckets = buckets + (relative_position > 0).long() * num_buckets
-        distance = relative_position.abs()
-    else:
-        distance = -torch.clamp(relative_position, max=0)
-    max_exact = num_buckets // 2
-    is_small = distance < max_exact
-    # distance 0 would give log(0) here; torch.where picks the exact bucket for it anyway
-    large = (
-        max_exact
-        + (
-            torch.log(distance.float().clamp(min=1) / max_exact)
-            / math.log(max_distance / max_exact)
-            * (num_buckets - max_exact)
-        ).long()
-    )
-    large = torch.clamp(large, max=num_buckets - 1)
-    return buckets + torch.where(is_small, distance, large)
-
-
-class _BiasTable(torch.nn.Module):
-    """The ``[num_buckets, n]`` table (a module so that its name is ``relative_attention_bias.weight``)."""
-
-    def __init__(self, num_buckets: int, num_heads: int, config: ModelConfig, ctx: BuildContext):
-        super().__init__()
-        layout = ParamLayout((num_buckets, num_heads), init=NormalInit(config.init_method_std))
-        self.weight = make_parameter(layout, ctx.tp_size, dtype=ctx.params_dtype, device=ctx.device)
-
-
-class RelativePositionEmbedding(torch.nn.Module):
-    """T5's relative position bias: ``bias[h, i, j] = table[bucket(j - i), h]`` for query ``i``, key ``j``.
-
-    The table is replicated over TP; each rank adds the bias of its own heads (the scatter's backward
-    all-gathers the heads' gradients, so every rank's table gradient is complete).
-    """
-
-    def __init__(self, config: ModelConfig, ctx: BuildContext, bidirectional: bool):
-        super().__init__()
-        self.bidirectional = bidirectional
-        self.num_buckets = config.relative_attention_num_buckets
-        self.max_distance = config.relative_attention_max_distance
-        self.tp_group = ctx.tp_group
-        self.relative_attention_bias = _BiasTable(self.num_buckets, config.num_attention_heads, config, ctx)
-
-    def forward(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
-        """The bias of this rank's heads ``[1, n_p, s_q, s_k]``; queries sit at ``query_offset + i``."""
-        weight = self.relative_attention_bias.weight
-        query = torch.arange(query_offset, query_offset + query_length, device=weight.device)
-        key = torch.arange(key_length, device=weight.device)
-        buckets = relative_position_bucket(
-            key[None, :] - query[:, None], self.bidirectional, self.num_buckets, self.max_distance
-        )
-        bias = torch.nn.functional.embedding(buckets, weight)  # [s_q, s_k, n]
-        bias = scatter_to_tensor_model_parallel_region(bias, self.tp_group)  # [s_q, s_k, n_p]
-        return bias.permute(2, 0, 1)[None]
-
-
-# -- layers -----------------------------------------------------------------------------------------
-
-
-class T5CoreAttention(CoreAttention):
-    """:class:`CoreAttention` whose scores may be unscaled (``unscaled=True``: Hugging Face T5's ``Q K^T``)."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        ctx: BuildContext,
-        layer_number: int = 1,
-        causal: bool = True,
-        unscaled: bool = False,
-    ):
-        super().__init__(config, ctx, layer_number, causal=causal)
-        if unscaled:
-            self.scale = 1.0
-
-
-@dataclass
-class T5LayerSubmodules(TransformerLayerSubmodules):
-    """A transformer layer's parts plus, for the decoder, the cross-attention and its norm."""
-
-    pre_cross_attn_layernorm: Any = None
-    cross_attention: Any = None
-
-
-def t5_encoder_layer_spec(config: ModelConfig) -> ModuleSpec:
-    """Encoder layer: norm, bidirectional self-attention (padding mask), norm, MLP."""
-    unscaled = config.position_embedding_type == "relative"
-    return ModuleSpec(
-        T5Layer,
-        submodules=T5LayerSubmodules(
-            input_layernorm=ModuleSpec(Norm),
-            self_attention=ModuleSpec(
-                SelfAttention,
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(
-                        T5CoreAttention, params={"causal": False, "unscaled": unscaled}
-                    ),
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
-            pre_mlp_layernorm=ModuleSpec(Norm),
-            mlp=ModuleSpec(
-                MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-            ),
-        ),
-    )
-
-
-def t5_decoder_layer_spec(config: ModelConfig) -> ModuleSpec:
-    """Decoder layer: norm, causal self-attention, norm, cross-attention to the encoder, norm, MLP."""
-    unscaled = config.position_embedding_type == "relative"
-    return ModuleSpec(
-        T5Layer,
-        submodules=T5LayerSubmodules(
-            input_layernorm=ModuleSpec(Norm),
-            self_attention=ModuleSpec(
-                SelfAttention,
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(T5CoreAttention, params={"causal": True, "unscaled": unscaled}),
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
-            pre_cross_attn_layernorm=ModuleSpec(Norm),
-            cross_attention=ModuleSpec(
-                CrossAttention,
-                submodules=CrossAttentionSubmodules(
-                    linear_q=ColumnParallelLinear,
-                    linear_kv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(
-                        T5CoreAttention, params={"causal": False, "unscaled": unscaled}
-                    ),
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
-            pre_mlp_layernorm=ModuleSpec(Norm),
-            mlp=ModuleSpec(
-                MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-            ),
-        ),
-    )
-
-
-class T5Layer(TransformerLayer):
-    """Pre-norm layer: self-attention, [cross-attention,] MLP, each ``x = x + dropout(part(norm(x)))``.
-
-    Recomputation options act as in :class:`~mcore.models.transformer_layer.TransformerLayer`
-    (``layernorm`` also covers the cross-attention's norm; ``core_attn`` its core attention).
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        ctx: BuildContext,
-        layer_number: int = 1,
-        submodules: T5LayerSubmodules | None = None,
-    ):
-        submodules = submodules or T5LayerSubmodules()
-        super().__init__(config, ctx, layer_number, submodules)
-        self.pre_cross_attn_layernorm = None
-        self.cross_attention = None
-        if submodules.cross_attention is not None:
-            self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, config, ctx)
-            self.cross_attention = build_module(
-                submodules.cross_attention, config, ctx, layer_number=layer_number
-            )
-            # megatron-core's order: self-attention, cross-attention, MLP (parameter listings, checkpoints)
-            order = ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention")
-            self._modules = {
-                **{k: self._modules[k] for k in order},
-                **{k: v for k, v in self._modules.items() if k not in order},
-            }
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        attention_bias: torch.Tensor | None = None,
-        context: torch.Tensor | None = None,
-        context_mask: torch.Tensor | None = None,
-        inference_context=None,
-    ) -> torch.Tensor:
-        """``hidden_states [s, b, h]``; ``context [s_e, b, h]`` is the encoder output (decoder layers)."""
-        recompute = self.training and inference_context is None and torch.is_grad_enabled()
-        recompute_norm = recompute and self.recompute_layernorm
-
-        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states, recompute_norm)
-        with self._recompute_norm_when_saved(recompute_norm, normed, self.input_layernorm, hidden_states):
-            out, bias = self.self_attention(
-                normed,
-                attention_mask,
-                None,
-                inference_context=inference_context,
-                attention_bias=attention_bias,
-            )
-        del normed
-        hidden_states = self._bias_dropout_add(out, bias, residual)
-
-        if self.cross_attention is not None:
-            norm = self.pre_cross_attn_layernorm
-            normed, residual = self._norm_and_residual(norm, hidden_states, recompute_norm)
-            with self._recompute_norm_when_saved(recompute_norm, normed, norm, hidden_states):
-                out, bias = self.cross_attention(
-                    normed, context, context_mask, inference_context=inference_context
-                )
-            del normed
-            hidden_states = self._bias_dropout_add(out, bias, residual)
-
-        normed, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states, recompute_norm)
-        with self._recompute_norm_when_saved(recompute_norm, normed, self.pre_mlp_layernorm, hidden_states):
-            if recompute and self.recompute_mlp:
-                out, bias = checkpoint(self._mlp_with_bias, normed), None
-            else:
-                out, bias = self.mlp(normed)
-        del normed
-        return self._bias_dropout_add(out, bias, residual)
-
-
-class T5Block(torch.nn.Module):
-    """Consecutive encoder or decoder layers (``layers.{i}``) and, on the stack's last chunk, its final norm.
-
-    ``--recompute-granularity full`` checkpoints chunks of ``--recompute-num-layers`` layers
-    (``uniform``) or the first that many layers (``block``), as
-    :class:`~mcore.models.transformer_layer.TransformerBlock`.
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        ctx: BuildContext,
-        layer_spec: ModuleSpec,
-        *,
-        num_layers: int,
-        layer_offset: int,
-        final_norm: bool,
-    ):
-        super().__init__()
-        self.recompute_method = config.recompute_method if config.recompute_granularity == "full" else None
-        self.recompute_num_layers = config.recompute_num_layers
-        self.fp32_residual = config.fp32_residual_connection
-        self.params_dtype = ctx.params_dtype
-        self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config, ctx, layer_number=layer_offset + i + 1)
-            for i in range(num_layers)
-        )
-        self.final_layernorm = Norm(config, ctx) if final_norm else None
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        attention_bias: torch.Tensor | None = None,
-        context: torch.Tensor | None = None,
-        context_mask: torch.Tensor | None = None,
-        inference_context=None,
-    ) -> torch.Tensor:
-        args = (attention_mask, attention_bias, context, context_mask)
-        recompute = self.recompute_method is not None and self.training and torch.is_grad_enabled()
-        n, k = len(self.layers), self.recompute_num_layers
-        if inference_context is not None or not recompute:
-            for layer in self.layers:
-                hidden_states = layer(hidden_states, *args, inference_context=inference_context)
-        elif self.recompute_method == "uniform":
-            for start in range(0, n, k):
-                hidden_states = checkpoint(self._run_layers(start, min(start + k, n)), hidden_states, *args)
-        else:  # block
-            for i, layer in enumerate(self.layers):
-                hidden_states = (
-                    checkpoint(layer, hidden_states, *args) if i < k else layer(hidden_states, *args)
-                )
-        if self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states)
-            if self.fp32_residual:
-                hidden_states = hidden_states.to(self.params_dtype)
-        return hidden_states
-
-    def _run_layers(self, start: int, end: int):
-        def run(hidden_states, *args):
-            for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, *args)
-            return hidden_states
-
-        return run
 
 
 # -- the model --------------------------------------------------------------------------------------
@@ -688,9 +380,10 @@ class T5Model(torch.nn.Module):
         )
         if not self.post_process:
             return hidden_states
-        return self.lm_head(hidden_states, self._output_weight(), lm_labels)
+        return self.lm_head(hidden_states, self.output_weight(), lm_labels)
 
-    def _output_weight(self) -> torch.Tensor | None:
+    def output_weight(self) -> torch.Tensor | None:
+        """The weight the output layer multiplies by when it has none of its own (tied, with the embedding)."""
         if self.share_embeddings_and_output_weights and self.pre_process:
             return self.embedding.word_embeddings.weight
         return None

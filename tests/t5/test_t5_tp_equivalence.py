@@ -5,7 +5,8 @@ tied output with its bias) and Hugging Face T5 v1.1 (relative position buckets, 
 no biases, untied output). Each rank builds the TP=1 model and the TP=2 model from the same seed and
 checks that its initial weights are its slices of the TP=1 weights and that the per-token losses and
 its gradient slices match TP=1 (fp32, relative 1e-5). The batch has encoder padding (encoder and
-cross-attention masks) and a decoder padding mask, so every mask path is exercised.
+cross-attention masks) and a decoder padding mask, so every mask path is exercised. Generation at
+TP=2 (greedy with its logits, beam search; cached decoding) gives the TP=1 tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
+from mcore.inference.generation import SamplingParams
+from mcore.inference.t5_generation import T5TextGenerator
 from mcore.models.config import ModelConfig, padded_vocab_size
 from mcore.models.t5 import T5Model
 from mcore.testing.distributed import run_distributed
@@ -122,6 +125,22 @@ def _cases():
                 *worst,
                 sorted(grads) == sorted(ref_grads),
             )
+    return out, _generation(groups)
+
+
+def _generation(groups: ProcessGroups) -> dict:
+    """Greedy (with logits) and beam-search tokens at TP=1 and TP=2 (cached decoding)."""
+    prompts = [[5, 9, 12, 7, 30, 2], [40, 3, 17]]
+    out = {}
+    for variant in VARIANTS:
+        for tp_groups in (ProcessGroups.single(), groups):
+            model = _model(variant, tp_groups).eval()
+            generator = T5TextGenerator(model, tp_groups, VOCAB, eod=None)
+            greedy = generator.generate(
+                prompts, SamplingParams(max_new_tokens=6, greedy=True, return_logits=True)
+            )
+            beams = generator.generate(prompts, SamplingParams(max_new_tokens=6, num_beams=2)).tokens
+            out[(variant, tp_groups.tp_size)] = (greedy.tokens, torch.tensor(greedy.logits), beams)
     return out
 
 
@@ -133,7 +152,7 @@ def results():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tp2_and_sequence_parallel_match_tp1(results, variant):
     failures = []
-    for rank, r in enumerate(results):
+    for rank, (r, _) in enumerate(results):
         for (variant_, case), (same_init, loss_err, grad_err, grad_name, same_names) in r.items():
             if variant_ != variant:
                 continue
@@ -144,4 +163,13 @@ def test_tp2_and_sequence_parallel_match_tp1(results, variant):
             if loss_err > TOL or grad_err > TOL:
                 failures.append(f"rank {rank} {case}: loss {loss_err:.2e}, {grad_name} {grad_err:.2e}")
     assert not failures, "\n".join(failures)
-    assert sum(1 for key in results[0] if key[0] == variant) == len(CASES)
+    assert sum(1 for key in results[0][0] if key[0] == variant) == len(CASES)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tp2_generation_matches_tp1(results, variant):
+    for _, generation in results:
+        tokens1, logits1, beams1 = generation[(variant, 1)]
+        tokens2, logits2, beams2 = generation[(variant, 2)]
+        assert tokens2 == tokens1 and beams2 == beams1
+        assert _rel_err(logits2, logits1) <= TOL
