@@ -13,6 +13,13 @@ The batch layout is documented in :mod:`mcore.data.loader`. Tools: ``mcore-prepr
 ``tokenizers`` package is imported only when a BPE tokenizer is built.
 """
 
+from mcore.data.bert_dataset import (  # BERT: Megatron's BERTMaskedWordPieceDataset
+    BERTMaskedWordPieceDataset,
+    BERTMaskedWordPieceDatasetConfig,
+    MockBERTMaskedWordPieceDataset,
+    bert_datasets_provider,
+    build_bert_datasets,
+)
 from mcore.data.blended_dataset import BlendedDataset  # weighted blends
 from mcore.data.builder import build_train_valid_test_datasets  # what the training loop calls
 from mcore.data.config import DataConfig, TokenizerConfig  # CLI-facing configuration
@@ -33,6 +40,11 @@ from mcore.data.tokenizers import (  # --tokenizer-type
 )
 
 __all__ = [
+    "BERTMaskedWordPieceDataset",
+    "BERTMaskedWordPieceDatasetConfig",
+    "MockBERTMaskedWordPieceDataset",
+    "bert_datasets_provider",
+    "build_bert_datasets",
     "BertWordPieceTokenizer",
     "BlendedDataset",
     "DataConfig",

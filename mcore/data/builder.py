@@ -17,9 +17,7 @@ caches) first while the other ranks wait at a barrier, then they load the cached
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -36,20 +34,6 @@ Sizes = Sequence[int | None]
 Datasets = tuple[
     torch.utils.data.Dataset | None, torch.utils.data.Dataset | None, torch.utils.data.Dataset | None
 ]
-
-
-@dataclass(frozen=True)
-class DatasetKind:
-    """What the builder makes of each split: ``dataset(low, path, indices, num_samples, split, config)``
-    over a low-level dataset (``open(prefix, config)``; ``mock_low_level(tokenizer)`` and ``mock_dataset``
-    under ``--mock-data``); ``--split`` divides ``num_elements(low)`` (GPT: sequences; the masked-LM
-    datasets of BERT and T5: documents)."""
-
-    dataset: type
-    mock_dataset: type
-    mock_low_level: Callable[[Tokenizer], Any]
-    num_elements: Callable[[Any], int] = lambda low: len(low.sequence_lengths)
-    open: Callable[[str, Any], Any] | None = None
 
 
 def gpt_dataset_config(
@@ -98,33 +82,44 @@ def build_train_valid_test_datasets(
             f"need 3 sample counts (train, valid, test), got {list(train_valid_test_num_samples)}"
         )
     config = gpt_dataset_config(data_config, tokenizer, seq_length, seed)
-    return build_datasets(data_config, config, train_valid_test_num_samples, GPT_DATASETS)
-
-
-def build_datasets(data_config: DataConfig, config, train_valid_test_num_samples: Sizes, kind: DatasetKind):
-    """(train, valid, test) datasets of ``kind`` with ``config`` (a dataset config with ``split_matrix``,
-    ``path_to_cache``, ``mid_level_dataset_surplus`` and ``tokenizer``), by the rules of the module doc."""
     sizes = list(train_valid_test_num_samples)
+    return build_split_datasets(
+        data_config, config, sizes, GPTDataset, lambda: (MockGPTDataset, MockLowLevelDataset(tokenizer))
+    )
+
+
+def build_split_datasets(
+    data_config: DataConfig, config, sizes: list[int | None], dataset_cls, mock
+) -> Datasets:
+    """(train, valid, test) of ``dataset_cls`` (GPT's, or e.g. BERT's) by the rules of the module doc.
+
+    ``config`` is the dataset class's config (it has ``split_matrix``, ``tokenizer``, ``path_to_cache``,
+    ``mmap_bin_files``, ``mid_level_dataset_surplus``); ``mock()`` gives ``(mock class, low-level
+    dataset)`` for ``--mock-data``. A class with ``numel_low_level_dataset`` splits what that counts
+    (BERT: documents), otherwise sequences.
+    """
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed:
-        return _build(data_config, config, sizes, kind)
+        return _build(data_config, config, sizes, dataset_cls, mock)
     # Rank 0 builds and writes the caches; the others then find them. Building is deterministic, so a
     # rank that cannot read the cache (unwritable directory) just builds the same arrays itself.
     if torch.distributed.get_rank() == 0:
-        datasets = _build(data_config, config, sizes, kind)
+        datasets = _build(data_config, config, sizes, dataset_cls, mock)
         torch.distributed.barrier()
         return datasets
     torch.distributed.barrier()
-    return _build(data_config, config, sizes, kind)
+    return _build(data_config, config, sizes, dataset_cls, mock)
 
 
-def _build(data_config: DataConfig, config, sizes: list[int | None], kind: DatasetKind) -> Datasets:
+def _build(
+    data_config: DataConfig, config, sizes: list[int | None], dataset_cls=GPTDataset, mock=None
+) -> Datasets:
     if data_config.mock_data:
-        low = kind.mock_low_level(config.tokenizer)
-        return _split_datasets(kind.mock_dataset, low, None, config.split_matrix, sizes, config, kind)
+        mock_cls, low = mock()
+        return _split_datasets(mock_cls, low, None, config.split_matrix, sizes, config)
     if data_config.data_path:
         prefixes, weights = parse_blend(data_config.data_path, "--data-path")
-        return _build_blend(prefixes, weights, config.split_matrix, sizes, config, "--data-path", kind)
+        return _build_blend(prefixes, weights, config.split_matrix, sizes, config, "--data-path", dataset_cls)
     per_split = (data_config.train_data_path, data_config.valid_data_path, data_config.test_data_path)
     if not any(per_split):
         raise ConfigError("no training data: give --data-path, --train-data-path/..., or --mock-data")
@@ -138,12 +133,13 @@ def _build(data_config: DataConfig, config, sizes: list[int | None], kind: Datas
         matrix[i] = (0.0, 1.0)
         only = [None, None, None]
         only[i] = sizes[i]
-        out[i] = _build_blend(prefixes, weights, matrix, only, config, flag, kind)[i]
+        out[i] = _build_blend(prefixes, weights, matrix, only, config, flag, dataset_cls)[i]
     return out[0], out[1], out[2]
 
 
-def _split_datasets(cls, low, path, matrix, sizes, config, kind: DatasetKind) -> Datasets:
-    ranges = split_ranges(matrix, kind.num_elements(low))
+def _split_datasets(cls, low, path, matrix, sizes, config: GPTDatasetConfig) -> Datasets:
+    numel = getattr(cls, "numel_low_level_dataset", None)
+    ranges = split_ranges(matrix, numel(low) if numel is not None else len(low.sequence_lengths))
     out = [
         None if ranges[i] is None else cls(low, path, ranges[i], sizes[i], SPLIT_NAMES[i], config)
         for i in range(3)
@@ -163,15 +159,12 @@ def _build_blend(
     weights: list[float] | None,
     matrix,
     sizes: list[int | None],
-    config,
+    config: GPTDatasetConfig,
     flag: str,
-    kind: DatasetKind,
+    dataset_cls=GPTDataset,
 ) -> Datasets:
-    open_low = kind.open or _open
     if len(prefixes) == 1 and weights is None:
-        return _split_datasets(
-            kind.dataset, open_low(prefixes[0], config), prefixes[0], matrix, sizes, config, kind
-        )
+        return _split_datasets(dataset_cls, _open(prefixes[0], config), prefixes[0], matrix, sizes, config)
     if weights is not None:
         weights = normalize(weights)
         for i in range(3):
@@ -184,7 +177,7 @@ def _build_blend(
         target = None
         asked = [[None, None, None] for _ in prefixes]
     components = [
-        _split_datasets(kind.dataset, open_low(prefix, config), prefix, matrix, asked[k], config, kind)
+        _split_datasets(dataset_cls, _open(prefix, config), prefix, matrix, asked[k], config)
         for k, prefix in enumerate(prefixes)
     ]
     out: list[torch.utils.data.Dataset | None] = [None, None, None]
@@ -208,7 +201,3 @@ def _build_blend(
                     else parts[0]
                 )
     return out[0], out[1], out[2]
-
-
-GPT_DATASETS = DatasetKind(GPTDataset, MockGPTDataset, MockLowLevelDataset)
-"""Megatron's GPTDataset (``--mock-data``: :class:`~mcore.data.mock_dataset.MockGPTDataset`)."""

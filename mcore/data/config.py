@@ -74,11 +74,11 @@ class DataConfig:
         0.005, "Extra fraction of samples each blended component builds beyond its share."
     )
     """Margin so that a blend never asks a component for more samples than it built."""
-    # T5 (masked-LM datasets; BERT shares these flags)
-    mask_prob: float = flag(0.15, "Probability of replacing a token with a mask (BERT, T5).")
-    """Share of the tokens of a sample that are masked (T5: dropped into sentinel spans)."""
-    short_seq_prob: float = flag(0.1, "Probability of producing a short sequence (BERT, T5).")
-    """Chance that a sample's target length is drawn below the sequence length."""
+    # BERT
+    mask_prob: float = flag(0.15, "Probability of replacing a token with [MASK] (BERT, T5).")
+    """Share of the tokens the masked-LM datasets mask (Megatron's --mask-prob)."""
+    short_seq_prob: float = flag(0.1, "Probability of a sample shorter than --seq-length (BERT).")
+    """Probability that a BERT sample's target length is drawn shorter (Megatron's --short-seq-prob)."""
 
     def __post_init__(self) -> None:
         check(self.num_workers >= 0, f"num_workers={self.num_workers} must be >= 0")
@@ -97,6 +97,8 @@ class DataConfig:
             raise ConfigError(
                 "--mock-data generates its own samples; drop --data-path and the per-split paths"
             )
+        check(0.0 < self.mask_prob < 1.0, f"--mask-prob {self.mask_prob} must be in (0, 1)")
+        check(0.0 <= self.short_seq_prob <= 1.0, f"--short-seq-prob {self.short_seq_prob} must be in [0, 1]")
         parse_split(self.split)  # raises ConfigError naming the string
         for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
             values = getattr(self, name)

@@ -18,6 +18,9 @@ key                 shape / dtype       meaning
                                         documents. Absent otherwise: the model builds its causal mask.
 ==================  ==================  =============================================================
 
+BERT batches carry Megatron's BERT keys instead (``text``, ``types``, ``labels``, ``is_random``,
+``padding_mask``, ``loss_mask``, ``truncated``; documented in :mod:`mcore.data.bert_dataset`).
+
 Sampling (Megatron's ``MegatronPretrainingSampler``): sample ids ``consumed_samples,
 consumed_samples + 1, ...`` are grouped into global micro-batches of ``micro_batch_size *
 data_parallel_size``; data-parallel rank ``r`` takes the slice ``[r * mbs, (r + 1) * mbs)`` of each, and
@@ -56,9 +59,24 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-T5_BATCH_KEYS = ("text_enc", "text_dec", "enc_mask", "dec_mask", "truncated")
-"""The T5 dataset's keys besides ``labels`` and ``loss_mask`` (:mod:`mcore.data.t5_dataset`)."""
+BATCH_KEYS = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "attention_mask",
+    # BERT (mcore.data.bert_dataset: Megatron's BERTMaskedWordPieceDataset keys)
+    "text",
+    "types",
+    "is_random",
+    "padding_mask",
+    "truncated",
+    # T5 (mcore.data.t5_dataset: Megatron's T5MaskedWordPieceDataset keys)
+    "text_enc",
+    "text_dec",
+    "enc_mask",
+    "dec_mask",
+)
 
 
 class PretrainingSampler:
@@ -119,7 +137,7 @@ class PretrainingSampler:
 
 def collate_batch(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack per-sample dicts into the batch contract (keys outside it are dropped)."""
-    keys = [k for k in (*BATCH_KEYS, *T5_BATCH_KEYS) if k in samples[0]]
+    keys = [k for k in BATCH_KEYS if k in samples[0]]
     return {k: torch.stack([s[k] for s in samples]) for k in keys}
 
 

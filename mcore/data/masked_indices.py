@@ -19,7 +19,8 @@ pass over the documents (the stream continues) until ``num_samples`` runs exist.
 
 The per-run walk is sequential by nature (each run's end decides which draw the next run gets); it walks
 runs, not sentences (a binary search finds each run's end), so the cost is one Python step per sample
-plus one per document.
+plus one per document (about 3 s for a million samples on one CI core, against 0.15 s for the C++).
+The shuffle is vectorized (:func:`fisher_yates_permutation`).
 """
 
 from __future__ import annotations
@@ -97,14 +98,41 @@ class MT19937_64:
 
 
 def fisher_yates_permutation(count: int, seed: int) -> np.ndarray:
-    """The row order Megatron's shuffle leaves: ``perm[i]`` = original row now at ``i`` (int64)."""
-    perm = list(range(count))
-    if count > 1:
-        draws = MT19937_64(seed).draw(count - 1)  # one per i = count-1 .. 1
-        targets = (draws % np.arange(count, 1, -1, dtype=_U64)).tolist()
-        for i, j in zip(range(count - 1, 0, -1), targets):
-            perm[i], perm[j] = perm[j], perm[i]
-    return np.asarray(perm, dtype=np.int64)
+    """The row order Megatron's shuffle leaves: ``perm[p]`` = the original row that ends at ``p`` (int64).
+
+    The pass swaps positions ``i`` and ``j_i = r_i % (i + 1)`` for ``i = n-1 .. 1`` (``r`` from
+    ``std::mt19937_64(seed)``). Rather than swap one by one, it is solved in vectorized form. Position
+    ``i`` is final once step ``i`` ran, and holds what position ``j_i`` held just before. A position
+    ``p <= i`` was last written (before step ``i``) by the earliest later step ``k > i`` with ``j_k = p``,
+    which put there ``V(k)``, the value position ``k`` held before step ``k``; with no such step it still
+    holds ``p``. So ``perm[i] = V(succ(i))`` (``succ(i)``: the next step after ``i`` with the same ``j``),
+    else ``j_i``; and ``V(k) = V(m(k))`` with ``m(k)`` the first step after ``k`` whose ``j`` is ``k``,
+    else ``k``: chains towards larger indices, resolved by pointer jumping (``O(n log n)``).
+    Position 0 counts as a step with ``j_0 = 0``.
+    """
+    index = np.arange(count, dtype=np.int64)
+    if count <= 1:
+        return index
+    j = np.zeros(count, dtype=np.int64)
+    draws = MT19937_64(seed).draw(count - 1)  # one per i = count-1 .. 1
+    j[count - 1 : 0 : -1] = (draws % np.arange(count, 1, -1, dtype=_U64)).astype(np.int64)
+    order = np.lexsort((index, j))  # by j, then by step
+    sorted_j = j[order]
+    same = sorted_j[1:] == sorted_j[:-1]
+    succ = np.full(count, -1, dtype=np.int64)
+    succ[order[:-1][same]] = order[1:][same]
+    first_with_j = np.full(count, -1, dtype=np.int64)
+    group_starts = np.concatenate(([True], ~same))
+    first_with_j[sorted_j[group_starts]] = order[group_starts]
+    # m(k): steps with j = k are all >= k, so the first of them after k is succ(k) when j_k = k itself.
+    m = np.where(j == index, succ, first_with_j)
+    root = np.where(m >= 0, m, index)
+    while True:
+        jumped = root[root]
+        if np.array_equal(jumped, root):
+            break
+        root = jumped
+    return np.where(succ >= 0, root[np.maximum(succ, 0)], j)
 
 
 class _TargetLengths:

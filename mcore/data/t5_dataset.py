@@ -11,10 +11,11 @@ target length ``encoder_seq_length - 2`` (room for BOS and EOS), shorter with pr
 (``--data-cache-path``; the key includes a fingerprint of the data).
 
 **Sample** ``i`` (its own ``numpy.random.RandomState((seed + i) % 2**32)``): the sentences' tokens,
-truncated to the target length; candidates are whole words (a piece starting ``##`` joins the word
-before it); about ``--mask-prob`` of the tokens (``min(p * target, max(1, round(p * n)))``) are masked in
-spans whose length is drawn from a geometric distribution (p = 0.2, at most 10: SpanBERT's, mean about 3
-after the clip to the words left), candidates in a shuffled order, spans never overlapping. Each span
+truncated to the target length, masked by the shared masked-LM step
+(:meth:`mcore.data.masked_dataset.MaskedWordPieceDataset.create_masked_lm_predictions`) with Megatron's
+T5 settings: whole words (a piece starting ``##`` joins the word before it), about ``--mask-prob`` of
+the tokens, in spans whose length is drawn from a geometric distribution (p = 0.2, at most 10:
+SpanBERT's), never overlapping. Each span
 ``k`` (in order of position) is replaced by sentinel ``<extra_id_k>`` in the encoder input; the decoder
 input is ``[BOS] <extra_id_0> span_0 <extra_id_1> span_1 ...`` and the labels the same shifted by one,
 ending in ``[EOS]``.
@@ -35,11 +36,8 @@ start; a SentencePiece vocabulary has no ``##`` pieces, so every piece is a word
 
 from __future__ import annotations
 
-import logging
-import os
 import re
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mcore.data.cache import IndexCache, describe
 from mcore.data.errors import DataError
-from mcore.data.indexed_dataset import IndexedDataset, check_token_ids
-from mcore.data.masked_indices import build_sentence_sample_index
-
-logger = logging.getLogger(__name__)
+from mcore.data.masked_dataset import MaskedWordPieceDataset, MaskedWordPieceDatasetConfig
 
 _SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -115,72 +109,29 @@ class T5Vocab:
         )
 
 
-# --------------------------------------------------------------------------------------------------
-# span corruption
+class _T5TokenizerView:
+    """A tokenizer without BERT's ``cls/sep/mask`` (a T5 SentencePiece vocabulary) as the masked-LM
+    datasets read it: those ids are -1 (no token is one; masked tokens never reach a T5 sample, the
+    sentinels replace them), ``inv_vocab`` and the sentinels from the vocabulary, BOS = the pad id."""
+
+    def __init__(self, tokenizer, vocab: T5Vocab) -> None:
+        self._tokenizer = tokenizer
+        self.cls = self.sep = self.mask = -1
+        self.pad = vocab.pad if vocab.pad is not None else -1
+        self.bos, self.eos = vocab.bos, vocab.eos
+        self.inv_vocab = vocab.inv_vocab
+        self.additional_special_tokens_ids = list(vocab.sentinels)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
 
 
-def masked_spans(
-    tokens: Sequence[int],
-    target_length: int,
-    vocab: T5Vocab,
-    rng: np.random.RandomState,
-    masking_probability: float = 0.15,
-    max_ngram: int = 10,
-    do_full_word: bool = True,
-    use_geometric: bool = True,
-    use_longer_ngrams: bool = False,
-) -> list[tuple[list[int], list[int]]]:
-    """The masked spans ``[(positions, original ids)]`` in order of position (megatron-core's
-    ``_create_masked_lm_predictions`` without permutation, which T5 does not use)."""
-    candidates: list[list[int]] = []
-    for i, token in enumerate(tokens):
-        if token == vocab.cls or token == vocab.sep:
-            continue
-        if not vocab.inv_vocab[token].startswith("##"):
-            candidates.append([i])
-        elif do_full_word and candidates:
-            candidates[-1].append(i)
-        else:
-            candidates.append([i])
-    n_maskings = min(
-        masking_probability * target_length, max(1, int(round(len(tokens) * masking_probability)))
-    )
-    ngram_sizes = np.arange(max_ngram, dtype=np.int64) + 1
-    probs = 1.0 / ngram_sizes
-    probs = probs / probs.sum(keepdims=True)
-    if use_longer_ngrams:
-        probs = probs[::-1]
-    candidate_ngrams = [[candidates[idx : idx + n] for n in ngram_sizes] for idx in range(len(candidates))]
-    rng.shuffle(candidate_ngrams)
-    masked: set[int] = set()
-    count = 0
-    spans: list[tuple[list[int], list[int]]] = []
-    for ngrams in candidate_ngrams:
-        if count >= n_maskings:
-            break
-        if not ngrams:
-            continue
-        if use_geometric:
-            n = min(rng.geometric(0.2), max_ngram)
-        else:
-            p = probs[: len(ngrams)] / probs[: len(ngrams)].sum(keepdims=True)
-            n = rng.choice(ngram_sizes[: len(ngrams)], p=p)
-        while True:  # shrink the span until it fits the budget
-            indices = sum(ngrams[n - 1], [])
-            n -= 1
-            if n_maskings >= count + len(indices):
-                fits = True
-                break
-            if n == 0:
-                fits = False
-                break
-        if not fits or any(i in masked for i in indices):
-            continue
-        masked.update(indices)
-        count += len(indices)
-        spans.append((indices, [tokens[i] for i in indices]))
-    # (Megatron shuffles the candidates once more here; nothing drawn after it reaches a T5 sample.)
-    return sorted(spans, key=lambda span: span[0][0])
+def t5_tokenizer(tokenizer):
+    """``tokenizer`` as the T5 dataset reads it (a BERT WordPiece tokenizer as it is)."""
+    vocab = T5Vocab.from_tokenizer(tokenizer)
+    if all(getattr(tokenizer, n, None) is not None for n in ("cls", "sep", "mask", "pad", "inv_vocab")):
+        return tokenizer
+    return _T5TokenizerView(tokenizer, vocab)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,34 +139,26 @@ def masked_spans(
 
 
 @dataclass(frozen=True, kw_only=True)
-class T5DatasetConfig:
-    """Everything a T5 dataset's samples depend on besides its documents (Megatron's pretrain_t5.py
-    values: whole-word masking, geometric span lengths up to 10, no permutation)."""
+class T5DatasetConfig(MaskedWordPieceDatasetConfig):
+    """Everything a T5 dataset's samples depend on besides its documents: the masked-LM fields with
+    Megatron's ``pretrain_t5.py`` values (whole-word masking, geometric span lengths up to 10) and the
+    decoder's length. ``sequence_length`` is the encoder's."""
 
-    random_seed: int
-    sequence_length: int
     sequence_length_decoder: int
-    tokenizer: Any
-    masking_probability: float = 0.15
-    short_sequence_probability: float = 0.1
     masking_max_ngram: int = 10
     masking_do_full_word: bool = True
-    masking_use_longer_ngrams: bool = False
     masking_use_geometric_distribution: bool = True
-    split: str | None = None
-    split_matrix: list | None = None
-    path_to_cache: str | None = None
-    mmap_bin_files: bool = True
-    mid_level_dataset_surplus: float = 0.005
 
     def __post_init__(self) -> None:
         if self.sequence_length < 4:
             raise DataError(f"--encoder-seq-length {self.sequence_length} must be at least 4")
         if self.sequence_length_decoder < 2:
             raise DataError(f"--decoder-seq-length {self.sequence_length_decoder} must be at least 2")
+        object.__setattr__(self, "tokenizer", t5_tokenizer(self.tokenizer))
+        super().__post_init__()
 
 
-class T5Dataset(torch.utils.data.Dataset):
+class T5Dataset(MaskedWordPieceDataset):
     """The samples of one split of a sentence-level dataset (see the module docstring).
 
     Args:
@@ -236,90 +179,16 @@ class T5Dataset(torch.utils.data.Dataset):
         index_split: str,
         config: T5DatasetConfig,
     ) -> None:
-        self.dataset = indexed_dataset
-        self.dataset_path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.config = config
+        super().__init__(indexed_dataset, dataset_path, indices, num_samples, index_split, config)
         self.vocab = T5Vocab.from_tokenizer(config.tokenizer)
-        self._pad = self.vocab.pad if self.vocab.pad is not None else -1
-        self.unique_identifiers = self._identifiers()
-        self.unique_description = describe(self.unique_identifiers)
-        self.sample_index = self._load_or_build_index()
+        self.sample_index = self.build_sample_index(config.sequence_length - 2, 1)  # room for BOS and EOS
 
-    def _identifiers(self) -> OrderedDict:
-        c = self.config
-        ids: OrderedDict = OrderedDict()
-        ids["class"] = type(self).__name__
-        ids["dataset_path"] = self.dataset_path
-        ids["num_samples"] = self.num_samples
-        ids["index_split"] = self.index_split
-        ids["random_seed"] = c.random_seed
-        ids["sequence_length"] = c.sequence_length
-        ids["split"] = c.split
-        ids["split_matrix"] = c.split_matrix
-        ids["tokenizer"] = c.tokenizer.unique_identifiers
-        ids["masking_probability"] = c.masking_probability
-        ids["short_sequence_probability"] = c.short_sequence_probability
-        ids["masking_max_ngram"] = c.masking_max_ngram
-        ids["masking_do_full_word"] = c.masking_do_full_word
-        ids["masking_use_longer_ngrams"] = c.masking_use_longer_ngrams
-        ids["masking_use_geometric_distribution"] = c.masking_use_geometric_distribution
-        ids["sequence_length_decoder"] = c.sequence_length_decoder
-        ids["data_fingerprint"] = self.dataset.fingerprint()
-        return ids
+    def _key_identifiers(self):
+        return [*super()._key_identifiers(), ("sequence_length_decoder", self.config.sequence_length_decoder)]
 
-    def _cache_dir(self) -> str | None:
-        if self.config.path_to_cache:
-            return self.config.path_to_cache
-        if self.dataset_path is None:
-            return None
-        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
-
-    def _load_or_build_index(self) -> np.ndarray:
-        cache = IndexCache(
-            self._cache_dir(),
-            self.unique_description,
-            type(self).__name__,
-            self.index_split,
-            ("sample_index",),
-        )
-        cached = cache.load()
-        if cached is not None:
-            return cached["sample_index"]
-        start = time.perf_counter()
-        index = np.zeros((0, 3), np.uint32)
-        if len(self.indices) > 0:
-            bounds = np.append(self.indices, self.indices[-1] + 1)
-            try:
-                index = build_sentence_sample_index(
-                    self.dataset.document_indices[bounds],
-                    self.dataset.sequence_lengths,
-                    None if self.num_samples is not None else 1,
-                    self.num_samples,
-                    self.config.sequence_length - 2,  # room for one <bos> and one <eos>
-                    self.config.short_sequence_probability,
-                    self.config.random_seed,
-                    1,
-                )
-            except ValueError as err:
-                where = self.dataset_path or "the mock dataset"
-                raise DataError(f"the {self.index_split} split of {where}: {err}") from None
-        if self.num_samples and len(index) < self.num_samples:
-            where = self.dataset_path or "the mock dataset"
-            raise DataError(
-                f"the {self.index_split} split of {where} ({len(self.indices)} documents under --split "
-                f"{self.config.split!r}) yields {len(index)} T5 samples, but {self.num_samples} were requested: "
-                "use more data (a document with several sentences needs them all at most 512 tokens), change "
-                "--split, or request fewer"
-            )
-        saved = cache.save({"sample_index": index})
-        logger.info(
-            "built %s %s index (%d samples) in %.2f s%s", type(self).__name__, self.index_split, len(index),
-            time.perf_counter() - start, f", cached in {cache.path('')}*" if saved else "",
-        )  # fmt: skip
-        return index
+    def token_mask(self, rng: np.random.RandomState) -> int | None:
+        """Always the mask id (no draw): the sentinels replace the masked spans anyway."""
+        return self.config.tokenizer.mask
 
     def __len__(self) -> int:
         return int(self.sample_index.shape[0])
@@ -332,10 +201,7 @@ class T5Dataset(torch.utils.data.Dataset):
         rng = np.random.RandomState(seed=(c.random_seed + idx) % 2**32)
         truncated = len(tokens) > target
         tokens = tokens[:target]
-        spans = masked_spans(
-            tokens, target, vocab, rng, c.masking_probability, c.masking_max_ngram, c.masking_do_full_word,
-            c.masking_use_geometric_distribution, c.masking_use_longer_ngrams,
-        )  # fmt: skip
+        tokens, _, _, _, spans = self.create_masked_lm_predictions(tokens, target, rng)
         if len(spans) > len(vocab.sentinels):
             raise DataError(
                 f"sample {idx} of the {self.index_split} split masks {len(spans)} spans, but the tokenizer has "
@@ -363,7 +229,7 @@ class T5Dataset(torch.utils.data.Dataset):
                 f"{c.masking_probability}): raise --decoder-seq-length"
             )
         n_dec = len(decoder_in)
-        pad = self._pad
+        pad = self.pad_id
         enc = np.full(s_e, pad, np.int64)
         enc[: len(encoder)] = encoder
         dec = np.full(s_d, pad, np.int64)
@@ -439,23 +305,6 @@ class MockSentenceDataset:
         return {"mock": {"seed": self.seed, "num_documents": self.num_documents}}
 
 
-def _open_sentences(prefix: str, config: T5DatasetConfig) -> IndexedDataset:
-    dataset = IndexedDataset(prefix, multimodal=False, mmap=config.mmap_bin_files)
-    check_token_ids(dataset, config.tokenizer.vocab_size)
-    return dataset
-
-
-def _documents(low) -> int:
-    return len(low.document_indices) - 1
-
-
-def t5_datasets_kind():
-    """The builder's :class:`~mcore.data.builder.DatasetKind` for T5 (``--split`` divides documents)."""
-    from mcore.data.builder import DatasetKind
-
-    return DatasetKind(T5Dataset, T5Dataset, MockSentenceDataset, _documents, _open_sentences)
-
-
 def t5_dataset_config(data_config, tokenizer, encoder_seq_length: int, decoder_seq_length: int, seed: int):
     """The :class:`T5DatasetConfig` of the data flags (``--mask-prob``, ``--short-seq-prob``, ...)."""
     from mcore.data.splits import parse_split, split_matrix
@@ -485,7 +334,10 @@ def build_t5_datasets(
 ):
     """(train, valid, test) T5 datasets from ``--data-path`` (blends and ``--split`` as GPT's),
     the per-split paths, or ``--mock-data``."""
-    from mcore.data.builder import build_datasets
+    from mcore.data.builder import build_split_datasets
 
     config = t5_dataset_config(data_config, tokenizer, encoder_seq_length, decoder_seq_length, seed)
-    return build_datasets(data_config, config, train_valid_test_num_samples, t5_datasets_kind())
+    sizes = list(train_valid_test_num_samples)
+    return build_split_datasets(
+        data_config, config, sizes, T5Dataset, lambda: (T5Dataset, MockSentenceDataset(tokenizer))
+    )

@@ -14,6 +14,8 @@ from mcore.data.preprocess import main as preprocess_main
 from mcore.data.sentences import split_sentences
 from mcore.data.tokenizers import BertWordPieceTokenizer, train_wordpiece_vocab
 
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core's builder on numpy 2
+
 DOCS = [
     "Mr. Smith went to Washington. He met Dr. J. Doe on Jan. 5th! Was it raining? No.",
     'Pi is 3.14. See e.g. the U.S. Army report, p. 12. "Quoted sentence." Then (a bracket.) Done',
