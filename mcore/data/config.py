@@ -82,8 +82,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check(self.num_workers >= 0, f"num_workers={self.num_workers} must be >= 0")
-        check(0 < self.mask_prob < 1, f"--mask-prob {self.mask_prob} must lie strictly between 0 and 1")
-        check(0 <= self.short_seq_prob <= 1, f"--short-seq-prob {self.short_seq_prob} must lie in [0, 1]")
         check(
             self.mid_level_dataset_surplus >= 0,
             f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0",

@@ -140,8 +140,9 @@ def build_model(
         if "compile_layers" not in backend.capabilities():
             raise ConfigError(f"--compile-layers: backend {backend.name!r} cannot compile layers")
         for chunk in chunks:
-            for layer in chunk.decoder.layers:
-                backend.compile_layer(layer)
+            for stack in (getattr(chunk, "encoder", None), chunk.decoder):  # T5 chunks: either may be None
+                for layer in stack.layers if stack is not None else ():
+                    backend.compile_layer(layer)
     if cfg.training.device_graph_impl == "local":
         attach_layer_graphs(chunks, current_backend())
     ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
@@ -347,6 +348,14 @@ def build_training(
     prints nothing (the arguments block, the backend line, the parameter count, ``--log-memory``).
     """
     t = cfg.training
+    if (
+        cfg.parallel.pipeline_model_parallel_split_rank is not None
+        and model_type != ModelType.encoder_and_decoder
+    ):
+        raise ConfigError(
+            "--pipeline-model-parallel-split-rank / --encoder-pipeline-model-parallel-size split an "
+            "encoder-decoder model (T5, examples/pretrain_t5.py) over the pipeline; this model has one stack"
+        )
     say = functools.partial(print_rank_0, groups) if verbose else (lambda message: None)
     say(format_arguments_block(cfg.as_dict(), {"world_size": groups.world_size}))
     model_parallel_seed(t.seed, groups.tp_rank, groups.pp_rank)

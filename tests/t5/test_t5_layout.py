@@ -161,3 +161,19 @@ def test_a_hugging_face_t5_vocabulary_brings_its_own_sentinels(t5_corpus, tmp_pa
     assert int(sample["labels"][n - 1]) == 1
     assert int(sample["text_dec"][1]) == int(sample["labels"][0]) == vocab.sentinels[0]
     assert vocab.sentinels[0] in sample["text_enc"].tolist()
+
+
+def test_a_split_rank_for_a_one_stack_model_is_refused():
+    from mcore.backend import current_backend
+    from mcore.distributed.groups import ProcessGroups
+    from mcore.training.gpt import model_provider
+    from mcore.training.pretrain import build_training
+    from mcore.training.run_config import parse_run_config
+
+    cfg = parse_run_config(
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        "--train-iters 1 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
+        "--pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1".split()
+    )
+    with pytest.raises(ConfigError, match="split an encoder-decoder model"):
+        build_training(cfg, ProcessGroups.single(), current_backend(), model_provider)
