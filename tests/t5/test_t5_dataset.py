@@ -1,15 +1,13 @@
-"""The T5 span-corruption dataset: samples equal megatron-core's, the index is cached, bad input is
-refused with one message, and the mock dataset serves ``--mock-data``."""
+"""The T5 span-corruption dataset: samples equal megatron-core's; the index is cached; --split and
+blends work as for GPT."""
 
 import numpy as np
 import pytest
 import torch
 
+from mcore.data.config import DataConfig
 from mcore.data.indexed_dataset import IndexedDataset
-from mcore.data.t5_dataset import (
-    T5Dataset,
-    T5DatasetConfig,
-)
+from mcore.data.t5_dataset import T5Dataset, T5DatasetConfig, build_t5_datasets
 from mcore.data.tokenizers import BertWordPieceTokenizer
 
 
@@ -68,3 +66,35 @@ def test_samples_equal_megatron_core(t5_corpus, tmp_path, monkeypatch):
         assert sorted(mine) == sorted(ref), i
         for key in ref:
             np.testing.assert_array_equal(mine[key], ref[key], err_msg=f"sample {i} key {key}")
+
+
+def test_index_cache_splits_and_blends(t5_corpus, tmp_path):
+    """The sample index is cached (a second build loads it); --split divides documents; a weighted
+    --data-path blends T5 datasets as GPT's."""
+    from mcore.data.blended_dataset import BlendedDataset
+
+    tok = _tokenizer(t5_corpus)
+    prefix, cache = t5_corpus["prefix"], str(tmp_path / "cache")
+    single = DataConfig(data_path=(prefix,), split="90,10,0", data_cache_path=cache)
+    train, valid, test = build_t5_datasets(single, tok, 64, 32, 3, [20, 6, 0])
+    assert test is None and len(train) >= 20 and len(valid) >= 6
+    documents = len(IndexedDataset(prefix).document_indices) - 1
+    assert train.indices[-1] + 1 == valid.indices[0] and valid.indices[-1] + 1 == documents
+    files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert any(f.endswith("T5Dataset-train-sample_index.npy") for f in files)
+    again, _, _ = build_t5_datasets(single, tok, 64, 32, 3, [20, 6, 0])
+    np.testing.assert_array_equal(np.asarray(again.sample_index), np.asarray(train.sample_index))
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == files  # loaded, nothing rebuilt
+    blend = DataConfig(data_path=("0.3", prefix, "0.7", prefix), split="90,10,0", data_cache_path=cache)
+    btrain, bvalid, _ = build_t5_datasets(blend, tok, 64, 32, 3, [20, 6, 0])
+    # Megatron sizes a split's blend as sum_k ceil(S * w_k): 6 + 14 and 2 + 5
+    assert isinstance(btrain, BlendedDataset) and len(btrain) == 20 and len(bvalid) == 7
+    assert set(btrain[5]) == {
+        "text_enc",
+        "text_dec",
+        "labels",
+        "loss_mask",
+        "truncated",
+        "enc_mask",
+        "dec_mask",
+    }
