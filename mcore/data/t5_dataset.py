@@ -123,6 +123,8 @@ class _T5TokenizerView:
         self.additional_special_tokens_ids = list(vocab.sentinels)
 
     def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_tokenizer":  # pickling (loader workers) looks these up first
+            raise AttributeError(name)
         return getattr(self._tokenizer, name)
 
 

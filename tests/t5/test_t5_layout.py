@@ -1,5 +1,7 @@
 """The encoder-decoder pipeline layout (pure), its flags, and the T5 data's clear errors."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -136,6 +138,8 @@ def test_a_hugging_face_t5_vocabulary_brings_its_own_sentinels(t5_corpus, tmp_pa
     docs = t5_corpus["documents"][:40]
     words = sorted({w for d in docs for s in d for w in s.lower().split()})
     tokenizer = HuggingFaceTokenizer(str(_t5_style_tokenizer(tmp_path / "t5tok", words)))
+    view = pickle.loads(pickle.dumps(_config(tokenizer).tokenizer))  # data loader workers pickle it
+    assert view.eos == 1 and view.vocab_size == tokenizer.vocab_size
     vocab = T5Vocab.from_tokenizer(tokenizer)
     assert vocab.sentinels[0] == tokenizer._tok.token_to_id("<extra_id_0>") == tokenizer.vocab_size - 1
     assert vocab.sentinels[:3] == (
