@@ -25,6 +25,7 @@ EXERCISED = {
     r"^mcore-preprocess-data ": ("tests/data/test_data_preprocess.py", "preprocess_main"),
     r"^mcore-merge-datasets ": ("tests/data/test_data_preprocess.py", "merge_main"),
     r"^torchrun .*examples/pretrain_gpt\.py": ("tests/training/test_pretrain.py", "pretrain_gpt3_tp_pp.sh"),
+    r"^torchrun .*examples/pretrain_t5\.py": ("tests/t5/test_t5_readme.py", "pretrain_t5.py"),
     r"^bash examples/pretrain_gpt3_tp_pp\.sh": ("tests/training/test_pretrain.py", "pretrain_gpt3_tp_pp.sh"),
     r"^bash examples/pretrain_gpt2_codeparrot\.sh": ("tests/test_readme.py", "pretrain_gpt2_codeparrot.sh"),
     r"^bash examples/pretrain_llama\.sh": ("tests/test_readme.py", "pretrain_llama.sh"),

@@ -63,6 +63,8 @@ UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
     "--use-custom-fsdp": "use --use-distributed-optimizer (ZeRO-1) instead of FSDP",
     "--spec": "mcore builds GPT layers from its own specs",
     "--retro-add-retriever": "RETRO is not implemented",
+    "--encoder-tensor-model-parallel-size": "T5's encoder and decoder share --tensor-model-parallel-size "
+    "(their word embeddings are one tensor)",
     "--use-mup": "muP is not implemented",
     # BERT: Megatron's retrieval (ICT / biencoder) and embedding tools, not pretrain_bert.py
     "--bert-load": "Megatron's ICT / biencoder pretraining (pretrain_ict.py) is not implemented; a BERT "

@@ -30,6 +30,17 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = flag(
         None, "Layers on the last pipeline stage when the split is uneven."
     )
+    # T5 (encoder-decoder pipelines; :func:`mcore.pipeline.layout.encoder_decoder_stages`)
+    pipeline_model_parallel_split_rank: int | None = flag(
+        None,
+        "Encoder-decoder models: the pipeline stage where the decoder starts (stages before it hold the "
+        "encoder).",
+    )
+    encoder_pipeline_model_parallel_size: int | None = flag(
+        None,
+        "Encoder-decoder models: pipeline stages of the encoder, added to --pipeline-model-parallel-size "
+        "stages of the decoder (Megatron-LM's meaning: the run has both together).",
+    )
     context_parallel_size: int = flag(1, "Degree of context parallelism (rank arithmetic only for now).")
     sequence_parallel: bool = flag(False, "Shard activations along the sequence in non-TP regions (TP>1).")
     parallel_order: str = flag(
@@ -49,6 +60,7 @@ class ParallelConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, f"{name}={value} must be a positive integer")
+        self._resolve_encoder_pipeline()
         check(
             not self.sequence_parallel or self.tensor_model_parallel_size > 1,
             f"--sequence-parallel needs tensor_model_parallel_size > 1 "
@@ -80,6 +92,40 @@ class ParallelConfig:
             sorted(axes) == sorted(["tp", "cp", "dp", "pp"]),
             f"parallel_order={self.parallel_order!r} must order exactly tp, cp, dp and pp",
         )
+
+    def _resolve_encoder_pipeline(self) -> None:
+        """Fold ``--encoder-pipeline-model-parallel-size E`` into the split rank: ``E`` encoder stages
+        before the ``--pipeline-model-parallel-size`` decoder stages, ``E + P`` stages in all (kept as
+        ``pipeline_model_parallel_size = E + P``, ``pipeline_model_parallel_split_rank = E``)."""
+        encoder_stages, split = (
+            self.encoder_pipeline_model_parallel_size,
+            self.pipeline_model_parallel_split_rank,
+        )
+        if encoder_stages is not None and encoder_stages > 0:
+            check(
+                split is None,
+                "give either --pipeline-model-parallel-split-rank or --encoder-pipeline-model-parallel-size, "
+                "not both",
+            )
+            split = encoder_stages
+            object.__setattr__(
+                self, "pipeline_model_parallel_size", self.pipeline_model_parallel_size + split
+            )
+            object.__setattr__(self, "pipeline_model_parallel_split_rank", split)
+            object.__setattr__(self, "encoder_pipeline_model_parallel_size", None)
+        if split is not None:
+            pp = self.pipeline_model_parallel_size
+            check(
+                0 < split < pp,
+                f"pipeline_model_parallel_split_rank={split} must lie between 1 and "
+                f"pipeline_model_parallel_size - 1 = {pp - 1} (the encoder and the decoder each need a stage)",
+            )
+            check(
+                self.virtual_pipeline_model_parallel_size in (None, 1)
+                and self.num_layers_per_virtual_pipeline_stage is None,
+                "an encoder-decoder pipeline (--pipeline-model-parallel-split-rank) has no interleaved "
+                "schedule: drop --virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage",
+            )
 
     def virtual_stages(self, num_layers: int) -> int:
         """Model chunks per pipeline stage, from either virtual-pipeline flag (1 = no interleaving)."""

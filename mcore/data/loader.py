@@ -71,6 +71,11 @@ BATCH_KEYS = (
     "is_random",
     "padding_mask",
     "truncated",
+    # T5 (mcore.data.t5_dataset: Megatron's T5MaskedWordPieceDataset keys)
+    "text_enc",
+    "text_dec",
+    "enc_mask",
+    "dec_mask",
 )
 
 

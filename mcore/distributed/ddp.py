@@ -56,7 +56,7 @@ import torch.distributed as dist
 from mcore.config.fields import check, flag
 from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
 from mcore.distributed.groups import ProcessGroups
-from mcore.distributed.param_attrs import is_shared_embedding
+from mcore.distributed.param_attrs import is_pipeline_shared, is_shared_embedding
 
 _DEFAULT_BUCKET_ELEMENTS = 40_000_000
 _BATCHED_ADD_MAX_ELEMENTS = 1 << 16
@@ -176,7 +176,11 @@ class DistributedDataParallel(torch.nn.Module):
 
         def own_bucket(param: torch.nn.Parameter) -> bool:
             # the tied embedding's two copies (first and last stage) must shard alike
-            return ddp_config.use_distributed_optimizer and groups.pp_size > 1 and is_shared_embedding(param)
+            return (
+                ddp_config.use_distributed_optimizer
+                and groups.pp_size > 1
+                and (is_shared_embedding(param) or is_pipeline_shared(param))
+            )
 
         self.grad_buffers = [
             GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names, ddp_config.contiguous_params)

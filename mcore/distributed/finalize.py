@@ -84,6 +84,40 @@ def all_reduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], groups: 
         all_reduce_coalesced(grads, groups.embedding)
 
 
+def all_reduce_pipeline_shared_grads(model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups) -> None:
+    """Sum over ``groups.pp`` the gradients of parameters that several stages hold (an encoder-decoder
+    model's position embeddings, relative-position tables, untied word embeddings).
+
+    A model declares them with ``pipeline_shared_parameters() -> [(local_shape, param or None)]``, the
+    same list (order and shapes) on every stage, ``None`` where this stage lacks the parameter; the
+    stages without it add zeros. One all-reduce of the concatenation, in fp32.
+    """
+    if groups.pp_size == 1 or groups.pp is None:
+        return
+    entries = []
+    for chunk in model_chunks:
+        method = getattr(unwrap_model(chunk), "pipeline_shared_parameters", None)
+        if callable(method):
+            entries.extend(method())
+    if not entries:
+        return
+    sizes = [int(torch.Size(shape).numel()) for shape, _ in entries]
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=groups.device)
+    offset = 0
+    for (_shape, param), size in zip(entries, sizes):
+        grad = _grad_of(param) if param is not None else None
+        if grad is not None:
+            flat[offset : offset + size].copy_(grad.reshape(-1))
+        offset += size
+    torch.distributed.all_reduce(flat, group=groups.pp)
+    offset = 0
+    for (_shape, param), size in zip(entries, sizes):
+        grad = _grad_of(param) if param is not None else None
+        if grad is not None:
+            grad.copy_(flat[offset : offset + size].view_as(grad))
+        offset += size
+
+
 def finalize_model_grads(
     model_chunks: Sequence[torch.nn.Module], groups: ProcessGroups | None = None
 ) -> None:
@@ -105,3 +139,4 @@ def finalize_model_grads(
     if groups.tp_size > 1 and groups.tp is not None:
         all_reduce_sequence_parallel_grads(sequence_parallel_params(model_chunks), groups.tp)
     all_reduce_embedding_grads(model_chunks, groups)
+    all_reduce_pipeline_shared_grads(model_chunks, groups)

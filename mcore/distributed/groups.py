@@ -217,7 +217,8 @@ def initialize_parallel(
     def build(axes: str, axis_name: str):
         return _new_groups(topology.groups(axes), rank, timeout, options(axis_name))
 
-    embedding_lists = topology.embedding_groups()
+    split_rank = config.pipeline_model_parallel_split_rank
+    embedding_lists = topology.embedding_groups(split_rank)
     return ProcessGroups(
         topology=topology,
         tp=build("tp", "tp"),

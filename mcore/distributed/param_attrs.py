@@ -52,12 +52,25 @@ def is_shared_embedding(param: torch.nn.Parameter) -> bool:
     return bool(getattr(param, "shared_embedding", False)) or is_tied_copy(param)
 
 
+def is_pipeline_shared(param: torch.nn.Parameter) -> bool:
+    """Held by several pipeline stages besides the tied word embedding (an encoder-decoder model's
+    position embeddings and relative-position tables): its gradients are summed over the pipeline
+    (:func:`mcore.distributed.finalize.all_reduce_pipeline_shared_grads`); ``pipeline_shared=True``."""
+    return bool(getattr(param, "pipeline_shared", False))
+
+
+def is_pipeline_copy(param: torch.nn.Parameter) -> bool:
+    """A later stage's copy of a parameter that an earlier stage holds too (``pipeline_copy=True``):
+    its gradient equals the original's after the pipeline sum."""
+    return bool(getattr(param, "pipeline_copy", False))
+
+
 def counts_in_grad_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     """Whether this rank's copy of ``param`` adds to the global gradient norm.
 
-    A parameter replicated over tp counts on tp rank 0 only; the tied copy never counts (the first
-    stage's original carries the same gradient).
+    A parameter replicated over tp counts on tp rank 0 only; the tied copy and other pipeline copies
+    never count (the first stage's original carries the same gradient).
     """
-    if is_tied_copy(param):
+    if is_tied_copy(param) or is_pipeline_copy(param):
         return False
     return is_tensor_parallel(param) or tp_rank == 0

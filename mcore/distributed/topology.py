@@ -121,6 +121,9 @@ class Topology:
         """This rank's index along one axis (its rank inside that axis's group)."""
         return self.group_of(axis, rank).index(self.rank if rank is None else rank)
 
-    def embedding_groups(self) -> list[list[int]]:
-        """Ranks that hold the tied word embeddings: the first and the last stage of each pipeline."""
+    def embedding_groups(self, split_rank: int | None = None) -> list[list[int]]:
+        """Ranks that hold the tied word embeddings: the first and the last stage of each pipeline, and
+        with an encoder-decoder split (``split_rank``, Megatron's T5) the decoder's first stage too."""
+        if split_rank is not None:
+            return [sorted({g[0], g[split_rank], g[-1]}) for g in self.groups("pp")]
         return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.groups("pp")]

@@ -4,7 +4,9 @@
   no-pipelining, 1F1B and interleaved 1F1B schedules;
 * :mod:`mcore.pipeline.tables`: the pure micro-batch order and lock-step plan of every schedule;
 * :mod:`mcore.pipeline.p2p`: batched sends and receives between adjacent stages, with deadlines;
-* :mod:`mcore.pipeline.layout`: which layers each (virtual) stage holds, and building model chunks.
+* :mod:`mcore.pipeline.layout`: which layers each (virtual) stage holds, and building model chunks;
+* :mod:`mcore.pipeline.encoder_decoder`: an encoder-decoder model (T5) split at
+  ``--pipeline-model-parallel-split-rank``, and the tensors its stages exchange.
 
 The tied word embedding's gradients (first and last stage) are summed over ``groups.embedding`` by
 :func:`mcore.distributed.finalize.all_reduce_embedding_grads`, part of the ``finalize_grads_func``.

@@ -72,6 +72,10 @@ class StageCommunicator:
         stats: accumulates wait time when given.
         synchronize: waits for queued device work (the backend's ``synchronize``); called around
             exchanges only when ``stats`` is given, so that measuring does not slow a normal step.
+        stage_shapes: an encoder-decoder pipeline's shapes per stage (see ``tensor_shapes`` of
+            :func:`mcore.pipeline.schedules.get_forward_backward_func`): a transfer between stages
+            ``r`` and ``r + 1`` (either way) is a list of tensors shaped ``stage_shapes[r]``. ``None``:
+            every transfer is one tensor of ``shape``.
     """
 
     def __init__(
@@ -83,9 +87,15 @@ class StageCommunicator:
         timeout_s: float | None = None,
         stats: PipelineStats | None = None,
         synchronize: Callable[[], None] = lambda: None,
+        stage_shapes: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> None:
         self.groups = groups
         self.shape = tuple(int(d) for d in shape)
+        self.stage_shapes = (
+            None
+            if stage_shapes is None
+            else [[tuple(int(d) for d in shp) for shp in shapes] for shapes in stage_shapes]
+        )
         self.dtype = dtype
         self.device = device
         self.timeout_s = timeout_s
@@ -95,45 +105,67 @@ class StageCommunicator:
     def _describe(self, pp_rank: int) -> str:
         return f"stage {pp_rank} (global rank {self.groups.pp_ranks[pp_rank]})"
 
-    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+    def transfer_shapes(self, transfer: Transfer) -> list[tuple[int, ...]]:
+        """The shapes of the tensors a transfer carries (one, unless the pipeline is encoder-decoder)."""
+        if self.stage_shapes is None:
+            return [self.shape]
+        return self.stage_shapes[min(transfer.src, transfer.dst)]
+
+    def check_tensor(self, tensor: torch.Tensor, what: str, shape: tuple[int, ...] | None = None) -> None:
         """Refuse to send a tensor the receiver does not expect (it would hang or corrupt the stream)."""
-        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+        shape = self.shape if shape is None else shape
+        if tuple(tensor.shape) != shape or tensor.dtype != self.dtype:
             raise PipelineCommunicationError(
                 f"{self._describe(self.groups.pp_rank)} produced {what} of shape {tuple(tensor.shape)} and "
-                f"dtype {tensor.dtype}, but the schedule exchanges shape {self.shape} (seq_length[/tp], "
+                f"dtype {tensor.dtype}, but the schedule exchanges shape {shape} (seq_length[/tp], "
                 f"micro_batch_size, hidden_size) and dtype {self.dtype}"
             )
 
     def exchange(
-        self, sends: Sequence[tuple[Transfer, torch.Tensor]], recvs: Sequence[Transfer]
-    ) -> list[torch.Tensor]:
+        self,
+        sends: Sequence[tuple[Transfer, torch.Tensor | Sequence[torch.Tensor]]],
+        recvs: Sequence[Transfer],
+    ) -> list[torch.Tensor | list[torch.Tensor]]:
         """Post ``sends`` and ``recvs`` as one batch, wait for all, return the received tensors.
 
         Received activations come back with ``requires_grad=True`` (they are the next stage's
-        inputs); received gradients without.
+        inputs); received gradients without. With ``stage_shapes`` every transfer is a list of tensors.
         """
         if not sends and not recvs:
             return []
         pp_ranks = self.groups.pp_ranks
         ops, described = [], []
-        for transfer, tensor in sends:
+        for transfer, payload in sends:
             what = "activation" if transfer.kind == FORWARD else "gradient"
-            self.check_tensor(tensor, what)
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), pp_ranks[transfer.dst], self.groups.pp))
-            described.append(
-                f"{self._describe(transfer.dst)} did not receive the {what} of micro-batch "
-                f"{transfer.microbatch} from {self._describe(self.groups.pp_rank)}"
-            )
-        buffers = []
+            tensors = [payload] if isinstance(payload, torch.Tensor) else list(payload)
+            shapes = self.transfer_shapes(transfer)
+            if len(tensors) != len(shapes):
+                raise PipelineCommunicationError(
+                    f"{self._describe(self.groups.pp_rank)} produced {len(tensors)} {what} tensor(s) for "
+                    f"{self._describe(transfer.dst)}, which expects {len(shapes)} of shapes {shapes}"
+                )
+            for tensor, shape in zip(tensors, shapes):
+                self.check_tensor(tensor, what, shape)
+                ops.append(
+                    dist.P2POp(dist.isend, tensor.contiguous(), pp_ranks[transfer.dst], self.groups.pp)
+                )
+                described.append(
+                    f"{self._describe(transfer.dst)} did not receive the {what} of micro-batch "
+                    f"{transfer.microbatch} from {self._describe(self.groups.pp_rank)}"
+                )
+        received: list[list[torch.Tensor]] = []
         for transfer in recvs:
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            buffers.append(buffer)
             what = "activation" if transfer.kind == FORWARD else "gradient"
-            ops.append(dist.P2POp(dist.irecv, buffer, pp_ranks[transfer.src], self.groups.pp))
-            described.append(
-                f"{self._describe(transfer.src)} did not send the {what} of micro-batch "
-                f"{transfer.microbatch} to {self._describe(self.groups.pp_rank)}"
-            )
+            group = []
+            for shape in self.transfer_shapes(transfer):
+                buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+                group.append(buffer)
+                ops.append(dist.P2POp(dist.irecv, buffer, pp_ranks[transfer.src], self.groups.pp))
+                described.append(
+                    f"{self._describe(transfer.src)} did not send the {what} of micro-batch "
+                    f"{transfer.microbatch} to {self._describe(self.groups.pp_rank)}"
+                )
+            received.append(group)
         if self.stats is not None:
             # Device work is asynchronous: finish this rank's compute first so that the time
             # measured below is time spent waiting on neighbours only.
@@ -163,10 +195,11 @@ class StageCommunicator:
             self.synchronize()
             self.stats.wait_s += time.perf_counter() - start
             self.stats.exchanges += 1
-        for transfer, buffer in zip(recvs, buffers):
+        for transfer, group in zip(recvs, received):
             if transfer.kind == FORWARD:
-                buffer.requires_grad_(True)
-        return buffers
+                for buffer in group:
+                    buffer.requires_grad_(True)
+        return [group[0] if self.stage_shapes is None else group for group in received]
 
     def _error(
         self, described: list[str], cause: BaseException | None, elapsed_s: float

@@ -48,6 +48,7 @@ class ForwardBackwardArgs:
     finalize_grads_func: Callable | None = None
     timeout_s: float | None = None
     stats: PipelineStats | None = None
+    tensor_shapes: Sequence[Sequence[tuple[int, ...]]] | None = None
 
 
 def _schedule_args(args: ForwardBackwardArgs | None, keywords: dict[str, Any]) -> ForwardBackwardArgs:
@@ -108,6 +109,13 @@ def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> ForwardBackward
             step with :class:`~mcore.pipeline.p2p.PipelineCommunicationError` naming its rank.
         stats: a :class:`~mcore.pipeline.p2p.PipelineStats` that accumulates time and p2p waits
             (the measured bubble).
+        tensor_shapes: for an encoder-decoder pipeline (Megatron's ``ModelType.encoder_and_decoder``),
+            per pipeline stage the shapes of the tensors its forward output holds, e.g. ``[(s_e, b, h)]``
+            on encoder stages and ``[(s_d, b, h), (s_e, b, h)]`` on decoder stages (decoder hidden
+            states and the encoder output that every decoder stage attends to). Stage ``r`` then
+            receives a list of tensors shaped ``tensor_shapes[r - 1]`` through ``set_input_tensor``
+            and returns a list shaped ``tensor_shapes[r]``; gradients travel back as lists. ``None``
+            (the default): one ``[s, b, h]`` tensor everywhere, as above. Needs ``vp_size == 1``.
 
     Returns:
         On the last pipeline stage, the ``logs`` dict of every micro-batch, in order; elsewhere ``[]``.
@@ -190,7 +198,14 @@ def _backward_step(
     """Backpropagate one micro-batch through one chunk; return the gradient of its input."""
     if output_tensor_grad is None and grad_scale_func is not None:
         output_tensor = grad_scale_func(output_tensor)
-    torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    if isinstance(output_tensor, (list, tuple)):
+        # Encoder-decoder stage: several outputs, each with the gradient its consumer sent back (an
+        # output may be an input passed on, e.g. the encoder output: its gradient accumulates there).
+        torch.autograd.backward(list(output_tensor), grad_tensors=list(output_tensor_grad))
+    else:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    if isinstance(input_tensor, (list, tuple)):
+        return [t.grad for t in input_tensor]
     return input_tensor.grad if input_tensor is not None else None
 
 
@@ -280,6 +295,12 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
             "(sequence parallelism shards activations along the sequence)",
         )
     shape = (seq_length // tp if a.sequence_parallel else seq_length, a.micro_batch_size, a.hidden_size)
+    if a.tensor_shapes is not None:
+        check(
+            vp_size == 1 and len(a.tensor_shapes) == p,
+            f"an encoder-decoder pipeline needs one entry of tensor_shapes per stage ({len(a.tensor_shapes)} "
+            f"for pipeline_model_parallel_size={p}) and no virtual stages (got {vp_size} chunks)",
+        )
     if vp_size > 1 and a.data_iterator is not None and not isinstance(a.data_iterator, (list, tuple)):
         raise TypeError(
             f"with {vp_size} model chunks, data_iterator must be a list of {vp_size} iterators "
@@ -290,7 +311,16 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
     if a.stats is not None:
         backend.synchronize()
     start = time.perf_counter()
-    comm = StageCommunicator(groups, shape, a.dtype, device, a.timeout_s, a.stats, backend.synchronize)
+    comm = StageCommunicator(
+        groups,
+        shape,
+        a.dtype,
+        device,
+        a.timeout_s,
+        a.stats,
+        backend.synchronize,
+        stage_shapes=a.tensor_shapes,
+    )
 
     last_stage = p * vp_size - 1
     received: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -308,12 +338,19 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
                     tick.op, r, p, m, last_stage, chunks, a.data_iterator, a.forward_step_func,
                     a.grad_scale_func, received, saved, logs, sync, last_backward, a.forward_only,
                 )  # fmt: skip
-                if tick.sends and result is None:
+                parts = list(result) if isinstance(result, (list, tuple)) else [result]
+                if tick.sends and any(part is None for part in parts):
                     raise RuntimeError(
                         f"{tick.op} on pipeline stage {r}: the chunk's input received no gradient; "
                         "its output must depend on the tensor given through set_input_tensor()"
                     )
-                outgoing = [(transfer, result.detach()) for transfer in tick.sends]
+                outgoing = [
+                    (
+                        transfer,
+                        [t.detach() for t in parts] if isinstance(result, (list, tuple)) else result.detach(),
+                    )
+                    for transfer in tick.sends
+                ]
             tensors = comm.exchange(outgoing, tick.recvs)
             for transfer, tensor in zip(tick.recvs, tensors):
                 received[(transfer.kind, transfer.chunk, transfer.microbatch)] = tensor

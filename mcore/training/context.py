@@ -59,3 +59,5 @@ class TrainContext:
     test_iter: Any = None
     has_valid: bool = False
     has_test: bool = False
+    tensor_shapes: Any = None
+    """The pipeline schedule's ``tensor_shapes`` (an encoder-decoder model's per-stage shapes; else None)."""

@@ -43,6 +43,12 @@ from mcore.models.layer_graphs import (
     transformer_block,
 )
 from mcore.optimizer import build_optimizer, format_memory_report
+from mcore.pipeline.encoder_decoder import (
+    ModelType,
+    build_encoder_decoder_chunks,
+    encoder_decoder_stages,
+    encoder_decoder_tensor_shapes,
+)
 from mcore.pipeline.layout import build_model_chunks
 from mcore.plugins.manager import BackendSelectionError, PluginError, plugin_manager, select_backend
 from mcore.tensor_parallel.random import model_parallel_seed
@@ -58,6 +64,7 @@ from mcore.utils.console import configure_console
 
 __all__ = [
     "GRAPH_SAFE_RECOMPUTE_MODULES",
+    "ModelType",
     "TrainContext",
     "TrainResult",
     "TrainState",
@@ -120,21 +127,62 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
     return cfg.replace(training=training)
 
 
-def build_model(cfg: RunConfig, groups: ProcessGroups, model_provider: Callable, vocab_size: int):
-    """This rank's model chunks, each wrapped for data-parallel gradient reduction."""
+def build_model(
+    cfg: RunConfig,
+    groups: ProcessGroups,
+    model_provider: Callable,
+    vocab_size: int,
+    model_type: ModelType = ModelType.encoder_or_decoder,
+):
+    """This rank's model chunks, each wrapped for data-parallel gradient reduction.
+
+    An encoder-decoder model (T5) is laid out by :mod:`mcore.pipeline.encoder_decoder`: its provider
+    gets ``add_encoder``/``add_decoder`` and each stack's layer range instead of ``layer_offset``."""
     provider = functools.partial(model_provider, cfg, groups, vocab_size)
-    chunks = build_model_chunks(provider, groups, cfg.parallel, cfg.model.num_layers)
+    if model_type == ModelType.encoder_and_decoder:
+        chunks = build_encoder_decoder_chunks(provider, groups, _encoder_decoder_stages(cfg))
+    else:
+        chunks = build_model_chunks(provider, groups, cfg.parallel, cfg.model.num_layers)
     if cfg.training.compile_layers:
         backend = current_backend()
         if "compile_layers" not in backend.capabilities():
             raise ConfigError(f"--compile-layers: backend {backend.name!r} cannot compile layers")
         for chunk in chunks:
-            for layer in transformer_block(chunk).layers:
-                backend.compile_layer(layer)
+            # GPT's decoder, BERT's encoder, T5's encoder and decoder (either may be None on a stage)
+            for stack in (getattr(chunk, "encoder", None), getattr(chunk, "decoder", None)):
+                for layer in stack.layers if stack is not None else ():
+                    backend.compile_layer(layer)
     if cfg.training.device_graph_impl == "local":
         attach_layer_graphs(chunks, current_backend())
     ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
     return [DistributedDataParallel(chunk, ddp_config, groups) for chunk in chunks]
+
+
+def _encoder_decoder_stages(cfg: RunConfig):
+    m = cfg.model
+    return encoder_decoder_stages(
+        m.encoder_num_layers,
+        m.decoder_num_layers,
+        cfg.parallel.pipeline_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_split_rank,
+    )
+
+
+def pipeline_tensor_shapes(cfg: RunConfig, groups: ProcessGroups, model_type: ModelType):
+    """The schedule's ``tensor_shapes``: None (one ``[s, b, h]`` tensor) except for an encoder-decoder
+    model on several stages (:func:`~mcore.pipeline.encoder_decoder.encoder_decoder_tensor_shapes`)."""
+    if model_type != ModelType.encoder_and_decoder or groups.pp_size == 1:
+        return None
+    m = cfg.model
+    return encoder_decoder_tensor_shapes(
+        _encoder_decoder_stages(cfg),
+        encoder_seq_length=m.encoder_seq_length,
+        decoder_seq_length=m.decoder_seq_length,
+        micro_batch_size=cfg.training.micro_batch_size,
+        hidden_size=m.hidden_size,
+        tensor_model_parallel_size=groups.tp_size,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )
 
 
 def train_valid_test_num_samples(cfg: RunConfig) -> tuple[int, int, int]:
@@ -161,8 +209,9 @@ def build_data_iterators(
     every_stage: bool = False,
 ):
     """Per split: whether it exists (known on every rank) and, on the ranks that take data (first and
-    last pipeline stage; every stage with ``every_stage``, as an encoder's padding mask is needed by
-    every layer), one iterator per model chunk (each chunk reads the same micro-batches)."""
+    last pipeline stage; every stage with ``every_stage``, as an encoder's padding mask and an
+    encoder-decoder model's masks are needed by every layer), one iterator per model chunk (each chunk
+    reads the same micro-batches)."""
     datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
     # A split asked for no samples (--eval-iters 0) may hold none (a tiny test share): no loader then.
     datasets = [ds if ds is not None and len(ds) > 0 else None for ds in datasets]
@@ -245,6 +294,7 @@ def pretrain(
     args_defaults: dict | None = None,
     data_on_every_stage: bool = False,
     flops_per_sample: Callable | None = None,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> TrainResult:
     """Train a model with Megatron-LM's command line (see the module docstring for the providers).
 
@@ -256,7 +306,9 @@ def pretrain(
     For models other than GPT: ``data_on_every_stage`` gives every pipeline stage a data iterator (an
     encoder's layers all need the batch's padding mask; GPT's read data on the first and last stage
     only); ``flops_per_sample(model_config, padded_vocab_size)`` is the model's training FLOPs per
-    sample for the throughput line (default :func:`mcore.training.flops.gpt_flops_per_sample`).
+    sample for the throughput line (default :func:`mcore.training.flops.gpt_flops_per_sample`);
+    ``model_type``: Megatron's ``ModelType`` (``encoder_and_decoder`` for T5: see
+    :mod:`mcore.pipeline.encoder_decoder`).
     """
     configure_console()
     try:
@@ -274,6 +326,7 @@ def pretrain(
             return _pretrain(
                 cfg, groups, backend, model_provider, forward_step, datasets_provider,
                 data_on_every_stage=data_on_every_stage, flops_per_sample=flops_per_sample,
+                model_type=model_type,
             )  # fmt: skip
     except USER_ERRORS as err:
         logger.error(f"error (rank {groups.rank}): {err}")
@@ -295,10 +348,12 @@ def _pretrain(
     *,
     data_on_every_stage: bool = False,
     flops_per_sample: Callable | None = None,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> TrainResult:
     ctx = build_training(
-        cfg, groups, backend, model_provider, datasets_provider, data_on_every_stage=data_on_every_stage
-    )
+        cfg, groups, backend, model_provider, datasets_provider,
+        data_on_every_stage=data_on_every_stage, model_type=model_type,
+    )  # fmt: skip
     return Trainer.from_context(ctx, forward_step, flops_per_sample=flops_per_sample).train()
 
 
@@ -312,6 +367,7 @@ def build_training(
     vocab_size: int | None = None,
     verbose: bool = True,
     data_on_every_stage: bool = False,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> TrainContext:
     """Build a run on set-up process groups: seeds, tokenizer and padded vocabulary, model chunks (DDP),
     optimizer, micro-batch calculator, LR schedule, the ``--load`` checkpoint, data iterators.
@@ -322,6 +378,14 @@ def build_training(
     ``data_on_every_stage``: see :func:`pretrain`.
     """
     t = cfg.training
+    if (
+        cfg.parallel.pipeline_model_parallel_split_rank is not None
+        and model_type != ModelType.encoder_and_decoder
+    ):
+        raise ConfigError(
+            "--pipeline-model-parallel-split-rank / --encoder-pipeline-model-parallel-size split an "
+            "encoder-decoder model (T5, examples/pretrain_t5.py) over the pipeline; this model has one stack"
+        )
     say = functools.partial(print_rank_0, groups) if verbose else (lambda message: None)
     say(format_arguments_block(cfg.as_dict(), {"world_size": groups.world_size}))
     model_parallel_seed(t.seed, groups.tp_rank, groups.pp_rank)
@@ -333,7 +397,7 @@ def build_training(
         f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size}; padded vocab {vocab}"
     )
 
-    model = build_model(cfg, groups, model_provider, vocab)
+    model = build_model(cfg, groups, model_provider, vocab, model_type)
     if verbose and groups.dp_rank == 0:
         count = sum(p.nelement() for chunk in model for p in unwrap_model(chunk).parameters())
         logger.info(format_parameter_count(groups.tp_rank, groups.pp_rank, count))
@@ -356,7 +420,7 @@ def build_training(
     ctx = TrainContext(
         cfg=cfg, groups=groups, backend=backend, tokenizer=tokenizer, padded_vocab_size=vocab,
         tokenizer_vocab_size=tokenizer.vocab_size, model=model, optimizer=optimizer, scheduler=scheduler,
-        batches=batches, state=state,
+        batches=batches, state=state, tensor_shapes=pipeline_tensor_shapes(cfg, groups, model_type),
     )  # fmt: skip
     if datasets_provider is not None:
         (_, ctx.has_valid, ctx.has_test), (ctx.train_iter, ctx.valid_iter, ctx.test_iter) = (
@@ -368,7 +432,7 @@ def build_training(
                 state,
                 backend,
                 len(model),
-                every_stage=data_on_every_stage,
+                every_stage=data_on_every_stage or model_type == ModelType.encoder_and_decoder,
             )  # fmt: skip
         )
         if t.eval_iters > 0 and not ctx.has_valid:

@@ -142,6 +142,7 @@ class Trainer:
                 if forward_only
                 else functools.partial(finalize_model_grads, groups=self.groups),
                 timeout_s=self.cfg.parallel.distributed_timeout_minutes * 60.0,
+                tensor_shapes=self.context.tensor_shapes if self.context is not None else None,
             )
         )
 
