@@ -27,17 +27,19 @@ def test_readme_t5_commands_run(t5_corpus, tmp_path):
     assert preprocess[0] == "mcore-preprocess-data" and " ".join(train).startswith(
         "torchrun --nproc_per_node 2 "
     )
-    with (tmp_path / "corpus.jsonl").open("w", encoding="utf-8") as out:
+    # The README takes the BERT section's corpus and vocabulary (bert/); this test writes its own there.
+    (tmp_path / "bert").mkdir()
+    with (tmp_path / "bert" / "corpus.jsonl").open("w", encoding="utf-8") as out:
         for doc in t5_corpus["documents"]:
             out.write(json.dumps({"text": " ".join(doc)}) + "\n")
-    (tmp_path / "vocab.txt").write_text(pathlib.Path(t5_corpus["vocab"]).read_text(encoding="utf-8"))
+    (tmp_path / "bert" / "vocab.txt").write_text(pathlib.Path(t5_corpus["vocab"]).read_text(encoding="utf-8"))
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
         assert preprocess_main(preprocess[1:]) in (0, None)
     finally:
         os.chdir(cwd)
-    assert (tmp_path / "corpus_text_sentence.idx").is_file()
+    assert (tmp_path / "t5" / "corpus_text_sentence.idx").is_file()
 
     script = train.index("examples/pretrain_t5.py")
     argv = [
@@ -61,4 +63,4 @@ def test_readme_t5_commands_run(t5_corpus, tmp_path):
         for v in re.findall(r"validation loss at the end of training \| lm loss value: (\S+)", proc.stdout)
     ]
     assert len(losses) == 1 and losses[0] < 6.0, proc.stdout[-3000:]  # ln(vocab) ~ 6.6 at the start
-    assert (tmp_path / "checkpoints_t5" / "latest_checkpointed_iteration.txt").is_file()
+    assert (tmp_path / "t5" / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()
