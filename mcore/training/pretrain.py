@@ -40,7 +40,6 @@ from mcore.models.layer_graphs import (
     GRAPH_SAFE_RECOMPUTE_MODULES,
     attach_layer_graphs,
     check_layer_graphs,
-    transformer_block,
 )
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.encoder_decoder import (
