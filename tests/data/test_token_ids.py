@@ -102,7 +102,7 @@ def test_a_batch_with_an_id_out_of_range_is_named_at_tp1():
     from mcore.distributed.groups import ProcessGroups
 
     model = _tiny_gpt(ProcessGroups.single())
-    ids = torch.randint(0, 128, (2, 8))
+    ids = torch.randint(0, 128, (2, 8), device=ProcessGroups.single().device)
     assert torch.isfinite(model(ids, labels=ids).float()).all()
     assert _staged_error(model) is None  # in range: nothing to say
     bad = ids.clone()
@@ -125,7 +125,7 @@ def test_a_label_out_of_range_is_named_and_the_ignore_index_is_not():
     from mcore.distributed.groups import ProcessGroups
 
     model = _tiny_gpt(ProcessGroups.single())
-    ids = torch.randint(0, 128, (2, 8))
+    ids = torch.randint(0, 128, (2, 8), device=ProcessGroups.single().device)
     labels = ids.clone()
     labels[0, -1] = -100  # the loss's ignore index
     assert torch.isfinite(model(ids, labels=labels).float()).all()

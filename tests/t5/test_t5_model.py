@@ -38,7 +38,8 @@ def _batch(b=2):
     enc = torch.randint(0, VOCAB, (b, 8), generator=gen)
     dec = torch.randint(0, VOCAB, (b, 6), generator=gen)
     labels = torch.randint(0, VOCAB, (b, 6), generator=gen)
-    return enc, dec, labels
+    device = ProcessGroups.single().device  # the models' device (cuda under MCORE_TEST_BACKEND=cuda)
+    return enc.to(device), dec.to(device), labels.to(device)
 
 
 def test_megatron_core_parameter_names():
