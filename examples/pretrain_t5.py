@@ -15,6 +15,7 @@ As in Megatron's script, ``--tokenizer-type`` defaults to ``BertWordPieceLowerCa
 """
 
 from mcore.pipeline.encoder_decoder import ModelType
+from mcore.training.flops import t5_flops_per_sample
 from mcore.training.pretrain import pretrain
 from mcore.training.t5 import forward_step, model_provider, t5_datasets_provider
 
@@ -24,5 +25,6 @@ if __name__ == "__main__":
         forward_step,
         t5_datasets_provider,
         model_type=ModelType.encoder_and_decoder,
+        flops_per_sample=t5_flops_per_sample,
         args_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
     )

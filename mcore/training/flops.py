@@ -72,3 +72,38 @@ def bert_flops_per_sample(model, vocab_size: int) -> float:
     binary_head = getattr(model, "bert_binary_head", True)
     extra = 6 * s * h * h + ((6 * h * h + 12 * h) if binary_head else 0)
     return gpt_flops_per_sample(model, vocab_size) + extra
+
+
+def t5_flops_per_sample(model, vocab_size: int) -> float:
+    """Training FLOPs of one T5 sample (``encoder_seq_length`` input and ``decoder_seq_length`` output
+    tokens), every matrix product counted forward and backward: ``6 m k n`` for an ``[m, k] x [k, n]``.
+
+    With ``a = heads * kv_channels`` (the attention width), ``F`` the MLP width (two input matrices when
+    gated, ``--geglu``/``--swiglu``), ``s_e``/``s_d`` the encoder/decoder lengths:
+
+    * each encoder layer: QKV ``(s_e, h, 3a)``, scores and probs x V ``2 (s_e, a, s_e)``, output
+      ``(s_e, a, h)``, MLP ``(s_e, h, F)`` (x2 gated) and ``(s_e, F, h)``;
+    * each decoder layer: the same self-attention and MLP over ``s_d``, and cross-attention: Q
+      ``(s_d, h, a)`` on the decoder stream, K/V ``(s_e, h, 2a)`` on the encoder output, scores and
+      probs x V ``2 (s_d, a, s_e)``, output ``(s_d, a, h)``;
+    * the output layer ``(s_d, h, V)``.
+
+    Megatron reports T5 with its GPT formula; this counts what the encoder-decoder computes.
+    """
+    h = model.hidden_size
+    width = model.num_attention_heads * (model.kv_channels or h // model.num_attention_heads)
+    ffn = model.ffn_hidden_size or 4 * h
+    mlp_inputs = 2 if (model.swiglu or getattr(model, "geglu", False)) else 1
+    s_e, s_d = model.encoder_seq_length, model.decoder_seq_length
+
+    def mm(m: int, k: int, n: int) -> float:
+        return 6.0 * m * k * n
+
+    def self_attention_and_mlp(s: int) -> float:
+        attention = mm(s, h, 3 * width) + 2 * mm(s, width, s) + mm(s, width, h)
+        return attention + mlp_inputs * mm(s, h, ffn) + mm(s, ffn, h)
+
+    cross = mm(s_d, h, width) + mm(s_e, h, 2 * width) + 2 * mm(s_d, width, s_e) + mm(s_d, width, h)
+    encoder = model.encoder_num_layers * self_attention_and_mlp(s_e)
+    decoder = model.decoder_num_layers * (self_attention_and_mlp(s_d) + cross)
+    return encoder + decoder + mm(s_d, h, vocab_size)

@@ -168,3 +168,19 @@ def test_flags_and_refusals():
         T5Model(
             ModelConfig(**BASE, group_query_attention=True, num_query_groups=2), ProcessGroups.single(), VOCAB
         )
+
+
+def test_t5_flops_count_every_matrix_product_forward_and_backward():
+    """The formula equals torch's FLOP counter over one forward and backward of a T5 (both variants:
+    the v1.1 one has the gated MLP and no 1/sqrt(d) scale; relative bias and norms are not matmuls)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mcore.training.flops import t5_flops_per_sample
+
+    for variant in ({}, HF_V1_1):
+        cfg = ModelConfig(**{**BASE, "ffn_hidden_size": 48, "kv_channels": 6}, **variant)
+        model = T5Model(cfg, ProcessGroups.single(), VOCAB)
+        enc, dec, labels = _batch(b=1)
+        with FlopCounterMode(display=False) as counter:
+            model(enc, dec, lm_labels=labels).sum().backward()
+        assert counter.get_total_flops() == t5_flops_per_sample(cfg, VOCAB)
