@@ -149,6 +149,12 @@ class PrecisionConfig:
             raise ConfigError("--fp16 and --bf16 are mutually exclusive (got fp16=True and bf16=True)")
         if self.loss_scale is not None:
             check(self.loss_scale > 0.0, f"loss_scale={self.loss_scale} must be > 0")
+            # Gradients are unscaled by 1/scale in fp32: below the smallest normal fp32 (2^-126) the
+            # inverse can overflow to inf and every step would be skipped or turn NaN, never named.
+            check(
+                self.loss_scale >= 2.0**-126,
+                f"--loss-scale {self.loss_scale} is below 2^-126 (1.18e-38): its inverse does not fit in fp32",
+            )
             check(
                 self.fp16 or self.bf16,
                 f"--loss-scale {self.loss_scale} needs --fp16 or --bf16 (fp32 training is not loss-scaled)",

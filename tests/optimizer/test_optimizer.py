@@ -217,6 +217,9 @@ def test_config_validation_names_values():
         PrecisionConfig(fp16=True, initial_loss_scale=4.0, min_loss_scale=8.0)
     with pytest.raises(ConfigError, match="--loss-scale 8.0 needs --fp16 or --bf16"):
         PrecisionConfig(loss_scale=8.0)
+    with pytest.raises(ConfigError, match=r"--loss-scale 1e-39 is below 2\^-126"):
+        PrecisionConfig(bf16=True, loss_scale=1e-39)
+    PrecisionConfig(bf16=True, loss_scale=2.0**-126)  # the smallest normal fp32: its inverse fits
     with pytest.raises(ConfigError, match="adam_beta2=1.0 must be in"):
         OptimizerConfig(adam_beta2=1.0)
     with pytest.raises(ConfigError, match="--overlap-param-gather needs --use-distributed-optimizer"):
