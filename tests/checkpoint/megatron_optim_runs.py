@@ -263,7 +263,7 @@ def train_save_continue(out_dir: str, family: str, distributed: bool, bf16: bool
         )
     dist.barrier()
     if dist.get_rank() == 0:
-        for fmt in ("torch", "torch_dist"):
+        for fmt in ("torch", "torch_dist") + (("torch_dist_bucket_space",) if distributed else ()):
             with open(os.path.join(out_dir, fmt, "latest_checkpointed_iteration.txt"), "w") as fh:
                 fh.write(str(SAVED_AT))
 

@@ -1,6 +1,7 @@
 """Megatron-LM's Adam state read from its checkpoints, against the real megatron-core: ``--ckpt-format
 torch`` (``model_optim_rng.pt``'s ``optimizer``; ``distrib_optim.pt`` with ``--use-distributed-optimizer``)
-and ``torch_dist`` (model-space ``optimizer.state.*`` tensors).
+and ``torch_dist`` (model-space ``optimizer.state.*`` tensors; the distributed optimizer's bucket-space
+``dp_reshardable`` buckets, Megatron-LM's default).
 
 megatron-core trains a tiny GPT (4 layers, hidden 64, tied embeddings, vocabulary padded to 256) at
 TP=2 for 3 Adam iterations on gloo (fp32 and ``--bf16``, with and without its distributed optimizer), saves in both formats, and trains 3 more
@@ -13,8 +14,9 @@ TP=2 for 3 Adam iterations on gloo (fp32 and ``--bf16``, with and without its di
   per-parameter optimizer, and at DP=2 with the distributed one, and gives Megatron's losses of the 3
   continued iterations; with ``--no-load-optim`` (fresh Adam moments) they differ, so the comparison
   sees the state;
-* refuses, naming the file, a missing ``distrib_optim.pt``, SGD state and the distributed optimizer's
-  bucket-space torch_dist layout, when (and only when) a run asks for the optimizer state.
+* refuses, naming the file, a missing ``distrib_optim.pt``, SGD state and bucket-space torch_dist
+  state whose buckets do not fit the args' grad-buffer layout, when (and only when) a run asks for the
+  optimizer state.
 """
 
 from __future__ import annotations
@@ -74,8 +76,13 @@ def megatron_whole(out, name: str, kind: str) -> torch.Tensor:
     return torch.cat(shards, dim=1 if split == ROW else 0)
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-@pytest.mark.parametrize("kind", [name for name, _, _ in VARIANTS])
+FORMATS = [  # (variant, checkpoint directory): the bucket-space layout exists for the distributed optimizer
+    *((name, fmt) for fmt in ("torch", "torch_dist") for name, _, _ in VARIANTS),
+    *((name, "torch_dist_bucket_space") for name, distributed, _ in VARIANTS if distributed),
+]
+
+
+@pytest.mark.parametrize("kind,fmt", FORMATS)
 def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
     from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
     from mcore.inference.loading import build_model_chunk
@@ -109,15 +116,21 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
             assert torch.equal(ours.view(shape), want), f"{entry.key} {name}"
 
 
+TO_TP1 = ("per_param", 1, ["--micro-batch-size", "4"])
+TO_DISTOPT_DP2 = ("distributed", 2, ["--micro-batch-size", "2", "--use-distributed-optimizer"])
+
+
 @pytest.mark.parametrize(
-    "kind,world,extra",
+    "kind,world,extra,fmt",
     [
-        ("per_param", 1, ["--micro-batch-size", "4"]),
-        ("distributed", 2, ["--micro-batch-size", "2", "--use-distributed-optimizer"]),
+        (*TO_TP1, "torch"),
+        (*TO_TP1, "torch_dist"),
+        (*TO_DISTOPT_DP2, "torch"),
+        (*TO_DISTOPT_DP2, "torch_dist"),
+        (*TO_DISTOPT_DP2, "torch_dist_bucket_space"),
     ],
-    ids=["megatron-tp2-to-tp1", "megatron-distopt-tp2-to-distopt-dp2"],
+    ids=lambda v: v if isinstance(v, str) else None,
 )
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_resumed_losses_match_megatron(megatron_runs, tmp_path, kind, world, extra, fmt):
     out, megatron = megatron_runs[kind]
     result = run_distributed(mo.mcore_resume, world, str(out / fmt), str(tmp_path / "s"), extra, timeout=300)
@@ -166,12 +179,19 @@ def test_sgd_state_is_refused_naming_the_checkpoint(megatron_runs, tmp_path):
         check_megatron_load(copy, meta, load_optim=True)
 
 
-def test_bucket_space_torch_dist_optimizer_state_is_refused_naming_the_flag(megatron_runs):
+def test_bucket_space_state_that_does_not_fit_the_args_is_refused_naming_it(megatron_runs, tmp_path):
+    """Buckets of another grad-buffer layout (here: args claiming 1000-element buckets with
+    --overlap-grad-reduce) are refused, naming the checkpoint, only when the state is asked for."""
     out, _ = megatron_runs["distributed"]
-    path = out / "torch_dist_bucket_space" / ITER_DIR
-    meta = read_any_metadata(path)
-    assert check_megatron_load(path, meta, load_optim=False)  # the weights still load
+    copy = tmp_path / "ckpt"
+    shutil.copytree(out / "torch_dist_bucket_space" / ITER_DIR, copy)
+    common = torch.load(copy / "common.pt", weights_only=False)
+    common["args"].overlap_grad_reduce = True
+    common["args"].ddp_bucket_size = 1000
+    torch.save(common, copy / "common.pt")
+    meta = read_any_metadata(copy)
+    assert check_megatron_load(copy, meta, load_optim=False)  # the weights still load
     with pytest.raises(
-        CheckpointError, match=r"bucket layout \(dp_reshardable\).*--dist-ckpt-optim-fully-reshardable"
+        CheckpointError, match=rf"{copy}: no parameter order fits the distributed optimizer's"
     ):
-        check_megatron_load(path, meta, load_optim=True)
+        check_megatron_load(copy, meta, load_optim=True)

@@ -160,6 +160,26 @@ def bucket_offsets(
     return offsets, done + start
 
 
+def grad_buffer_layout(
+    params: list[RankParam], args: Any, pp_rank: int
+) -> tuple[dict[str, int], int, int | None]:
+    """:func:`bucket_offsets` of one (TP, PP) rank's parameters with the bucket size and the tied
+    embedding buckets Megatron-LM's ``args`` imply; also returns that bucket size (None: one bucket)."""
+    dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(
+        getattr(args, "context_parallel_size", 1) or 1
+    )
+    bucket_size = None
+    if getattr(args, "overlap_grad_reduce", False) and pp_rank == 0:
+        bucket_size = getattr(args, "ddp_bucket_size", None) or max(40000000, 1000000 * dp)
+    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    shared = set()
+    if tied and pp > 1:
+        shared = {p.key for p in params if p.key.endswith(("word_embeddings.weight", "output_layer.weight"))}
+    offsets, total = bucket_offsets(params, bucket_size, shared)
+    return offsets, total, bucket_size
+
+
 def distributed_optimizer_records(
     path: Path, fname: str, data: dict, params: list[RankParam], args: Any, pp_rank: int
 ) -> list[dict]:
@@ -193,18 +213,7 @@ def distributed_optimizer_records(
             "only one model chunk with one parameter dtype is read (no virtual pipeline or experts)"
         )
     ((dtype_key, buffers),) = state[0].items()
-    dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(
-        getattr(args, "context_parallel_size", 1) or 1
-    )
-    bucket_size = None
-    if getattr(args, "overlap_grad_reduce", False) and pp_rank == 0:
-        bucket_size = getattr(args, "ddp_bucket_size", None) or max(40000000, 1000000 * dp)
-    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
-    shared = set()
-    if tied and pp > 1:
-        shared = {p.key for p in params if p.key.endswith(("word_embeddings.weight", "output_layer.weight"))}
-    offsets, total = bucket_offsets(params, bucket_size, shared)
+    offsets, total, bucket_size = grad_buffer_layout(params, args, pp_rank)
     numel = int(buffers.get("numel_unpadded", buffers["param"].numel()))
     if total != numel:
         raise CheckpointError(
