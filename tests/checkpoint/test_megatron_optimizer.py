@@ -123,13 +123,16 @@ TO_DISTOPT_DP2 = ("distributed", 2, ["--micro-batch-size", "2", "--use-distribut
 @pytest.mark.parametrize(
     "kind,world,extra,fmt",
     [
-        (*TO_TP1, "torch"),
-        (*TO_TP1, "torch_dist"),
-        (*TO_DISTOPT_DP2, "torch"),
-        (*TO_DISTOPT_DP2, "torch_dist"),
-        (*TO_DISTOPT_DP2, "torch_dist_bucket_space"),
+        pytest.param(*TO_TP1, "torch", id="megatron-tp2-to-tp1-torch"),
+        pytest.param(*TO_TP1, "torch_dist", id="megatron-tp2-to-tp1-torch_dist"),
+        pytest.param(*TO_DISTOPT_DP2, "torch", id="megatron-distopt-tp2-to-distopt-dp2-torch"),
+        pytest.param(*TO_DISTOPT_DP2, "torch_dist", id="megatron-distopt-tp2-to-distopt-dp2-torch_dist"),
+        pytest.param(
+            *TO_DISTOPT_DP2,
+            "torch_dist_bucket_space",
+            id="megatron-distopt-tp2-to-distopt-dp2-torch_dist_bucket_space",
+        ),
     ],
-    ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_resumed_losses_match_megatron(megatron_runs, tmp_path, kind, world, extra, fmt):
     out, megatron = megatron_runs[kind]

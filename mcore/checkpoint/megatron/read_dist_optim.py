@@ -210,15 +210,14 @@ def _records(
                     f"{iter_dir}: model-parallel group {t + tp * p} has buckets {sorted(group)}"
                 )
             params = rank_params(model, order, args, t, p)
-            offsets, total, bucket_size = grad_buffer_layout(params, args, p)
-            starts = [0]
-            for b in range(len(group)):
-                starts.append(starts[-1] + group[b][1])
-            if total != starts[-1]:
+            offsets, lengths, bucket_size = grad_buffer_layout(params, args, p)
+            stored = [group[b][1] for b in range(len(group))]
+            if lengths != stored:
                 raise _DoesNotFit(
-                    f"TP rank {t} stage {p}: the buckets hold {starts[-1]} elements, the parameters lay out "
-                    f"to {total} (bucket size {bucket_size})"
+                    f"TP rank {t} stage {p}: the stored buckets hold {stored} elements, the parameters lay "
+                    f"out to {lengths} (bucket size {bucket_size})"
                 )
+            starts = [sum(stored[:b]) for b in range(len(stored))]
             for param in params:
                 numel = 1
                 for s in param.shape:
@@ -227,7 +226,7 @@ def _records(
                 b = max(i for i in range(len(group)) if starts[i] <= begin)
                 prefix, _, cuts = group[b]
                 local = begin - starts[b]
-                if local not in cuts or local + numel not in cuts:
+                if local not in cuts or local + numel not in cuts or local + numel > stored[b]:
                     raise _DoesNotFit(f"TP rank {t} stage {p}: {param.key} is not a stored piece of {prefix}")
                 if param.record is None:
                     continue
