@@ -12,8 +12,9 @@ needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped.
 Optimizer state: the model-space keys ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,param}.<key>``
 (the non-distributed optimizer; the distributed one saved ``fully_reshardable`` or
 ``fully_sharded_model_space``) have the global shape of ``<key>`` and become optimizer records the same
-way; the Adam step comes from ``common.pt``. The distributed optimizer's bucket-space layouts
-(``optimizer.distributed.*``) are refused when a run asks for the optimizer state.
+way; the Adam step comes from ``common.pt``. The distributed optimizer's bucket-space ``dp_reshardable``
+layout (``optimizer.distributed.*``, Megatron-LM's default) is read by :mod:`.read_dist_optim`; the
+deprecated ``dp_zero_gather_scatter`` is refused when a run asks for the optimizer state.
 """
 
 from __future__ import annotations
