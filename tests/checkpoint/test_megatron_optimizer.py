@@ -82,24 +82,30 @@ FORMATS = [  # (variant, checkpoint directory): the bucket-space layout exists f
 ]
 
 
-@pytest.mark.parametrize("kind,fmt", FORMATS)
-def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
+def load_into_per_param_optimizer(load: str, bf16: bool = False):
+    """mcore's model and per-parameter optimizer at TP=1, loaded from ``load``."""
     from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
     from mcore.inference.loading import build_model_chunk
     from mcore.models.config import ModelConfig
     from mcore.optimizer import build_optimizer
     from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 
-    out, _ = megatron_runs[kind]
-    load = str(out / fmt)
     groups = ProcessGroups.single()
     cfg = ModelConfig(**{**checkpoint_model_flags(load), "hidden_dropout": 0.0, "attention_dropout": 0.0})
-    bf16 = kind.endswith("bf16")
     dtype = torch.bfloat16 if bf16 else torch.float32
     model = build_model_chunk(cfg, groups, 256, None, device=torch.device("cpu"), params_dtype=dtype)
     optimizer = build_optimizer(OptimizerConfig(), PrecisionConfig(bf16=bf16), [model], groups, lr=mo.LR)
     state = load_checkpoint(CheckpointConfig(load=load), [model], optimizer, None, groups)
     assert state["iteration"] == mo.SAVED_AT
+    return model, optimizer
+
+
+@pytest.mark.parametrize("kind,fmt", FORMATS)
+def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
+    out, _ = megatron_runs[kind]
+    bf16 = kind.endswith("bf16")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    _, optimizer = load_into_per_param_optimizer(str(out / fmt), bf16)
 
     reference = megatron_reference(out / "reference_tp0.pt")
     assert {e.key for e in optimizer.main_params} == set(reference)
@@ -118,6 +124,29 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
 
 TO_TP1 = ("per_param", 1, ["--micro-batch-size", "4"])
 TO_DISTOPT_DP2 = ("distributed", 2, ["--micro-batch-size", "2", "--use-distributed-optimizer"])
+
+
+def test_bucket_space_saved_at_dp2_equals_the_model_space_state(tmp_path):
+    """Megatron at DP=2 stores each bucket's two DP shards as pieces of one tensor (a parameter cut
+    where the first shard ends): read from there, every parameter's state equals the same run's
+    ``fully_reshardable`` (model-space) save, which the tests above check against Megatron's own."""
+    assert run_distributed(mo.train_save_dp_layouts, 2, str(tmp_path), mo.FAMILY, timeout=300) == [2, 2]
+    states = []
+    for sharding in ("fully_reshardable", "dp_reshardable"):
+        _, optimizer = load_into_per_param_optimizer(str(tmp_path / sharding))
+        states.append(
+            {
+                e.key: (e.state["step"], e.state["exp_avg"], e.state["exp_avg_sq"], optimizer.master_of(e))
+                for e in optimizer.main_params
+            }
+        )
+    model_space, bucket_space = states
+    assert model_space.keys() == bucket_space.keys()
+    for key, (step, *tensors) in model_space.items():
+        assert step == bucket_space[key][0] == mo.SAVED_AT, key
+        assert tensors[0].abs().sum() > 0, key  # trained moments, not zeros
+        for ours, want in zip(bucket_space[key][1:], tensors):
+            assert torch.equal(ours, want), key
 
 
 @pytest.mark.parametrize(
