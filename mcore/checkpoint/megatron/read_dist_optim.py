@@ -17,8 +17,8 @@ parallel (TP x PP) rank ``i = tp_rank + tp * pp_rank`` (its ``data_parallel_grou
 The buffer order is the reverse of the rank's ``named_parameters()`` order, which the checkpoint does
 not store. The candidates (the stored keys' order, megatron-core's local layer spec, its
 Transformer-Engine spec) are checked against the DCP chunks of each bucket tensor: megatron-core saves
-every parameter (and every gap) as its own chunk, so each parameter's computed start and end must be chunk
-boundaries; the first candidate that fits every bucket of every rank is taken, none fitting is an error.
+every parameter (and every gap) as its own chunk, cut in two where a DP shard ends, so each parameter's
+computed start and end must be chunk boundaries; the first candidate that fits every bucket of every rank is taken, none fitting is an error.
 """
 
 from __future__ import annotations
