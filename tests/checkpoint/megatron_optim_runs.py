@@ -263,7 +263,7 @@ def train_save_continue(out_dir: str, family: str, distributed: bool, bf16: bool
         )
     dist.barrier()
     if dist.get_rank() == 0:
-        for fmt in ("torch", "torch_dist"):
+        for fmt in ("torch", "torch_dist") + (("torch_dist_bucket_space",) if distributed else ()):
             with open(os.path.join(out_dir, fmt, "latest_checkpointed_iteration.txt"), "w") as fh:
                 fh.write(str(SAVED_AT))
 
@@ -308,3 +308,67 @@ def train_variants(out_root: str, family: str, variants: list[tuple[str, bool, b
         os.makedirs(os.path.join(out_root, name), exist_ok=True)
         results[name] = train_save_continue(os.path.join(out_root, name), family, distributed, bf16)
     return results
+
+
+def train_save_dp_layouts(out_dir: str, family: str) -> int:
+    """Rank function (TP=1, DP=world, the distributed optimizer): train ``SAVED_AT`` Adam iterations,
+    each DP rank on its slice of the global batch, and save ``torch_dist`` twice,
+    ``<out_dir>/fully_reshardable`` (model space) and ``<out_dir>/dp_reshardable`` (bucket space, each
+    bucket's DP shards stored as pieces of one tensor, a parameter split where a shard ends)."""
+    mr.shim_megatron_for_cpu()
+    shim_megatron_optimizer_for_cpu()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dp = dist.get_world_size()
+    ps.initialize_model_parallel(1, 1)
+    torch.manual_seed(1234)
+    model = mr.build_megatron_model(family, 1, 1)
+    mr.perturb_norms_and_biases(model)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=LR, weight_decay=0.01, clip_grad=1.0, use_distributed_optimizer=True
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    decay = TRAIN_ITERS * GLOBAL_BATCH
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=LR, max_lr=LR, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=decay,
+        lr_decay_style="constant", start_wd=0.01, end_wd=0.01, wd_incr_steps=decay, wd_incr_style="constant",
+    )  # fmt: skip
+    _, _, mask = mr.inputs(family)
+    micro = GLOBAL_BATCH // dp
+    rows = slice(ps.get_data_parallel_rank() * micro, (ps.get_data_parallel_rank() + 1) * micro)
+    pos = torch.arange(mr.SEQ).expand(micro, mr.SEQ)
+    for iteration in range(SAVED_AT):
+        data = {k: v[rows] for k, v in batch(iteration, family).items()}
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        per_token = ddp(data["tokens"], pos, attention_mask=mask, labels=data["labels"])
+        ((per_token * data["loss_mask"]).sum() / data["loss_mask"].sum()).backward()
+        ddp.finish_grad_sync()
+        assert optimizer.step()[0]
+        scheduler.step(increment=GLOBAL_BATCH)
+    args = mr.megatron_args(family, 1, 1, dp, "torch")
+    args.iteration, args.consumed_train_samples, args.train_iters = (
+        SAVED_AT,
+        SAVED_AT * GLOBAL_BATCH,
+        TRAIN_ITERS,
+    )
+    args.global_batch_size, args.micro_batch_size, args.lr = GLOBAL_BATCH, micro, LR
+    args.optimizer, args.use_distributed_optimizer, args.bf16, args.params_dtype = (
+        "adam",
+        True,
+        False,
+        torch.float32,
+    )
+    for sharding in ("fully_reshardable", "dp_reshardable"):
+        save_torch_dist(os.path.join(out_dir, sharding), ddp, optimizer, scheduler, args, True, sharding)
+        if dist.get_rank() == 0:
+            with open(os.path.join(out_dir, sharding, "latest_checkpointed_iteration.txt"), "w") as fh:
+                fh.write(str(SAVED_AT))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    return dp

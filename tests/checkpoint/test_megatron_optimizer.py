@@ -1,6 +1,7 @@
 """Megatron-LM's Adam state read from its checkpoints, against the real megatron-core: ``--ckpt-format
 torch`` (``model_optim_rng.pt``'s ``optimizer``; ``distrib_optim.pt`` with ``--use-distributed-optimizer``)
-and ``torch_dist`` (model-space ``optimizer.state.*`` tensors).
+and ``torch_dist`` (model-space ``optimizer.state.*`` tensors; the distributed optimizer's bucket-space
+``dp_reshardable`` buckets, Megatron-LM's default).
 
 megatron-core trains a tiny GPT (4 layers, hidden 64, tied embeddings, vocabulary padded to 256) at
 TP=2 for 3 Adam iterations on gloo (fp32 and ``--bf16``, with and without its distributed optimizer), saves in both formats, and trains 3 more
@@ -13,8 +14,9 @@ TP=2 for 3 Adam iterations on gloo (fp32 and ``--bf16``, with and without its di
   per-parameter optimizer, and at DP=2 with the distributed one, and gives Megatron's losses of the 3
   continued iterations; with ``--no-load-optim`` (fresh Adam moments) they differ, so the comparison
   sees the state;
-* refuses, naming the file, a missing ``distrib_optim.pt``, SGD state and the distributed optimizer's
-  bucket-space torch_dist layout, when (and only when) a run asks for the optimizer state.
+* refuses, naming the file, a missing ``distrib_optim.pt``, SGD state and bucket-space torch_dist
+  state whose buckets do not fit the args' grad-buffer layout, when (and only when) a run asks for the
+  optimizer state.
 """
 
 from __future__ import annotations
@@ -74,25 +76,36 @@ def megatron_whole(out, name: str, kind: str) -> torch.Tensor:
     return torch.cat(shards, dim=1 if split == ROW else 0)
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-@pytest.mark.parametrize("kind", [name for name, _, _ in VARIANTS])
-def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
+FORMATS = [  # (variant, checkpoint directory): the bucket-space layout exists for the distributed optimizer
+    *((name, fmt) for fmt in ("torch", "torch_dist") for name, _, _ in VARIANTS),
+    *((name, "torch_dist_bucket_space") for name, distributed, _ in VARIANTS if distributed),
+]
+
+
+def load_into_per_param_optimizer(load: str, bf16: bool = False):
+    """mcore's model and per-parameter optimizer at TP=1, loaded from ``load``."""
     from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
     from mcore.inference.loading import build_model_chunk
     from mcore.models.config import ModelConfig
     from mcore.optimizer import build_optimizer
     from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 
-    out, _ = megatron_runs[kind]
-    load = str(out / fmt)
     groups = ProcessGroups.single()
     cfg = ModelConfig(**{**checkpoint_model_flags(load), "hidden_dropout": 0.0, "attention_dropout": 0.0})
-    bf16 = kind.endswith("bf16")
     dtype = torch.bfloat16 if bf16 else torch.float32
     model = build_model_chunk(cfg, groups, 256, None, device=torch.device("cpu"), params_dtype=dtype)
     optimizer = build_optimizer(OptimizerConfig(), PrecisionConfig(bf16=bf16), [model], groups, lr=mo.LR)
     state = load_checkpoint(CheckpointConfig(load=load), [model], optimizer, None, groups)
     assert state["iteration"] == mo.SAVED_AT
+    return model, optimizer
+
+
+@pytest.mark.parametrize("kind,fmt", FORMATS)
+def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
+    out, _ = megatron_runs[kind]
+    bf16 = kind.endswith("bf16")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    _, optimizer = load_into_per_param_optimizer(str(out / fmt), bf16)
 
     reference = megatron_reference(out / "reference_tp0.pt")
     assert {e.key for e in optimizer.main_params} == set(reference)
@@ -109,15 +122,47 @@ def test_adam_state_equals_megatron_by_name(megatron_runs, kind, fmt):
             assert torch.equal(ours.view(shape), want), f"{entry.key} {name}"
 
 
+TO_TP1 = ("per_param", 1, ["--micro-batch-size", "4"])
+TO_DISTOPT_DP2 = ("distributed", 2, ["--micro-batch-size", "2", "--use-distributed-optimizer"])
+
+
+def test_bucket_space_saved_at_dp2_equals_the_model_space_state(tmp_path):
+    """Megatron at DP=2 stores each bucket's two DP shards as pieces of one tensor (a parameter cut
+    where the first shard ends): read from there, every parameter's state equals the same run's
+    ``fully_reshardable`` (model-space) save, which the tests above check against Megatron's own."""
+    assert run_distributed(mo.train_save_dp_layouts, 2, str(tmp_path), mo.FAMILY, timeout=300) == [2, 2]
+    states = []
+    for sharding in ("fully_reshardable", "dp_reshardable"):
+        _, optimizer = load_into_per_param_optimizer(str(tmp_path / sharding))
+        states.append(
+            {
+                e.key: (e.state["step"], e.state["exp_avg"], e.state["exp_avg_sq"], optimizer.master_of(e))
+                for e in optimizer.main_params
+            }
+        )
+    model_space, bucket_space = states
+    assert model_space.keys() == bucket_space.keys()
+    for key, (step, *tensors) in model_space.items():
+        assert step == bucket_space[key][0] == mo.SAVED_AT, key
+        assert tensors[0].abs().sum() > 0, key  # trained moments, not zeros
+        for ours, want in zip(bucket_space[key][1:], tensors):
+            assert torch.equal(ours, want), key
+
+
 @pytest.mark.parametrize(
-    "kind,world,extra",
+    "kind,world,extra,fmt",
     [
-        ("per_param", 1, ["--micro-batch-size", "4"]),
-        ("distributed", 2, ["--micro-batch-size", "2", "--use-distributed-optimizer"]),
+        pytest.param(*TO_TP1, "torch", id="megatron-tp2-to-tp1-torch"),
+        pytest.param(*TO_TP1, "torch_dist", id="megatron-tp2-to-tp1-torch_dist"),
+        pytest.param(*TO_DISTOPT_DP2, "torch", id="megatron-distopt-tp2-to-distopt-dp2-torch"),
+        pytest.param(*TO_DISTOPT_DP2, "torch_dist", id="megatron-distopt-tp2-to-distopt-dp2-torch_dist"),
+        pytest.param(
+            *TO_DISTOPT_DP2,
+            "torch_dist_bucket_space",
+            id="megatron-distopt-tp2-to-distopt-dp2-torch_dist_bucket_space",
+        ),
     ],
-    ids=["megatron-tp2-to-tp1", "megatron-distopt-tp2-to-distopt-dp2"],
 )
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_resumed_losses_match_megatron(megatron_runs, tmp_path, kind, world, extra, fmt):
     out, megatron = megatron_runs[kind]
     result = run_distributed(mo.mcore_resume, world, str(out / fmt), str(tmp_path / "s"), extra, timeout=300)
@@ -166,12 +211,19 @@ def test_sgd_state_is_refused_naming_the_checkpoint(megatron_runs, tmp_path):
         check_megatron_load(copy, meta, load_optim=True)
 
 
-def test_bucket_space_torch_dist_optimizer_state_is_refused_naming_the_flag(megatron_runs):
+def test_bucket_space_state_that_does_not_fit_the_args_is_refused_naming_it(megatron_runs, tmp_path):
+    """Buckets of another grad-buffer layout (here: args claiming 1000-element buckets with
+    --overlap-grad-reduce) are refused, naming the checkpoint, only when the state is asked for."""
     out, _ = megatron_runs["distributed"]
-    path = out / "torch_dist_bucket_space" / ITER_DIR
-    meta = read_any_metadata(path)
-    assert check_megatron_load(path, meta, load_optim=False)  # the weights still load
+    copy = tmp_path / "ckpt"
+    shutil.copytree(out / "torch_dist_bucket_space" / ITER_DIR, copy)
+    common = torch.load(copy / "common.pt", weights_only=False)
+    common["args"].overlap_grad_reduce = True
+    common["args"].ddp_bucket_size = 1000
+    torch.save(common, copy / "common.pt")
+    meta = read_any_metadata(copy)
+    assert check_megatron_load(copy, meta, load_optim=False)  # the weights still load
     with pytest.raises(
-        CheckpointError, match=r"bucket layout \(dp_reshardable\).*--dist-ckpt-optim-fully-reshardable"
+        CheckpointError, match=rf"{copy}: no parameter order fits the distributed optimizer's"
     ):
-        check_megatron_load(path, meta, load_optim=True)
+        check_megatron_load(copy, meta, load_optim=True)

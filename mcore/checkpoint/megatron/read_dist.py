@@ -12,8 +12,9 @@ needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped.
 Optimizer state: the model-space keys ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,param}.<key>``
 (the non-distributed optimizer; the distributed one saved ``fully_reshardable`` or
 ``fully_sharded_model_space``) have the global shape of ``<key>`` and become optimizer records the same
-way; the Adam step comes from ``common.pt``. The distributed optimizer's bucket-space layouts
-(``optimizer.distributed.*``) are refused when a run asks for the optimizer state.
+way; the Adam step comes from ``common.pt``. The distributed optimizer's bucket-space ``dp_reshardable``
+layout (``optimizer.distributed.*``, Megatron-LM's default) is read by :mod:`.read_dist_optim`; the
+deprecated ``dp_zero_gather_scatter`` is refused when a run asks for the optimizer state.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from mcore.checkpoint.format import CheckpointError
 from mcore.checkpoint.load import ShardReader
 from mcore.checkpoint.megatron.args import check_supported
 from mcore.checkpoint.megatron.names import REPLICATED, UnsupportedTensor, map_layer_param, map_name
+from mcore.checkpoint.megatron.read_dist_optim import (
+    SHARDING,
+    bucket_space_records,
+    bucket_space_step,
+    load_dcp_objects,
+)
 from mcore.checkpoint.megatron.read_optim import map_grad_scaler, map_scheduler
 from mcore.checkpoint.megatron.read_torch import megatron_metadata, placement_json
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
@@ -95,8 +102,10 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
 
     records, optim_records = [], []
     has_optimizer = False
-    bucket_space = None  # a distributed-optimizer key of a bucket-space layout (not read)
-    for key, info in _dcp_metadata(iter_dir).state_dict_metadata.items():
+    bucket_space = None  # a distributed-optimizer key of a bucket-space layout
+    model: dict[str, tuple[tuple[int, ...], str]] = {}  # stored model key -> (global shape, dtype)
+    dcp_meta = _dcp_metadata(iter_dir)
+    for key, info in dcp_meta.state_dict_metadata.items():
         kind, model_key = "param", key
         state_match = _OPTIM_STATE.match(key)
         if state_match:
@@ -111,6 +120,8 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
         has_optimizer |= kind != "param"
         shape = tuple(info.size)
         dtype = str(info.properties.dtype).removeprefix("torch.")
+        if kind == "param":
+            model[key] = (shape, dtype)
         try:
             if model_key.startswith("decoder.layers.") and not _PER_LAYER.match(model_key):
                 if shape[0] != num_layers:
@@ -141,15 +152,18 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
     has_optimizer = has_optimizer or "optimizer" in common
     meta = megatron_metadata(FORMAT_TORCH_DIST, args, iteration, version, has_optimizer, records, {})
     if has_optimizer:
+        saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
         try:
-            step = _optimizer_step(common_path, common, args, bucket_space, optim_records)
+            if saved.get("param_state_sharding_type") == SHARDING:
+                saved, optim_records = _bucket_space_state(iter_dir, args, dcp_meta, model)
+            else:
+                step = _optimizer_step(common_path, common, args, bucket_space, optim_records)
+                for rec in optim_records:
+                    rec["step"] = step
         except CheckpointError as err:
             meta["megatron"]["optimizer_error"] = str(err)
             return meta
-        for rec in optim_records:
-            rec["step"] = step
         meta["records"] += optim_records
-        saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
         meta["optimizer"] = {
             "saved": True,
             "type": "adam",
@@ -158,6 +172,25 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
         }
         meta["scheduler"] = map_scheduler(common.get("opt_param_scheduler"))
     return meta
+
+
+def _bucket_space_state(iter_dir: Path, args: Any, dcp_meta: Any, model: dict) -> tuple[dict, list[dict]]:
+    """``(optimizer state_dict with the grad scaler, records)`` of a ``dp_reshardable`` distributed
+    optimizer (:mod:`.read_dist_optim`)."""
+    optimizer = str(getattr(args, "optimizer", "adam"))
+    if optimizer != "adam":
+        raise CheckpointError(
+            f"{iter_dir}: the optimizer state is {optimizer!r} (args.optimizer); mcore reads Megatron's "
+            "Adam state only"
+        )
+    tp_pp = int(getattr(args, "tensor_model_parallel_size", 1)) * int(
+        getattr(args, "pipeline_model_parallel_size", 1)
+    )
+    step, saved = bucket_space_step(iter_dir, tp_pp)
+    scaler = "optimizer.distributed.dp_group_idx_0.grad_scaler"
+    if f"{scaler}/shard_0_1" in dcp_meta.state_dict_metadata:
+        saved = {**saved, "grad_scaler": load_dcp_objects(iter_dir, [scaler])[scaler]}
+    return saved, bucket_space_records(iter_dir, args, dcp_meta, model, step)
 
 
 def _optimizer_step(
@@ -179,7 +212,7 @@ def _optimizer_step(
         )
     saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     sharding = saved.get("param_state_sharding_type")
-    if bucket_space is not None or sharding in ("dp_reshardable", "dp_zero_gather_scatter"):
+    if bucket_space is not None or sharding == "dp_zero_gather_scatter":
         raise CheckpointError(
             f"{iter_dir}: the distributed optimizer's state is saved in its bucket layout "
             f"({sharding or bucket_space}), which is not read: save it with "
@@ -223,6 +256,8 @@ class MegatronDistReader(ShardReader):
         if name not in self._open:
             rec = next(r for (r, _) in self.index_by_key[name])
             shape = tuple(rec["global_shape"]) if rec["index"] is None else (-1,)
+            if "bucket_numel" in rec:  # a distributed-optimizer bucket (read_dist_optim)
+                shape = (rec["bucket_numel"],)
             if rec["index"] is not None:
                 layers = [r["index"] for (r, _) in self.index_by_key[name]]
                 shape = (max(layers) + 1, *rec["global_shape"])
@@ -241,6 +276,9 @@ class MegatronDistReader(ShardReader):
 
     def tensor(self, rec: dict) -> torch.Tensor:
         t = self.file(rec["file"])[rec["key"]]
+        if "bucket_numel" in rec:
+            offset, numel = rec["where"]
+            return t[offset : offset + numel]
         if rec["index"] is not None:
             t = t[rec["index"]]
         return t.reshape(-1)

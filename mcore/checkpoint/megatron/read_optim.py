@@ -133,11 +133,12 @@ def torch_optimizer_records(path: Path, fname: str, data: dict, params: list[Ran
 
 def bucket_offsets(
     params: list[RankParam], bucket_size: int | None, shared_embedding: set[str]
-) -> tuple[dict[str, int], int]:
+) -> tuple[dict[str, int], list[int]]:
     """Each parameter's offset in the coalesced (bucket-end padding removed) flat buffer of
-    ``distrib_optim.pt``, and the buffer's length, as ``_ParamAndGradBuffer`` lays them out with the
-    distributed optimizer."""
+    ``distrib_optim.pt``, and the unpadded length of each bucket (their sum: the buffer's length), as
+    ``_ParamAndGradBuffer`` lays them out with the distributed optimizer."""
     offsets: dict[str, int] = {}
+    lengths: list[int] = []
     done = 0  # unpadded elements of the closed buckets
     start = 0  # the open bucket's next free element, relative to its start
     members = 0
@@ -152,12 +153,34 @@ def bucket_offsets(
         own_bucket = p.key in shared_embedding
         begin = pad64(start)
         if own_bucket and members:
+            lengths.append(start)
             done, start, members, begin = done + start, 0, 0, 0
         offsets[p.key] = done + begin
         start, members = begin + numel, members + 1
         if (bucket_size is not None and start >= bucket_size) or own_bucket:
+            lengths.append(start)
             done, start, members = done + start, 0, 0
-    return offsets, done + start
+    return offsets, lengths + ([start] if members else [])
+
+
+def grad_buffer_layout(
+    params: list[RankParam], args: Any, pp_rank: int
+) -> tuple[dict[str, int], list[int], int | None]:
+    """:func:`bucket_offsets` of one (TP, PP) rank's parameters with the bucket size and the tied
+    embedding buckets Megatron-LM's ``args`` imply; also returns that bucket size (None: one bucket)."""
+    dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(
+        getattr(args, "context_parallel_size", 1) or 1
+    )
+    bucket_size = None
+    if getattr(args, "overlap_grad_reduce", False) and pp_rank == 0:
+        bucket_size = getattr(args, "ddp_bucket_size", None) or max(40000000, 1000000 * dp)
+    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    shared = set()
+    if tied and pp > 1:
+        shared = {p.key for p in params if p.key.endswith(("word_embeddings.weight", "output_layer.weight"))}
+    offsets, lengths = bucket_offsets(params, bucket_size, shared)
+    return offsets, lengths, bucket_size
 
 
 def distributed_optimizer_records(
@@ -193,18 +216,8 @@ def distributed_optimizer_records(
             "only one model chunk with one parameter dtype is read (no virtual pipeline or experts)"
         )
     ((dtype_key, buffers),) = state[0].items()
-    dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(
-        getattr(args, "context_parallel_size", 1) or 1
-    )
-    bucket_size = None
-    if getattr(args, "overlap_grad_reduce", False) and pp_rank == 0:
-        bucket_size = getattr(args, "ddp_bucket_size", None) or max(40000000, 1000000 * dp)
-    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
-    shared = set()
-    if tied and pp > 1:
-        shared = {p.key for p in params if p.key.endswith(("word_embeddings.weight", "output_layer.weight"))}
-    offsets, total = bucket_offsets(params, bucket_size, shared)
+    offsets, lengths, bucket_size = grad_buffer_layout(params, args, pp_rank)
+    total = sum(lengths)
     numel = int(buffers.get("numel_unpadded", buffers["param"].numel()))
     if total != numel:
         raise CheckpointError(
