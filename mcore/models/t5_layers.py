@@ -149,18 +149,9 @@ class T5Layer(TransformerLayer):
         inference_context=None,
     ) -> torch.Tensor:
         """``hidden_states [s, b, h]``; ``context [s_e, b, h]`` is the encoder output (decoder layers)."""
-        recompute = self.training and inference_context is None and torch.is_grad_enabled()
-        hidden_states = self._residual_branch(
-            self.input_layernorm,
-            hidden_states,
-            recompute,
-            lambda normed: self.self_attention(
-                normed,
-                attention_mask,
-                None,
-                inference_context=inference_context,
-                attention_bias=attention_bias,
-            ),
+        recompute = self._may_recompute(inference_context)
+        hidden_states = self._self_attention_branch(
+            hidden_states, recompute, attention_mask, None, inference_context, attention_bias=attention_bias
         )
         if self.cross_attention is not None:
             hidden_states = self._residual_branch(

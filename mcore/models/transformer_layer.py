@@ -96,16 +96,34 @@ class TransformerLayer(torch.nn.Module):
         rotary_freqs: torch.Tensor | None = None,
         inference_context=None,
     ) -> torch.Tensor:
-        recompute = self.training and inference_context is None and torch.is_grad_enabled()
-        hidden_states = self._residual_branch(
+        recompute = self._may_recompute(inference_context)
+        hidden_states = self._self_attention_branch(
+            hidden_states, recompute, attention_mask, rotary_freqs, inference_context
+        )
+        return self._mlp_branch(hidden_states, recompute)
+
+    def _may_recompute(self, inference_context) -> bool:
+        """Selective recomputation applies: training with gradients, no KV cache."""
+        return self.training and inference_context is None and torch.is_grad_enabled()
+
+    def _self_attention_branch(
+        self,
+        hidden_states,
+        recompute: bool,
+        attention_mask,
+        rotary_freqs,
+        inference_context,
+        **attention_kwargs,
+    ) -> torch.Tensor:
+        """The self-attention branch; ``attention_kwargs`` go to the attention (T5's ``attention_bias``)."""
+        return self._residual_branch(
             self.input_layernorm,
             hidden_states,
             recompute,
             lambda normed: self.self_attention(
-                normed, attention_mask, rotary_freqs, inference_context=inference_context
+                normed, attention_mask, rotary_freqs, inference_context=inference_context, **attention_kwargs
             ),
         )
-        return self._mlp_branch(hidden_states, recompute)
 
     def _residual_branch(self, norm: torch.nn.Module, hidden_states: torch.Tensor, recompute: bool, branch):
         """``residual + dropout(out + bias)`` with ``(out, bias) = branch(norm(hidden_states))``.
