@@ -158,30 +158,38 @@ class T5Model(LanguageModule):
             self.encoder_relative_pos_emb = RelativePositionEmbedding(config, self.ctx, bidirectional=True)
         if self.relative and add_decoder:
             self.decoder_relative_pos_emb = RelativePositionEmbedding(config, self.ctx, bidirectional=False)
-        self.encoder = None
-        if add_encoder:
-            self.encoder = T5Block(
-                config,
-                self.ctx,
-                t5_encoder_layer_spec(config),
-                num_layers=encoder_num_layers,
-                layer_offset=encoder_layer_offset,
-                final_norm=encoder_layer_offset + encoder_num_layers == config.encoder_num_layers,
-            )
-        self.decoder = None
-        if add_decoder:
-            self.decoder = T5Block(
-                config,
-                self.ctx,
-                t5_decoder_layer_spec(config),
-                num_layers=decoder_num_layers,
-                layer_offset=decoder_layer_offset,
-                final_norm=decoder_layer_offset + decoder_num_layers == config.decoder_num_layers,
-            )
+        self.encoder = self._stack_chunk(
+            add_encoder,
+            t5_encoder_layer_spec,
+            encoder_layer_offset,
+            encoder_num_layers,
+            config.encoder_num_layers,
+        )
+        self.decoder = self._stack_chunk(
+            add_decoder,
+            t5_decoder_layer_spec,
+            decoder_layer_offset,
+            decoder_num_layers,
+            config.decoder_num_layers,
+        )
         if post_process:
             check(add_decoder, "post_process (the output layer) needs add_decoder")
             self.lm_head = T5LMHead(config, self.ctx, vocab_size, pre_process)
         self._finish_build(seed)
+
+    def _stack_chunk(self, add: bool, layer_spec, offset: int, count: int, total: int) -> T5Block | None:
+        """Layers ``[offset, offset + count)`` of a stack of ``total`` (None without ``add``); the
+        stack's final norm on the chunk with its last layer."""
+        if not add:
+            return None
+        return T5Block(
+            self.config,
+            self.ctx,
+            layer_spec(self.config),
+            num_layers=count,
+            layer_offset=offset,
+            final_norm=offset + count == total,
+        )
 
     def _layer_offsets(self) -> dict[str, int]:
         return {"encoder": self.encoder_layer_offset, "decoder": self.decoder_layer_offset}
