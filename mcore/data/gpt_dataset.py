@@ -21,16 +21,14 @@ a hash of the configuration *and the data files' identity* (see :mod:`mcore.data
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from mcore.data.cache import IndexCache, describe
+from mcore.data.cache import IndexCache
 from mcore.data.errors import DataError
 from mcore.data.indices import (
     build_document_index,
@@ -39,6 +37,7 @@ from mcore.data.indices import (
     compute_num_epochs,
     use_separate_final_epoch,
 )
+from mcore.data.megatron_dataset import MegatronDataset
 from mcore.data.tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -120,7 +119,7 @@ def build_ltor_masks_and_position_ids(
     return attention_mask, loss_mask, position_ids
 
 
-class GPTDataset(torch.utils.data.Dataset):
+class GPTDataset(MegatronDataset):
     """Samples of one split of one low-level dataset.
 
     Args:
@@ -144,43 +143,24 @@ class GPTDataset(torch.utils.data.Dataset):
         index_split: str,
         config: GPTDatasetConfig,
     ) -> None:
-        self.dataset = indexed_dataset
-        self.dataset_path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.config = config
+        super().__init__(indexed_dataset, dataset_path, indices, num_samples, index_split, config)
         pad = config.tokenizer.pad
         self._pad_id = -1 if pad is None or pad in config.tokenizer.special_token_ids else int(pad)
         self._extra = int(config.add_extra_token_to_sequence)
-        self.unique_identifiers = self._identifiers()
-        self.unique_description = describe(self.unique_identifiers)
         arrays = self._load_or_build_indices()
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
 
-    def _identifiers(self) -> OrderedDict:
-        ids: OrderedDict = OrderedDict()
-        ids["class"] = type(self).__name__
-        ids["dataset_path"] = self.dataset_path
-        ids["num_samples"] = self.num_samples
-        ids["index_split"] = self.index_split
-        ids["random_seed"] = self.config.random_seed
-        ids["sequence_length"] = self.config.sequence_length
-        ids["split"] = self.config.split
-        ids["split_matrix"] = self.config.split_matrix
-        ids["tokenizer"] = self.config.tokenizer.unique_identifiers
-        # Not in Megatron's key: the data itself, so that rewritten files never reuse stale indices.
-        ids["data_fingerprint"] = self.dataset.fingerprint()
-        return ids
-
-    def _cache_dir(self) -> str | None:
-        if self.config.path_to_cache:
-            return self.config.path_to_cache
-        if self.dataset_path is None:
-            return None
-        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
+    def _key_identifiers(self) -> list[tuple[str, Any]]:
+        config = self.config
+        return [
+            ("random_seed", config.random_seed),
+            ("sequence_length", config.sequence_length),
+            ("split", config.split),
+            ("split_matrix", config.split_matrix),
+            ("tokenizer", config.tokenizer.unique_identifiers),
+        ]
 
     def _load_or_build_indices(self) -> dict[str, np.ndarray]:
         cache = IndexCache(

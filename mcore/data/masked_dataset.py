@@ -28,19 +28,17 @@ so its samples are not reproducible, and no Megatron model script turns it on.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from mcore.config.fields import ConfigError
-from mcore.data.cache import IndexCache, describe
+from mcore.data.cache import IndexCache
 from mcore.data.errors import DataError
 from mcore.data.masked_indices import build_sentence_sample_index
+from mcore.data.megatron_dataset import MegatronDataset
 from mcore.data.tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -135,7 +133,7 @@ def _key_identifiers(config: MaskedWordPieceDatasetConfig) -> list[tuple[str, An
     return [(name, getattr(config, name)) for name in names]
 
 
-class MaskedWordPieceDataset(torch.utils.data.Dataset):
+class MaskedWordPieceDataset(MegatronDataset):
     """The shared part of BERT's and T5's datasets over one split of a sentence-level dataset.
 
     Args:
@@ -156,18 +154,11 @@ class MaskedWordPieceDataset(torch.utils.data.Dataset):
         index_split: str,
         config: MaskedWordPieceDatasetConfig,
     ) -> None:
-        self.dataset = indexed_dataset
-        self.dataset_path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.config = config
+        super().__init__(indexed_dataset, dataset_path, indices, num_samples, index_split, config)
         tokenizer = config.tokenizer
         # Megatron's pad id: the tokenizer's, or -1 where it collides with end-of-document.
         pad = int(tokenizer.pad)
         self.pad_id = -1 if pad in {getattr(tokenizer, "eos", None), tokenizer.eod} else pad
-        self.unique_identifiers = self._identifiers()
-        self.unique_description = describe(self.unique_identifiers)
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: SentenceDataset) -> int:
@@ -176,24 +167,6 @@ class MaskedWordPieceDataset(torch.utils.data.Dataset):
 
     def _key_identifiers(self) -> list[tuple[str, Any]]:
         return _key_identifiers(self.config)
-
-    def _identifiers(self) -> OrderedDict:
-        ids: OrderedDict = OrderedDict()
-        ids["class"] = type(self).__name__
-        ids["dataset_path"] = self.dataset_path
-        ids["num_samples"] = self.num_samples
-        ids["index_split"] = self.index_split
-        ids.update(self._key_identifiers())
-        # Not in Megatron's key: the data itself, so that rewritten files never reuse stale indices.
-        ids["data_fingerprint"] = self.dataset.fingerprint()
-        return ids
-
-    def _cache_dir(self) -> str | None:
-        if self.config.path_to_cache:
-            return self.config.path_to_cache
-        if self.dataset_path is None:
-            return None
-        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
 
     def _describe_split(self) -> str:
         n = self.numel_low_level_dataset(self.dataset)

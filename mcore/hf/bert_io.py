@@ -28,9 +28,7 @@ import dataclasses
 import json
 import logging
 import os
-import secrets
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +46,7 @@ from mcore.hf.bert import (
     check_bert_exportable,
 )
 from mcore.hf.errors import ConversionError, ParityError
-from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, parity_tokens
+from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, load_hf_model, parity_tokens
 from mcore.models.config import ModelConfig, padded_vocab_size
 
 logger = logging.getLogger(__name__)
@@ -209,35 +207,8 @@ def hf_bert_logits(
     hf_dir: str, heads: BertHeads, batch, attn_implementation: str, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(MLM logits, binary logits or None)`` of the ``MegatronBert*`` model in ``hf_dir``."""
-    try:
-        import transformers
-        from transformers import AutoModelForMaskedLM, AutoModelForPreTraining
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        raise ConversionError(
-            "the parity check needs the 'transformers' package (pip install 'mcore-train[hf]')"
-        ) from None
-    auto = AutoModelForPreTraining if heads.add_binary_head else AutoModelForMaskedLM
-    dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model, info = auto.from_pretrained(
-            hf_dir,
-            attn_implementation=attn_implementation,
-            output_loading_info=True,
-            **{dtype_arg: torch.float32},
-        )
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    problems = {k: v for k, v in info.items() if v}
-    if problems:
-        raise ConversionError(f"{hf_dir}: transformers did not load the weights cleanly: {problems}")
-    model.eval()
-    if round_to is not None:
-        for param in model.parameters():
-            param.copy_(param.to(round_to).float())
+    auto = "AutoModelForPreTraining" if heads.add_binary_head else "AutoModelForMaskedLM"
+    model = load_hf_model(auto, hf_dir, round_to=round_to, attn_implementation=attn_implementation)
     out = model(**batch)
     if heads.add_binary_head:
         return out.prediction_logits.float(), out.seq_relationship_logits.float()
@@ -309,6 +280,7 @@ def export_bert_to_hf(
         ExportReport,
         _dtype_name,
         _prepare_output,
+        staged_output_dir,
         write_safetensors,
     )
 
@@ -357,11 +329,7 @@ def export_bert_to_hf(
     config = bert_hf_config_dict(cfg, vocab_size, heads, pad_token_id=pad_id, dtype=_dtype_name(dtype))
 
     output_dir = os.path.abspath(output_dir)
-    parent = os.path.dirname(output_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{secrets.token_hex(4)}")
-    os.makedirs(staging)
-    try:
+    with staged_output_dir(output_dir) as staging:
         _write_json(os.path.join(staging, "config.json"), config)
         written = ["config.json"]
         written += write_safetensors(tensors, staging, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
@@ -375,12 +343,6 @@ def export_bert_to_hf(
         if check_parity:
             rounded = {k: v.to(dtype) for k, v in state.items()}
             report.parity = check_bert_parity(cfg, heads, rounded, vocab_size, staging, tolerance=tolerance)
-        if os.path.isdir(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(staging, output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return report
 
 
@@ -403,7 +365,14 @@ def import_bert_from_hf(
     from mcore import checkpoint
     from mcore.config.fields import ConfigError
     from mcore.hf.config import megatron_model_flags
-    from mcore.hf.importer import DTYPES, TOKENIZER_SUBDIR, ImportReport, read_hf_weights
+    from mcore.hf.importer import (
+        DTYPES,
+        TOKENIZER_SUBDIR,
+        ImportReport,
+        check_import_target,
+        read_hf_weights,
+        tokenizer_staging_dir,
+    )
 
     where = os.path.join(hf_dir, "config.json")
     try:
@@ -412,15 +381,8 @@ def import_bert_from_hf(
         raise ConversionError(f"{where}: not a valid MegatronBert config: {err}") from None
     if check_layout is not None:
         check_layout(cfg)
-    vocab_size = hf.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ConversionError(f"{where}: vocab_size={vocab_size!r} must be a positive integer")
-    if os.path.isdir(save_dir) and os.listdir(save_dir):
-        raise ConversionError(f"--save {save_dir}: the directory is not empty")
-
-    parent = os.path.dirname(os.path.abspath(save_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    vocab_size = check_import_target(hf, where, save_dir)
+    staging = tokenizer_staging_dir(save_dir)
     try:
         files = import_wordpiece_tokenizer(hf_dir, staging) if use_tokenizer else None
         if use_tokenizer and files is None:

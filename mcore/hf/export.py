@@ -22,6 +22,7 @@ that cannot be converted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -124,6 +125,25 @@ def _write_json(path: str, obj) -> None:
         f.write("\n")
 
 
+@contextlib.contextmanager
+def staged_output_dir(output_dir: str):
+    """A fresh directory beside ``output_dir`` (absolute) to write the export into: when the block
+    ends without an error it replaces ``output_dir``; on any error it is removed and ``output_dir``
+    is left as it was."""
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{secrets.token_hex(4)}")
+    os.makedirs(staging)
+    try:
+        yield staging
+        if os.path.isdir(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def _prepare_output(output_dir: str, overwrite: bool) -> None:
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConversionError(f"--save {output_dir}: exists and is not a directory")
@@ -214,11 +234,7 @@ def export_to_hf(
         generation["max_length"] = max_length
 
     output_dir = os.path.abspath(output_dir)
-    parent = os.path.dirname(output_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{secrets.token_hex(4)}")
-    os.makedirs(staging)
-    try:
+    with staged_output_dir(output_dir) as staging:
         _write_json(os.path.join(staging, "config.json"), config)
         _write_json(os.path.join(staging, "generation_config.json"), generation)
         files = ["config.json", "generation_config.json"]
@@ -231,12 +247,6 @@ def export_to_hf(
             rounded = {k: v.to(dtype) for k, v in state.items()}
             check = check_t5_parity if t5 else check_logit_parity
             report.parity = check(cfg, rounded, info.vocab_size, staging, tolerance=tolerance)
-        if os.path.isdir(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(staging, output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return report
 
 

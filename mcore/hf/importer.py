@@ -32,8 +32,9 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -182,15 +183,8 @@ def import_from_hf(
     except (ConfigError, KeyError, TypeError) as err:
         raise ConversionError(f"{where}: not a valid {architecture} config: {err}") from None
     _check_layout(cfg, tensor_model_parallel_size, pipeline_model_parallel_size)
-    vocab_size = hf.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ConversionError(f"{where}: vocab_size={vocab_size!r} must be a positive integer")
-    if os.path.isdir(save_dir) and os.listdir(save_dir):
-        raise ConversionError(f"--save {save_dir}: the directory is not empty")
-
-    parent = os.path.dirname(os.path.abspath(save_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    vocab_size = check_import_target(hf, where, save_dir)
+    staging = tokenizer_staging_dir(save_dir)
     try:
         tok_config = None
         if use_tokenizer:
@@ -248,6 +242,25 @@ def import_from_hf(
         shutil.rmtree(staging, ignore_errors=True)
     report.flags = import_flags(report)
     return report
+
+
+def check_import_target(hf: Mapping[str, Any], where: str, save_dir: str) -> int:
+    """The Hugging Face ``vocab_size`` (``where``: the config.json it came from), after checking that it
+    is a positive integer and that ``save_dir`` is empty or absent (an import never overwrites)."""
+    vocab_size = hf.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ConversionError(f"{where}: vocab_size={vocab_size!r} must be a positive integer")
+    if os.path.isdir(save_dir) and os.listdir(save_dir):
+        raise ConversionError(f"--save {save_dir}: the directory is not empty")
+    return vocab_size
+
+
+def tokenizer_staging_dir(save_dir: str) -> str:
+    """A fresh directory beside ``save_dir`` for the tokenizer files, moved under it once the import
+    succeeds (the caller removes what is left of it)."""
+    parent = os.path.dirname(os.path.abspath(save_dir))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
 
 
 def _relocate(config: TokenizerConfig, old: str, new: str) -> TokenizerConfig:

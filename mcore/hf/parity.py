@@ -81,15 +81,19 @@ def mcore_logits(
     return logits
 
 
-@torch.no_grad()
-def hf_logits(
-    hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eager", round_to: torch.dtype | None = None
-) -> torch.Tensor:
-    """fp32 logits of the Hugging Face model saved in ``hf_dir`` (its load report must be clean), with
-    its weights first rounded to ``round_to`` when given."""
+def load_hf_model(
+    class_name: str, hf_dir: str, *, round_to: torch.dtype | None = None, quiet: bool = False, **kwargs
+) -> torch.nn.Module:
+    """``transformers.<class_name>.from_pretrained(hf_dir, **kwargs)`` in fp32 and eval mode, its load
+    report checked clean (no missing, unexpected or mismatched weights), its weights then rounded to
+    ``round_to`` when given (the same rounding as the mcore side). ``quiet``: transformers' warnings off
+    while loading.
+
+    Raises:
+        ConversionError: transformers is missing, or the weights did not load cleanly.
+    """
     try:
         import transformers
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise ConversionError(
@@ -97,16 +101,17 @@ def hf_logits(
         ) from None
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
     try:
         # transformers 5 calls it ``dtype``, 4.x ``torch_dtype``.
         dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        model, info = AutoModelForCausalLM.from_pretrained(
-            hf_dir,
-            attn_implementation=attn_implementation,
-            output_loading_info=True,
-            **{dtype_arg: torch.float32},
+        model, info = getattr(transformers, class_name).from_pretrained(
+            hf_dir, output_loading_info=True, **kwargs, **{dtype_arg: torch.float32}
         )
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
     problems = {k: v for k, v in info.items() if k != "error_msgs" and v}
@@ -116,8 +121,21 @@ def hf_logits(
         raise ConversionError(f"{hf_dir}: transformers did not load the weights cleanly: {problems}")
     model.eval()
     if round_to is not None:
-        for param in model.parameters():
-            param.copy_(param.to(round_to).float())
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(round_to).float())
+    return model
+
+
+@torch.no_grad()
+def hf_logits(
+    hf_dir: str, tokens: torch.Tensor, attn_implementation: str = "eager", round_to: torch.dtype | None = None
+) -> torch.Tensor:
+    """fp32 logits of the Hugging Face model saved in ``hf_dir`` (its load report must be clean), with
+    its weights first rounded to ``round_to`` when given."""
+    model = load_hf_model(
+        "AutoModelForCausalLM", hf_dir, round_to=round_to, attn_implementation=attn_implementation
+    )
     return model(tokens).logits.float()
 
 

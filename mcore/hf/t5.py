@@ -360,36 +360,10 @@ class T5ParityReport:
 
 
 def _load_hf_t5(hf_dir: str, round_to: torch.dtype | None):
-    try:
-        import transformers
-        from transformers import T5ForConditionalGeneration
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        raise ConversionError(
-            "the parity check needs the 'transformers' package (pip install 'mcore-train[hf]')"
-        ) from None
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # transformers 5 warns about the (intended) untied lm_head
-    try:
-        dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        model, info = T5ForConditionalGeneration.from_pretrained(
-            hf_dir, output_loading_info=True, **{dtype_arg: torch.float32}
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-    problems = {k: v for k, v in info.items() if v}
-    if problems:
-        raise ConversionError(f"{hf_dir}: transformers did not load the weights cleanly: {problems}")
-    model.eval()
-    if round_to is not None:
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.to(round_to).float())
-    return model
+    from mcore.hf.parity import load_hf_model
+
+    # quiet: transformers 5 warns about the (intended) untied lm_head
+    return load_hf_model("T5ForConditionalGeneration", hf_dir, round_to=round_to, quiet=True)
 
 
 @torch.no_grad()

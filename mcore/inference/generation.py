@@ -215,7 +215,9 @@ class TextGenerator:
 
     # -- the batch --------------------------------------------------------------------------------
 
-    def _prepare(self, prompts: Sequence[Sequence[int]], rows_per_prompt: int):
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """One clear error for an empty batch, an empty prompt, an id outside the vocabulary or a
+        prompt longer than the model's positions."""
         if not prompts:
             raise ValueError("no prompts to generate from")
         for i, prompt in enumerate(prompts):
@@ -226,12 +228,16 @@ class TextGenerator:
                 raise ValueError(
                     f"prompt {i} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
                 )
-        lengths = [len(p) for p in prompts for _ in range(rows_per_prompt)]
-        longest = max(lengths)
+        longest = max(len(p) for p in prompts)
         if self.max_positions is not None and longest > self.max_positions:
             raise ValueError(
                 f"a prompt of {longest} tokens exceeds the model's max_position_embeddings={self.max_positions}"
             )
+
+    def _prepare(self, prompts: Sequence[Sequence[int]], rows_per_prompt: int):
+        self._check_prompts(prompts)
+        lengths = [len(p) for p in prompts for _ in range(rows_per_prompt)]
+        longest = max(lengths)
         tokens = torch.full((len(lengths), longest), self.pad_id, dtype=torch.long)
         valid = torch.zeros(len(lengths), longest, dtype=torch.bool)
         row = 0

@@ -74,21 +74,8 @@ class T5TextGenerator(TextGenerator):
     @torch.no_grad()
     def _prepare(self, prompts: Sequence[Sequence[int]], rows_per_prompt: int):
         """Run the encoder over the right-padded prompts; return the decoder's start batch."""
-        if not prompts:
-            raise ValueError("no prompts to generate from")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty; give at least one token")
-            bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                )
+        self._check_prompts(prompts)
         longest = max(len(p) for p in prompts)
-        if self.max_positions is not None and longest > self.max_positions:
-            raise ValueError(
-                f"a prompt of {longest} tokens exceeds the model's max_position_embeddings={self.max_positions}"
-            )
         tokens = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
         valid = torch.zeros(len(prompts), longest, dtype=torch.bool)
         for i, prompt in enumerate(prompts):

@@ -40,20 +40,20 @@ Token types follow Megatron's ``pretrain_bert.py``: 2 with the binary head, none
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from mcore.backend import current_backend, get_ops
-from mcore.config.fields import ConfigError, check
+from mcore.backend import get_ops
+from mcore.config.fields import check
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
-from mcore.models.config import ModelConfig, check_tensor_parallel
+from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
 from mcore.models.embeddings import LanguageModelEmbedding
+from mcore.models.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
 from mcore.models.mlp import MLP, MLPSubmodules
 from mcore.models.norms import Norm
 from mcore.models.positions import RotaryEmbedding
@@ -61,24 +61,10 @@ from mcore.models.spec import ModuleSpec
 from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mcore.tensor_parallel.mappings import (
-    all_reduce_sequence_parallel_grads,
-    gather_from_sequence_parallel_region,
-)
-from mcore.tensor_parallel.sharding import (
-    ZEROS,
-    NormalInit,
-    ParamLayout,
-    ShardSpec,
-    build_shard_specs,
-    init_method_normal,
-    initialize_parameters,
-    make_parameter,
-)
+from mcore.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from mcore.tensor_parallel.sharding import ZEROS, NormalInit, ParamLayout, make_parameter
 
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 BERT_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
-_LOCAL_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
 
 def bert_layer_spec() -> ModuleSpec:
@@ -173,7 +159,7 @@ class Pooler(torch.nn.Module):
         return torch.tanh(self.dense(hidden_states[sequence_index]))
 
 
-class BertModel(torch.nn.Module):
+class BertModel(LanguageModule):
     """Megatron's BERT (pre-LN encoder, MLM head, optional binary head), or one pipeline chunk of it.
 
     Args:
@@ -189,6 +175,9 @@ class BertModel(torch.nn.Module):
         layer_spec: the encoder-layer spec (default :func:`bert_layer_spec`).
         fp8: the FP8 flags: the encoder layers' linears run in FP8 as GPT's do; the LM head, pooler
             and binary head stay in the parameter dtype (megatron-core's are plain linears too).
+
+    The sharding, sequence-parallel and tied-embedding methods and :meth:`set_input_tensor` come from
+    :class:`~mcore.models.language_module.LanguageModule`, as GPT's.
 
     Raises:
         ConfigError: the model does not split over TP, or a setting BERT does not support.
@@ -213,16 +202,16 @@ class BertModel(torch.nn.Module):
         layer_spec: ModuleSpec | None = None,
         fp8: Fp8Config | None = None,
     ):
-        super().__init__()
-        tp = groups.tp_size
-        if fp8 is not None and fp8.enabled:
-            backend = current_backend()
-            fp8.check_with(config.num_layers, backend.capabilities(), backend.name)
-        check_tensor_parallel(config, tp, sequence_parallel)
-        check(
-            vocab_size % tp == 0,
-            f"padded vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={tp}; "
-            "compute it with padded_vocab_size()",
+        super().__init__(
+            config,
+            groups,
+            vocab_size,
+            pre_process=pre_process,
+            post_process=post_process,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+            fp8=fp8,
         )
         check(
             config.position_embedding_type in BERT_POSITION_EMBEDDING_TYPES,
@@ -234,35 +223,13 @@ class BertModel(torch.nn.Module):
             f"--output-layer-loss-chunks {config.output_layer_loss_chunks}: BERT's output layer has a "
             "bias, which the chunked output-layer loss does not support; leave it at 0",
         )
-        num_layers = config.num_layers - layer_offset if num_layers is None else num_layers
-        if not (0 <= layer_offset and num_layers >= 0 and layer_offset + num_layers <= config.num_layers):
-            raise ConfigError(
-                f"layers [{layer_offset}, {layer_offset + num_layers}) of this chunk are outside "
-                f"num_layers={config.num_layers}"
-            )
+        self.layer_offset = layer_offset
+        self.num_layers = chunk_layer_count(layer_offset, num_layers, config.num_layers)
         if num_tokentypes is None:
             num_tokentypes = 2 if add_binary_head else 0
         check(num_tokentypes >= 0, f"num_tokentypes={num_tokentypes} must be >= 0")
-        self.config = config
-        self.groups = groups
-        self.vocab_size = vocab_size
-        self.pre_process, self.post_process = pre_process, post_process
-        self.layer_offset, self.num_layers = layer_offset, num_layers
-        self.sequence_parallel = sequence_parallel
         self.add_binary_head = add_binary_head
         self.num_tokentypes = num_tokentypes
-        self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
-        self.ctx = BuildContext(
-            tp_group=groups.tp,
-            tp_size=tp,
-            tp_rank=groups.tp_rank,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device if device is not None else groups.device,
-            fp8=fp8 if fp8 is not None and fp8.enabled else None,
-            num_layers=config.num_layers,
-        )
-        self.input_tensor: torch.Tensor | None = None
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.ctx, vocab_size, num_tokentypes)
@@ -272,88 +239,24 @@ class BertModel(torch.nn.Module):
             config,
             self.ctx,
             layer_spec or bert_layer_spec(),
-            num_layers=num_layers,
+            num_layers=self.num_layers,
             layer_offset=layer_offset,
             post_process=post_process,
         )
         if post_process:
-            tied = self.share_embeddings_and_output_weights
             self.lm_head = BertLMHead(config, self.ctx)
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                tp_group=groups.tp,
-                bias=True,
-                gather_output=False,
-                sequence_parallel=sequence_parallel,
-                init_method=init_method_normal(config.init_method_std),
-                vocab_padded=True,
-                skip_weight_param_allocation=tied and pre_process,
-                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                params_dtype=params_dtype,
-                device=self.ctx.device,
+            self.output_layer = vocab_output_layer(
+                config, self.ctx, vocab_size, bias=True, pre_process=pre_process
             )
-            # The output bias runs over the padded vocabulary too (resharding re-pads it).
-            bias = self.output_layer.bias
-            bias.shard_layout = replace(bias.shard_layout, vocab_padded=True)
-            if tied and not pre_process:
-                # The last stage's copy of the word embedding: same logical tensor, same init (as GPT).
-                weight = self.output_layer.weight
-                weight.shard_layout = replace(weight.shard_layout, logical_name=WORD_EMBEDDINGS)
-                weight.shared_embedding = True
             if add_binary_head:
                 self.pooler = Pooler(config, self.ctx)
                 self.binary_head = ReplicatedLinear(
                     config.hidden_size, 2, self.ctx, init_std=config.init_method_std
                 )
-        if pre_process and self.share_embeddings_and_output_weights:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+        self._finish_build(seed)
 
-        self._shard_specs = build_shard_specs(self, groups.tp_rank, tp, self._logical_name)
-        initialize_parameters(self, self._shard_specs, seed)
-
-    # -- naming and sharding ------------------------------------------------------------------------
-
-    def _logical_name(self, local_name: str) -> str:
-        return _LOCAL_LAYER.sub(
-            lambda m: f"encoder.layers.{int(m.group(1)) + self.layer_offset}.", local_name
-        )
-
-    def sharded_parameters(self) -> dict[str, ShardSpec]:
-        """For every parameter (key: its name in ``named_parameters()``), where it sits in the model
-        (logical names with global layer numbers; see :meth:`mcore.models.gpt.GPTModel.sharded_parameters`).
-        """
-        return dict(self._shard_specs)
-
-    def sequence_parallel_parameters(self) -> list[torch.nn.Parameter]:
-        """Parameters whose gradients must be summed over TP with sequence parallelism."""
-        params = dict(self.named_parameters())
-        return [params[name] for name, spec in self._shard_specs.items() if spec.sequence_parallel]
-
-    def all_reduce_sequence_parallel_grads(self) -> None:
-        """Sum the sequence-parallel parameters' gradients over TP (call after backward; no-op without SP)."""
-        if self.sequence_parallel:
-            all_reduce_sequence_parallel_grads(self.sequence_parallel_parameters(), self.groups.tp)
-
-    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
-        """The tied word-embedding weight this chunk holds (as :class:`~mcore.models.gpt.GPTModel`)."""
-        if not self.share_embeddings_and_output_weights:
-            return None
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process:
-            return self.output_layer.weight
-        return None
-
-    # -- forward ------------------------------------------------------------------------------------
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """The hidden states ``[s, b, h]`` a non-first pipeline chunk starts from (Megatron's contract)."""
-        if isinstance(input_tensor, (list, tuple)):
-            if len(input_tensor) != 1:
-                raise ValueError(f"BertModel takes one input tensor, got {len(input_tensor)}")
-            input_tensor = input_tensor[0]
-        self.input_tensor = input_tensor
+    def _layer_offsets(self) -> dict[str, int]:
+        return {"encoder": self.layer_offset}
 
     @staticmethod
     def attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
@@ -395,13 +298,11 @@ class BertModel(torch.nn.Module):
                 )
             hidden_states = self.embedding(input_ids, None, tokentype_ids)
         else:
-            if self.input_tensor is None:
-                raise RuntimeError("a non-first pipeline chunk needs set_input_tensor() before forward()")
-            hidden_states = self.input_tensor
+            hidden_states = self._received_input()
 
         rotary_freqs = None
         if self.config.position_embedding_type == "rope":
-            seq_len = hidden_states.shape[0] * (self.ctx.tp_size if self.sequence_parallel else 1)
+            seq_len = self._full_sequence_length(hidden_states)
             rotary_freqs = self.rotary_pos_emb(seq_len, None, device=hidden_states.device)
 
         hidden_states = self.encoder(hidden_states, mask, rotary_freqs)
@@ -412,10 +313,9 @@ class BertModel(torch.nn.Module):
         if self.add_binary_head:
             binary_logits = self.binary_head(self.pooler(hidden_states)).float()
 
-        weight = None
-        if self.share_embeddings_and_output_weights and self.pre_process:
-            weight = self.embedding.word_embeddings.weight
-        logits, _ = self.output_layer(self.lm_head(hidden_states), weight=weight)  # [s, b, Vp/p]
+        logits, _ = self.output_layer(
+            self.lm_head(hidden_states), weight=self.output_weight()
+        )  # [s, b, Vp/p]
         if lm_labels is None:
             return logits.transpose(0, 1).contiguous(), binary_logits
         labels = lm_labels.transpose(0, 1)

@@ -39,19 +39,15 @@ optimizer step, which the pipeline schedule does with :meth:`GPTModel.shared_emb
 
 from __future__ import annotations
 
-import re
-from dataclasses import replace
-
 import torch
 
-from mcore.backend import current_backend
-from mcore.config.fields import ConfigError, check
+from mcore.config.fields import check
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
-from mcore.models.config import ModelConfig, check_tensor_parallel
-from mcore.models.context import BuildContext
+from mcore.models.config import ModelConfig
 from mcore.models.embeddings import LanguageModelEmbedding
+from mcore.models.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
 from mcore.models.mlp import MLP, MLPSubmodules
 from mcore.models.norms import Norm
 from mcore.models.positions import RotaryEmbedding
@@ -59,17 +55,7 @@ from mcore.models.spec import ModuleSpec
 from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TokenIdRange
-from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
 from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
-from mcore.tensor_parallel.sharding import (
-    ShardSpec,
-    build_shard_specs,
-    init_method_normal,
-    initialize_parameters,
-)
-
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def gpt_layer_spec() -> ModuleSpec:
@@ -94,8 +80,13 @@ def gpt_layer_spec() -> ModuleSpec:
     )
 
 
-class GPTModel(torch.nn.Module):
+class GPTModel(LanguageModule):
     """A decoder-only transformer language model, or one pipeline chunk of it.
+
+    The sharding, sequence-parallel and tied-embedding methods (:meth:`sharded_parameters`,
+    :meth:`sequence_parallel_parameters`, :meth:`all_reduce_sequence_parallel_grads`,
+    :meth:`shared_embedding_or_output_weight`, :meth:`set_input_tensor`) come from
+    :class:`~mcore.models.language_module.LanguageModule`.
 
     Args:
         config: the model flags.
@@ -136,46 +127,24 @@ class GPTModel(torch.nn.Module):
         layer_spec: ModuleSpec | None = None,
         fp8: Fp8Config | None = None,
     ):
-        super().__init__()
-        tp = groups.tp_size
-        if fp8 is not None and fp8.enabled:
-            backend = current_backend()
-            fp8.check_with(config.num_layers, backend.capabilities(), backend.name)
-        check_tensor_parallel(config, tp, sequence_parallel)
+        super().__init__(
+            config,
+            groups,
+            vocab_size,
+            pre_process=pre_process,
+            post_process=post_process,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+            fp8=fp8,
+        )
         check(
             config.position_embedding_type != "relative",
             "position_embedding_type='relative' is T5's relative position bias: GPT takes "
             "learned_absolute, rope, alibi or none",
         )
-        check(
-            vocab_size % tp == 0,
-            f"padded vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={tp}; "
-            "compute it with padded_vocab_size()",
-        )
-        num_layers = config.num_layers - layer_offset if num_layers is None else num_layers
-        if not (0 <= layer_offset and num_layers >= 0 and layer_offset + num_layers <= config.num_layers):
-            raise ConfigError(
-                f"layers [{layer_offset}, {layer_offset + num_layers}) of this chunk are outside "
-                f"num_layers={config.num_layers}"
-            )
-        self.config = config
-        self.groups = groups
-        self.vocab_size = vocab_size
-        self.pre_process, self.post_process = pre_process, post_process
-        self.layer_offset, self.num_layers = layer_offset, num_layers
-        self.sequence_parallel = sequence_parallel
-        self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
-        self.ctx = BuildContext(
-            tp_group=groups.tp,
-            tp_size=tp,
-            tp_rank=groups.tp_rank,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device if device is not None else groups.device,
-            fp8=fp8 if fp8 is not None and fp8.enabled else None,
-            num_layers=config.num_layers,
-        )
-        self.input_tensor: torch.Tensor | None = None
+        self.layer_offset = layer_offset
+        self.num_layers = chunk_layer_count(layer_offset, num_layers, config.num_layers)
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.ctx, vocab_size)
@@ -185,92 +154,21 @@ class GPTModel(torch.nn.Module):
             config,
             self.ctx,
             layer_spec or gpt_layer_spec(),
-            num_layers=num_layers,
+            num_layers=self.num_layers,
             layer_offset=layer_offset,
             post_process=post_process,
         )
         if post_process:
-            tied = self.share_embeddings_and_output_weights
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                tp_group=groups.tp,
-                bias=False,
-                gather_output=False,
-                sequence_parallel=sequence_parallel,
-                init_method=init_method_normal(config.init_method_std),
-                vocab_padded=True,
-                skip_weight_param_allocation=tied and pre_process,
-                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                params_dtype=params_dtype,
-                device=self.ctx.device,
+            self.output_layer = vocab_output_layer(
+                config, self.ctx, vocab_size, bias=False, pre_process=pre_process
             )
-            if tied and not pre_process:
-                # The last stage's copy of the word embedding: same logical tensor, same init.
-                weight = self.output_layer.weight
-                weight.shard_layout = replace(weight.shard_layout, logical_name=WORD_EMBEDDINGS)
-                weight.shared_embedding = True
             # The labels' vocabulary check (the inputs' is the embedding's): a label appears in no
             # input when it is a sample's last token. -100 is the loss's ignore index.
             self.token_id_range = TokenIdRange(vocab_size, "label", ignore_index=-100)
-        if pre_process and self.share_embeddings_and_output_weights:
-            # Megatron's marker: one of the (up to two) copies of the tied word embedding.
-            self.embedding.word_embeddings.weight.shared_embedding = True
+        self._finish_build(seed)
 
-        self._shard_specs = build_shard_specs(self, groups.tp_rank, tp, self._logical_name)
-        initialize_parameters(self, self._shard_specs, seed)
-
-    # -- naming and sharding ------------------------------------------------------------------------
-
-    def _logical_name(self, local_name: str) -> str:
-        return _LOCAL_LAYER.sub(
-            lambda m: f"decoder.layers.{int(m.group(1)) + self.layer_offset}.", local_name
-        )
-
-    def sharded_parameters(self) -> dict[str, ShardSpec]:
-        """For every parameter (key: its name in ``named_parameters()``), where it sits in the model.
-
-        Each :class:`~mcore.tensor_parallel.sharding.ShardSpec` gives the logical name (global layer
-        numbers; the tied output copy maps to ``embedding.word_embeddings.weight``), the logical
-        shape, the TP partition dim and rank, how the local slice is cut (``chunks()``, ``shard()``,
-        ``merge()``; ``num_stacked=2`` for SwiGLU fc1), whether dim 0 is the padded vocabulary, and
-        whether the gradient needs a TP sum under sequence parallelism. Checkpoint resharding and the
-        Hugging Face exporter are built on it.
-        """
-        return dict(self._shard_specs)
-
-    def sequence_parallel_parameters(self) -> list[torch.nn.Parameter]:
-        """Parameters whose gradients must be summed over TP with sequence parallelism (norms, row biases)."""
-        params = dict(self.named_parameters())
-        return [params[name] for name, spec in self._shard_specs.items() if spec.sequence_parallel]
-
-    def all_reduce_sequence_parallel_grads(self) -> None:
-        """Sum the sequence-parallel parameters' gradients over TP (call after backward; no-op without SP)."""
-        if self.sequence_parallel:
-            all_reduce_sequence_parallel_grads(self.sequence_parallel_parameters(), self.groups.tp)
-
-    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
-        """The tied word-embedding weight this chunk holds: the table on the first stage, the output
-        copy on a last stage that is not the first; None when untied or when the chunk has neither.
-        The pipeline sums the gradients of these over ``groups.embedding`` (a no-op with one stage).
-        """
-        if not self.share_embeddings_and_output_weights:
-            return None
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process:
-            return self.output_layer.weight
-        return None
-
-    # -- forward ------------------------------------------------------------------------------------
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """The hidden states ``[s, b, h]`` a non-first pipeline chunk starts from (Megatron's contract)."""
-        if isinstance(input_tensor, (list, tuple)):
-            if len(input_tensor) != 1:
-                raise ValueError(f"GPTModel takes one input tensor, got {len(input_tensor)}")
-            input_tensor = input_tensor[0]
-        self.input_tensor = input_tensor
+    def _layer_offsets(self) -> dict[str, int]:
+        return {"decoder": self.layer_offset}
 
     def forward(
         self,
@@ -302,16 +200,11 @@ class GPTModel(torch.nn.Module):
             last chunk without labels: this rank's vocabulary slice of the logits ``[b, s, Vp/p]``;
             other chunks: hidden states ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism).
         """
-        if self.pre_process:
-            hidden_states = self.embedding(tokens, position_ids)
-        else:
-            if self.input_tensor is None:
-                raise RuntimeError("a non-first pipeline chunk needs set_input_tensor() before forward()")
-            hidden_states = self.input_tensor
+        hidden_states = self.embedding(tokens, position_ids) if self.pre_process else self._received_input()
 
         rotary_freqs = None
         if self.config.position_embedding_type == "rope":
-            seq_len = hidden_states.shape[0] * (self.ctx.tp_size if self.sequence_parallel else 1)
+            seq_len = self._full_sequence_length(hidden_states)
             rotary_freqs = self.rotary_pos_emb(seq_len, position_ids, device=hidden_states.device)
 
         hidden_states = self.decoder(
@@ -320,9 +213,7 @@ class GPTModel(torch.nn.Module):
         if not self.post_process:
             return hidden_states
 
-        weight = None
-        if self.share_embeddings_and_output_weights and self.pre_process:
-            weight = self.embedding.word_embeddings.weight
+        weight = self.output_weight()
         if labels is not None:
             labels = self.token_id_range.observe(labels)
         if labels is not None and self.config.output_layer_loss_chunks > 0:

@@ -56,16 +56,14 @@ like the tied embedding: the pipeline must sum their gradients).
 
 from __future__ import annotations
 
-import re
-from dataclasses import replace
-
 import torch
 
-from mcore.config.fields import ConfigError, check
+from mcore.config.fields import check
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig, check_tensor_parallel
+from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
 from mcore.models.embeddings import LanguageModelEmbedding
+from mcore.models.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
 from mcore.models.relative_position import RelativePositionEmbedding, relative_position_bucket
 from mcore.models.t5_layers import (
     T5Block,
@@ -75,23 +73,11 @@ from mcore.models.t5_layers import (
     t5_encoder_layer_spec,
 )
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from mcore.tensor_parallel.layers import ColumnParallelLinear
-from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
-from mcore.tensor_parallel.sharding import (
-    ShardSpec,
-    build_shard_specs,
-    init_method_normal,
-    initialize_parameters,
-)
-
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-_LOCAL_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.")
-
 
 # -- the model --------------------------------------------------------------------------------------
 
 
-class T5Model(torch.nn.Module):
+class T5Model(LanguageModule):
     """An encoder-decoder transformer language model (T5), or one pipeline chunk of it.
 
     Args:
@@ -104,6 +90,10 @@ class T5Model(torch.nn.Module):
         encoder_layer_offset, encoder_num_layers: the encoder layers of this chunk (default: from
             the offset to ``config.encoder_num_layers``); the decoder's likewise.
         sequence_parallel, params_dtype, device, seed: as :class:`mcore.models.gpt.GPTModel`.
+
+    The sharding, sequence-parallel and tied-embedding methods come from
+    :class:`~mcore.models.language_module.LanguageModule`; :meth:`set_input_tensor` is T5's own
+    (a decoder chunk takes two tensors).
 
     Raises:
         ConfigError: the model does not split over TP, or a chunk's layers are out of range.
@@ -128,14 +118,17 @@ class T5Model(torch.nn.Module):
         device: torch.device | None = None,
         seed: int = 1234,
     ):
-        super().__init__()
-        tp = groups.tp_size
-        check_tensor_parallel(config, tp, sequence_parallel)
-        check(
-            vocab_size % tp == 0,
-            f"padded vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={tp}; "
-            "compute it with padded_vocab_size()",
+        super().__init__(
+            config,
+            groups,
+            vocab_size,
+            pre_process=pre_process,
+            post_process=post_process,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
         )
+        tp = groups.tp_size
         check(add_encoder or add_decoder, "a T5 chunk needs add_encoder or add_decoder")
         check(
             config.position_embedding_type in ("learned_absolute", "relative"),
@@ -148,31 +141,15 @@ class T5Model(torch.nn.Module):
                 f"decoder_seq_length={config.decoder_seq_length} is not divisible by "
                 f"tensor_model_parallel_size={tp} (sequence parallelism splits the sequence)",
             )
-        encoder_num_layers = self._chunk_layers(
-            "encoder", config.encoder_num_layers, encoder_layer_offset, encoder_num_layers
+        encoder_num_layers = chunk_layer_count(
+            encoder_layer_offset, encoder_num_layers, config.encoder_num_layers, "encoder"
         )
-        decoder_num_layers = self._chunk_layers(
-            "decoder", config.decoder_num_layers, decoder_layer_offset, decoder_num_layers
+        decoder_num_layers = chunk_layer_count(
+            decoder_layer_offset, decoder_num_layers, config.decoder_num_layers, "decoder"
         )
-        self.config = config
-        self.groups = groups
-        self.vocab_size = vocab_size
-        self.pre_process, self.post_process = pre_process, post_process
         self.add_encoder, self.add_decoder = add_encoder, add_decoder
         self.encoder_layer_offset, self.decoder_layer_offset = encoder_layer_offset, decoder_layer_offset
-        self.sequence_parallel = sequence_parallel
-        self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
         self.relative = config.position_embedding_type == "relative"
-        self.ctx = BuildContext(
-            tp_group=groups.tp,
-            tp_size=tp,
-            tp_rank=groups.tp_rank,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device if device is not None else groups.device,
-            num_layers=config.num_layers,
-        )
-        self.input_tensor: torch.Tensor | None = None
         self.encoder_hidden_state: torch.Tensor | None = None
 
         if pre_process:
@@ -181,80 +158,44 @@ class T5Model(torch.nn.Module):
             self.encoder_relative_pos_emb = RelativePositionEmbedding(config, self.ctx, bidirectional=True)
         if self.relative and add_decoder:
             self.decoder_relative_pos_emb = RelativePositionEmbedding(config, self.ctx, bidirectional=False)
-        self.encoder = None
-        if add_encoder:
-            self.encoder = T5Block(
-                config,
-                self.ctx,
-                t5_encoder_layer_spec(config),
-                num_layers=encoder_num_layers,
-                layer_offset=encoder_layer_offset,
-                final_norm=encoder_layer_offset + encoder_num_layers == config.encoder_num_layers,
-            )
-        self.decoder = None
-        if add_decoder:
-            self.decoder = T5Block(
-                config,
-                self.ctx,
-                t5_decoder_layer_spec(config),
-                num_layers=decoder_num_layers,
-                layer_offset=decoder_layer_offset,
-                final_norm=decoder_layer_offset + decoder_num_layers == config.decoder_num_layers,
-            )
+        self.encoder = self._stack_chunk(
+            add_encoder,
+            t5_encoder_layer_spec,
+            encoder_layer_offset,
+            encoder_num_layers,
+            config.encoder_num_layers,
+        )
+        self.decoder = self._stack_chunk(
+            add_decoder,
+            t5_decoder_layer_spec,
+            decoder_layer_offset,
+            decoder_num_layers,
+            config.decoder_num_layers,
+        )
         if post_process:
             check(add_decoder, "post_process (the output layer) needs add_decoder")
             self.lm_head = T5LMHead(config, self.ctx, vocab_size, pre_process)
-        if pre_process and self.share_embeddings_and_output_weights:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+        self._finish_build(seed)
 
-        self._shard_specs = build_shard_specs(self, groups.tp_rank, tp, self._logical_name)
-        initialize_parameters(self, self._shard_specs, seed)
-
-    @staticmethod
-    def _chunk_layers(stack: str, total: int, offset: int, count: int | None) -> int:
-        count = total - offset if count is None else count
-        if not (0 <= offset and count >= 0 and offset + count <= total):
-            raise ConfigError(
-                f"{stack} layers [{offset}, {offset + count}) of this chunk are outside "
-                f"{stack}_num_layers={total}"
-            )
-        return count
-
-    # -- naming and sharding ------------------------------------------------------------------------
-
-    def _logical_name(self, local_name: str) -> str:
-        def shift(m: re.Match) -> str:
-            offset = self.encoder_layer_offset if m.group(1) == "encoder" else self.decoder_layer_offset
-            return f"{m.group(1)}.layers.{int(m.group(2)) + offset}."
-
-        return _LOCAL_LAYER.sub(shift, local_name)
-
-    def sharded_parameters(self) -> dict[str, ShardSpec]:
-        """For every parameter (key: its ``named_parameters()`` name), its logical name (global layer
-        numbers; a tied output copy maps to ``embedding.word_embeddings.weight``), shape and TP split:
-        see :meth:`mcore.models.gpt.GPTModel.sharded_parameters`."""
-        return dict(self._shard_specs)
-
-    def sequence_parallel_parameters(self) -> list[torch.nn.Parameter]:
-        """Parameters whose gradients must be summed over TP with sequence parallelism (norms, row biases)."""
-        params = dict(self.named_parameters())
-        return [params[name] for name, spec in self._shard_specs.items() if spec.sequence_parallel]
-
-    def all_reduce_sequence_parallel_grads(self) -> None:
-        """Sum the sequence-parallel parameters' gradients over TP (call after backward; no-op without SP)."""
-        if self.sequence_parallel:
-            all_reduce_sequence_parallel_grads(self.sequence_parallel_parameters(), self.groups.tp)
-
-    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
-        """The tied word-embedding weight this chunk holds (the table with ``pre_process``, else the
-        output copy on a ``post_process`` chunk); None when untied or when the chunk has neither."""
-        if not self.share_embeddings_and_output_weights:
+    def _stack_chunk(self, add: bool, layer_spec, offset: int, count: int, total: int) -> T5Block | None:
+        """Layers ``[offset, offset + count)`` of a stack of ``total`` (None without ``add``); the
+        stack's final norm on the chunk with its last layer."""
+        if not add:
             return None
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process:
-            return self.lm_head.output_layer.weight
-        return None
+        return T5Block(
+            self.config,
+            self.ctx,
+            layer_spec(self.config),
+            num_layers=count,
+            layer_offset=offset,
+            final_norm=offset + count == total,
+        )
+
+    def _layer_offsets(self) -> dict[str, int]:
+        return {"encoder": self.encoder_layer_offset, "decoder": self.decoder_layer_offset}
+
+    def _output_linear(self) -> torch.nn.Module:
+        return self.lm_head.output_layer
 
     # -- forward ------------------------------------------------------------------------------------
 
@@ -292,15 +233,12 @@ class T5Model(torch.nn.Module):
             )
         return self.input_tensor
 
-    def _full_length(self, hidden_states: torch.Tensor) -> int:
-        return hidden_states.shape[0] * (self.ctx.tp_size if self.sequence_parallel else 1)
-
     def encode(self, encoder_input_ids: torch.Tensor | None, encoder_attn_mask=None) -> torch.Tensor:
         """Encoder output ``[s_e, b, h]`` (``[s_e/p, b, h]`` with SP) of this chunk's encoder layers."""
         hidden_states = self._stage_input(encoder_input_ids, "encoder")
         bias = None
         if self.relative:
-            s = self._full_length(hidden_states)
+            s = self._full_sequence_length(hidden_states)
             bias = self.encoder_relative_pos_emb(s, s)
         return self.encoder(hidden_states, encoder_attn_mask, bias)
 
@@ -322,7 +260,7 @@ class T5Model(torch.nn.Module):
         hidden_states = self._stage_input(decoder_input_ids, "decoder", offset)
         bias = None
         if self.relative:
-            s = self._full_length(hidden_states)
+            s = self._full_sequence_length(hidden_states)
             bias = self.decoder_relative_pos_emb(s, offset + s, query_offset=offset)
         return self.decoder(
             hidden_states,
@@ -382,12 +320,6 @@ class T5Model(torch.nn.Module):
             return hidden_states
         return self.lm_head(hidden_states, self.output_weight(), lm_labels)
 
-    def output_weight(self) -> torch.Tensor | None:
-        """The weight the output layer multiplies by when it has none of its own (tied, with the embedding)."""
-        if self.share_embeddings_and_output_weights and self.pre_process:
-            return self.embedding.word_embeddings.weight
-        return None
-
 
 class T5LMHead(torch.nn.Module):
     """The output layer (megatron-core's ``T5LMHead``): ``logits = x W^T (+ b)``, vocab-parallel.
@@ -399,29 +331,10 @@ class T5LMHead(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: BuildContext, vocab_size: int, pre_process: bool):
         super().__init__()
-        tied = config.share_embeddings_and_output_weights
         self.tp_group = ctx.tp_group
-        self.output_layer = ColumnParallelLinear(
-            config.hidden_size,
-            vocab_size,
-            tp_group=ctx.tp_group,
-            bias=tied,
-            gather_output=False,
-            sequence_parallel=ctx.sequence_parallel,
-            init_method=init_method_normal(config.init_method_std),
-            vocab_padded=True,
-            skip_weight_param_allocation=tied and pre_process,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
+        self.output_layer = vocab_output_layer(
+            config, ctx, vocab_size, bias=config.share_embeddings_and_output_weights, pre_process=pre_process
         )
-        if tied:
-            bias = self.output_layer.bias
-            bias.shard_layout = replace(bias.shard_layout, vocab_padded=True)
-        if tied and not pre_process:
-            weight = self.output_layer.weight
-            weight.shard_layout = replace(weight.shard_layout, logical_name=WORD_EMBEDDINGS)
-            weight.shared_embedding = True
 
     def forward(
         self, hidden_states: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor | None

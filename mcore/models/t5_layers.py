@@ -149,39 +149,20 @@ class T5Layer(TransformerLayer):
         inference_context=None,
     ) -> torch.Tensor:
         """``hidden_states [s, b, h]``; ``context [s_e, b, h]`` is the encoder output (decoder layers)."""
-        recompute = self.training and inference_context is None and torch.is_grad_enabled()
-        recompute_norm = recompute and self.recompute_layernorm
-
-        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states, recompute_norm)
-        with self._recompute_norm_when_saved(recompute_norm, normed, self.input_layernorm, hidden_states):
-            out, bias = self.self_attention(
-                normed,
-                attention_mask,
-                None,
-                inference_context=inference_context,
-                attention_bias=attention_bias,
-            )
-        del normed
-        hidden_states = self._bias_dropout_add(out, bias, residual)
-
+        recompute = self._may_recompute(inference_context)
+        hidden_states = self._self_attention_branch(
+            hidden_states, recompute, attention_mask, None, inference_context, attention_bias=attention_bias
+        )
         if self.cross_attention is not None:
-            norm = self.pre_cross_attn_layernorm
-            normed, residual = self._norm_and_residual(norm, hidden_states, recompute_norm)
-            with self._recompute_norm_when_saved(recompute_norm, normed, norm, hidden_states):
-                out, bias = self.cross_attention(
+            hidden_states = self._residual_branch(
+                self.pre_cross_attn_layernorm,
+                hidden_states,
+                recompute,
+                lambda normed: self.cross_attention(
                     normed, context, context_mask, inference_context=inference_context
-                )
-            del normed
-            hidden_states = self._bias_dropout_add(out, bias, residual)
-
-        normed, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states, recompute_norm)
-        with self._recompute_norm_when_saved(recompute_norm, normed, self.pre_mlp_layernorm, hidden_states):
-            if recompute and self.recompute_mlp:
-                out, bias = checkpoint(self._mlp_with_bias, normed), None
-            else:
-                out, bias = self.mlp(normed)
-        del normed
-        return self._bias_dropout_add(out, bias, residual)
+                ),
+            )
+        return self._mlp_branch(hidden_states, recompute)
 
 
 class T5Block(torch.nn.Module):

@@ -96,24 +96,57 @@ class TransformerLayer(torch.nn.Module):
         rotary_freqs: torch.Tensor | None = None,
         inference_context=None,
     ) -> torch.Tensor:
-        recompute = self.training and inference_context is None and torch.is_grad_enabled()
-        recompute_norm = recompute and self.recompute_layernorm
-        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states, recompute_norm)
-        with self._recompute_norm_when_saved(recompute_norm, normed, self.input_layernorm, hidden_states):
-            attention_out, attention_bias = self.self_attention(
-                normed, attention_mask, rotary_freqs, inference_context=inference_context
-            )
-        del normed  # with recomputation nothing else holds it: its memory is free from here on
-        hidden_states = self._bias_dropout_add(attention_out, attention_bias, residual)
+        recompute = self._may_recompute(inference_context)
+        hidden_states = self._self_attention_branch(
+            hidden_states, recompute, attention_mask, rotary_freqs, inference_context
+        )
+        return self._mlp_branch(hidden_states, recompute)
 
-        normed, residual = self._norm_and_residual(self.pre_mlp_layernorm, hidden_states, recompute_norm)
-        with self._recompute_norm_when_saved(recompute_norm, normed, self.pre_mlp_layernorm, hidden_states):
+    def _may_recompute(self, inference_context) -> bool:
+        """Selective recomputation applies: training with gradients, no KV cache."""
+        return self.training and inference_context is None and torch.is_grad_enabled()
+
+    def _self_attention_branch(
+        self,
+        hidden_states,
+        recompute: bool,
+        attention_mask,
+        rotary_freqs,
+        inference_context,
+        **attention_kwargs,
+    ) -> torch.Tensor:
+        """The self-attention branch; ``attention_kwargs`` go to the attention (T5's ``attention_bias``)."""
+        return self._residual_branch(
+            self.input_layernorm,
+            hidden_states,
+            recompute,
+            lambda normed: self.self_attention(
+                normed, attention_mask, rotary_freqs, inference_context=inference_context, **attention_kwargs
+            ),
+        )
+
+    def _residual_branch(self, norm: torch.nn.Module, hidden_states: torch.Tensor, recompute: bool, branch):
+        """``residual + dropout(out + bias)`` with ``(out, bias) = branch(norm(hidden_states))``.
+
+        ``recompute``: this step may recompute (training, no KV cache); the norm is then recomputed
+        under ``--recompute-modules layernorm``.
+        """
+        recompute_norm = recompute and self.recompute_layernorm
+        normed, residual = self._norm_and_residual(norm, hidden_states, recompute_norm)
+        with self._recompute_norm_when_saved(recompute_norm, normed, norm, hidden_states):
+            out, bias = branch(normed)
+        del normed  # with recomputation nothing else holds it: its memory is free from here on
+        return self._bias_dropout_add(out, bias, residual)
+
+    def _mlp_branch(self, hidden_states: torch.Tensor, recompute: bool) -> torch.Tensor:
+        """The MLP branch (``--recompute-modules mlp`` checkpoints the MLP)."""
+
+        def mlp(normed: torch.Tensor):
             if recompute and self.recompute_mlp:
-                mlp_out, mlp_bias = checkpoint(self._mlp_with_bias, normed), None
-            else:
-                mlp_out, mlp_bias = self.mlp(normed)
-        del normed
-        return self._bias_dropout_add(mlp_out, mlp_bias, residual)
+                return checkpoint(self._mlp_with_bias, normed), None
+            return self.mlp(normed)
+
+        return self._residual_branch(self.pre_mlp_layernorm, hidden_states, recompute, mlp)
 
     def _norm_and_residual(
         self, norm: torch.nn.Module, x: torch.Tensor, recompute: bool
