@@ -58,6 +58,7 @@ def model_provider(
         params_dtype=cfg.precision.params_dtype,
         seed=cfg.training.seed,
         add_binary_head=binary_head(cfg),
+        fp8=cfg.as_dict().get("fp8"),  # --fp8-format: the encoder layers' linears, as GPT's
     )
 
 

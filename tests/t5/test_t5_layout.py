@@ -181,3 +181,20 @@ def test_a_split_rank_for_a_one_stack_model_is_refused():
     )
     with pytest.raises(ConfigError, match="split an encoder-decoder model"):
         build_training(cfg, ProcessGroups.single(), current_backend(), model_provider)
+
+
+def test_fp8_on_t5_is_refused_by_name_and_bert_gets_fp8_linears():
+    """``--fp8-format`` is never silently dropped: BERT's encoder linears take it (as GPT's), T5 refuses it."""
+    from mcore.distributed.groups import ProcessGroups
+    from mcore.training import bert, t5
+    from mcore.training.run_config import parse_run_config
+
+    base = "--hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 --fp8-format hybrid"
+    t5_cfg = parse_run_config(
+        f"{base} --encoder-num-layers 2 --decoder-num-layers 2 --decoder-seq-length 8".split()
+    )
+    with pytest.raises(ConfigError, match="--fp8-format hybrid: T5 has no FP8 layers"):
+        t5.model_provider(t5_cfg, ProcessGroups.single(), 128)
+    bert_cfg = parse_run_config(f"{base} --num-layers 2".split())
+    model = bert.model_provider(bert_cfg, ProcessGroups.single(), 128)
+    assert any(type(m).__name__.startswith("Fp8") for m in model.modules()), "BERT built without FP8 linears"
