@@ -20,7 +20,7 @@ from mcore.models.cross_attention import CrossAttention, CrossAttentionSubmodule
 from mcore.models.mlp import MLP, MLPSubmodules
 from mcore.models.norms import Norm
 from mcore.models.spec import ModuleSpec, build_module
-from mcore.models.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.recompute import checkpoint
 
@@ -49,6 +49,24 @@ class T5LayerSubmodules(TransformerLayerSubmodules):
     cross_attention: Any = None
 
 
+def _self_attention_spec(causal: bool, unscaled: bool) -> ModuleSpec:
+    """Self-attention with T5's core attention (``unscaled``: HF T5 v1.1 has no 1/sqrt(d) factor)."""
+    return ModuleSpec(
+        SelfAttention,
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=ModuleSpec(T5CoreAttention, params={"causal": causal, "unscaled": unscaled}),
+            linear_proj=RowParallelLinear,
+        ),
+    )
+
+
+def _mlp_spec() -> ModuleSpec:
+    return ModuleSpec(
+        MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
+
+
 def t5_encoder_layer_spec(config: ModelConfig) -> ModuleSpec:
     """Encoder layer: norm, bidirectional self-attention (padding mask), norm, MLP."""
     unscaled = config.position_embedding_type == "relative"
@@ -56,20 +74,9 @@ def t5_encoder_layer_spec(config: ModelConfig) -> ModuleSpec:
         T5Layer,
         submodules=T5LayerSubmodules(
             input_layernorm=ModuleSpec(Norm),
-            self_attention=ModuleSpec(
-                SelfAttention,
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(
-                        T5CoreAttention, params={"causal": False, "unscaled": unscaled}
-                    ),
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
+            self_attention=_self_attention_spec(causal=False, unscaled=unscaled),
             pre_mlp_layernorm=ModuleSpec(Norm),
-            mlp=ModuleSpec(
-                MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-            ),
+            mlp=_mlp_spec(),
         ),
     )
 
@@ -81,14 +88,7 @@ def t5_decoder_layer_spec(config: ModelConfig) -> ModuleSpec:
         T5Layer,
         submodules=T5LayerSubmodules(
             input_layernorm=ModuleSpec(Norm),
-            self_attention=ModuleSpec(
-                SelfAttention,
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(T5CoreAttention, params={"causal": True, "unscaled": unscaled}),
-                    linear_proj=RowParallelLinear,
-                ),
-            ),
+            self_attention=_self_attention_spec(causal=True, unscaled=unscaled),
             pre_cross_attn_layernorm=ModuleSpec(Norm),
             cross_attention=ModuleSpec(
                 CrossAttention,
@@ -102,9 +102,7 @@ def t5_decoder_layer_spec(config: ModelConfig) -> ModuleSpec:
                 ),
             ),
             pre_mlp_layernorm=ModuleSpec(Norm),
-            mlp=ModuleSpec(
-                MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-            ),
+            mlp=_mlp_spec(),
         ),
     )
 
@@ -165,7 +163,7 @@ class T5Layer(TransformerLayer):
         return self._mlp_branch(hidden_states, recompute)
 
 
-class T5Block(torch.nn.Module):
+class T5Block(TransformerBlock):
     """Consecutive encoder or decoder layers (``layers.{i}``) and, on the stack's last chunk, its final norm.
 
     ``--recompute-granularity full`` checkpoints chunks of ``--recompute-num-layers`` layers
@@ -183,16 +181,11 @@ class T5Block(torch.nn.Module):
         layer_offset: int,
         final_norm: bool,
     ):
-        super().__init__()
-        self.recompute_method = config.recompute_method if config.recompute_granularity == "full" else None
-        self.recompute_num_layers = config.recompute_num_layers
-        self.fp32_residual = config.fp32_residual_connection
-        self.params_dtype = ctx.params_dtype
-        self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config, ctx, layer_number=layer_offset + i + 1)
-            for i in range(num_layers)
+        # TransformerBlock's layers, recompute settings and final norm; only the forward differs
+        # (cross-attention context and relative bias handed to every layer).
+        super().__init__(
+            config, ctx, layer_spec, num_layers=num_layers, layer_offset=layer_offset, post_process=final_norm
         )
-        self.final_layernorm = Norm(config, ctx) if final_norm else None
 
     def forward(
         self,
