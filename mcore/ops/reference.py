@@ -573,3 +573,163 @@ REFERENCE_OPS = {
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,
 }
+
+
+# -- fused producers of FP8 operands (the delayed recipe's fused norm / activation casts) -------------
+#
+# Each op below equals an unfused composition of the ops above bit for bit: the producer's output is
+# rounded to the input dtype exactly as the unfused op writes it, then quantized as ``fp8_cast`` with
+# a given ``scale`` quantizes it (and records its amax into ``amax_record``). A backend serves them
+# with one kernel that writes the FP8 operand(s) instead of the bf16 tensor: the FP8 linears of
+# :mod:`mcore.tensor_parallel.fp8_fused` never materialize the norm's or activation's output.
+# ``x [M, K]`` is 2-D; ``q [M, K]`` and ``qT [K, M]`` are returned where ``rowwise``/``columnwise``.
+
+
+def _norm(x, weight, bias, eps, kind):
+    return layer_norm(x, weight, bias, eps) if kind == "LayerNorm" else rms_norm(x, weight, eps)
+
+
+def norm_fp8_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    kind: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor,
+    amax_record: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = True,
+):
+    """``fp8_cast(norm(x), scale=scale, amax_record=...)`` and the norm's statistics, for backward.
+
+    ``kind``: ``"LayerNorm"`` (:func:`layer_norm`, ``bias`` may be None) or ``"RMSNorm"``
+    (:func:`rms_norm`, ``bias`` None). Returns ``(q, qT, scale_inv, mean, rstd)``: ``mean [M]``
+    (None for RMSNorm) and ``rstd [M] = 1 / sqrt(var + eps)`` (RMSNorm: ``1 / sqrt(mean(x^2) + eps)``)
+    in fp32, as :func:`norm_backward` takes them.
+    """
+    with torch.no_grad():
+        xw = _wide(x)
+        if kind == "LayerNorm":
+            mean = xw.mean(-1)
+            rstd = torch.rsqrt((xw - mean[:, None]).pow(2).mean(-1) + eps)
+        else:
+            mean, rstd = None, torch.rsqrt(xw.pow(2).mean(-1) + eps)
+        y = _norm(x, weight, bias, eps, kind)
+        q, qT, scale_inv = fp8_cast(
+            y, fp8_dtype, scale=scale, rowwise=rowwise, columnwise=columnwise, amax_record=amax_record
+        )
+    return q, qT, scale_inv, mean.float() if mean is not None else None, rstd.float()
+
+
+def norm_backward(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    kind: str,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    residual_grad: torch.Tensor | None = None,
+):
+    """The norm's backward on 2-D ``grad_output, x [M, K]``: ``(dx, dweight, dbias)`` as autograd of
+    :func:`layer_norm` / :func:`rms_norm` gives them (``dbias`` None without a bias), with
+    ``residual_grad`` (the residual stream's gradient, ``[M, K]``) added to ``dx`` (a pre-norm
+    layer's two uses of ``x``). ``mean``/``rstd`` are :func:`norm_fp8_forward`'s statistics; this
+    reference recomputes them (a kernel reads them instead of reducing ``x`` again)."""
+    with torch.enable_grad():
+        xr = x.detach().requires_grad_(True)
+        wr = weight.detach().requires_grad_(True)
+        br = None if bias is None else bias.detach().requires_grad_(True)
+        y = _norm(xr, wr, br, eps, kind)
+        inputs = [xr, wr] + ([br] if br is not None else [])
+        grads = torch.autograd.grad(y, inputs, grad_output)
+    dx = grads[0] if residual_grad is None else grads[0] + residual_grad
+    return dx, grads[1], grads[2] if bias is not None else None
+
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+"""The activations :func:`act_fp8_forward` fuses: exact GeLU, tanh GeLU, SwiGLU (fc1 ``[gate; up]``)."""
+
+
+def _activation(h: torch.Tensor, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """The MLP's activation as :class:`mcore.models.mlp.MLP` computes it: ``bias_gelu(h, bias)`` or
+    ``swiglu(h + bias)``."""
+    if kind == "swiglu":
+        return swiglu(h if bias is None else h + bias)
+    return bias_gelu(h, bias, "tanh" if kind == "gelu_tanh" else "none")
+
+
+def act_fp8_forward(
+    h: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor,
+    amax_record: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = True,
+):
+    """``fp8_cast(act(h, bias), scale=scale, amax_record=...)`` -> ``(q, qT, scale_inv)``: fc2's input
+    straight from fc1's output ``h [M, F]`` (SwiGLU: ``[M, 2F]`` -> ``[M, F]``); ``kind`` one of
+    :data:`ACTIVATIONS`."""
+    with torch.no_grad():
+        y = _activation(h, bias, kind)
+        return fp8_cast(
+            y, fp8_dtype, scale=scale, rowwise=rowwise, columnwise=columnwise, amax_record=amax_record
+        )
+
+
+def act_fp8_backward(
+    grad_output: torch.Tensor,
+    h: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor,
+    amax_record: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = True,
+):
+    """The activation's backward, quantized: ``dh = d act(h, bias) / dh`` (autograd of the activation,
+    in ``h``'s dtype: fc1's output gradient) as ``fp8_cast(dh, scale=scale, amax_record=...)``, with
+    the bias gradient. Returns ``(q, qT, scale_inv, dbias)`` (``dbias`` None without a bias; it is
+    summed from the unquantized ``dh``)."""
+    with torch.enable_grad():
+        hr = h.detach().requires_grad_(True)
+        br = None if bias is None else bias.detach().requires_grad_(True)
+        y = _activation(hr, br, kind)
+        inputs = [hr] + ([br] if br is not None else [])
+        grads = torch.autograd.grad(y, inputs, grad_output)
+    dh = grads[0]
+    q, qT, scale_inv = fp8_cast(
+        dh, fp8_dtype, scale=scale, rowwise=rowwise, columnwise=columnwise, amax_record=amax_record
+    )
+    return q, qT, scale_inv, grads[1] if bias is not None else None
+
+
+def fp8_cast_dbias(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    margin: int = 0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_record: torch.Tensor | None = None,
+):
+    """:func:`fp8_cast` of an output gradient ``x [M, N]`` and its bias gradient ``x.sum(0)`` (in
+    ``x.dtype``), from one read of ``x``: ``(q, qT, scale_inv, dbias)``."""
+    q, qT, scale_inv = fp8_cast(
+        x,
+        fp8_dtype,
+        scale=scale,
+        amax=amax,
+        margin=margin,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        amax_record=amax_record,
+    )
+    return q, qT, scale_inv, x.sum(0)
