@@ -20,6 +20,7 @@ if [[ $what == big || $what == all ]]; then
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe tensorwise --reference plain --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise
   $TT $BIG $PA $G --iters 20 --out "$OUT/fp8.jsonl" --label bf16
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --no-fp8-fused-producers --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-unfused
 fi
 if [[ $what == rowwise || $what == all ]]; then
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe rowwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-rowwise

@@ -16,6 +16,11 @@ names): ``core_attn`` (the default) checkpoints the core attention (:mod:`mcore.
 whole MLP. ``layernorm`` and ``mlp_act`` run no backward pass of their own, so they also work with
 device graphs (``--cuda-graph-impl local``) and keep the fused norm-and-residual op.
 
+FP8 with the delayed recipe: the norms write the next linear's FP8 input themselves, as one autograd
+Function with it (:mod:`mcore.models.fp8_producers` says when); that path keeps only FP8 operands,
+so ``layernorm`` and ``mlp_act`` have nothing to free there, and ``mlp`` checkpoints the fused norm
+and MLP together.
+
 What ``layernorm`` frees is the tensor the projection saves for its weight gradient. With sequence
 parallelism the column-parallel linear all-gathers the ``[s/p, b, h]`` norm output along ``s`` and
 keeps a recipe (all-gather this rank's norm output again) whose argument, the local norm output,
