@@ -20,10 +20,12 @@ from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
 from mcore.models import fp8_producers
+from mcore.models.bert import BertModel
 from mcore.models.config import ModelConfig, padded_vocab_size
 from mcore.models.gpt import GPTModel
 from mcore.tensor_parallel.fp8 import delayed_states, update_fp8_scales
 from mcore.testing.distributed import run_distributed
+from mcore.training.run_config import parse_run_config
 
 VOCAB, SEQ, BATCH = 100, 16, 2
 COMMON = dict(
@@ -161,6 +163,14 @@ def test_the_switch_and_the_conditions_select_the_path():
         assert not (off.fp8_fused_qkv or off.fp8_fused_mlp)
     geglu = layer(fp8, geglu=True)
     assert geglu.fp8_fused_qkv and not geglu.fp8_fused_mlp
+    bert = BertModel(
+        ModelConfig(**MODELS["gpt"]), single, 128, device=torch.device("cpu"), fp8=Fp8Config(**fp8)
+    )
+    assert all(layer.fp8_fused_qkv and layer.fp8_fused_mlp for layer in bert.encoder.layers)
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+    argv += ["--fp8-format", "hybrid"]
+    assert parse_run_config(argv).fp8.recipe().fused_producers
+    assert not parse_run_config([*argv, "--no-fp8-fused-producers"]).fp8.recipe().fused_producers
 
 
 # -- TP=2 equals TP=1 on the fused path ------------------------------------------------------------
