@@ -65,9 +65,10 @@ class _Counter:
 
 
 def _train(groups, model_name: str, fused: bool, recompute: str = "none", dtype=torch.float32):
-    """Two forward/backward steps, each closed by :func:`update_fp8_scales` (the weights do not change).
+    """Two forward/backward steps, each closed by :func:`update_fp8_scales` (the weights do not change),
+    then an evaluation forward.
 
-    Returns the per-token losses of both steps, ``{local name: gradient}`` (``main_grad`` for weights
+    Returns the per-token losses of the three, ``{local name: gradient}`` (``main_grad`` for weights
     whose gradient is fused into it) and ``{state name: tensor}`` of the delayed states.
     """
     cfg = ModelConfig(**MODELS[model_name], **RECOMPUTE[recompute])
@@ -87,6 +88,9 @@ def _train(groups, model_name: str, fused: bool, recompute: str = "none", dtype=
         loss.mean().backward()
         update_fp8_scales(model, (groups.tp,))
         losses.append(loss.detach())
+    model.eval()
+    with torch.no_grad():  # evaluation: the producers write no qT and record no amax
+        losses.append(model(tokens, None, None, labels=labels))
     grads = {}
     for name, p in model.named_parameters():
         grads[name] = p.main_grad if getattr(p, "grad_added_to_main_grad", False) else p.grad
@@ -115,8 +119,8 @@ def test_fused_producers_are_bit_identical_to_the_unfused_fp8_path(monkeypatch, 
     unfused = _train(single, model_name, fused=False)
     counter = _Counter(monkeypatch)
     fused = _train(single, model_name, fused=True)
-    # 2 layers x 2 steps, one call each
-    assert counter.calls == {"norm_qkv": 4, "norm_mlp": 4}
+    # 2 layers x (2 steps + 1 evaluation), one call each
+    assert counter.calls == {"norm_qkv": 6, "norm_mlp": 6}
     _assert_identical(fused, unfused)
 
 
@@ -126,7 +130,7 @@ def test_fused_producers_under_recomputation(monkeypatch, recompute):
     unfused = _train(single, "gpt", fused=False)
     counter = _Counter(monkeypatch)
     fused = _train(single, "gpt", fused=True, recompute=recompute)
-    assert counter.calls["norm_mlp"] == 8  # forward and recompute, 2 layers x 2 steps
+    assert counter.calls["norm_mlp"] == 10  # 2 layers x (2 steps x (forward, recompute) + 1 evaluation)
     _assert_identical(fused, unfused)
 
 
@@ -137,7 +141,7 @@ def test_fused_producers_bf16_llama(monkeypatch):
     unfused = _train(single, "llama", fused=False, dtype=torch.bfloat16)
     counter = _Counter(monkeypatch)
     fused = _train(single, "llama", fused=True, dtype=torch.bfloat16)
-    assert counter.calls == {"norm_qkv": 4, "norm_mlp": 4}
+    assert counter.calls == {"norm_qkv": 6, "norm_mlp": 6}
     _assert_identical(fused, unfused)
 
 
@@ -183,34 +187,41 @@ def _rel_err(actual, expected) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
-def _tp_case():
-    single = ProcessGroups.single()
+def _tp_run(groups, model_name: str):
+    """Per-token losses and gradients (by logical name) of the second of two steps (a scale update
+    between them), on the fused path."""
+    cfg = ModelConfig(**{**MODELS[model_name], "hidden_dropout": 0.0})
+    fp8 = Fp8Config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=2)
+    vocab = padded_vocab_size(VOCAB, 32, groups.tp_size)
+    model = GPTModel(cfg, groups, vocab, device=torch.device("cpu"), fp8=fp8)
+    assert all(layer.fp8_fused_qkv and layer.fp8_fused_mlp for layer in model.decoder.layers)
+    gen = torch.Generator().manual_seed(7)
+    tokens, labels = torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=gen)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, None, None, labels=labels)
+        loss.mean().backward()
+        if step == 0:
+            update_fp8_scales(model, (groups.tp,))
+    params = dict(model.named_parameters())
+    grads = {spec.name: (spec, params[local].grad) for local, spec in model.sharded_parameters().items()}
+    return loss.detach(), grads
+
+
+def _tp_cases():
+    refs = {name: _tp_run(ProcessGroups.single(), name) for name in MODELS}
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
     out = {}
-    for name, g in (("tp1", single), ("tp2", groups)):
-        cfg = ModelConfig(**MODELS["llama"])
-        fp8 = Fp8Config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=2)
-        model = GPTModel(cfg, g, padded_vocab_size(VOCAB, 32, g.tp_size), device=torch.device("cpu"), fp8=fp8)
-        layers = model.decoder.layers
-        assert all(layer.fp8_fused_qkv and layer.fp8_fused_mlp for layer in layers)
-        gen = torch.Generator().manual_seed(7)
-        tokens, labels = torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=gen)
-        for step in range(2):
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, None, None, labels=labels)
-            loss.mean().backward()
-            if step == 0:
-                update_fp8_scales(model, (g.tp,))
-        params = dict(model.named_parameters())
-        grads = {spec.name: (spec, params[local].grad) for local, spec in model.sharded_parameters().items()}
-        out[name] = (loss.detach(), grads)
-    ref_loss, ref_grads = out["tp1"]
-    loss, grads = out["tp2"]
-    grad_err = max(_rel_err(g, spec.shard(ref_grads[name][1])) for name, (spec, g) in grads.items())
-    return _rel_err(loss, ref_loss), grad_err
+    for name, (ref_loss, ref_grads) in refs.items():
+        loss, grads = _tp_run(groups, name)
+        grad_err = max(_rel_err(g, spec.shard(ref_grads[n][1])) for n, (spec, g) in grads.items())
+        out[name] = (_rel_err(loss, ref_loss), grad_err)
+    return out
 
 
 def test_fused_producers_tp2_equal_tp1():
-    for loss_err, grad_err in run_distributed(_tp_case, 2, timeout=300):
-        assert loss_err < LOSS_TOL, loss_err
-        assert grad_err < GRAD_TOL, grad_err
+    """GPT (QKV bias split over TP: its gradient from fp8_cast_dbias on each shard) and Llama."""
+    for rank in run_distributed(_tp_cases, 2, timeout=300):
+        for name, (loss_err, grad_err) in rank.items():
+            assert loss_err < LOSS_TOL, (name, loss_err)
+            assert grad_err < GRAD_TOL, (name, grad_err)
