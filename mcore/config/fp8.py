@@ -30,6 +30,10 @@ class Fp8Recipe:
         margin: scales are divided by ``2**margin`` (headroom for amax growth).
         amax_history_len, amax_compute_algo: the delayed recipe's history.
         wgrad: the weight-gradient GEMM in FP8 (``--no-fp8-wgrad``: in the activations' dtype).
+        fused_producers: with the delayed recipe and FP8 weight gradients, the norm before QKV/fc1
+            and the MLP activation write the FP8 GEMM inputs themselves
+            (:mod:`mcore.tensor_parallel.fp8_fused`; bit-identical to the unfused path).
+            ``--no-fp8-fused-producers`` runs the unfused path.
     """
 
     format: str = "hybrid"
@@ -38,6 +42,7 @@ class Fp8Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     wgrad: bool = True
+    fused_producers: bool = True
 
     def __post_init__(self):
         if self.format not in FP8_FORMATS:
@@ -90,6 +95,12 @@ class Fp8Config:
     )  # fmt: skip
     fp8_wgrad: bool = flag(
         True, "Run the weight-gradient GEMM in the activations' dtype, not FP8.", name="--no-fp8-wgrad"
+    )
+    fp8_fused_producers: bool = flag(
+        True,
+        "Delayed recipe: run the norm and the MLP activation unfused from the FP8 casts of the next "
+        "linear's input (mcore's fused producers are bit-identical and faster; for comparisons).",
+        name="--no-fp8-fused-producers",
     )
     fp8_param_gather: bool = flag(
         False, "Megatron: all-gather FP8 parameters with the distributed optimizer (refused, see docs)."
@@ -156,6 +167,7 @@ class Fp8Config:
             amax_history_len=self.fp8_amax_history_len,
             amax_compute_algo=self.fp8_amax_compute_algo,
             wgrad=self.fp8_wgrad,
+            fused_producers=self.fp8_fused_producers,
         )
 
     def layer_in_fp8(self, layer_number: int, num_layers: int) -> bool:
