@@ -191,9 +191,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe = call.recipe
         fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_bias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_input = grad_weight = None
+        need_dbias = ctx.has_bias and ctx.needs_input_grad[2]
+        grad_bias = grad_input = grad_weight = None
         if recipe.recipe == "rowwise":
+            grad_bias = dy2d.sum(0) if need_dbias else None
             x2d, weight = ctx.saved_tensors
             col_split = call.parallel_mode == "column" and call._tp
             if ctx.needs_input_grad[0]:
@@ -208,9 +209,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_saved, x_sinv, weight, w_given, w_sinv = ctx.saved_tensors
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
             need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
-            dy_q, dy_qT, dy_sinv = ops.fp8_cast(
-                dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling
-            )
+            # with a bias, its gradient dy.sum(0) comes from the cast's read of dy (fp8_cast_dbias)
+            cast = ops.fp8_cast_dbias if need_dbias else ops.fp8_cast
+            dy_q, dy_qT, dy_sinv, *dbias = cast(dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling)
+            grad_bias = dbias[0] if need_dbias else None
             if ctx.needs_input_grad[0]:
                 w_scaling = (
                     {"amax": w_given, "margin": recipe.margin} if ctx.w_from_amax else {"scale": w_given}
