@@ -211,7 +211,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
             # with a bias, its gradient dy.sum(0) comes from the cast's read of dy (fp8_cast_dbias)
             cast = ops.fp8_cast_dbias if need_dbias else ops.fp8_cast
-            dy_q, dy_qT, dy_sinv, *dbias = cast(dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling)
+            dy_q, dy_qT, dy_sinv, *dbias = cast(
+                dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling
+            )
             grad_bias = dbias[0] if need_dbias else None
             if ctx.needs_input_grad[0]:
                 w_scaling = (

@@ -71,7 +71,9 @@ def _main() -> int:
     kernels.PROGRAMS_PER_SM, kernels.AMAX_BLOCK = 1, 64
     real_cast, real_cast_dbias = kernels.cast, kernels.cast_dbias
     kernels.cast = lambda *a, **k: real_cast(*a, **k, config=cfg)
-    kernels.cast_dbias = lambda *a, **k: real_cast_dbias(*a, **k, config=cfg)
+    # several row splits of one program each (PER_SM 1) and both ways of keeping the column sums
+    dbias_cfg = {**cfg, "PER_SM": 1, "SUM_2D": True}
+    kernels.cast_dbias = lambda *a, **k: real_cast_dbias(*a, **k, config=dbias_cfg)
 
     for shape in ((37, 50), (64, 32), (1, 16)):
         for dtype in (torch.bfloat16, torch.float32):
@@ -106,11 +108,12 @@ def _main() -> int:
 
     # fp8_cast_dbias: fp8_cast's bytes (the same dispatcher arguments) and the column sums, fp32
     # partials of several row splits (the interpreter's 4 "SMs" over 2-4 column bands) summed in order
-    for shape in ((37, 50), (300, 20), (1, 16)):
+    for shape, sum_2d in (((37, 50), True), ((300, 20), True), ((300, 20), False), ((1, 16), False)):
+        dbias_cfg["SUM_2D"] = sum_2d
         for dtype in (torch.bfloat16, torch.float32):
             x = (torch.randn(*shape, generator=gen) * 4).to(dtype)
             for source in (x, x.t()):
-                what = f"dbias {tuple(source.shape)} strides {source.stride()} {str(dtype)[6:]}"
+                what = f"dbias {tuple(source.shape)} strides {source.stride()} {str(dtype)[6:]} 2d {sum_2d}"
                 for kwargs in (
                     dict(amax=torch.tensor(11.0), margin=1, columnwise=True),
                     dict(scale=torch.tensor(9.5), rowwise=False, columnwise=True),

@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, balanced_programs, sm_count, sum_partials
+from ._common import (
+    INTERPRET,
+    GridLaunch,
+    balanced_programs,
+    cached_launch,
+    sm_count,
+    sum_partials,
+    use_autotune,
+)
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -196,11 +204,14 @@ def _cast_dbias_kernel(
     COLUMNWISE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUM_2D: tl.constexpr,
+    PER_SM: tl.constexpr,
 ):
     """:func:`_cast_kernel` plus the column sums: program ``(c, r)`` of a ``[K / BLOCK_K, R]`` grid
     casts the row tiles ``r, r + R, ...`` of column band ``c`` and keeps their fp32 column sums in
-    registers, then writes them to ``part[r, band]`` (``[R, K]`` fp32; no atomics: the partials are
-    summed in a fixed order afterwards)."""
+    registers (``SUM_2D``: a tile-shaped fp32 sum, reduced over rows once at the end), then writes
+    them to ``part[r, band]`` (``[R, K]`` fp32; no atomics: the partials are summed in a fixed order
+    afterwards). ``PER_SM`` only sizes the grid (a key of the tuned configs)."""
     band = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -211,19 +222,25 @@ def _cast_dbias_kernel(
         tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
     cols = (band * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     col_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    tile_sum = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for tile_m in range(split, tl.cdiv(M, BLOCK_M), splits):
         rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
         x = x.to(tl.float32)
-        col_sum += tl.sum(x, axis=0)
+        if SUM_2D:  # element-wise adds, one cross-warp reduction at the end
+            tile_sum += x
+        else:
+            col_sum += tl.sum(x, axis=0)
         if RECORD_AMAX:
             running_amax = tl.maximum(running_amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
         _quantize_store_tile(
             x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
             FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32, ROWWISE, COLUMNWISE,
         )  # fmt: skip
+    if SUM_2D:
+        col_sum = tl.sum(tile_sum, axis=0)
     tl.store(part_ptr + split.to(tl.int64) * K + cols, col_sum, mask=cols < K)
     if RECORD_AMAX:
         tl.atomic_max(amax_record_ptr, tl.max(running_amax, axis=0))
@@ -288,6 +305,35 @@ def cast(
     return q, qt, scale_inv
 
 
+_DBIAS_DEFAULT = {"BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "SUM_2D": True, "PER_SM": PROGRAMS_PER_SM}
+_DBIAS_CONFIGS = [
+    _DBIAS_DEFAULT,
+    {"BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 8, "SUM_2D": True, "PER_SM": PROGRAMS_PER_SM},
+    {"BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "SUM_2D": True, "PER_SM": PROGRAMS_PER_SM},
+    {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, "SUM_2D": False, "PER_SM": PROGRAMS_PER_SM},
+    {"BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 4, "SUM_2D": True, "PER_SM": 8},
+    {"BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "SUM_2D": True, "PER_SM": 4},
+]
+"""Block shapes of :func:`cast_dbias`, tuned at the first call with many rows (``use_autotune``)."""
+
+
+def _dbias_launch(m: int, k: int, device: torch.device, config: dict | None) -> GridLaunch:
+    def splits(cfg) -> int:
+        cap = max(1, cfg["PER_SM"] * sm_count(device) // triton.cdiv(k, cfg["BLOCK_K"]))
+        return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), cap)
+
+    def build() -> GridLaunch:
+        return GridLaunch(
+            _cast_dbias_kernel, "fp8_cast_dbias", m, _DBIAS_CONFIGS, _DBIAS_DEFAULT,
+            key=["M", "K", "ROWWISE", "COLUMNWISE", "RECORD_AMAX"],
+            grid=lambda cfg: (triton.cdiv(k, cfg["BLOCK_K"]), splits(cfg)), parts=splits, config=config,
+        )  # fmt: skip
+
+    if config is not None:  # the tests' and benchmarks' explicit block shapes
+        return build()
+    return cached_launch(("fp8_cast_dbias", m, k, device, use_autotune(m)), build)
+
+
 def cast_dbias(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -306,19 +352,17 @@ def cast_dbias(
     The column sums are fp32: each program of a ``[K / BLOCK_K, R]`` grid sums its row tiles of one
     column band into one row of ``part [R, K]``, then :func:`~._common.sum_partials` adds the ``R``
     rows in a fixed order and rounds to ``x.dtype`` (deterministic, no float atomics). ``R`` gives
-    about :data:`PROGRAMS_PER_SM` programs per SM with the same number of row tiles each."""
+    about ``PER_SM`` programs per SM with the same number of row tiles each; the block shape is tuned
+    per shape at the first call with many rows (:data:`_DBIAS_CONFIGS`)."""
     m, k = x.shape
     fp8_max = float(torch.finfo(fp8_dtype).max)
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
     qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     given = amax if amax is not None else scale
-    cfg = {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, **(config or {})}
-    bands = triton.cdiv(k, cfg["BLOCK_K"])
-    cap = max(1, PROGRAMS_PER_SM * sm_count(x.device) // bands)
-    splits = balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), cap)
-    part = torch.empty((1, splits, k), dtype=torch.float32, device=x.device)
-    _cast_dbias_kernel[(bands, splits)](
+    launch = _dbias_launch(m, k, x.device, config)
+    part = torch.empty((1, launch.max_parts, k), dtype=torch.float32, device=x.device)
+    parts = launch(
         x,
         q if q is not None else scale_inv,  # unused pointers still need a tensor
         qt if qt is not None else scale_inv,
@@ -340,7 +384,6 @@ def cast_dbias(
         RECORD_AMAX=amax_record is not None,
         ROWWISE=rowwise,
         COLUMNWISE=columnwise,
-        **cfg,
     )
-    (dbias,) = sum_partials(part, splits, [x.dtype])
+    (dbias,) = sum_partials(part, parts, [x.dtype])
     return q, qt, scale_inv, dbias
