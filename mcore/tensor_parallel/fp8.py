@@ -235,12 +235,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
     """``dW = nt(dy_qT, x_qT)``, accumulated into ``ctx.main_grad`` when it is set (then a placeholder
-    gradient is returned, zeros for a shared weight), else returned in the weight's dtype."""
+    gradient is returned, None for a shared weight), else returned in the weight's dtype."""
     ops = get_ops()
     if ctx.main_grad is None:
         return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
     ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, ctx.main_grad)
-    return torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+    return None if ctx.zero_placeholder else torch.empty_like(weight)
 
 
 def fp8_linear(
