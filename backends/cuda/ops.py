@@ -491,7 +491,7 @@ def _build() -> tuple[dict, dict[str, str]]:
     ops.update(FP8_OPS)
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
-        providers.update(fp8_amax="triton", fp8_cast="triton")
+        providers.update(fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton")
     return ops, providers
 
 

@@ -30,8 +30,8 @@ its backward GEMM and returns a placeholder gradient, so that this hook still fi
 bucket ready) but skips the add. The layer says so with ``param.grad_added_to_main_grad``, which it
 sets in its forward and which stays set while it keeps fusing (every micro-batch of every step); the
 wrapper initializes it to False. A weight that also gets gradients from other autograd uses (the tied
-word embedding, multiplied in by the output layer) keeps the flag False: the output layer's
-placeholder is zeros and autograd sums it with the embedding's gradient, which the hook adds.
+word embedding, multiplied in by the output layer) keeps the flag False: the output layer returns no
+gradient for it, so the hook adds the embedding's gradient alone.
 
 Small gradients (at most ``_BATCHED_ADD_MAX_ELEMENTS``, with ``main_grad``'s dtype): a GPT layer has
 eight bias and norm-weight vectors, whose adds are each a kernel launch shorter than its own launch

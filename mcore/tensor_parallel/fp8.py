@@ -222,9 +222,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe = call.recipe
         fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_bias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_input = grad_weight = None
+        need_dbias = ctx.has_bias and ctx.needs_input_grad[2]
+        grad_bias = grad_input = grad_weight = None
         if recipe.recipe == "rowwise":
+            grad_bias = dy2d.sum(0) if need_dbias else None
             x2d, weight = ctx.saved_tensors
             col_split = call.parallel_mode == "column" and call._tp
             if ctx.needs_input_grad[0]:
@@ -241,9 +242,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_saved = _transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
             need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
-            dy_q, dy_qT, dy_sinv = ops.fp8_cast(
+            # with a bias, its gradient dy.sum(0) comes from the cast's read of dy (fp8_cast_dbias)
+            cast = ops.fp8_cast_dbias if need_dbias else ops.fp8_cast
+            dy_q, dy_qT, dy_sinv, *dbias = cast(
                 dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling
             )
+            grad_bias = dbias[0] if need_dbias else None
             if ctx.needs_input_grad[0]:
                 w_scaling = (
                     {"amax": w_given, "margin": recipe.margin} if ctx.w_from_amax else {"scale": w_given}
@@ -277,12 +281,12 @@ def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
 
 def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
     """``dW = nt(dy_qT, x_qT)``, accumulated into ``ctx.main_grad`` when it is set (then a placeholder
-    gradient is returned, zeros for a shared weight), else returned in the weight's dtype."""
+    gradient is returned, None for a shared weight), else returned in the weight's dtype."""
     ops = get_ops()
     if ctx.main_grad is None:
         return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
     ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, ctx.main_grad)
-    return torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+    return None if ctx.zero_placeholder else torch.empty_like(weight)
 
 
 def fp8_linear(

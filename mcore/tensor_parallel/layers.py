@@ -72,11 +72,13 @@ torch.library.register_fake("mcore::accumulate_weight_grad_", _accumulate_weight
 class _LinearWithGradAccumulationFusion(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose backward adds ``dY^T X`` into ``main_grad`` in place.
 
-    The weight's gradient is a placeholder: ``torch.empty_like(weight)`` when the caller owns the
-    weight (the DDP hook discards it, see ``weight.grad_added_to_main_grad``), or zeros when the
-    weight is shared with other autograd uses (the tied output layer: autograd sums the placeholder
-    with the embedding's gradient and the hook adds that sum, so zeros keep it exact). A placeholder
-    and not ``None``, so that the post-accumulate-grad hook still fires and marks the bucket ready.
+    The weight's gradient is a placeholder, ``torch.empty_like(weight)``, when the caller owns the
+    weight (the DDP hook discards it, see ``weight.grad_added_to_main_grad``): a tensor and not
+    ``None``, so that the post-accumulate-grad hook still fires and marks the bucket ready. When the
+    weight is shared with other autograd uses (the tied output layer) it is ``None``: the other use
+    (the embedding lookup) gives the gradient that fires the hook, which adds it to ``main_grad``; a
+    zero placeholder would cost a fill and an add over the whole ``[V, h]`` weight to give the same
+    sum.
     The backward has no side effect besides the in-place accumulation, so dynamo can trace it.
     """
 
@@ -99,15 +101,16 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
 
 
 def _weight_grad(ctx, weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
-    """``dW = dY^T X``: accumulated into ``ctx.main_grad`` (returning the placeholder that
-    :class:`_LinearWithGradAccumulationFusion` describes), or returned when ``ctx.main_grad`` is None."""
+    """``dW = dY^T X``: accumulated into ``ctx.main_grad`` (returning the placeholder, or None for a
+    shared weight, as :class:`_LinearWithGradAccumulationFusion` describes), or returned when
+    ``ctx.main_grad`` is None."""
     if ctx.main_grad is None:
         return grad_2d.t().matmul(input_2d)
     if torch.compiler.is_compiling():
         torch.ops.mcore.accumulate_weight_grad_.default(ctx.main_grad, grad_2d, input_2d)
     else:
         get_ops().accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
-    return torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+    return None if ctx.zero_placeholder else torch.empty_like(weight)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -181,7 +184,7 @@ def linear_with_grad_accumulation_fusion(
 
     Args:
         shared_weight: the weight belongs to another module and has other autograd uses (the tied
-            output layer gets the word embedding): fuse with a zero placeholder and leave the flag
+            output layer gets the word embedding): fuse, return no weight gradient and leave the flag
             alone, so the other uses' gradient still reaches ``main_grad`` through the hook.
     """
     main_grad = fusion_main_grad(weight, gradient_accumulation_fusion, shared_weight)

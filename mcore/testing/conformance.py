@@ -418,6 +418,16 @@ OP_CASES: tuple[OpCase, ...] = (
     ),
     *(
         OpCase(
+            f"fp8_cast_dbias_{how}",
+            "fp8_cast_dbias",
+            _fp8_cast_make(from_amax=how == "from_amax"),
+            dtypes=(torch.float32, torch.bfloat16),
+            capability="fp8",
+        )
+        for how in ("from_amax", "scale_recording_amax")
+    ),
+    *(
+        OpCase(
             f"scaled_linear_{which}",
             f"scaled_linear_{which}",
             _scaled_linear_make(which),
@@ -519,6 +529,9 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         if "amax_record" in kwargs:  # updated in place: compared as one more result
             ours, expected = (*ours, on_device["amax_record"]), (*expected, kwargs["amax_record"])
         ours, expected = (t if isinstance(t, tuple) else (t,) for t in (ours, expected))
+        if case.op == "fp8_cast_dbias":  # the bias gradient is a sum: the reduction bounds, not bytes
+            assert_close(ours[3], expected[3], dtype, "reduction", f"{what}: dbias")
+            ours, expected = ours[:3] + ours[4:], expected[:3] + expected[4:]
         for got, want in zip(ours, expected, strict=True):
             if (got is None) != (want is None):
                 raise ConformanceError(f"{what}: a result is {got!r}, the reference's {want!r}")
