@@ -7,11 +7,13 @@ row stride wider than the row and the amax recorded into a slot of a larger buff
 forward tiles, several row programs in the backward):
 
 * against the unfused CUDA path (the existing activation kernel, then the ``fp8_cast`` kernel):
-  the FP8 bytes, ``scale_inv`` and the recorded amax identical; the bias gradient identical to
-  ``_bias_gelu_bwd_kernel``'s with the same tiling (SwiGLU: to the sum of the SwiGLU kernel's
-  gradient, within fp32 rounding);
-* against :mod:`mcore.ops.reference`: every FP8 value within one step of the FP8 grid (the reference
-  computes GeLU with torch's math), the bias gradient within rounding; and the conformance suite's
+  the FP8 bytes, ``scale_inv`` and the recorded amax identical; under the interpreter the bias
+  gradient identical to ``_bias_gelu_bwd_kernel``'s with the same tiling (on the GPU, whose final
+  sums of the partials may run in another order, and for SwiGLU against the sum of the SwiGLU
+  kernel's gradient: within fp32 rounding);
+* against :mod:`mcore.ops.reference`: every FP8 value within the activation's tolerance plus one
+  step of the FP8 grid (the reference computes GeLU with torch's math), the bias gradient within
+  rounding; and the conformance suite's
   cases of both ops.
 
 Two interpreter artefacts, not kernel behaviour: its fp32 -> bf16 conversion truncates (the GPU's
@@ -53,6 +55,20 @@ def test_act_fp8_kernels_on_the_gpu():
 
 
 def _main(device) -> int:
+    """The checks below, with the kernel module's entry points and grid size restored afterwards."""
+    from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
+
+    saved = {
+        name: getattr(kernels, name) for name in ("act_fp8_forward", "act_fp8_backward", "PROGRAMS_PER_SM")
+    }
+    try:
+        return _checks(device)
+    finally:
+        for name, value in saved.items():
+            setattr(kernels, name, value)
+
+
+def _checks(device) -> int:
     import torch
     from mcore.backends.cuda import act_fp8 as dispatch
     from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
@@ -183,9 +199,15 @@ def _main(device) -> int:
                 if (got[3] is None) != (db_unfused is None):
                     failures.append(f"backward {tag} dbias: {got[3]!r} vs {db_unfused!r}")
                 elif has_bias:
-                    if kind != "swiglu" and not truncating:
+                    if kind != "swiglu" and interpreting and not truncating:
                         same(f"backward {tag} dbias (the GeLU kernel's)", got[3], db_unfused)
-                    else:  # an unfused sum in another order, or the interpreter's bf16 truncation
+                    else:  # a final sum in another order (GPU, SwiGLU), or the interpreter's truncation
+                        if kind != "swiglu" and not interpreting:
+                            print(
+                                tag,
+                                "dbias bit-identical to the GeLU kernel's:",
+                                torch.equal(got[3], db_unfused),
+                            )
                         reordering = 1e-6 * dh.float().abs().sum(0)  # fp32 sums of m terms, reordered
                         within(
                             f"backward {tag} dbias", got[3], db_unfused, ulp(db_unfused, dtype) + reordering
