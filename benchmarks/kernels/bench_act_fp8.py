@@ -36,7 +36,9 @@ def bench(fn) -> float:
 
 
 def _same(a, b) -> bool:
-    return (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return (a is None and b is None) or torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    )
 
 
 def _bench_kind(kind, m, width, has_bias, sweep, record) -> None:
