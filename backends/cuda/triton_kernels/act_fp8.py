@@ -232,18 +232,23 @@ def _act_fp8_bwd_kernel(
             tl.store(DB + pid_r * n_dh + F + cols, db_up, mask=cmask)
 
 
-FWD_CONFIG = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 8}
-"""The forward's tile (benchmarks/kernels/bench_act_fp8.py --sweep)."""
+FWD_CONFIG = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 4}
+"""The forward's tile. Measured on an H100 (benchmarks/kernels/bench_act_fp8.py --sweep, bf16, amax
+recorded): GeLU [8192, 8192] 173 us (8 warps 208 us, 128x128 236 us), SwiGLU [4096, 28672] 159 us
+(the best, 128x64/8 warps, 157 us)."""
 
 _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
     for bm, bf, w in ((64, 128, 8), (32, 128, 4), (128, 64, 8), (64, 64, 4))
     for per_sm in (8, 16)
 ]
-"""The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``)."""
+"""The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``).
+On an H100 they span 250-301 us (GeLU [8192, 8192]) and 248-262 us (SwiGLU [4096, 28672]); the
+tuner found the fastest for both."""
 
-BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 8, "PER_SM": PROGRAMS_PER_SM}
-"""The backward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0)."""
+BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_PER_SM}
+"""The backward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
+fastest for GeLU on an H100 (250 us) and within 2% of the fastest for SwiGLU (253 us)."""
 
 
 def _fp8_constexprs(fp8_dtype: torch.dtype) -> dict:
