@@ -37,7 +37,7 @@ def main() -> None:
         ("efficient", SDPBackend.EFFICIENT_ATTENTION),
     ]:
 
-        def step():
+        def step(backend=backend):
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.backward(dout)
