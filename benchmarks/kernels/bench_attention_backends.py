@@ -48,8 +48,16 @@ def main() -> None:
             err = None if ref is None else (out - ref).abs().max().item()
             ref = out.detach() if ref is None else ref
             ms = triton.testing.do_bench(step, warmup=10, rep=50)
-            print(json.dumps({"backend": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
-                              "max_abs_diff_vs_flash": err}))
+            print(
+                json.dumps(
+                    {
+                        "backend": name,
+                        "ms": round(ms, 3),
+                        "tflops": round(flops / ms / 1e9, 1),
+                        "max_abs_diff_vs_flash": err,
+                    }
+                )
+            )
         except Exception as e:  # a backend that refuses this shape or device
             print(json.dumps({"backend": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
 
