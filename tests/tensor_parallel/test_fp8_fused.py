@@ -44,6 +44,8 @@ RECOMPUTE = {
     "none": {},
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "mlp": dict(recompute_granularity="selective", recompute_modules=("mlp",)),
+    # nothing to free on the fused path: it ignores them, the unfused path recomputes
+    "layernorm-mlp_act": dict(recompute_granularity="selective", recompute_modules=("layernorm", "mlp_act")),
 }
 
 
@@ -124,13 +126,14 @@ def test_fused_producers_are_bit_identical_to_the_unfused_fp8_path(monkeypatch, 
     _assert_identical(fused, unfused)
 
 
-@pytest.mark.parametrize("recompute", ["full", "mlp"])
+@pytest.mark.parametrize("recompute", ["full", "mlp", "layernorm-mlp_act"])
 def test_fused_producers_under_recomputation(monkeypatch, recompute):
     single = ProcessGroups.single()
-    unfused = _train(single, "gpt", fused=False)
+    unfused = _train(single, "gpt", fused=False, recompute=recompute)
     counter = _Counter(monkeypatch)
     fused = _train(single, "gpt", fused=True, recompute=recompute)
-    assert counter.calls["norm_mlp"] == 10  # 2 layers x (2 steps x (forward, recompute) + 1 evaluation)
+    # 2 layers x (2 steps x (forward, recompute) + 1 evaluation); no recompute of the fused MLP
+    assert counter.calls["norm_mlp"] == (6 if recompute == "layernorm-mlp_act" else 10)
     _assert_identical(fused, unfused)
 
 
