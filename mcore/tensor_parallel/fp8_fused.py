@@ -120,7 +120,7 @@ def _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_resid
     return dx.reshape(ctx.x_shape), dw, db
 
 
-class _Fp8NormLinearFunction(torch.autograd.Function):
+class Fp8NormLinear(torch.autograd.Function):
     """``(norm(x) W^T + b, x)`` with the norm writing the FP8 GEMM input (module docstring).
 
     ``x [..., h]``, ``W [N, h]`` (this rank's column shard), ``b [N]`` or None. The second output is
@@ -136,8 +136,9 @@ class _Fp8NormLinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         scale, amax_record = _input_slot(call, training)
         xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
-            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale, amax_record, True, training
-        )
+            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
+            amax_record=amax_record, rowwise=True, columnwise=training,
+        )  # fmt: skip
         w_q, w_scale, w_sinv = _cast_weight(call, weight, training)
         y = ops.scaled_linear_forward(xn_q, w_q, xn_sinv, w_sinv, bias, x.dtype)
         ctx.norm, ctx.call, ctx.main_grad, ctx.tp_group = norm, call, main_grad, call.tp_group
@@ -174,13 +175,13 @@ class _Fp8NormLinearFunction(torch.autograd.Function):
         return dx, dnw, dnb, grad_weight, grad_bias, None, None, None, None
 
 
-class _Fp8NormMLPFunction(torch.autograd.Function):
+class Fp8NormMLP(torch.autograd.Function):
     """``(fc2(act(fc1(norm(x)) + b1)), x)`` with the norm writing fc1's and the activation fc2's FP8
     input (module docstring).
 
     ``x [..., h]``, ``W1 [F', h]`` (``F' = F/p``, SwiGLU ``2F/p``: ``[gate_t; up_t]``), ``b1 [F']`` or
     None, ``W2 [h, F/p]``. The first output is this rank's partial fc2 output ``[..., h]`` (the caller
-    all-reduces it over TP and adds fc2's bias); the second is ``x``, as in :class:`_Fp8NormLinearFunction`.
+    all-reduces it over TP and adds fc2's bias); the second is ``x``, as in :class:`Fp8NormLinear`.
     """
 
     @staticmethod
@@ -205,12 +206,15 @@ class _Fp8NormMLPFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         scale, amax_record = _input_slot(fc1, training)
         xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
-            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale, amax_record, True, training
-        )
+            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
+            amax_record=amax_record, rowwise=True, columnwise=training,
+        )  # fmt: skip
         w1_q, w1_scale, w1_sinv = _cast_weight(fc1, w1, training)
         h = ops.scaled_linear_forward(xn_q, w1_q, xn_sinv, w1_sinv, None, x.dtype)
         scale, amax_record = _input_slot(fc2, training)
-        a_q, a_qT, a_sinv = ops.act_fp8_forward(h, b1, activation, fwd, scale, amax_record, True, training)
+        a_q, a_qT, a_sinv = ops.act_fp8_forward(
+            h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
+        )
         w2_q, w2_scale, w2_sinv = _cast_weight(fc2, w2, training)
         y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
         ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
@@ -246,7 +250,15 @@ class _Fp8NormMLPFunction(torch.autograd.Function):
             da = _dgrad(fc2, dy_q, dy_sinv, w2, w2_scale, w2_sinv, x2d.dtype)
             scale, amax_record = _grad_slot(fc1)
             dh_q, dh_qT, dh_sinv, grad_b1 = ops.act_fp8_backward(
-                da, h, b1, ctx.activation, bwd, scale, amax_record, need_x, need_w1
+                da,
+                h,
+                b1,
+                ctx.activation,
+                bwd,
+                scale,
+                amax_record=amax_record,
+                rowwise=need_x,
+                columnwise=need_w1,
             )
             if need_w1:
                 grad_w1 = _wgrad(w1, main_grad1, dh_qT, xn_qT, dh_sinv, xn_sinv)
@@ -278,9 +290,7 @@ def fp8_norm_linear(
     if norm.kind not in NORM_KINDS:
         raise ValueError(f"fp8_norm_linear: norm {norm.kind!r} is not one of {', '.join(NORM_KINDS)}")
     training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
-    return _Fp8NormLinearFunction.apply(
-        x, norm_weight, norm_bias, weight, bias, main_grad, norm, call, training
-    )
+    return Fp8NormLinear.apply(x, norm_weight, norm_bias, weight, bias, main_grad, norm, call, training)
 
 
 def fp8_norm_mlp(
@@ -304,7 +314,7 @@ def fp8_norm_mlp(
     if activation not in ACTIVATIONS:
         raise ValueError(f"fp8_norm_mlp: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     training = torch.is_grad_enabled()
-    return _Fp8NormMLPFunction.apply(
+    return Fp8NormMLP.apply(
         x,
         norm_weight,
         norm_bias,
@@ -319,4 +329,12 @@ def fp8_norm_mlp(
     )
 
 
-__all__ = ["NORM_KINDS", "NormSpec", "fp8_norm_linear", "fp8_norm_mlp", "fusable_call"]
+__all__ = [
+    "NORM_KINDS",
+    "Fp8NormLinear",
+    "Fp8NormMLP",
+    "NormSpec",
+    "fp8_norm_linear",
+    "fp8_norm_mlp",
+    "fusable_call",
+]

@@ -1,12 +1,14 @@
 """The fused FP8 producers (:mod:`mcore.tensor_parallel.fp8_fused`) equal the unfused FP8 path.
 
-1. Bit for bit (CPU, reference ops): a GPT (LayerNorm, GeLU, biases, hidden dropout) and a Llama-style
-   model (RMSNorm, SwiGLU, no biases, RoPE, GQA) with the delayed recipe, two steps with a scale
-   update between and after them: the losses, every parameter gradient (norms, biases, the weights'
+1. Bit for bit (CPU, reference ops): a GPT (LayerNorm, GeLU, biases, hidden dropout), a Llama-style
+   model (RMSNorm, SwiGLU, no biases, RoPE, GQA), that model with biases, and a tanh-GeLU RMSNorm
+   GPT, with the delayed recipe, fp32 (Llama also bf16), two steps with a scale update after each
+   and an evaluation forward: the losses, every parameter gradient (norms, biases, the weights'
    ``main_grad`` under gradient-accumulation fusion) and the delayed states (amax histories,
    scales) are identical with ``--no-fp8-fused-producers`` and without; also under full
-   recomputation and ``--recompute-modules mlp`` on the fused path. Each fused run must call the
-   fused Functions (else the comparison proves nothing).
+   recomputation and ``--recompute-modules mlp`` (and ``layernorm mlp_act``, which the fused path
+   has nothing to free for). Each fused run must call the fused Functions (else the comparison
+   proves nothing).
 2. TP=2 with the fused path equals TP=1 (2 gloo processes), within the bounds of
    ``test_fp8_parallel.py`` (the GEMMs' and the all-reduce's summation orders differ).
 """
@@ -40,10 +42,14 @@ MODELS = {
         untie_embeddings_and_output_weights=True,
     ),
 }  # fmt: skip
+MODELS["llama-bias"] = dict(MODELS["llama"], disable_bias_linear=False)  # SwiGLU(h + b1)
+MODELS["tanh-rms"] = dict(MODELS["gpt"], openai_gelu=True, normalization="RMSNorm")
 RECOMPUTE = {
     "none": {},
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "mlp": dict(recompute_granularity="selective", recompute_modules=("mlp",)),
+    # nothing to free on the fused path: it ignores them, the unfused path recomputes
+    "layernorm-mlp_act": dict(recompute_granularity="selective", recompute_modules=("layernorm", "mlp_act")),
 }
 
 
@@ -113,7 +119,7 @@ def _assert_identical(got, want):
     assert any(s.abs().sum() > 0 for s in states.values())
 
 
-@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+@pytest.mark.parametrize("model_name", list(MODELS))
 def test_fused_producers_are_bit_identical_to_the_unfused_fp8_path(monkeypatch, model_name):
     single = ProcessGroups.single()
     unfused = _train(single, model_name, fused=False)
@@ -124,13 +130,14 @@ def test_fused_producers_are_bit_identical_to_the_unfused_fp8_path(monkeypatch, 
     _assert_identical(fused, unfused)
 
 
-@pytest.mark.parametrize("recompute", ["full", "mlp"])
+@pytest.mark.parametrize("recompute", ["full", "mlp", "layernorm-mlp_act"])
 def test_fused_producers_under_recomputation(monkeypatch, recompute):
     single = ProcessGroups.single()
-    unfused = _train(single, "gpt", fused=False)
+    unfused = _train(single, "gpt", fused=False, recompute=recompute)
     counter = _Counter(monkeypatch)
     fused = _train(single, "gpt", fused=True, recompute=recompute)
-    assert counter.calls["norm_mlp"] == 10  # 2 layers x (2 steps x (forward, recompute) + 1 evaluation)
+    # 2 layers x (2 steps x (forward, recompute) + 1 evaluation); no recompute of the fused MLP
+    assert counter.calls["norm_mlp"] == (6 if recompute == "layernorm-mlp_act" else 10)
     _assert_identical(fused, unfused)
 
 
@@ -209,7 +216,7 @@ def _tp_run(groups, model_name: str):
 
 
 def _tp_cases():
-    refs = {name: _tp_run(ProcessGroups.single(), name) for name in MODELS}
+    refs = {name: _tp_run(ProcessGroups.single(), name) for name in ("gpt", "llama")}
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
     out = {}
     for name, (ref_loss, ref_grads) in refs.items():
