@@ -143,6 +143,20 @@ class Fp8Linear:
         return scale_from_amax(amax, dtype, self.recipe.margin)
 
 
+@dataclass(frozen=True, eq=False)
+class Fp8GatheredWeight:
+    """A weight quantized once per optimizer step and all-gathered in FP8 (``--fp8-param-gather``,
+    :mod:`mcore.distributed.fp8_param_gather`): the FP8 linear uses it instead of casting ``W``.
+
+    Attributes:
+        data: ``W_q [N, K]`` in the forward format (e4m3), a view into the all-gathered buffer.
+        scale_inv: 0-dim fp32, ``W ~= W_q * scale_inv`` (the same on every data-parallel rank).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+
 def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: bool):
     scale = call.row_scale(t, dtype, split)
     return get_ops().fp8_quantize(t, scale, dtype), scale.reciprocal()
@@ -154,12 +168,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
     Saved for backward (tensorwise/delayed): ``x_qT [K, M]`` in FP8 (half the bytes of the bf16 input a
     bf16 linear keeps) and the weight with its amax (tensorwise) or scale (delayed); the backward
     quantizes ``W^T`` again from the same amax or scale, which reproduces the forward's ``W_q``
-    exactly, instead of keeping an FP8 copy.
+    exactly, instead of keeping an FP8 copy. With a gathered weight (``--fp8-param-gather``) the
+    forward multiplies its ``W_q`` and the backward transposes those bytes (``W_q^T``, a copy).
     Rowwise (and ``--no-fp8-wgrad``) keep ``x`` itself: the wgrad operand needs other scales.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad, zero_placeholder, call: Fp8Linear, training: bool):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        main_grad,
+        zero_placeholder,
+        call: Fp8Linear,
+        training: bool,
+        gathered: Fp8GatheredWeight | None,
+    ):
         ops = get_ops()
         recipe = call.recipe
         x2d = x.reshape(-1, x.shape[-1])
@@ -173,12 +198,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2d, weight)
         else:
             x_scaling = call.scaling(INPUT, x2d, training)
-            w_scaling = call.scaling(WEIGHT, weight, training)
             x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
-            w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
-            # the backward casts W^T again from the same amax (tensorwise) or scale (delayed)
-            ctx.w_from_amax = "amax" in w_scaling
-            w_given = w_scaling["amax" if ctx.w_from_amax else "scale"]
+            if gathered is not None:  # --fp8-param-gather: W_q was made after the optimizer step
+                ctx.w_from = "fp8"  # the backward transposes W_q's bytes
+                w_q, w_sinv = gathered.data, gathered.scale_inv
+                w_given = w_q
+            else:
+                # the backward casts W^T again from the same amax (tensorwise) or scale (delayed)
+                w_scaling = call.scaling(WEIGHT, weight, training)
+                w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
+                ctx.w_from = "amax" if "amax" in w_scaling else "scale"
+                w_given = w_scaling[ctx.w_from]
             x_saved = x_qT if recipe.wgrad else x2d
             ctx.save_for_backward(x_saved, x_sinv, weight, w_given, w_sinv)
         y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
@@ -212,10 +242,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling
             )
             if ctx.needs_input_grad[0]:
-                w_scaling = (
-                    {"amax": w_given, "margin": recipe.margin} if ctx.w_from_amax else {"scale": w_given}
-                )
-                _, w_qT, _ = ops.fp8_cast(weight, fwd, rowwise=False, columnwise=True, **w_scaling)
+                if ctx.w_from == "fp8":  # the same bytes the forward multiplied, transposed
+                    w_qT = w_given.t().contiguous()
+                else:
+                    w_scaling = (
+                        {"amax": w_given, "margin": recipe.margin}
+                        if ctx.w_from == "amax"
+                        else {"scale": w_given}
+                    )
+                    _, w_qT, _ = ops.fp8_cast(weight, fwd, rowwise=False, columnwise=True, **w_scaling)
                 grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.wgrad:
@@ -226,7 +261,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     grad_weight = _weight_grad(ctx, weight, dy2d, x_saved)
         if grad_input is not None:
             grad_input = grad_input.reshape(ctx.x_shape)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
@@ -246,14 +281,17 @@ def fp8_linear(
     call: Fp8Linear,
     main_grad: torch.Tensor | None = None,
     zero_placeholder: bool = False,
+    gathered: Fp8GatheredWeight | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on FP8 GEMMs (``x [..., K]`` -> ``[..., N]``, in ``x.dtype``).
 
     ``main_grad``: accumulate the weight gradient there (gradient-accumulation fusion; see
-    :func:`mcore.tensor_parallel.layers.fusion_main_grad`).
+    :func:`mcore.tensor_parallel.layers.fusion_main_grad`). ``gathered``: ``weight``'s FP8 copy
+    (``--fp8-param-gather``; tensorwise and delayed recipes), used instead of casting ``weight``,
+    which then only receives the gradient.
     """
     training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
-    return _Fp8LinearFunction.apply(x, weight, bias, main_grad, zero_placeholder, call, training)
+    return _Fp8LinearFunction.apply(x, weight, bias, main_grad, zero_placeholder, call, training, gathered)
 
 
 # -- the step boundary and checkpoints -----------------------------------------------------------
@@ -327,6 +365,7 @@ __all__ = [
     "FP8_STATE",
     "FP8_RECIPES",
     "Fp8DelayedState",
+    "Fp8GatheredWeight",
     "Fp8Linear",
     "Fp8Recipe",
     "delayed_states",
