@@ -142,9 +142,14 @@ def runs(tmp_path_factory):
     save = tmp_path_factory.mktemp("fp8_param_gather") / "ckpt"
     out = {"tensorwise": (_run("tensorwise", *NO_CLIP), _run("tensorwise", *NO_CLIP, *GATHER))}
     saving = ["--save", str(save), "--save-interval", "2"]
-    out["delayed"] = (_run("delayed", *NO_CLIP), _run("delayed", *NO_CLIP, *GATHER, *saving))
-    resume = [*COMMON, "--fp8-recipe", "delayed", *NO_CLIP, *GATHER, "--load", str(save), "--ckpt-step", "2"]
-    out["resumed"] = run_distributed(train, 2, resume, timeout=300)
+    saving_ref = ["--save", str(save.parent / "ref"), "--save-interval", "2"]
+    out["delayed"] = (_run("delayed", *NO_CLIP, *saving_ref), _run("delayed", *NO_CLIP, *GATHER, *saving))
+    resume = [*COMMON, "--fp8-recipe", "delayed", *NO_CLIP, "--load", str(save), "--ckpt-step", "2"]
+    out["resumed"] = run_distributed(train, 2, [*resume, *GATHER], timeout=300)
+    # the weights alone (fresh optimizer): the FP8 copies must be made from the loaded weights
+    out["weights_only"] = [run_distributed(train, 2, [*resume, *flag, "--no-load-optim"], timeout=300)[-1]
+                           for flag in ([], GATHER)]  # fmt: skip
+    out["ckpt"] = save.parent
     out["clipped"] = (_run("tensorwise"), _run("tensorwise", *GATHER))
     return out
 
@@ -181,6 +186,24 @@ def test_fp8_weights_are_gathered_as_fp8_bytes(runs, recipe):
 def test_fp8_param_gather_resume_is_bit_exact(runs):
     straight = runs["delayed"][1]["losses"]
     assert runs["resumed"][-1]["losses"] == straight[2:]
+
+
+def test_fp8_param_gather_checkpoint_holds_the_exact_weights(runs):
+    """The checkpoint's model file equals the one a run without the flag saves (the FP8 linears'
+    weights are gathered in bf16 for the save, not dequantized from FP8)."""
+    name = "iter_0000002/model_tp00_pp000.pt"
+    with_flag = torch.load(runs["ckpt"] / "ckpt" / name, weights_only=False)
+    without = torch.load(runs["ckpt"] / "ref" / name, weights_only=False)
+    tensors = [k for k, v in without.items() if isinstance(v, torch.Tensor)]
+    assert tensors and with_flag.keys() == without.keys()
+    for key in tensors:
+        assert torch.equal(with_flag[key], without[key]), key
+
+
+def test_fp8_param_gather_loads_weights_without_optimizer_state(runs):
+    without, with_flag = runs["weights_only"]
+    assert len(with_flag["losses"]) == ITERS - 2
+    assert with_flag["losses"] == without["losses"]
 
 
 # -- 4. refusals -----------------------------------------------------------------------------------
