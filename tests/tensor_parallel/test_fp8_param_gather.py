@@ -15,7 +15,10 @@
    at step 4 (measured 8.5e-6), as any other bucket layout change does: 1e-4 relative there.
    The parameter all-gathers of those weights move uint8 (FP8) bytes, half of bf16's; after training,
    the gathered FP8 weight is the cast of the (exactly gathered) bf16 weight with one scale.
-3. Save at iteration 2 and resume: the resumed losses are bit for bit the uninterrupted run's.
+   The same with ``--overlap-param-gather`` (the layers' forward pre-hooks wait for the FP8 gather).
+3. Save at iteration 2 and resume: the resumed losses are bit for bit the uninterrupted run's; the
+   saved model file equals the one a run without the flag saves; a weights-only load
+   (``--no-load-optim``) re-quantizes the FP8 copies from the loaded weights.
 4. Bad combinations are refused with one message naming the flags.
 """
 
@@ -151,6 +154,7 @@ def runs(tmp_path_factory):
                            for flag in ([], GATHER)]  # fmt: skip
     out["ckpt"] = save.parent
     out["clipped"] = (_run("tensorwise"), _run("tensorwise", *GATHER))
+    out["overlap"] = _run("tensorwise", *NO_CLIP, *GATHER, "--overlap-param-gather")
     return out
 
 
@@ -159,6 +163,12 @@ def test_dp2_losses_with_fp8_param_gather_equal_without(runs, recipe):
     without, with_flag = runs[recipe]
     assert len(with_flag["losses"]) == ITERS
     assert with_flag["losses"] == without["losses"]  # exact: see the module docstring
+
+
+def test_overlapped_fp8_param_gather_gives_the_same_losses(runs):
+    """--overlap-param-gather: each FP8 linear's forward pre-hook waits for its bucket's FP8 gather."""
+    assert runs["overlap"]["losses"] == runs["tensorwise"][0]["losses"]
+    assert runs["overlap"]["copies_exact"]
 
 
 def test_dp2_losses_with_clipping_follow_within_the_bucket_layout_tolerance(runs):
