@@ -15,7 +15,8 @@
    at step 4 (measured 8.5e-6), as any other bucket layout change does: 1e-4 relative there.
    The parameter all-gathers of those weights move uint8 (FP8) bytes, half of bf16's; after training,
    the gathered FP8 weight is the cast of the (exactly gathered) bf16 weight with one scale.
-   The same with ``--overlap-param-gather`` (the layers' forward pre-hooks wait for the FP8 gather).
+   The same with ``--overlap-param-gather`` (the layers' forward pre-hooks wait for the FP8 gather),
+   and at TP=2 (the weight's amax max-reduced over TP too).
 3. Save at iteration 2 and resume: the resumed losses are bit for bit the uninterrupted run's; the
    saved model file equals the one a run without the flag saves; a weights-only load
    (``--no-load-optim``) re-quantizes the FP8 copies from the loaded weights.
@@ -122,7 +123,8 @@ def train_recording(extra: list[str]) -> dict:
                 assert gathered.data.dtype == torch.float8_e4m3fn
                 q = reference.fp8_quantize(layer.weight, gathered.scale_inv.reciprocal(), torch.float8_e4m3fn)
                 copies_exact &= torch.equal(q.view(torch.uint8), gathered.data.view(torch.uint8))
-                if layer._fp8_call.recipe.recipe == "tensorwise":  # one scale: the whole weight's amax
+                tp1 = layer.tp_size == 1  # (under TP the amax is the whole weight's, over the shards)
+                if tp1 and layer._fp8_call.recipe.recipe == "tensorwise":  # one scale: the weight's amax
                     amax = reference.fp8_amax(layer.weight)
                     want = reference.fp8_scale_from_amax(amax, torch.float8_e4m3fn, 0).reciprocal()
                     copies_exact &= torch.equal(gathered.scale_inv, want)
@@ -155,6 +157,8 @@ def runs(tmp_path_factory):
     out["ckpt"] = save.parent
     out["clipped"] = (_run("tensorwise"), _run("tensorwise", *GATHER))
     out["overlap"] = _run("tensorwise", *NO_CLIP, *GATHER, "--overlap-param-gather")
+    tp2 = ["--tensor-model-parallel-size", "2", *NO_CLIP]
+    out["tp2"] = (_run("tensorwise", *tp2), _run("tensorwise", *tp2, *GATHER))
     return out
 
 
@@ -169,6 +173,14 @@ def test_overlapped_fp8_param_gather_gives_the_same_losses(runs):
     """--overlap-param-gather: each FP8 linear's forward pre-hook waits for its bucket's FP8 gather."""
     assert runs["overlap"]["losses"] == runs["tensorwise"][0]["losses"]
     assert runs["overlap"]["copies_exact"]
+
+
+def test_tp2_fp8_param_gather_scales_with_the_whole_weights_amax(runs):
+    """TP=2 (DP=1): a weight's amax is max-reduced over TP before its scale is formed, as the
+    per-forward cast does, so every TP shard is quantized with the whole weight's scale."""
+    without, with_flag = runs["tp2"]
+    assert with_flag["fp8_weights"] > 0
+    assert with_flag["losses"] == without["losses"]
 
 
 def test_dp2_losses_with_clipping_follow_within_the_bucket_layout_tolerance(runs):
