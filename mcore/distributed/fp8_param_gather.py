@@ -102,11 +102,12 @@ class Fp8ParamGather:
         self._in_bucket: dict[int, list[int]] = {b.index: [] for b in buffer.buckets}
         for i, param in enumerate(buffer.params):
             self._in_bucket[buffer.bucket_of(param).index].append(i)
-
-    @property
-    def gathered_bytes_per_step(self) -> int:
-        """Bytes all-gathered per step for these weights (the whole buffer, padding included)."""
-        return self.data.numel() * self.data.element_size()
+        logger.debug(
+            "--fp8-param-gather: %d weights, %d bytes all-gathered per step (%d in the parameter dtype)",
+            len(self.layers),
+            self.data.numel(),
+            buffer.param_data.numel() * buffer.param_data.element_size(),
+        )
 
     @torch.no_grad()
     def quantize_shards(self) -> None:

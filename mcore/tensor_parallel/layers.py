@@ -227,9 +227,8 @@ def _setup_fp8(layer: torch.nn.Module, fp8: Fp8Recipe | None, parallel_mode: str
     layer.fp8 = fp8
     layer.fp8_state = None
     layer._fp8_call = None
-    layer.fp8_gathered_weight = (
-        None  # set by DDP with --fp8-param-gather (mcore.distributed.fp8_param_gather)
-    )
+    # the weight's FP8 copy, set by DDP with --fp8-param-gather (mcore.distributed.fp8_param_gather)
+    layer.fp8_gathered_weight = None
     if fp8 is None:
         return
     if fp8.recipe == "delayed":
