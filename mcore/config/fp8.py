@@ -103,7 +103,9 @@ class Fp8Config:
         name="--no-fp8-fused-producers",
     )
     fp8_param_gather: bool = flag(
-        False, "Megatron: all-gather FP8 parameters with the distributed optimizer (refused, see docs)."
+        False,
+        "All-gather the FP8 linears' weights in FP8 (half the bytes of bf16) with "
+        "--use-distributed-optimizer; the forward uses the gathered FP8 weight (tensorwise, delayed).",
     )
     first_last_layers_bf16: bool = flag(
         False,
@@ -146,10 +148,14 @@ class Fp8Config:
             "--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid",
         )
         check(
-            not self.fp8_param_gather,
-            "--fp8-param-gather is not supported: mcore keeps the parameters in bf16 and quantizes each "
-            "weight inside its FP8 linear (Transformer Engine's FP8 parameters are not used), so the "
-            "distributed optimizer all-gathers bf16 parameters; drop the flag",
+            self.enabled or not self.fp8_param_gather,
+            "--fp8-param-gather needs --fp8-format e4m3 or hybrid (it all-gathers the FP8 linears' weights)",
+        )
+        check(
+            not (self.fp8_param_gather and self.fp8_recipe == "rowwise"),
+            "--fp8-param-gather with --fp8-recipe rowwise is not supported (a row-scaled weight would need "
+            "its row amaxes reduced before the cast and a transposed copy with other scales for the "
+            "backward); use --fp8-recipe tensorwise or delayed",
         )
 
     @property
@@ -181,8 +187,19 @@ class Fp8Config:
                 return False
         return True
 
-    def check_with(self, num_layers: int, capabilities: frozenset[str], backend_name: str) -> None:
-        """Cross-checks against the model depth and the device backend."""
+    def check_with(
+        self,
+        num_layers: int,
+        capabilities: frozenset[str],
+        backend_name: str,
+        use_distributed_optimizer: bool | None = None,
+    ) -> None:
+        """Cross-checks against the model depth, the device backend and (when given) the optimizer."""
+        check(
+            not self.fp8_param_gather or use_distributed_optimizer in (None, True),
+            "--fp8-param-gather needs --use-distributed-optimizer (the FP8 weights are what the "
+            "distributed optimizer all-gathers after its step)",
+        )
         if not self.enabled:
             return
         if self.first_last_layers_bf16:

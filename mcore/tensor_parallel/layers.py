@@ -230,6 +230,8 @@ def _setup_fp8(layer: torch.nn.Module, fp8: Fp8Recipe | None, parallel_mode: str
     layer.fp8 = fp8
     layer.fp8_state = None
     layer._fp8_call = None
+    # the weight's FP8 copy, set by DDP with --fp8-param-gather (mcore.distributed.fp8_param_gather)
+    layer.fp8_gathered_weight = None
     if fp8 is None:
         return
     if fp8.recipe == "delayed":
@@ -320,14 +322,20 @@ class ColumnParallelLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         shared_weight = weight is not self.weight
         sp = self.sequence_parallel and group_size(self.tp_group) > 1
+        gathered = None if shared_weight else self.fp8_gathered_weight
         if self._fp8_call is not None and sp and gathers_fp8_input(self.fp8):
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
-            y = fp8_linear(x, weight, bias, self._fp8_call, main_grad, shared_weight, self.tp_group)
+            y = fp8_linear(
+                x, weight, bias, self._fp8_call, main_grad, shared_weight,
+                sequence_parallel_group=self.tp_group, gathered=gathered,
+            )  # fmt: skip
         elif self._fp8_call is not None:
             total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
             with saved_input:
-                y = fp8_linear(total, weight, bias, self._fp8_call, main_grad, shared_weight)
+                y = fp8_linear(
+                    total, weight, bias, self._fp8_call, main_grad, shared_weight, gathered=gathered
+                )
         elif self.sequence_parallel and group_size(self.tp_group) > 1 and torch.is_grad_enabled():
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
             y = _SequenceParallelColumnLinear.apply(x, weight, bias, main_grad, shared_weight, self.tp_group)
@@ -431,7 +439,7 @@ class RowParallelLinear(torch.nn.Module):
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         if self._fp8_call is not None:
             main_grad = fusion_main_grad(self.weight, self.gradient_accumulation_fusion, False)
-            y = fp8_linear(x, self.weight, None, self._fp8_call, main_grad)
+            y = fp8_linear(x, self.weight, None, self._fp8_call, main_grad, gathered=self.fp8_gathered_weight)
         else:
             y = linear_with_grad_accumulation_fusion(
                 x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion
