@@ -143,8 +143,9 @@ def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[tor
     linear = attention.linear_qkv
     main_grad = fusion_main_grad(linear.weight, linear.gradient_accumulation_fusion, False)
     return fp8_norm_linear(
-        x, norm.weight, norm.bias, _norm_spec(norm), linear.weight, linear.bias, linear._fp8_call, main_grad
-    )
+        x, norm.weight, norm.bias, _norm_spec(norm), linear.weight, linear.bias, linear._fp8_call, main_grad,
+        gathered=linear.fp8_gathered_weight,
+    )  # fmt: skip
 
 
 def norm_mlp(norm: Norm, mlp: MLP, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -159,5 +160,6 @@ def norm_mlp(norm: Norm, mlp: MLP, x: torch.Tensor) -> tuple[torch.Tensor, torch
     partial, residual = fp8_norm_mlp(
         x, norm.weight, norm.bias, _norm_spec(norm), fc1.weight, fc1.bias, fc2.weight,
         activation_kind(mlp), (fc1._fp8_call, fc2._fp8_call), main_grads,
+        gathered=(fc1.fp8_gathered_weight, fc2.fp8_gathered_weight),
     )  # fmt: skip
     return reduce_from_tensor_model_parallel_region(partial, fc2.tp_group), fc2.bias, residual

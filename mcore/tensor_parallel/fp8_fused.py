@@ -47,7 +47,7 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.ops.reference import ACTIVATIONS
-from mcore.tensor_parallel.fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Linear
+from mcore.tensor_parallel.fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8GatheredWeight, Fp8Linear
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group
 
 NORM_KINDS = ("LayerNorm", "RMSNorm")
@@ -83,17 +83,27 @@ def _grad_slot(call: Fp8Linear):
     return state.scale[GRAD_OUTPUT], state.pending_amax[GRAD_OUTPUT : GRAD_OUTPUT + 1]
 
 
-def _cast_weight(call: Fp8Linear, weight: torch.Tensor, training: bool):
-    """``(W_q, W's scale, W's scale_inv)``: the weight cast as the unfused linear casts it."""
+def _cast_weight(call: Fp8Linear, weight: torch.Tensor, training: bool, gathered: Fp8GatheredWeight | None):
+    """``(W_q, W's scale, W's scale_inv)``: the weight cast as the unfused linear casts it; with
+    ``--fp8-param-gather`` the gathered ``W_q`` itself stands in for the scale (:func:`_dgrad`
+    transposes its bytes)."""
+    if gathered is not None:
+        return gathered.data, gathered.data, gathered.scale_inv
     w_scaling = call.scaling(WEIGHT, weight, training)
     w_q, _, w_sinv = get_ops().fp8_cast(weight, call.recipe.fwd_dtype, **w_scaling)
     return w_q, w_scaling["scale"], w_sinv
 
 
 def _dgrad(call: Fp8Linear, dy_q, dy_sinv, weight, w_scale, w_sinv, out_dtype) -> torch.Tensor:
-    """``dx = dy W`` from the FP8 ``dy_q``; ``W^T`` cast again from the forward's scale."""
+    """``dx = dy W`` from the FP8 ``dy_q``; ``W^T`` cast again from the forward's scale (or, for a
+    gathered FP8 weight, its bytes transposed)."""
     ops = get_ops()
-    _, w_qT, _ = ops.fp8_cast(weight, call.recipe.fwd_dtype, rowwise=False, columnwise=True, scale=w_scale)
+    if w_scale.dtype == call.recipe.fwd_dtype:  # the gathered W_q (--fp8-param-gather)
+        w_qT = w_scale.view(torch.uint8).t().contiguous().view(w_scale.dtype)
+    else:
+        _, w_qT, _ = ops.fp8_cast(
+            weight, call.recipe.fwd_dtype, rowwise=False, columnwise=True, scale=w_scale
+        )
     return ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, out_dtype)
 
 
@@ -129,7 +139,9 @@ class Fp8NormLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, weight, bias, main_grad, norm: NormSpec, call, training):
+    def forward(
+        ctx, x, norm_weight, norm_bias, weight, bias, main_grad, norm: NormSpec, call, training, gathered
+    ):
         ops = get_ops()
         ctx.set_materialize_grads(False)
         fwd = call.recipe.fwd_dtype
@@ -139,7 +151,7 @@ class Fp8NormLinear(torch.autograd.Function):
             x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
-        w_q, w_scale, w_sinv = _cast_weight(call, weight, training)
+        w_q, w_scale, w_sinv = _cast_weight(call, weight, training, gathered)
         y = ops.scaled_linear_forward(xn_q, w_q, xn_sinv, w_sinv, bias, x.dtype)
         ctx.norm, ctx.call, ctx.main_grad, ctx.tp_group = norm, call, main_grad, call.tp_group
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
@@ -172,7 +184,7 @@ class Fp8NormLinear(torch.autograd.Function):
         if need_x:
             dxn = _dgrad(call, dy_q, dy_sinv, weight, w_scale, w_sinv, x2d.dtype)
             dx, dnw, dnb = _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual)
-        return dx, dnw, dnb, grad_weight, grad_bias, None, None, None, None
+        return dx, dnw, dnb, grad_weight, grad_bias, None, None, None, None, None
 
 
 class Fp8NormMLP(torch.autograd.Function):
@@ -198,6 +210,7 @@ class Fp8NormMLP(torch.autograd.Function):
         activation: str,
         calls,
         training,
+        gathered,
     ):
         ops = get_ops()
         ctx.set_materialize_grads(False)
@@ -209,13 +222,13 @@ class Fp8NormMLP(torch.autograd.Function):
             x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
-        w1_q, w1_scale, w1_sinv = _cast_weight(fc1, w1, training)
+        w1_q, w1_scale, w1_sinv = _cast_weight(fc1, w1, training, gathered[0])
         h = ops.scaled_linear_forward(xn_q, w1_q, xn_sinv, w1_sinv, None, x.dtype)
         scale, amax_record = _input_slot(fc2, training)
         a_q, a_qT, a_sinv = ops.act_fp8_forward(
             h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
         )
-        w2_q, w2_scale, w2_sinv = _cast_weight(fc2, w2, training)
+        w2_q, w2_scale, w2_sinv = _cast_weight(fc2, w2, training, gathered[1])
         y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
         ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
         ctx.tp_group, ctx.x_shape = fc1.tp_group, x.shape
@@ -267,7 +280,7 @@ class Fp8NormMLP(torch.autograd.Function):
                 dx, dnw, dnb = _norm_backward(
                     ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual
                 )
-        return dx, dnw, dnb, grad_w1, grad_b1, grad_w2, None, None, None, None, None
+        return dx, dnw, dnb, grad_w1, grad_b1, grad_w2, None, None, None, None, None, None
 
 
 def fp8_norm_linear(
@@ -279,18 +292,22 @@ def fp8_norm_linear(
     bias: torch.Tensor | None,
     call: Fp8Linear,
     main_grad: torch.Tensor | None = None,
+    gathered: Fp8GatheredWeight | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x) W^T + b, x)``: a pre-norm column-parallel FP8 linear without sequence parallelism,
     ``x [..., h]`` -> ``([..., N], x)`` (the second output is the residual stream: use it, not ``x``,
     so that its gradient is added inside the norm's backward).
 
     ``call`` must pass :func:`fusable_call`; ``main_grad``: accumulate the weight gradient there
-    (:func:`mcore.tensor_parallel.layers.fusion_main_grad`).
+    (:func:`mcore.tensor_parallel.layers.fusion_main_grad`); ``gathered``: the weight's FP8 copy
+    (``--fp8-param-gather``), used instead of casting ``weight``.
     """
     if norm.kind not in NORM_KINDS:
         raise ValueError(f"fp8_norm_linear: norm {norm.kind!r} is not one of {', '.join(NORM_KINDS)}")
     training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
-    return Fp8NormLinear.apply(x, norm_weight, norm_bias, weight, bias, main_grad, norm, call, training)
+    return Fp8NormLinear.apply(
+        x, norm_weight, norm_bias, weight, bias, main_grad, norm, call, training, gathered
+    )
 
 
 def fp8_norm_mlp(
@@ -304,11 +321,12 @@ def fp8_norm_mlp(
     activation: str,
     calls: tuple[Fp8Linear, Fp8Linear],
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    gathered: tuple[Fp8GatheredWeight | None, Fp8GatheredWeight | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fc2(act(fc1(norm(x)) + b1)), x)`` for a pre-norm MLP without sequence parallelism:
     ``x [..., h]`` -> (this rank's partial fc2 output ``[..., h]``, to all-reduce over TP and add
     fc2's bias to; the residual stream ``x``). ``activation`` one of ``gelu``, ``gelu_tanh``,
-    ``swiglu``; ``calls``/``main_grads``: fc1's and fc2's."""
+    ``swiglu``; ``calls``/``main_grads``/``gathered`` (``--fp8-param-gather``): fc1's and fc2's."""
     if norm.kind not in NORM_KINDS:
         raise ValueError(f"fp8_norm_mlp: norm {norm.kind!r} is not one of {', '.join(NORM_KINDS)}")
     if activation not in ACTIVATIONS:
@@ -326,6 +344,7 @@ def fp8_norm_mlp(
         activation,
         calls,
         training,
+        gathered,
     )
 
 
