@@ -323,6 +323,7 @@ def test_every_op_has_cases():
         "fp8_quantize",
         "fp8_amax",
         "fp8_cast",
+        "fp8_cast_dbias",
         "scaled_linear_forward",
         "scaled_linear_dgrad",
         "scaled_linear_wgrad",
