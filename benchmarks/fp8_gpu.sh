@@ -2,7 +2,8 @@
 # FP8 on one GPU (the commands of benchmarks/README.md's FP8 section): the FP8 op/linear tests on
 # CUDA, then bf16 vs FP8 training throughput at 24L h2048 (the plain+compile reference in the FP8
 # run's process) and at a Llama-style 12L h4096. JSON lines under $OUT.
-# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|kernels|big|rowwise|profile|llama|all]
+# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|kernels|big|margin|rowwise|profile|llama|llama32|all]
+# (llama32: 32L h4096 s4096, ~7.4B parameters: needs the 141 GB of an H200)
 set -u
 OUT=${OUT:-/tmp/fp8_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -21,6 +22,10 @@ if [[ $what == big || $what == all ]]; then
   $TT $BIG $PA $G --iters 20 --out "$OUT/fp8.jsonl" --label bf16
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed
 fi
+if [[ $what == margin || $what == all ]]; then
+  # the delayed recipe's output-gradient scales lag a fast-growing amax on the fixed batch: headroom
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --fp8-margin 3 --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-margin3
+fi
 if [[ $what == rowwise || $what == all ]]; then
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe rowwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-rowwise
 fi
@@ -34,4 +39,9 @@ fi
 if [[ $what == llama || $what == all ]]; then
   $TT $LLAMA $PA $G $RC --iters 10 --out "$OUT/fp8.jsonl" --label llama-bf16
   $TT $LLAMA $PA $G $RC --fp8-format hybrid --fp8-recipe tensorwise --iters 10 --out "$OUT/fp8.jsonl" --label llama-fp8-tensorwise
+fi
+LLAMA32="--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu --ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 50257"
+if [[ $what == llama32 ]]; then
+  $TT $LLAMA32 $PA $G $RC --iters 10 --out "$OUT/fp8.jsonl" --label llama32-bf16
+  $TT $LLAMA32 $PA $G $RC --fp8-format hybrid --fp8-recipe delayed --iters 10 --out "$OUT/fp8.jsonl" --label llama32-fp8-delayed
 fi

@@ -550,31 +550,6 @@ def scaled_linear_wgrad(
     return main_grad.add_(dw.to(main_grad.dtype))
 
 
-REFERENCE_OPS = {
-    "layer_norm": layer_norm,
-    "rms_norm": rms_norm,
-    "layer_norm_with_residual": layer_norm_with_residual,
-    "rms_norm_with_residual": rms_norm_with_residual,
-    "rotary_embedding": rotary_embedding,
-    "bias_gelu": bias_gelu,
-    "swiglu": swiglu,
-    "bias_dropout_add": bias_dropout_add,
-    "attention": attention,
-    "cross_entropy": cross_entropy,
-    "cross_entropy_local_stats": cross_entropy_local_stats,
-    "cross_entropy_grad_inplace_": cross_entropy_grad_inplace_,
-    "adam_step": adam_step,
-    "adam_step_flat": adam_step_flat,
-    "accumulate_weight_grad": accumulate_weight_grad,
-    "fp8_quantize": fp8_quantize,
-    "fp8_amax": fp8_amax,
-    "fp8_cast": fp8_cast,
-    "scaled_linear_forward": scaled_linear_forward,
-    "scaled_linear_dgrad": scaled_linear_dgrad,
-    "scaled_linear_wgrad": scaled_linear_wgrad,
-}
-
-
 # -- fused producers of FP8 operands (the delayed recipe's fused norm / activation casts) -------------
 #
 # Each op below equals an unfused composition of the ops above bit for bit: the producer's output is
@@ -733,3 +708,33 @@ def fp8_cast_dbias(
         amax_record=amax_record,
     )
     return q, qT, scale_inv, x.sum(0)
+
+
+REFERENCE_OPS = {
+    "layer_norm": layer_norm,
+    "rms_norm": rms_norm,
+    "layer_norm_with_residual": layer_norm_with_residual,
+    "rms_norm_with_residual": rms_norm_with_residual,
+    "rotary_embedding": rotary_embedding,
+    "bias_gelu": bias_gelu,
+    "swiglu": swiglu,
+    "bias_dropout_add": bias_dropout_add,
+    "attention": attention,
+    "cross_entropy": cross_entropy,
+    "cross_entropy_local_stats": cross_entropy_local_stats,
+    "cross_entropy_grad_inplace_": cross_entropy_grad_inplace_,
+    "adam_step": adam_step,
+    "adam_step_flat": adam_step_flat,
+    "accumulate_weight_grad": accumulate_weight_grad,
+    "fp8_quantize": fp8_quantize,
+    "fp8_amax": fp8_amax,
+    "fp8_cast": fp8_cast,
+    "fp8_cast_dbias": fp8_cast_dbias,
+    "norm_fp8_forward": norm_fp8_forward,
+    "norm_backward": norm_backward,
+    "act_fp8_forward": act_fp8_forward,
+    "act_fp8_backward": act_fp8_backward,
+    "scaled_linear_forward": scaled_linear_forward,
+    "scaled_linear_dgrad": scaled_linear_dgrad,
+    "scaled_linear_wgrad": scaled_linear_wgrad,
+}

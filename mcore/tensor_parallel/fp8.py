@@ -30,6 +30,13 @@ weight of a row-parallel one; rowwise: the row amaxes of the GEMM whose contract
 Then each rank quantizes its shard exactly as one process quantizes the whole tensor, and TP=p
 equals TP=1 up to the GEMMs' summation order.
 
+Sequence parallelism (a column-parallel layer's input ``x [s/p, b, K]`` split along the sequence):
+for the tensorwise and delayed recipes each rank casts its own rows (tensorwise: the amax max-reduced
+over TP first, so all ranks use one scale) and the all-gather moves the FP8 bytes, half of bf16's,
+instead of gathering bf16 and casting the whole ``[s, b, K]`` on every rank. Backward keeps only the
+local FP8 rows, gathers them again for the weight gradient (``x_qT`` is the gathered ``x_q``
+transposed), and reduce-scatters the input gradient, as the bf16 sequence-parallel linear does.
+
 Gradient-accumulation fusion: the wgrad GEMM adds into ``weight.main_grad`` (the op's
 ``main_grad`` argument) and the weight's ``.grad`` is a placeholder, as in
 :class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`.
@@ -45,7 +52,12 @@ import torch
 from mcore.backend import get_ops
 from mcore.config.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, Fp8Recipe  # noqa: F401 (re-exported)
 from mcore.ops import reference
-from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_size
+from mcore.tensor_parallel.mappings import (
+    _gather_first,
+    _reduce_scatter_first,
+    all_reduce_in_tensor_model_parallel_group,
+    group_size,
+)
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 """Tensor roles of one FP8 linear (indices into its delayed-scaling state)."""
@@ -119,20 +131,24 @@ class Fp8Linear:
             all_reduce_in_tensor_model_parallel_group(amax, self.tp_group, op="max")
         return amax
 
-    def scaling(self, role: int, t: torch.Tensor, record: bool = True) -> dict[str, Any]:
+    def scaling(
+        self, role: int, t: torch.Tensor, record: bool = True, split: bool | None = None
+    ) -> dict[str, Any]:
         """How the op ``fp8_cast`` scales ``t`` (role ``role``) for the tensorwise and delayed recipes:
         its keyword arguments ``scale=``/``amax=``, ``margin=``, ``amax_record=``.
 
         Tensorwise: ``amax=`` the amax of ``t`` (max-reduced over TP where ``t`` is split), from which
         the cast forms the scale on the device. Delayed: ``scale=`` the step's fixed scale and, with
         ``record``, ``amax_record=`` this role's running-max slot, which the cast updates in the same
-        pass (training forwards and backwards record, evaluation does not)."""
+        pass (training forwards and backwards record, evaluation does not). ``split``: whether ``t`` is
+        split over the TP ranks (default: by role and parallel mode, for a full input)."""
         if self.state is not None:
             kwargs: dict[str, Any] = {"scale": self.state.scale[role]}
             if record:
                 kwargs["amax_record"] = self.state.pending_amax[role : role + 1]
             return kwargs
         sharded = role == WEIGHT or (role == GRAD_OUTPUT) == (self.parallel_mode == "column")
+        sharded = sharded if split is None else split
         amax = self._reduce(get_ops().fp8_amax(t), sharded)
         return {"amax": amax, "margin": self.recipe.margin}
 
@@ -159,14 +175,29 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad, zero_placeholder, call: Fp8Linear, training: bool):
+    def forward(
+        ctx, x, weight, bias, main_grad, zero_placeholder, call: Fp8Linear, training: bool, sp_group=None
+    ):
         ops = get_ops()
         recipe = call.recipe
         x2d = x.reshape(-1, x.shape[-1])
         ctx.call, ctx.main_grad, ctx.zero_placeholder = call, main_grad, zero_placeholder
         ctx.has_bias, ctx.x_shape, ctx.out_dtype = bias is not None, x.shape, x.dtype
+        ctx.sp_group = sp_group
         fwd = recipe.fwd_dtype
-        if recipe.recipe == "rowwise":
+        out_rows = x.shape[:-1]
+        if sp_group is not None:
+            # x is this rank's sequence shard: cast it, gather the FP8 rows (see the module docstring)
+            x_scaling = call.scaling(INPUT, x2d, training, split=True)
+            w_scaling = call.scaling(WEIGHT, weight, training)
+            x_q_local, _, x_sinv = ops.fp8_cast(x2d, fwd, **x_scaling)
+            x_q = _gather_fp8_rows(x_q_local, sp_group)
+            w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
+            ctx.w_from_amax = "amax" in w_scaling
+            w_given = w_scaling["amax" if ctx.w_from_amax else "scale"]
+            ctx.save_for_backward(x_q_local, x_sinv, weight, w_given, w_sinv)
+            out_rows = (x.shape[0] * group_size(sp_group), *x.shape[1:-1])
+        elif recipe.recipe == "rowwise":
             row_split = call.parallel_mode == "row" and call._tp
             x_q, x_sinv = _quantize_rows(call, x2d, fwd, row_split)
             w_q, w_sinv = _quantize_rows(call, weight, fwd, row_split)
@@ -182,7 +213,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_saved = x_qT if recipe.wgrad else x2d
             ctx.save_for_backward(x_saved, x_sinv, weight, w_given, w_sinv)
         y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y.reshape(*out_rows, y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -206,6 +237,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_weight = _fp8_wgrad(ctx, weight, dy_qT, x_qT, dyT_sinv, xT_sinv)
         else:
             x_saved, x_sinv, weight, w_given, w_sinv = ctx.saved_tensors
+            if ctx.sp_group is not None and ctx.needs_input_grad[1]:
+                x_saved = _transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
             need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
             dy_q, dy_qT, dy_sinv = ops.fp8_cast(
@@ -225,8 +258,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
                     grad_weight = _weight_grad(ctx, weight, dy2d, x_saved)
         if grad_input is not None:
+            if ctx.sp_group is not None:
+                grad_input = _reduce_scatter_first(grad_input, ctx.sp_group)
             grad_input = grad_input.reshape(ctx.x_shape)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _gather_fp8_rows(q_local: torch.Tensor, group) -> torch.Tensor:
+    """All-gather FP8 rows ``[M/p, K] -> [M, K]`` (rank order) as bytes: collectives take uint8 where
+    they may not know the FP8 dtypes."""
+    return _gather_first(q_local.view(torch.uint8), group).view(q_local.dtype)
+
+
+def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
+    """``q [M, K] -> q^T [K, M]`` contiguous (a byte copy)."""
+    return q.view(torch.uint8).t().contiguous().view(q.dtype)
 
 
 def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
@@ -246,14 +292,27 @@ def fp8_linear(
     call: Fp8Linear,
     main_grad: torch.Tensor | None = None,
     zero_placeholder: bool = False,
+    sequence_parallel_group=None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on FP8 GEMMs (``x [..., K]`` -> ``[..., N]``, in ``x.dtype``).
 
     ``main_grad``: accumulate the weight gradient there (gradient-accumulation fusion; see
-    :func:`mcore.tensor_parallel.layers.fusion_main_grad`).
+    :func:`mcore.tensor_parallel.layers.fusion_main_grad`). ``sequence_parallel_group``: ``x [s/p, b,
+    K]`` is this rank's sequence shard of a column-parallel layer's input, gathered in FP8 (output
+    ``[s, b, N]``); tensorwise and delayed recipes with the FP8 weight gradient only
+    (:func:`gathers_fp8_input`).
     """
     training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
-    return _Fp8LinearFunction.apply(x, weight, bias, main_grad, zero_placeholder, call, training)
+    return _Fp8LinearFunction.apply(
+        x, weight, bias, main_grad, zero_placeholder, call, training, sequence_parallel_group
+    )
+
+
+def gathers_fp8_input(recipe: Fp8Recipe) -> bool:
+    """Whether a sequence-parallel column layer with ``recipe`` all-gathers its input in FP8 (the
+    per-tensor recipes with the FP8 weight gradient; rowwise scales are per token and the bf16
+    weight gradient needs the bf16 input, so those gather bf16)."""
+    return recipe.recipe in ("tensorwise", "delayed") and recipe.wgrad
 
 
 # -- the step boundary and checkpoints -----------------------------------------------------------
@@ -332,6 +391,7 @@ __all__ = [
     "delayed_states",
     "fp8_extra_state",
     "fp8_linear",
+    "gathers_fp8_input",
     "scale_from_amax",
     "update_fp8_scales",
 ]

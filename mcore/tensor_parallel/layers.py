@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore.backend import get_ops
-from mcore.tensor_parallel.fp8 import Fp8DelayedState, Fp8Linear, Fp8Recipe, fp8_linear
+from mcore.tensor_parallel.fp8 import Fp8DelayedState, Fp8Linear, Fp8Recipe, fp8_linear, gathers_fp8_input
 from mcore.tensor_parallel.mappings import (
     all_gather_along_sequence,
     copy_to_tensor_model_parallel_region,
@@ -316,7 +316,11 @@ class ColumnParallelLinear(torch.nn.Module):
         weight = self.resolve_weight(weight)
         bias = None if self.skip_bias_add else self.bias
         shared_weight = weight is not self.weight
-        if self._fp8_call is not None:
+        sp = self.sequence_parallel and group_size(self.tp_group) > 1
+        if self._fp8_call is not None and sp and gathers_fp8_input(self.fp8):
+            main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
+            y = fp8_linear(x, weight, bias, self._fp8_call, main_grad, shared_weight, self.tp_group)
+        elif self._fp8_call is not None:
             total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
             with saved_input:

@@ -10,6 +10,9 @@
    which changes that element by one FP8 step (2^-3 relative for e4m3); over this model that bounds
    the differences (measured: ``GRAD_TOL``). Without the TP amax reduction TP=2 differs by percents (the scales differ).
    Recomputation (full, selective ``mlp``) replays the same quantization: equal to no recomputation.
+   With sequence parallelism the tensorwise and delayed recipes all-gather the column-parallel
+   layers' inputs as FP8 bytes (counted: QKV and fc1 of both layers, in forward and again for the
+   weight gradient); rowwise gathers bf16.
 2. ``pretrain`` (2 processes) with the delayed recipe: DP=2 with the distributed optimizer and
    PP=2 follow the 1-process run; a TP=2 run saved at iteration 3 and resumed is bit-exact (the amax
    histories and scales are in the checkpoint).
@@ -83,14 +86,26 @@ def _two_steps(groups, recipe: str, sp: bool = False, recompute: str = "none"):
 
 
 def _tp_cases():
+    from mcore.tensor_parallel import mappings
+
     out = {}
     refs = {recipe: _two_steps(ProcessGroups.single(), recipe) for recipe in RECIPES}
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
+    gathered = []
+    all_gather = mappings._all_gather_single
+
+    def recording_all_gather(out_tensor, x, **kwargs):
+        gathered.append(x.dtype)
+        return all_gather(out_tensor, x, **kwargs)
+
+    mappings._all_gather_single = recording_all_gather
     for recipe in RECIPES:
         ref_loss, ref_grads = refs[recipe]
         for sp in (False, True):
             for recompute in RECOMPUTE:
+                gathered.clear()
                 loss, grads = _two_steps(groups, recipe, sp, recompute)
+                out[("fp8 gathers", recipe, sp, recompute)] = gathered.count(torch.uint8)
                 grad_err = max(
                     _rel_err(g, spec.shard(ref_grads[name][1])) for name, (spec, g) in grads.items()
                 )
@@ -106,9 +121,18 @@ def tp_results():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_tp2_equals_tp1(tp_results, recipe):
     for rank in tp_results:
-        for (r, sp, recompute), (loss_err, grad_err) in rank.items():
+        for key, value in rank.items():
+            if key[0] == "fp8 gathers":
+                continue
+            (r, sp, recompute), (loss_err, grad_err) = key, value
             if r != recipe:
                 continue
+            fp8_gathers = rank[("fp8 gathers", recipe, sp, recompute)]
+            # 2 steps x 2 layers x (QKV, fc1) x (forward, weight gradient); recomputation adds the
+            # replayed forwards' (full: QKV and fc1; the checkpointed MLP: fc1)
+            replayed = {"none": 0, "full": 8, "selective-mlp": 4}[recompute]
+            expected = 0 if not sp or recipe == "rowwise" else 16 + replayed
+            assert fp8_gathers == expected, (sp, recompute, fp8_gathers)
             assert loss_err < LOSS_TOL, (sp, recompute, loss_err)
             assert grad_err < GRAD_TOL[recipe], (sp, recompute, grad_err)
 
