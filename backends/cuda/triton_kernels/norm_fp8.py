@@ -6,9 +6,9 @@ transpose ``q^T [K, M]`` (the other GEMMs' NT operand) and records ``max |y|`` i
 recipe's amax slot, so the bf16 ``y`` is never written nor read back (the unfused path writes
 ``y`` and :func:`.fp8_cast.cast` reads it: 2 x 32 MB more traffic at 8192 x 2048 bf16).
 
-A program owns ``BLOCK_M`` rows (64: each transposed store writes 64 contiguous bytes of a
-``q^T`` row). A block of whole rows does not fit registers at K = 2048-8192, so it works in two
-phases:
+A program owns ``BLOCK_M`` rows (32: each transposed store writes 32 contiguous bytes, a whole
+sector, of a ``q^T`` row; 64 rows measured slower, see :func:`_fwd_config`). A block of whole rows
+does not fit registers at K = 2048-8192, so it works in two phases:
 
 1. statistics: the rows are reduced ``STAT_M`` at a time in exactly the tile shape, warp count and
    arithmetic of the norm forward kernels (:mod:`.norms`), so ``mean``/``rstd`` are the bits those
@@ -137,7 +137,10 @@ def _norm_fp8_fwd_kernel(
         y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
         if ROUND_IN_FP32:
             y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
-        q = y.to(FP8, fp_downcast_rounding="rtne")
+        # Stored as their bytes (Q, QT are uint8 views): with both stores in one kernel, ptxas 12.9
+        # (Triton's on Hopper) corrupts an FP8 tile's transposed store, not an 8-bit integer one
+        # (triton-lang/triton#11111; seen here at M = 37, K = 64 on an H100)
+        q = y.to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
         cols64 = cols.to(tl.int64)
         if ROWWISE:
             tl.store(Q + rows64[:, None] * N + cols64[None, :], q, mask=mask)
@@ -153,7 +156,10 @@ def _fwd_config(n: int, config: dict | None) -> dict:
     ``BLOCK_M``/``BLOCK_K``/``STAT_UNROLL`` may be overridden (tests, the benchmark's sweep)."""
     stat = norms._fwd_config(n, None)
     block_n, stat_m, warps = stat["BLOCK_N"], stat["BLOCK_M"], stat["num_warps"]
-    cfg = {"BLOCK_M": max(64, stat_m), "STAT_UNROLL": 2, **(config or {})}
+    # 32 rows a program (32-byte transposed stores): on an H100 at 8192 x 2048 bf16, 72.5 us against
+    # 118.9 with 64 rows (half the programs: one 4-warp program an SM) and 218 with 128; equal at
+    # 8192 x 4096 (153.6 / 151.1 us). benchmarks/kernels/bench_norm_fp8.py --sweep.
+    cfg = {"BLOCK_M": max(32, stat_m), "STAT_UNROLL": 2, **(config or {})}
     if cfg["BLOCK_M"] % stat_m:
         raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} is not a multiple of the statistics tile's {stat_m} rows")
     # about 64 elements a thread in a chunk (as the cast kernel's 128 x 128 tile on 8 warps)
@@ -188,7 +194,7 @@ def norm_fp8_fwd(
     grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
     _norm_fp8_fwd_kernel[grid](
         x2, weight, weight if bias is None else bias, rstd if mean is None else mean, rstd,
-        scale_inv if q is None else q, scale_inv if qt is None else qt,  # unused pointers need a tensor
+        scale_inv if q is None else q.view(torch.uint8), scale_inv if qt is None else qt.view(torch.uint8),
         scale, scale_inv, scale_inv if amax_record is None else amax_record,
         m, n, x2.stride(0), eps,
         IS_RMS=is_rms, HAS_BIAS=bias is not None, OUT_DTYPE=_TL_FLOAT[out_dtype],
