@@ -125,7 +125,8 @@ def _main(device: str) -> int:
         every = (torch.bfloat16, torch.float32, torch.float16)
         shapes = {
             (37, 40): every,
-            (300, 1000): every,
+            (37, 64): every,  # K a multiple of 16: the shape where the FP8 transposed store broke
+            (300, 1000): (torch.bfloat16, torch.float32),
             (8192, 2048): (torch.bfloat16,),
             (4100, 4096): (torch.bfloat16,),
         }
