@@ -124,19 +124,26 @@ def main() -> None:
             record(shape, kind, "unfused: norm + fp8_cast", bench(unfused), moved)
             record(shape, kind, "fused: norm_fp8_forward", bench(fused), moved)
             if args.sweep and kind == "LayerNorm":
-                for bm, unroll in ((32, 2), (32, 4), (64, 1), (64, 4), (64, 8), (128, 4)):
-                    cfg = {"BLOCK_M": bm, "STAT_UNROLL": unroll}
-                    record(
-                        shape,
-                        kind,
-                        f"sweep BM {bm} unroll {unroll}",
-                        bench(lambda c=cfg: fused(config=c)),
-                        moved,
-                    )
-                base = norm_fp8._fwd_config(k, None)["BLOCK_K"]
-                for bk in (base // 2, base * 2):
-                    cfg = {"BLOCK_K": bk}
-                    record(shape, kind, f"sweep BM 64 BK {bk}", bench(lambda c=cfg: fused(config=c)), moved)
+                warps = norm_fp8._fwd_config(k, None)["num_warps"]
+                as_first_run = {
+                    "BLOCK_M": 32,
+                    "STAT_GROUP": 1,
+                    "STAT_UNROLL": 2,
+                    "PREFETCH": False,
+                    "BLOCK_K": 64 * warps,
+                }
+                default_bk = norm_fp8._fwd_config(k, None)["BLOCK_K"]
+                sweep = {
+                    "as first measured (BM 32, group 1, no prefetch, 64 elements a thread)": as_first_run,
+                    "group 1, prefetch": {"STAT_GROUP": 1},
+                    "group 2, prefetch": {"STAT_GROUP": 2},
+                    "no prefetch": {"PREFETCH": False},
+                    f"BK {2 * default_bk}": {"BLOCK_K": 2 * default_bk},
+                    "BM 16": {"BLOCK_M": 16},
+                    "BM 64": {"BLOCK_M": 64},
+                }
+                for label, cfg in sweep.items():
+                    record(shape, kind, f"sweep {label}", bench(lambda c=cfg: fused(config=c)), moved)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_GB/s": copy_gbs, "rows": rows}, f, indent=1)

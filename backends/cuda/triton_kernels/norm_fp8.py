@@ -45,6 +45,30 @@ KINDS = ("LayerNorm", "RMSNorm")
 
 
 @triton.jit
+def _stat_tile(X, row, M, stride_x, cols_n, cmask_n, STAT_M: tl.constexpr):
+    """Rows ``row .. row + STAT_M`` of ``x`` (whole rows, fp32) and their mask."""
+    rows = row + tl.arange(0, STAT_M)
+    mask = (rows < M)[:, None] & cmask_n[None, :]
+    ptrs = X + rows.to(tl.int64)[:, None] * stride_x + cols_n[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), mask
+
+
+@triton.jit
+def _fold_stats(x, mask, N, eps, steps, step, mean_acc, rstd_acc, IS_RMS: tl.constexpr):
+    """The statistics of one tile, exactly as the norm forward kernels compute them, placed in row
+    ``step`` of the ``[BLOCK_M // STAT_M, STAT_M]`` accumulators."""
+    if IS_RMS:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        mean_acc = tl.where(steps[:, None] == step, mean[None, :], mean_acc)
+    rstd_acc = tl.where(steps[:, None] == step, rstd[None, :], rstd_acc)
+    return mean_acc, rstd_acc
+
+
+@triton.jit
 def _norm_fp8_fwd_kernel(
     X,
     W,
@@ -75,7 +99,9 @@ def _norm_fp8_fwd_kernel(
     BLOCK_K: tl.constexpr,  # columns of one normalise/cast/store chunk
     STAT_M: tl.constexpr,  # rows of one statistics tile: the norm forward kernel's BLOCK_M
     BLOCK_N: tl.constexpr,  # the whole (padded) row: the norm forward kernel's BLOCK_N
-    STAT_UNROLL: tl.constexpr,  # statistics steps unrolled (their loads in flight together)
+    STAT_UNROLL: tl.constexpr,  # statistics loop iterations unrolled
+    STAT_GROUP: tl.constexpr,  # statistics tiles loaded together before they are reduced (1, 2, 4)
+    PREFETCH: tl.constexpr,  # load the next column chunk before storing this one
 ):
     pid = tl.program_id(0)
     row0 = pid * BLOCK_M
@@ -83,25 +109,27 @@ def _norm_fp8_fwd_kernel(
     if pid == 0:
         tl.store(SCALE_INV, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
-    # -- 1. statistics, STAT_M rows at a time, as _ln_fwd_kernel / _rms_fwd_kernel compute them
+    # -- 1. statistics, STAT_M rows at a time, as _ln_fwd_kernel / _rms_fwd_kernel compute them.
+    # STAT_GROUP tiles are loaded before any is reduced: a reduction ends in a barrier, which the
+    # next tile's load would otherwise wait behind (one DRAM latency a row, with 1-2 programs an SM)
     cols_n = tl.arange(0, BLOCK_N)
     cmask_n = cols_n < N
     steps = tl.arange(0, BLOCK_M // STAT_M)
     mean_acc = tl.zeros([BLOCK_M // STAT_M, STAT_M], dtype=tl.float32)
     rstd_acc = tl.zeros([BLOCK_M // STAT_M, STAT_M], dtype=tl.float32)
-    for step in tl.range(0, BLOCK_M // STAT_M, loop_unroll_factor=STAT_UNROLL):
-        rows = row0 + step * STAT_M + tl.arange(0, STAT_M)
-        mask = (rows < M)[:, None] & cmask_n[None, :]
-        ptrs = X + rows.to(tl.int64)[:, None] * stride_x + cols_n[None, :]
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if IS_RMS:
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-        else:
-            mean = tl.sum(x, axis=1) / N
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
-            mean_acc = tl.where(steps[:, None] == step, mean[None, :], mean_acc)
-        rstd_acc = tl.where(steps[:, None] == step, rstd[None, :], rstd_acc)
+    for step in tl.range(0, BLOCK_M // STAT_M, STAT_GROUP, loop_unroll_factor=STAT_UNROLL):
+        x0, m0 = _stat_tile(X, row0 + step * STAT_M, M, stride_x, cols_n, cmask_n, STAT_M)
+        if STAT_GROUP >= 2:
+            x1, m1 = _stat_tile(X, row0 + (step + 1) * STAT_M, M, stride_x, cols_n, cmask_n, STAT_M)
+        if STAT_GROUP >= 4:
+            x2, m2 = _stat_tile(X, row0 + (step + 2) * STAT_M, M, stride_x, cols_n, cmask_n, STAT_M)
+            x3, m3 = _stat_tile(X, row0 + (step + 3) * STAT_M, M, stride_x, cols_n, cmask_n, STAT_M)
+        mean_acc, rstd_acc = _fold_stats(x0, m0, N, eps, steps, step, mean_acc, rstd_acc, IS_RMS)
+        if STAT_GROUP >= 2:
+            mean_acc, rstd_acc = _fold_stats(x1, m1, N, eps, steps, step + 1, mean_acc, rstd_acc, IS_RMS)
+        if STAT_GROUP >= 4:
+            mean_acc, rstd_acc = _fold_stats(x2, m2, N, eps, steps, step + 2, mean_acc, rstd_acc, IS_RMS)
+            mean_acc, rstd_acc = _fold_stats(x3, m3, N, eps, steps, step + 3, mean_acc, rstd_acc, IS_RMS)
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < M
     rstd = tl.reshape(rstd_acc, [BLOCK_M])
@@ -113,11 +141,21 @@ def _norm_fp8_fwd_kernel(
     # -- 2. normalise, round, scale, cast and store, BLOCK_K columns at a time (x re-read from L2)
     rows64 = rows.to(tl.int64)
     running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    x_ptrs = X + rows64[:, None] * stride_x
+    if PREFETCH:  # the next chunk's load is issued before this chunk's stores (which it cannot pass)
+        cols = tl.arange(0, BLOCK_K)
+        x_next = tl.load(x_ptrs + cols[None, :], mask=rmask[:, None] & (cols < N)[None, :], other=0.0)
     for k0 in range(0, N, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         cmask = cols < N
         mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            cols_nx = cols + BLOCK_K
+            mask_nx = rmask[:, None] & (cols_nx < N)[None, :]
+            x_next = tl.load(x_ptrs + cols_nx[None, :], mask=mask_nx, other=0.0)
+        else:
+            x = tl.load(x_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
         if IS_RMS:
             n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
@@ -153,17 +191,27 @@ def _norm_fp8_fwd_kernel(
 
 def _fwd_config(n: int, config: dict | None) -> dict:
     """The launch: the statistics tile and warps are the norm forward kernel's (bit-equal statistics);
-    ``BLOCK_M``/``BLOCK_K``/``STAT_UNROLL`` may be overridden (tests, the benchmark's sweep)."""
+    ``BLOCK_M``, ``BLOCK_K``, ``STAT_GROUP``, ``STAT_UNROLL``, ``PREFETCH`` may be overridden (tests,
+    the benchmark's sweep)."""
     stat = norms._fwd_config(n, None)
     block_n, stat_m, warps = stat["BLOCK_N"], stat["BLOCK_M"], stat["num_warps"]
-    # 32 rows a program (32-byte transposed stores): on an H100 at 8192 x 2048 bf16, 72.5 us against
-    # 118.9 with 64 rows (half the programs: one 4-warp program an SM) and 218 with 128; equal at
-    # 8192 x 4096 (153.6 / 151.1 us). benchmarks/kernels/bench_norm_fp8.py --sweep.
-    cfg = {"BLOCK_M": max(32, stat_m), "STAT_UNROLL": 2, **(config or {})}
+    # 32 rows a program (32-byte transposed stores): on an H100 (LayerNorm, 8192 rows bf16, before
+    # STAT_GROUP/PREFETCH) 72.5 us against 118.9 with 64 rows (one 4-warp program an SM) and 218 with
+    # 128 at K = 2048; at K = 4096 153.6 / 151.1 / 272 us (benchmarks/README.md, FP8).
+    cfg = {"BLOCK_M": max(32, stat_m), "STAT_UNROLL": 1, "PREFETCH": True, **(config or {})}
     if cfg["BLOCK_M"] % stat_m:
         raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} is not a multiple of the statistics tile's {stat_m} rows")
-    # about 64 elements a thread in a chunk (as the cast kernel's 128 x 128 tile on 8 warps)
-    cfg.setdefault("BLOCK_K", min(block_n, max(16, next_pow2(64 * 32 * warps // cfg["BLOCK_M"]))))
+    # 4 statistics tiles in flight (2 when a tile is more than 16 elements a thread, for registers)
+    steps = cfg["BLOCK_M"] // stat_m
+    per_thread = stat_m * block_n // (32 * warps)
+    cfg.setdefault("STAT_GROUP", min(steps, 4 if per_thread <= 16 else 2))
+    if cfg["STAT_GROUP"] not in (1, 2, 4) or steps % cfg["STAT_GROUP"]:
+        raise ValueError(
+            f"STAT_GROUP {cfg['STAT_GROUP']} is not 1, 2 or 4 dividing the {steps} statistics steps"
+        )
+    # 32 elements a thread in a chunk: ptxas (sm_90a) gives 150 registers a thread at K = 2048 and
+    # 4096, against 208-236 with 64 (which the H100 run above used): 2 programs an SM, not 1, at 4096
+    cfg.setdefault("BLOCK_K", min(block_n, max(16, next_pow2(32 * 32 * warps // cfg["BLOCK_M"]))))
     return {**cfg, "STAT_M": stat_m, "BLOCK_N": block_n, "num_warps": warps}
 
 
