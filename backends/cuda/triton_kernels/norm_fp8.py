@@ -7,15 +7,17 @@ recipe's amax slot, so the bf16 ``y`` is never written nor read back (the unfuse
 ``y`` and :func:`.fp8_cast.cast` reads it: 2 x 32 MB more traffic at 8192 x 2048 bf16).
 
 A program owns ``BLOCK_M`` rows (32: each transposed store writes 32 contiguous bytes, a whole
-sector, of a ``q^T`` row; 64 rows measured slower, see :func:`_fwd_config`). A block of whole rows
+sector, of a ``q^T`` row; 64 rows measured slower, see :func:`_fwd_config`; the statistics' tile
+fixes the warps, so more programs, not more warps, keep more loads in flight). A block of whole rows
 does not fit registers at K = 2048-8192, so it works in two phases:
 
 1. statistics: the rows are reduced ``STAT_M`` at a time in exactly the tile shape, warp count and
    arithmetic of the norm forward kernels (:mod:`.norms`), so ``mean``/``rstd`` are the bits those
    kernels save (a reduction's summation order follows the tile's register layout: another tile
-   shape would round differently). They are collected in registers (no stores in the loop, so the
-   loads of unrolled steps stay in flight together) and written once;
-2. chunks of ``BLOCK_K`` columns: ``x`` is read again (from L2), normalised as the norm kernel
+   shape would round differently). ``STAT_GROUP`` tiles are loaded before any is reduced (their
+   loads in flight together), the results collected in registers and written once;
+2. chunks of ``BLOCK_K`` columns (the next one's load issued before this one's stores,
+   ``PREFETCH``): ``x`` is read again (from L2), normalised as the norm kernel
    does, rounded to the norm's output dtype (``x.dtype`` for LayerNorm, ``promote(x, weight)``
    for RMSNorm: the bytes the unfused norm writes), then scaled, saturated and converted exactly
    as :func:`.fp8_cast._cast_kernel` does; each program keeps a per-row running ``max |y|`` and
