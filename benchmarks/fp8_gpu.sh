@@ -21,6 +21,7 @@ if [[ $what == big || $what == all ]]; then
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe tensorwise --reference plain --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise
   $TT $BIG $PA $G --iters 20 --out "$OUT/fp8.jsonl" --label bf16
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --no-fp8-fused-producers --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-unfused
 fi
 if [[ $what == margin || $what == all ]]; then
   # the delayed recipe's output-gradient scales lag a fast-growing amax on the fixed batch: headroom

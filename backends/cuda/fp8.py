@@ -15,7 +15,8 @@ The per-tensor casts of the tensorwise and delayed recipes (``fp8_amax``, ``fp8_
 hand-written Triton kernels of :mod:`mcore.backends.cuda.triton_kernels.fp8_cast`: an amax pass
 (grid-strided, one atomic per program), then one kernel that forms the scale on the device, casts, writes the FP8
 tensor and its transpose with coalesced stores (the other GEMMs' NT operand) and, for the delayed
-recipe, records the amax in the same pass. The row-scaled cast (``fp8_quantize``, rowwise recipe) is
+recipe, records the amax in the same pass; ``fp8_cast_dbias`` (an output gradient with its bias
+gradient) is a variant of that kernel that also sums the columns. The row-scaled cast (``fp8_quantize``, rowwise recipe) is
 an Inductor-generated kernel (``torch.compile`` of the reference, dynamic shapes). Inside an outer
 ``torch.compile`` (``--compile-layers``) all of them trace the reference, which Inductor fuses with
 the neighbouring ops. Shapes ``_scaled_mm`` refuses (a contraction or output dim not a multiple of 16,
@@ -75,11 +76,10 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
     return kernels.amax(x)
 
 
-def fp8_cast(
-    x, fp8_dtype, *, scale=None, amax=None, margin=0, rowwise=True, columnwise=False, amax_record=None
-):
+def _cast_fits(x, fp8_dtype, scale, amax, amax_record) -> bool:
+    """The Triton cast kernels take this call (else the reference runs)."""
     given = amax if amax is not None else scale
-    fits = (
+    return (
         not _compiling()
         and (scale is None) != (amax is None)
         and x.dim() == 2
@@ -89,7 +89,12 @@ def fp8_cast(
         and (amax_record is None or (amax_record.numel() == 1 and amax_record.dtype == torch.float32))
         and _triton_cast_fits(x, given, amax_record)
     )
-    if not fits:
+
+
+def fp8_cast(
+    x, fp8_dtype, *, scale=None, amax=None, margin=0, rowwise=True, columnwise=False, amax_record=None
+):
+    if not _cast_fits(x, fp8_dtype, scale, amax, amax_record):
         return reference.fp8_cast(
             x,
             fp8_dtype,
@@ -112,6 +117,19 @@ def fp8_cast(
         columnwise=columnwise,
         amax_record=amax_record,
     )
+
+
+def fp8_cast_dbias(
+    x, fp8_dtype, *, scale=None, amax=None, margin=0, rowwise=True, columnwise=False, amax_record=None
+):
+    args = dict(
+        scale=scale, amax=amax, margin=margin, rowwise=rowwise, columnwise=columnwise, amax_record=amax_record
+    )
+    if x.numel() == 0 or not _cast_fits(x, fp8_dtype, scale, amax, amax_record):
+        return reference.fp8_cast_dbias(x, fp8_dtype, **args)
+    from .triton_kernels import fp8_cast as kernels
+
+    return kernels.cast_dbias(x, fp8_dtype, **args)
 
 
 def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_sinv: torch.Tensor) -> bool:
@@ -175,6 +193,7 @@ FP8_OPS = {
     "fp8_quantize": fp8_quantize,
     "fp8_amax": fp8_amax,
     "fp8_cast": fp8_cast,
+    "fp8_cast_dbias": fp8_cast_dbias,
     "scaled_linear_forward": scaled_linear_forward,
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,

@@ -550,14 +550,19 @@ def _build() -> tuple[dict, dict[str, str]]:
     ops.update(FP8_OPS)
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
-        providers.update(fp8_amax="triton", fp8_cast="triton")
+        providers.update(fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton")
+        from .act_fp8 import ACT_FP8_OPS
+
+        ops.update(ACT_FP8_OPS)
+        providers.update(dict.fromkeys(ACT_FP8_OPS, "triton"))
     return ops, providers
 
 
 def _fp8_ops() -> dict:
+    from .act_fp8 import ACT_FP8_OPS
     from .fp8 import FP8_OPS
 
-    return dict(FP8_OPS)
+    return {**FP8_OPS, **ACT_FP8_OPS}
 
 
 CUDA_OPS, PROVIDERS = _build()

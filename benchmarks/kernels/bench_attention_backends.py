@@ -37,7 +37,7 @@ def main() -> None:
         ("efficient", SDPBackend.EFFICIENT_ATTENTION),
     ]:
 
-        def step():
+        def step(backend=backend):
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.backward(dout)
@@ -48,8 +48,16 @@ def main() -> None:
             err = None if ref is None else (out - ref).abs().max().item()
             ref = out.detach() if ref is None else ref
             ms = triton.testing.do_bench(step, warmup=10, rep=50)
-            print(json.dumps({"backend": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
-                              "max_abs_diff_vs_flash": err}))
+            print(
+                json.dumps(
+                    {
+                        "backend": name,
+                        "ms": round(ms, 3),
+                        "tflops": round(flops / ms / 1e9, 1),
+                        "max_abs_diff_vs_flash": err,
+                    }
+                )
+            )
         except Exception as e:  # a backend that refuses this shape or device
             print(json.dumps({"backend": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
 

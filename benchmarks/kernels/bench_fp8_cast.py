@@ -15,7 +15,10 @@ and, for the weights, the backward's transposed-only cast. Bytes are the fewest 
 (the input read once, each FP8 output written once), so ``GB/s`` compares with the copy bandwidth
 measured in the same run. Times: medians of ``triton.testing.do_bench`` (L2 flushed).
 
-    python benchmarks/kernels/bench_fp8_cast.py [--json FILE]
+    python benchmarks/kernels/bench_fp8_cast.py [--json FILE] [--sweep] [--dbias]
+
+``--dbias`` times only the output gradient's cast with its bias gradient (``fp8_cast_dbias``,
+each of its tuned block shapes) against the cast plus ``x.sum(0)``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true", help="also time tile shapes of the cast kernel")
+    parser.add_argument(
+        "--dbias", action="store_true", help="only the output gradient's cast with its bias gradient"
+    )
     args = parser.parse_args()
 
     from mcore.backends.cuda import fp8 as cuda_fp8
@@ -62,6 +68,12 @@ def main() -> None:
     def quantize_transpose(x, scale, dtype):  # the previous op fp8_quantize_transpose
         return reference.fp8_quantize(x, scale, dtype), reference.fp8_quantize(x.t(), scale, dtype)
 
+    if args.dbias:
+        rows = bench_dbias(copy_gbs)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     compiled = torch.compile(quantize_transpose, dynamic=True, fullgraph=True)
     rows = []
     for name, (m, k) in SHAPES.items():
@@ -135,6 +147,48 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def bench_dbias(copy_gbs: float) -> list[dict]:
+    """``--dbias``: the QKV output gradient's delayed-recipe cast (e5m2, ``q`` and ``q^T``, the amax
+    recorded) with its bias gradient: ``fp8_cast`` plus torch's ``x.sum(0)`` (the previous backward)
+    against ``fp8_cast_dbias`` (tuned at its first call) and each of its block shapes."""
+    rows = []
+    for name, (m, k) in (("dy qkv [8192, 6144]", (TOKENS, 6144)), ("dy fc1 [8192, 8192]", (TOKENS, 8192))):
+        rows += _bench_dbias_shape(name, m, k, copy_gbs)
+    return rows
+
+
+def _bench_dbias_shape(name: str, m: int, k: int, copy_gbs: float) -> list[dict]:
+    from mcore.backends.cuda import fp8 as cuda_fp8
+    from mcore.backends.cuda.triton_kernels import fp8_cast as kernels
+
+    dev, fp8, rows = torch.device("cuda"), torch.float8_e5m2, []
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    scale, record = torch.tensor(3.0, device=dev), torch.zeros(1, device=dev)
+    args = dict(scale=scale, rowwise=True, columnwise=True, amax_record=record)
+    q, qT, _ = cuda_fp8.fp8_cast(x, fp8, **args)
+    q2, qT2, _, dbias = cuda_fp8.fp8_cast_dbias(x, fp8, **args)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), name
+    assert torch.equal(qT.view(torch.uint8), qT2.view(torch.uint8)), name
+    exact = x.double().sum(0)
+    err = ((dbias.double() - exact).abs() / exact.abs().clamp(min=1.0)).max().item()
+    print(f"{name}: bytes equal to fp8_cast, dbias max rel error {err:.2e} (bf16 eps 7.8e-3)")
+    moved = x.numel() * x.element_size() + 2 * x.numel()  # x read once, q and qT written
+    paths = [
+        ("fp8_cast + sum(0)", lambda: (cuda_fp8.fp8_cast(x, fp8, **args), x.sum(0))),
+        ("fp8_cast alone", lambda: cuda_fp8.fp8_cast(x, fp8, **args)),
+        ("fp8_cast_dbias (tuned)", lambda: cuda_fp8.fp8_cast_dbias(x, fp8, **args)),
+    ]
+    for cfg in kernels._DBIAS_CONFIGS:
+        label = "dbias {BLOCK_M}x{BLOCK_K}/{num_warps} 2d={SUM_2D} per_sm={PER_SM}".format(**cfg)
+        paths.append((label, lambda cfg=cfg: kernels.cast_dbias(x, fp8, **args, config=cfg)))
+    for label, fn in paths:
+        ms = bench(fn)
+        row = {"shape": name, "path": label, "ms": ms, "GB/s": moved / ms / 1e6, "copy_GB/s": copy_gbs}
+        rows.append(row)
+        print(f"{name:22s} {label:40s} {ms * 1e3:8.1f} us  {row['GB/s'] / copy_gbs:.0%} of copy")
+    return rows
 
 
 if __name__ == "__main__":

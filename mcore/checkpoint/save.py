@@ -56,7 +56,7 @@ from mcore.checkpoint.format import (
     write_tracker,
 )
 from mcore.checkpoint.geometry import full_placement, placement_from_spec
-from mcore.distributed.ddp import unwrap_model
+from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.tensor_parallel.fp8 import FP8_STATE, fp8_extra_state
 from mcore.tensor_parallel.random import get_all_rng_states
 
@@ -206,6 +206,9 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
     payloads: list[_FilePayload] = []
     if optimizer is not None:
         optimizer.finish_param_sync()  # parameters must hold their updated values
+        for chunk in model:  # --fp8-param-gather: FP8 linears' weights exactly, not dequantized
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.gather_full_precision_params()
     if dp == 0:
         mfile = model_file(tp, pp)
         tensors, records = {}, []

@@ -30,6 +30,10 @@ class Fp8Recipe:
         margin: scales are divided by ``2**margin`` (headroom for amax growth).
         amax_history_len, amax_compute_algo: the delayed recipe's history.
         wgrad: the weight-gradient GEMM in FP8 (``--no-fp8-wgrad``: in the activations' dtype).
+        fused_producers: with the delayed recipe and FP8 weight gradients, the norm before QKV/fc1
+            and the MLP activation write the FP8 GEMM inputs themselves
+            (:mod:`mcore.tensor_parallel.fp8_fused`; bit-identical to the unfused path).
+            ``--no-fp8-fused-producers`` runs the unfused path.
     """
 
     format: str = "hybrid"
@@ -38,6 +42,7 @@ class Fp8Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     wgrad: bool = True
+    fused_producers: bool = True
 
     def __post_init__(self):
         if self.format not in FP8_FORMATS:
@@ -91,8 +96,16 @@ class Fp8Config:
     fp8_wgrad: bool = flag(
         True, "Run the weight-gradient GEMM in the activations' dtype, not FP8.", name="--no-fp8-wgrad"
     )
+    fp8_fused_producers: bool = flag(
+        True,
+        "Delayed recipe: run the norm and the MLP activation unfused from the FP8 casts of the next "
+        "linear's input (mcore's fused producers are bit-identical and faster; for comparisons).",
+        name="--no-fp8-fused-producers",
+    )
     fp8_param_gather: bool = flag(
-        False, "Megatron: all-gather FP8 parameters with the distributed optimizer (refused, see docs)."
+        False,
+        "All-gather the FP8 linears' weights in FP8 (half the bytes of bf16) with "
+        "--use-distributed-optimizer; the forward uses the gathered FP8 weight (tensorwise, delayed).",
     )
     first_last_layers_bf16: bool = flag(
         False,
@@ -135,10 +148,14 @@ class Fp8Config:
             "--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid",
         )
         check(
-            not self.fp8_param_gather,
-            "--fp8-param-gather is not supported: mcore keeps the parameters in bf16 and quantizes each "
-            "weight inside its FP8 linear (Transformer Engine's FP8 parameters are not used), so the "
-            "distributed optimizer all-gathers bf16 parameters; drop the flag",
+            self.enabled or not self.fp8_param_gather,
+            "--fp8-param-gather needs --fp8-format e4m3 or hybrid (it all-gathers the FP8 linears' weights)",
+        )
+        check(
+            not (self.fp8_param_gather and self.fp8_recipe == "rowwise"),
+            "--fp8-param-gather with --fp8-recipe rowwise is not supported (a row-scaled weight would need "
+            "its row amaxes reduced before the cast and a transposed copy with other scales for the "
+            "backward); use --fp8-recipe tensorwise or delayed",
         )
 
     @property
@@ -156,6 +173,7 @@ class Fp8Config:
             amax_history_len=self.fp8_amax_history_len,
             amax_compute_algo=self.fp8_amax_compute_algo,
             wgrad=self.fp8_wgrad,
+            fused_producers=self.fp8_fused_producers,
         )
 
     def layer_in_fp8(self, layer_number: int, num_layers: int) -> bool:
@@ -169,8 +187,19 @@ class Fp8Config:
                 return False
         return True
 
-    def check_with(self, num_layers: int, capabilities: frozenset[str], backend_name: str) -> None:
-        """Cross-checks against the model depth and the device backend."""
+    def check_with(
+        self,
+        num_layers: int,
+        capabilities: frozenset[str],
+        backend_name: str,
+        use_distributed_optimizer: bool | None = None,
+    ) -> None:
+        """Cross-checks against the model depth, the device backend and (when given) the optimizer."""
+        check(
+            not self.fp8_param_gather or use_distributed_optimizer in (None, True),
+            "--fp8-param-gather needs --use-distributed-optimizer (the FP8 weights are what the "
+            "distributed optimizer all-gathers after its step)",
+        )
         if not self.enabled:
             return
         if self.first_last_layers_bf16:

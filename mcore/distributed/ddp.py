@@ -30,8 +30,8 @@ its backward GEMM and returns a placeholder gradient, so that this hook still fi
 bucket ready) but skips the add. The layer says so with ``param.grad_added_to_main_grad``, which it
 sets in its forward and which stays set while it keeps fusing (every micro-batch of every step); the
 wrapper initializes it to False. A weight that also gets gradients from other autograd uses (the tied
-word embedding, multiplied in by the output layer) keeps the flag False: the output layer's
-placeholder is zeros and autograd sums it with the embedding's gradient, which the hook adds.
+word embedding, multiplied in by the output layer) keeps the flag False: the output layer returns no
+gradient for it, so the hook adds the embedding's gradient alone.
 
 Small gradients (at most ``_BATCHED_ADD_MAX_ELEMENTS``, with ``main_grad``'s dtype): a GPT layer has
 eight bias and norm-weight vectors, whose adds are each a kernel launch shorter than its own launch
@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from mcore.config.fields import check, flag
+from mcore.distributed.fp8_param_gather import Fp8ParamGather, fp8_gathered_layers
 from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.param_attrs import is_pipeline_shared, is_shared_embedding
@@ -98,6 +99,12 @@ class DDPConfig:
         "from OptimizerConfig: the one-pass optimizer updates whole buffers).",
         cli=False,
     )
+    fp8_param_gather: bool = flag(
+        False,
+        "All-gather the FP8 linears' weights in FP8 (set from Fp8Config's --fp8-param-gather; see "
+        "mcore.distributed.fp8_param_gather).",
+        cli=False,
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -108,9 +115,14 @@ class DDPConfig:
             not self.overlap_param_gather or self.use_distributed_optimizer,
             "overlap_param_gather=True needs use_distributed_optimizer=True",
         )
+        check(
+            not self.fp8_param_gather or self.use_distributed_optimizer,
+            "--fp8-param-gather needs --use-distributed-optimizer",
+        )
 
-    def with_training(self, optimizer, precision) -> DDPConfig:
-        """This config completed from the optimizer and precision configs (the fields without flags).
+    def with_training(self, optimizer, precision, fp8=None) -> DDPConfig:
+        """This config completed from the optimizer, precision and (optional) FP8 configs (the fields
+        without flags).
 
         fp16 with dynamic loss scaling turns the NaN check off: an overflow may produce NaN gradients,
         and the loss scaler is what handles it (skip the step, lower the scale).
@@ -123,6 +135,7 @@ class DDPConfig:
             contiguous_params=optimizer.uses_flat_adam(precision),
             use_distributed_optimizer=optimizer.use_distributed_optimizer,
             overlap_param_gather=optimizer.overlap_param_gather,
+            fp8_param_gather=fp8 is not None and fp8.fp8_param_gather,
             check_for_nan_in_loss_and_grad=self.check_for_nan_in_loss_and_grad
             and not precision.dynamic_loss_scale,
         )
@@ -167,12 +180,14 @@ class DistributedDataParallel(torch.nn.Module):
 
         names = {id(p): n for n, p in module.named_parameters()}
         self._all_params = list(module.parameters())  # for zero_grad_buffer, without a module walk per step
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
+        # --fp8-param-gather: the FP8 linears' weights get buffers of their own (gathered in FP8)
+        fp8_layers = fp8_gathered_layers(module) if ddp_config.fp8_param_gather else {}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for param in reversed(list(module.parameters())):  # backward order, roughly
             if not param.requires_grad:
                 continue
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            by_dtype.setdefault((param.dtype, grad_dtype, id(param) in fp8_layers), []).append(param)
 
         def own_bucket(param: torch.nn.Parameter) -> bool:
             # the tied embedding's two copies (first and last stage) must shard alike
@@ -184,8 +199,14 @@ class DistributedDataParallel(torch.nn.Module):
 
         self.grad_buffers = [
             GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names, ddp_config.contiguous_params)
-            for (pdt, gdt), params in by_dtype.items()
+            for (pdt, gdt, _), params in by_dtype.items()
         ]
+        self._fp8_gathers: list[Fp8ParamGather] = []
+        for (_, _, fp8), buffer in zip(by_dtype, self.grad_buffers):
+            if fp8:
+                layers = [fp8_layers[id(p)] for p in buffer.params]
+                buffer.fp8_gather = Fp8ParamGather(buffer, layers, groups.tp)
+                self._fp8_gathers.append(buffer.fp8_gather)
         self.buckets: list[Bucket] = [b for buffer in self.grad_buffers for b in buffer.buckets]
         self._buffer_of: dict[int, GradBuffer] = {
             id(p): buffer for buffer in self.grad_buffers for p in buffer.params
@@ -205,6 +226,7 @@ class DistributedDataParallel(torch.nn.Module):
             for buffer in self.grad_buffers
             for param in buffer.params
         ]
+        self.refresh_fp8_params()  # the FP8 copies of the initial weights
         if ddp_config.overlap_param_gather:
             for sub in module.modules():
                 if any(id(p) in self._buffer_of for p in sub.parameters(recurse=False)):
@@ -377,9 +399,32 @@ class DistributedDataParallel(torch.nn.Module):
     # parameters (distributed optimizer)
 
     def start_param_sync(self) -> None:
-        """Launch the all-gather of updated parameter shards, first-needed bucket first."""
+        """Launch the all-gather of updated parameter shards, first-needed bucket first (with
+        ``--fp8-param-gather`` the FP8 linears' shards are quantized first and gathered in FP8)."""
+        for fp8 in self._fp8_gathers:
+            fp8.quantize_shards()
         for bucket in reversed(self.buckets):
             bucket.start_param_sync()
+
+    def refresh_fp8_params(self) -> None:
+        """``--fp8-param-gather``: quantize and all-gather the FP8 weights again from the parameters
+        (after weights were set other than by the optimizer's step: construction, a checkpoint load);
+        a no-op without it. Every data-parallel rank calls it."""
+        if not self._fp8_gathers:
+            return
+        self.finish_param_sync()
+        for fp8 in self._fp8_gathers:
+            fp8.quantize_shards()
+            for bucket in fp8.buffer.buckets:
+                bucket.start_param_sync()
+                bucket.finish_param_sync()
+
+    def gather_full_precision_params(self) -> None:
+        """``--fp8-param-gather``: all-gather the FP8 linears' weights in their own dtype, so that every
+        rank holds them exactly (a checkpoint save); a no-op without it. Every data-parallel rank calls it."""
+        self.finish_param_sync()
+        for fp8 in self._fp8_gathers:
+            fp8.gather_full_precision()
 
     def finish_param_sync(self) -> None:
         """Wait until every parameter holds its updated value (before eval, saving, or reading weights)."""

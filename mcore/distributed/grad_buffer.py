@@ -155,14 +155,18 @@ class Bucket:
             or self.param_handle is not None
         ):
             return
+        fp8 = self.buffer.fp8_gather  # --fp8-param-gather: the FP8 copy's bytes instead
+        data = self.param_data if fp8 is None else fp8.bucket_bytes(self)
         self.param_handle = all_gather_into_tensor(
-            self.param_data, self._local_view(self.param_data), group=comm.group, async_op=True
+            data, self._local_view(data), group=comm.group, async_op=True
         )
 
     def finish_param_sync(self) -> None:
         if self.param_handle is not None:
             self.param_handle.wait()
             self.param_handle = None
+            if self.buffer.fp8_gather is not None:
+                self.buffer.fp8_gather.after_gather(self)
 
 
 class GradBuffer:
@@ -239,6 +243,9 @@ class GradBuffer:
                 param.data = view
             param.main_grad = self.grad_data[start:end].view(param.shape)
         self.buckets = [Bucket(self, i, s, e, m) for i, (s, e, m) in enumerate(bucket_bounds)]
+        self.fp8_gather = None
+        """``--fp8-param-gather``: the buffer's :class:`~mcore.distributed.fp8_param_gather.Fp8ParamGather`
+        (its buckets all-gather FP8 bytes instead of ``param_data``), set by the DDP wrapper."""
 
     def _pad_bucket_end(self, end: int) -> int:
         if not self.comm.use_distributed_optimizer:

@@ -176,6 +176,18 @@ class SelfAttention(torch.nn.Module):
         ``[b, n_p, s, s_k]`` (T5's relative positions), or None.
         """
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, (n_p + 2 g_p) d]
+        return self.forward_from_qkv(qkv, attention_mask, rotary_freqs, inference_context, attention_bias)
+
+    def forward_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_freqs: torch.Tensor | None = None,
+        inference_context=None,
+        attention_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` after the QKV projection: ``qkv [s, b, (n_p + 2 g_p) d]`` (``linear_qkv``'s
+        output, or the fused norm and projection's, :mod:`mcore.models.fp8_producers`)."""
         s, b = qkv.shape[:2]
         r, d = self.heads_per_group, self.head_dim
         qkv = qkv.view(s, b, self.num_groups, (r + 2) * d)

@@ -16,6 +16,11 @@ names): ``core_attn`` (the default) checkpoints the core attention (:mod:`mcore.
 whole MLP. ``layernorm`` and ``mlp_act`` run no backward pass of their own, so they also work with
 device graphs (``--cuda-graph-impl local``) and keep the fused norm-and-residual op.
 
+FP8 with the delayed recipe: the norms write the next linear's FP8 input themselves, as one autograd
+Function with it (:mod:`mcore.models.fp8_producers` says when); that path keeps only FP8 operands,
+so ``layernorm`` and ``mlp_act`` have nothing to free there, and ``mlp`` checkpoints the fused norm
+and MLP together.
+
 What ``layernorm`` frees is the tensor the projection saves for its weight gradient. With sequence
 parallelism the column-parallel linear all-gathers the ``[s/p, b, h]`` norm output along ``s`` and
 keeps a recipe (all-gather this rank's norm output again) whose argument, the local norm output,
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
+from mcore.models import fp8_producers
 from mcore.models.attention import SelfAttention
 from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
@@ -88,6 +94,10 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = build_module(submodules.self_attention, config, ctx, layer_number=layer_number)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, ctx)
         self.mlp = build_module(submodules.mlp, config, ctx, layer_number=layer_number)
+        # FP8 (delayed recipe): the norms write the next linear's FP8 input (mcore.models.fp8_producers)
+        fusable = fp8_producers.layer_allows(self)
+        self.fp8_fused_qkv = fusable and fp8_producers.qkv_fusable(self.input_layernorm, self.self_attention)
+        self.fp8_fused_mlp = fusable and fp8_producers.mlp_fusable(self.pre_mlp_layernorm, self.mlp)
 
     def forward(
         self,
@@ -116,6 +126,12 @@ class TransformerLayer(torch.nn.Module):
         **attention_kwargs,
     ) -> torch.Tensor:
         """The self-attention branch; ``attention_kwargs`` go to the attention (T5's ``attention_bias``)."""
+        if self.fp8_fused_qkv and fp8_producers.qkv_ops_ready(self.input_layernorm, self.self_attention):
+            qkv, residual = fp8_producers.norm_qkv(self.input_layernorm, self.self_attention, hidden_states)
+            out, bias = self.self_attention.forward_from_qkv(
+                qkv, attention_mask, rotary_freqs, inference_context=inference_context, **attention_kwargs
+            )
+            return self._bias_dropout_add(out, bias, residual)
         return self._residual_branch(
             self.input_layernorm,
             hidden_states,
@@ -140,6 +156,12 @@ class TransformerLayer(torch.nn.Module):
 
     def _mlp_branch(self, hidden_states: torch.Tensor, recompute: bool) -> torch.Tensor:
         """The MLP branch (``--recompute-modules mlp`` checkpoints the MLP)."""
+        if self.fp8_fused_mlp and fp8_producers.mlp_ops_ready(self.pre_mlp_layernorm, self.mlp):
+            if recompute and self.recompute_mlp:  # the fused norm and MLP, recomputed together
+                out = checkpoint(self._fused_mlp_with_bias, hidden_states)
+                return self._bias_dropout_add(out, None, hidden_states)
+            out, bias, residual = fp8_producers.norm_mlp(self.pre_mlp_layernorm, self.mlp, hidden_states)
+            return self._bias_dropout_add(out, bias, residual)
 
         def mlp(normed: torch.Tensor):
             if recompute and self.recompute_mlp:
@@ -187,6 +209,12 @@ class TransformerLayer(torch.nn.Module):
     def _mlp_with_bias(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP output with its bias added (``--recompute-modules mlp`` checkpoints this)."""
         out, bias = self.mlp(x)
+        return out if bias is None else out + bias
+
+    def _fused_mlp_with_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused norm and MLP's output with fc2's bias added (``--recompute-modules mlp`` on the
+        fused path checkpoints this; the residual stream is ``x``, outside)."""
+        out, bias, _ = fp8_producers.norm_mlp(self.pre_mlp_layernorm, self.mlp, x)
         return out if bias is None else out + bias
 
     def _bias_dropout_add(self, x, bias, residual) -> torch.Tensor:

@@ -619,9 +619,15 @@ def norm_backward(
         br = None if bias is None else bias.detach().requires_grad_(True)
         y = _norm(xr, wr, br, eps, kind)
         inputs = [xr, wr] + ([br] if br is not None else [])
-        grads = torch.autograd.grad(y, inputs, grad_output)
-    dx = grads[0] if residual_grad is None else grads[0] + residual_grad
-    return dx, grads[1], grads[2] if bias is not None else None
+        outputs, output_grads = [y], [grad_output]
+        if residual_grad is not None:
+            # The residual reaches ``x`` through autograd, as in the unfused layer: it arrives first
+            # (its node is the newest) and the norm's contributions are added to it in autograd's
+            # order, so dx is bit-identical to the unfused composition's (RMSNorm uses ``x`` twice).
+            outputs.append(xr.view_as(xr))
+            output_grads.append(residual_grad)
+        grads = torch.autograd.grad(outputs, inputs, output_grads)
+    return grads[0], grads[1], grads[2] if bias is not None else None
 
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")

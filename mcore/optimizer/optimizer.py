@@ -520,6 +520,9 @@ class MegatronOptimizer:
     def reload_model_params(self) -> None:
         """Refresh the fp32 masters from the model parameters (after the model's weights were loaded)."""
         self.finish_param_sync()
+        for chunk in self.model_chunks:  # --fp8-param-gather: the FP8 copies of the loaded weights
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.refresh_fp8_params()
         if self.flat:
             for flat in self.flat_states:
                 flat.reset_masters_from_params()

@@ -164,19 +164,48 @@ def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: 
     return get_ops().fp8_quantize(t, scale, dtype), scale.reciprocal()
 
 
+@dataclass(frozen=True, eq=False)
+class Fp8GatheredWeight:
+    """A weight quantized once per optimizer step and all-gathered in FP8 (``--fp8-param-gather``,
+    :mod:`mcore.distributed.fp8_param_gather`): the FP8 linear uses it instead of casting ``W``.
+
+    Attributes:
+        data: ``W_q [N, K]`` in the forward format (e4m3), a view into the all-gathered buffer.
+        scale_inv: 0-dim fp32, ``W ~= W_q * scale_inv`` (the same on every data-parallel rank).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: bool):
+    scale = call.row_scale(t, dtype, split)
+    return get_ops().fp8_quantize(t, scale, dtype), scale.reciprocal()
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 GEMMs (see the module docstring); ``x [..., K]``, ``W [N, K]``.
 
     Saved for backward (tensorwise/delayed): ``x_qT [K, M]`` in FP8 (half the bytes of the bf16 input a
     bf16 linear keeps) and the weight with its amax (tensorwise) or scale (delayed); the backward
     quantizes ``W^T`` again from the same amax or scale, which reproduces the forward's ``W_q``
-    exactly, instead of keeping an FP8 copy.
+    exactly, instead of keeping an FP8 copy. With a gathered weight (``--fp8-param-gather``) the
+    forward multiplies its ``W_q`` and the backward transposes those bytes (``W_q^T``, a copy).
     Rowwise (and ``--no-fp8-wgrad``) keep ``x`` itself: the wgrad operand needs other scales.
     """
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, main_grad, zero_placeholder, call: Fp8Linear, training: bool, sp_group=None
+        ctx,
+        x,
+        weight,
+        bias,
+        main_grad,
+        zero_placeholder,
+        call: Fp8Linear,
+        training: bool,
+        gathered: Fp8GatheredWeight | None,
+        sp_group,
     ):
         ops = get_ops()
         recipe = call.recipe
@@ -186,31 +215,33 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.sp_group = sp_group
         fwd = recipe.fwd_dtype
         out_rows = x.shape[:-1]
-        if sp_group is not None:
-            # x is this rank's sequence shard: cast it, gather the FP8 rows (see the module docstring)
-            x_scaling = call.scaling(INPUT, x2d, training, split=True)
-            w_scaling = call.scaling(WEIGHT, weight, training)
-            x_q_local, _, x_sinv = ops.fp8_cast(x2d, fwd, **x_scaling)
-            x_q = _gather_fp8_rows(x_q_local, sp_group)
-            w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
-            ctx.w_from_amax = "amax" in w_scaling
-            w_given = w_scaling["amax" if ctx.w_from_amax else "scale"]
-            ctx.save_for_backward(x_q_local, x_sinv, weight, w_given, w_sinv)
-            out_rows = (x.shape[0] * group_size(sp_group), *x.shape[1:-1])
-        elif recipe.recipe == "rowwise":
+        if recipe.recipe == "rowwise":
             row_split = call.parallel_mode == "row" and call._tp
             x_q, x_sinv = _quantize_rows(call, x2d, fwd, row_split)
             w_q, w_sinv = _quantize_rows(call, weight, fwd, row_split)
             ctx.save_for_backward(x2d, weight)
         else:
-            x_scaling = call.scaling(INPUT, x2d, training)
-            w_scaling = call.scaling(WEIGHT, weight, training)
-            x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
-            w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
-            # the backward casts W^T again from the same amax (tensorwise) or scale (delayed)
-            ctx.w_from_amax = "amax" in w_scaling
-            w_given = w_scaling["amax" if ctx.w_from_amax else "scale"]
-            x_saved = x_qT if recipe.wgrad else x2d
+            if sp_group is not None:
+                # x is this rank's sequence shard: cast it, gather the FP8 rows (module docstring)
+                x_scaling = call.scaling(INPUT, x2d, training, split=True)
+                x_q_local, _, x_sinv = ops.fp8_cast(x2d, fwd, **x_scaling)
+                x_q = _gather_fp8_rows(x_q_local, sp_group)
+                x_saved = x_q_local  # gathered again (and transposed) for the weight gradient
+                out_rows = (x.shape[0] * group_size(sp_group), *x.shape[1:-1])
+            else:
+                x_scaling = call.scaling(INPUT, x2d, training)
+                x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
+                x_saved = x_qT if recipe.wgrad else x2d
+            if gathered is not None:  # --fp8-param-gather: W_q was made after the optimizer step
+                ctx.w_from = "fp8"  # the backward transposes W_q's bytes
+                w_q, w_sinv = gathered.data, gathered.scale_inv
+                w_given = w_q
+            else:
+                # the backward casts W^T again from the same amax (tensorwise) or scale (delayed)
+                w_scaling = call.scaling(WEIGHT, weight, training)
+                w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
+                ctx.w_from = "amax" if "amax" in w_scaling else "scale"
+                w_given = w_scaling[ctx.w_from]
             ctx.save_for_backward(x_saved, x_sinv, weight, w_given, w_sinv)
         y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
         return y.reshape(*out_rows, y.shape[-1])
@@ -222,9 +253,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe = call.recipe
         fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_bias = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_input = grad_weight = None
+        need_dbias = ctx.has_bias and ctx.needs_input_grad[2]
+        grad_bias = grad_input = grad_weight = None
         if recipe.recipe == "rowwise":
+            grad_bias = dy2d.sum(0) if need_dbias else None
             x2d, weight = ctx.saved_tensors
             col_split = call.parallel_mode == "column" and call._tp
             if ctx.needs_input_grad[0]:
@@ -241,14 +273,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_saved = _transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
             need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
-            dy_q, dy_qT, dy_sinv = ops.fp8_cast(
+            # with a bias, its gradient dy.sum(0) comes from the cast's read of dy (fp8_cast_dbias)
+            cast = ops.fp8_cast_dbias if need_dbias else ops.fp8_cast
+            dy_q, dy_qT, dy_sinv, *dbias = cast(
                 dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling
             )
+            grad_bias = dbias[0] if need_dbias else None
             if ctx.needs_input_grad[0]:
-                w_scaling = (
-                    {"amax": w_given, "margin": recipe.margin} if ctx.w_from_amax else {"scale": w_given}
-                )
-                _, w_qT, _ = ops.fp8_cast(weight, fwd, rowwise=False, columnwise=True, **w_scaling)
+                if ctx.w_from == "fp8":  # the same bytes the forward multiplied, transposed
+                    w_qT = w_given.t().contiguous()
+                else:
+                    w_scaling = (
+                        {"amax": w_given, "margin": recipe.margin}
+                        if ctx.w_from == "amax"
+                        else {"scale": w_given}
+                    )
+                    _, w_qT, _ = ops.fp8_cast(weight, fwd, rowwise=False, columnwise=True, **w_scaling)
                 grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.wgrad:
@@ -261,7 +301,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if ctx.sp_group is not None:
                 grad_input = _reduce_scatter_first(grad_input, ctx.sp_group)
             grad_input = grad_input.reshape(ctx.x_shape)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _gather_fp8_rows(q_local: torch.Tensor, group) -> torch.Tensor:
@@ -277,12 +317,12 @@ def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
 
 def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
     """``dW = nt(dy_qT, x_qT)``, accumulated into ``ctx.main_grad`` when it is set (then a placeholder
-    gradient is returned, zeros for a shared weight), else returned in the weight's dtype."""
+    gradient is returned, None for a shared weight), else returned in the weight's dtype."""
     ops = get_ops()
     if ctx.main_grad is None:
         return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
     ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, ctx.main_grad)
-    return torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+    return None if ctx.zero_placeholder else torch.empty_like(weight)
 
 
 def fp8_linear(
@@ -293,6 +333,7 @@ def fp8_linear(
     main_grad: torch.Tensor | None = None,
     zero_placeholder: bool = False,
     sequence_parallel_group=None,
+    gathered: Fp8GatheredWeight | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on FP8 GEMMs (``x [..., K]`` -> ``[..., N]``, in ``x.dtype``).
 
@@ -300,11 +341,13 @@ def fp8_linear(
     :func:`mcore.tensor_parallel.layers.fusion_main_grad`). ``sequence_parallel_group``: ``x [s/p, b,
     K]`` is this rank's sequence shard of a column-parallel layer's input, gathered in FP8 (output
     ``[s, b, N]``); tensorwise and delayed recipes with the FP8 weight gradient only
-    (:func:`gathers_fp8_input`).
+    (:func:`gathers_fp8_input`). ``gathered``: ``weight``'s FP8 copy (``--fp8-param-gather``;
+    tensorwise and delayed recipes), used instead of casting ``weight``, which then only receives
+    the gradient.
     """
     training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
     return _Fp8LinearFunction.apply(
-        x, weight, bias, main_grad, zero_placeholder, call, training, sequence_parallel_group
+        x, weight, bias, main_grad, zero_placeholder, call, training, gathered, sequence_parallel_group
     )
 
 
@@ -386,6 +429,7 @@ __all__ = [
     "FP8_STATE",
     "FP8_RECIPES",
     "Fp8DelayedState",
+    "Fp8GatheredWeight",
     "Fp8Linear",
     "Fp8Recipe",
     "delayed_states",

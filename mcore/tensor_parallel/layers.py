@@ -72,11 +72,13 @@ torch.library.register_fake("mcore::accumulate_weight_grad_", _accumulate_weight
 class _LinearWithGradAccumulationFusion(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose backward adds ``dY^T X`` into ``main_grad`` in place.
 
-    The weight's gradient is a placeholder: ``torch.empty_like(weight)`` when the caller owns the
-    weight (the DDP hook discards it, see ``weight.grad_added_to_main_grad``), or zeros when the
-    weight is shared with other autograd uses (the tied output layer: autograd sums the placeholder
-    with the embedding's gradient and the hook adds that sum, so zeros keep it exact). A placeholder
-    and not ``None``, so that the post-accumulate-grad hook still fires and marks the bucket ready.
+    The weight's gradient is a placeholder, ``torch.empty_like(weight)``, when the caller owns the
+    weight (the DDP hook discards it, see ``weight.grad_added_to_main_grad``): a tensor and not
+    ``None``, so that the post-accumulate-grad hook still fires and marks the bucket ready. When the
+    weight is shared with other autograd uses (the tied output layer) it is ``None``: the other use
+    (the embedding lookup) gives the gradient that fires the hook, which adds it to ``main_grad``; a
+    zero placeholder would cost a fill and an add over the whole ``[V, h]`` weight to give the same
+    sum.
     The backward has no side effect besides the in-place accumulation, so dynamo can trace it.
     """
 
@@ -99,15 +101,16 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
 
 
 def _weight_grad(ctx, weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
-    """``dW = dY^T X``: accumulated into ``ctx.main_grad`` (returning the placeholder that
-    :class:`_LinearWithGradAccumulationFusion` describes), or returned when ``ctx.main_grad`` is None."""
+    """``dW = dY^T X``: accumulated into ``ctx.main_grad`` (returning the placeholder, or None for a
+    shared weight, as :class:`_LinearWithGradAccumulationFusion` describes), or returned when
+    ``ctx.main_grad`` is None."""
     if ctx.main_grad is None:
         return grad_2d.t().matmul(input_2d)
     if torch.compiler.is_compiling():
         torch.ops.mcore.accumulate_weight_grad_.default(ctx.main_grad, grad_2d, input_2d)
     else:
         get_ops().accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
-    return torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+    return None if ctx.zero_placeholder else torch.empty_like(weight)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -181,7 +184,7 @@ def linear_with_grad_accumulation_fusion(
 
     Args:
         shared_weight: the weight belongs to another module and has other autograd uses (the tied
-            output layer gets the word embedding): fuse with a zero placeholder and leave the flag
+            output layer gets the word embedding): fuse, return no weight gradient and leave the flag
             alone, so the other uses' gradient still reaches ``main_grad`` through the hook.
     """
     main_grad = fusion_main_grad(weight, gradient_accumulation_fusion, shared_weight)
@@ -227,6 +230,8 @@ def _setup_fp8(layer: torch.nn.Module, fp8: Fp8Recipe | None, parallel_mode: str
     layer.fp8 = fp8
     layer.fp8_state = None
     layer._fp8_call = None
+    # the weight's FP8 copy, set by DDP with --fp8-param-gather (mcore.distributed.fp8_param_gather)
+    layer.fp8_gathered_weight = None
     if fp8 is None:
         return
     if fp8.recipe == "delayed":
@@ -317,14 +322,20 @@ class ColumnParallelLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         shared_weight = weight is not self.weight
         sp = self.sequence_parallel and group_size(self.tp_group) > 1
+        gathered = None if shared_weight else self.fp8_gathered_weight
         if self._fp8_call is not None and sp and gathers_fp8_input(self.fp8):
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
-            y = fp8_linear(x, weight, bias, self._fp8_call, main_grad, shared_weight, self.tp_group)
+            y = fp8_linear(
+                x, weight, bias, self._fp8_call, main_grad, shared_weight,
+                sequence_parallel_group=self.tp_group, gathered=gathered,
+            )  # fmt: skip
         elif self._fp8_call is not None:
             total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
             with saved_input:
-                y = fp8_linear(total, weight, bias, self._fp8_call, main_grad, shared_weight)
+                y = fp8_linear(
+                    total, weight, bias, self._fp8_call, main_grad, shared_weight, gathered=gathered
+                )
         elif self.sequence_parallel and group_size(self.tp_group) > 1 and torch.is_grad_enabled():
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
             y = _SequenceParallelColumnLinear.apply(x, weight, bias, main_grad, shared_weight, self.tp_group)
@@ -428,7 +439,7 @@ class RowParallelLinear(torch.nn.Module):
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         if self._fp8_call is not None:
             main_grad = fusion_main_grad(self.weight, self.gradient_accumulation_fusion, False)
-            y = fp8_linear(x, self.weight, None, self._fp8_call, main_grad)
+            y = fp8_linear(x, self.weight, None, self._fp8_call, main_grad, gathered=self.fp8_gathered_weight)
         else:
             y = linear_with_grad_accumulation_fusion(
                 x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion

@@ -104,9 +104,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(dz.t(), x_c)
             del dz
         if main_grad is not None:
-            # a placeholder so the DDP hook fires: zeros when autograd sums it with the tied
-            # embedding's gradient, else empty (the hook discards it, see grad_added_to_main_grad)
-            grad_w = torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+            # a placeholder so the DDP hook fires (it discards it, see grad_added_to_main_grad);
+            # none for the tied embedding, whose lookup's gradient fires the hook (no zero fill
+            # and add over [V, h])
+            grad_w = None if ctx.zero_placeholder else torch.empty_like(weight)
         elif need_w and grad_w is None:
             grad_w = torch.zeros_like(weight)  # no tokens
         grad_x = grad_x2.view(x.shape) if need_x else None

@@ -244,6 +244,25 @@ def _scaled_linear_make(which: str):
     return make
 
 
+def _act_fp8_make(kind: str, backward: bool, bias: bool = True):
+    """fc1's output ``h [40, 48]`` (SwiGLU ``[40, 96]``) with a bias, a few values past the FP8 range
+    after scaling (they saturate); the activation or its backward (fc2's input gradient ``[40, 48]``)
+    quantized to e4m3 (forward) or e5m2 (backward) with a given scale, the amax recorded in place."""
+
+    def make(dtype, gen):
+        width = 96 if kind == "swiglu" else 48
+        h = _randn(gen, 40, width, scale=2.0, dtype=dtype)
+        h[0, :2] = 300.0
+        b = _randn(gen, width, dtype=dtype) if bias else None
+        kwargs = {"amax_record": torch.zeros(1)}
+        if not backward:
+            return [h, b, kind, torch.float8_e4m3fn, torch.tensor(40.0)], kwargs
+        dy = _randn(gen, 40, 48, dtype=dtype)
+        return [dy, h, b, kind, torch.float8_e5m2, torch.tensor(3000.0)], kwargs
+
+    return make
+
+
 def _ce_rows_make(smoothing: bool = False, grad: bool = False):
     """Inputs of the in-place cross-entropy's two ops: 37 rows of one rank's 96-wide vocabulary
     slice (of 4 * 96), every fourth label outside it."""
@@ -496,6 +515,28 @@ OP_CASES: tuple[OpCase, ...] = (
     ),
     *(
         OpCase(
+            f"fp8_cast_dbias_{how}",
+            "fp8_cast_dbias",
+            _fp8_cast_make(from_amax=how == "from_amax"),
+            dtypes=(torch.float32, torch.bfloat16),
+            capability="fp8",
+        )
+        for how in ("from_amax", "scale_recording_amax")
+    ),
+    *(
+        OpCase(
+            f"{op}_{kind}{'' if bias else '_no_bias'}",
+            op,
+            _act_fp8_make(kind, op == "act_fp8_backward", bias),
+            dtypes=(torch.float32, torch.bfloat16),
+            kind="reduction",
+            capability="fp8",
+        )
+        for op in ("act_fp8_forward", "act_fp8_backward")
+        for kind, bias in (("gelu", True), ("gelu_tanh", False), ("swiglu", True))
+    ),
+    *(
+        OpCase(
             f"scaled_linear_{which}",
             f"scaled_linear_{which}",
             _scaled_linear_make(which),
@@ -612,6 +653,10 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
             assert_close(got.float(), want.float(), bound_dtype, case.kind, f"{what}: {name}")
         return
 
+    if case.op in FP8_PRODUCERS:  # FP8 operands computed from a higher-precision result
+        _check_fp8_producer(backend, case, dtype, args, kwargs, what)
+        return
+
     if case.op.startswith("fp8_"):  # the casts and the amax: exactly the reference's bytes
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         ours = fn(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args], **on_device)
@@ -619,6 +664,9 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         if "amax_record" in kwargs:  # updated in place: compared as one more result
             ours, expected = (*ours, on_device["amax_record"]), (*expected, kwargs["amax_record"])
         ours, expected = (t if isinstance(t, tuple) else (t,) for t in (ours, expected))
+        if case.op == "fp8_cast_dbias":  # the bias gradient is a sum: the reduction bounds, not bytes
+            assert_close(ours[3], expected[3], dtype, "reduction", f"{what}: dbias")
+            ours, expected = ours[:3] + ours[4:], expected[:3] + expected[4:]
         for got, want in zip(ours, expected, strict=True):
             if (got is None) != (want is None):
                 raise ConformanceError(f"{what}: a result is {got!r}, the reference's {want!r}")
@@ -664,6 +712,73 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         raise ConformanceError(f"{what}: result dtype {out.dtype}, reference {expected.dtype}")
     assert_close(out, expected, dtype, case.kind, f"{what}: output")
     _check_grads(case, what, (out,), (expected,), ours, ref, dtype, device, gen)
+
+
+FP8_PRODUCERS = ("act_fp8_forward", "act_fp8_backward")
+"""Ops that compute a value (an activation, its gradient) and return it quantized: ``(q, qT, scale_inv,
+*others)``. The backend may compute the value with other (correctly rounded) math than the reference,
+so its FP8 bytes are compared within one step of the FP8 grid, not byte for byte."""
+
+
+def _fp8_grid_step(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``fp8_dtype``'s values at ``|x|`` (its subnormal spacing below the normal range)."""
+    mantissa, min_exp = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}[fp8_dtype]
+    _, exp = torch.frexp(x.abs())  # |x| = m 2^exp, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), (exp - 1).clamp_min(min_exp) - mantissa)
+
+
+def fp8_values_off(
+    got: torch.Tensor, want: torch.Tensor, scale_inv: torch.Tensor, rtol: float, atol: float
+) -> torch.Tensor:
+    """Where the FP8 tensor ``got`` is not close to ``want`` (both quantized with ``scale_inv``): the
+    dequantized values may differ by the tolerance ``(rtol, atol)`` of the value before quantization
+    plus one step of the FP8 grid (a value near a rounding boundary may round either way)."""
+    q_got, q_want = got.cpu().double(), want.cpu().double()
+    s = scale_inv.cpu().double()
+    step = _fp8_grid_step(torch.maximum(q_got.abs(), q_want.abs()), want.dtype)
+    bound = step * s + atol + rtol * (q_want * s).abs()
+    return ((q_got - q_want).abs() * s > bound) | (q_got.isnan() != q_want.isnan())
+
+
+def _check_fp8_producer(backend, case: OpCase, dtype, args, kwargs, what: str) -> None:
+    """The FP8 results close to the reference's (:func:`fp8_values_off` with ``case.kind``'s
+    tolerance; the scale inverse must be the same bits), the other results and the recorded amax
+    as ``case.kind``."""
+    device = backend.device(0)
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    ours = backend.ops[case.op](
+        *[a.to(device) if isinstance(a, torch.Tensor) else a for a in args], **on_device
+    )
+    expected = reference.REFERENCE_OPS[case.op](*args, **kwargs)
+    if len(ours) != len(expected):
+        raise ConformanceError(f"{what}: {len(ours)} results, the reference {len(expected)}")
+    if "amax_record" in kwargs:  # updated in place: compared as one more result
+        ours, expected = (*ours, on_device["amax_record"]), (*expected, kwargs["amax_record"])
+    scale_inv = expected[2]
+    if not torch.equal(ours[2].cpu().reshape(-1), scale_inv.reshape(-1)):
+        raise ConformanceError(f"{what}: scale_inv {ours[2].item()}, the reference's {scale_inv.item()}")
+    rtol, atol = TOLERANCES[case.kind][dtype]
+    for i, (got, want) in enumerate(zip(ours, expected)):
+        if (got is None) != (want is None):
+            raise ConformanceError(f"{what}: result {i} is {got!r}, the reference's {want!r}")
+        if want is None or i == 2:
+            continue
+        if want.dtype != got.dtype or want.shape != got.shape:
+            raise ConformanceError(
+                f"{what}: result {i} is {got.dtype} {tuple(got.shape)}, the reference's "
+                f"{want.dtype} {tuple(want.shape)}"
+            )
+        if want.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            off = fp8_values_off(got, want, scale_inv, rtol, atol)
+            if off.any():
+                worst = int(off.flatten().nonzero()[0])
+                raise ConformanceError(
+                    f"{what} ({dtype}): result {i}: {int(off.sum())} FP8 values off the reference's by more "
+                    f"than one FP8 step plus rtol={rtol}, atol={atol} (first at flat index {worst}: "
+                    f"{got.flatten()[worst].item():.6g} * scale_inv, reference {want.flatten()[worst].item():.6g})"
+                )
+        else:
+            assert_close(got, want, dtype, case.kind, f"{what}: result {i}")
 
 
 def _check_grads(case: OpCase, what: str, outs, expected, ours, ref, dtype, device, gen) -> None:

@@ -122,7 +122,12 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
     if training.device_graph_impl == "local":
         check_layer_graphs(cfg, backend)
     if "fp8" in cfg.as_dict():
-        cfg.fp8.check_with(model.num_layers, backend.capabilities(), backend.name)
+        cfg.fp8.check_with(
+            model.num_layers,
+            backend.capabilities(),
+            backend.name,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        )
     return cfg.replace(training=training)
 
 
@@ -153,7 +158,7 @@ def build_model(
                     backend.compile_layer(layer)
     if cfg.training.device_graph_impl == "local":
         attach_layer_graphs(chunks, current_backend())
-    ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision)
+    ddp_config = cfg.ddp.with_training(cfg.optimizer, cfg.precision, cfg.as_dict().get("fp8"))
     return [DistributedDataParallel(chunk, ddp_config, groups) for chunk in chunks]
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mcore.config.fields import ConfigError
+from mcore.models import fp8_producers
 from mcore.testing.distributed import run_distributed
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import check_run_config, pretrain
@@ -127,8 +128,12 @@ def _run(tmp_path, name: str, extra: list[str]):
         ["--global-batch-size", "2", "--normalization", "RMSNorm", "--swiglu",
          "--position-embedding-type", "rope", "--disable-bias-linear", "--recompute-granularity",
          "selective", "--recompute-modules", "layernorm", "mlp_act"],
+        ["--global-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
     ],
-    ids=["accumulation", "distopt-overlap", "llama", "precision-aware", "recompute", "llama-recompute"],
+    ids=[
+        "accumulation", "distopt-overlap", "llama", "precision-aware", "recompute", "llama-recompute",
+        "fp8-delayed-fused",
+    ],
 )  # fmt: skip
 def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     eager_losses, eager_norms, _ = _run(tmp_path, "eager", extra)
@@ -137,6 +142,12 @@ def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     )
     graphs = models[0].decoder.layer_graphs
     assert graphs is not None and graphs.captured
+    if "--fp8-recipe" in extra:  # the fused FP8 producers were captured (the backend serves their ops)
+        layer = models[0].decoder.layers[0]
+        assert layer.fp8_fused_qkv and fp8_producers.qkv_ops_ready(
+            layer.input_layernorm, layer.self_attention
+        )
+        assert layer.fp8_fused_mlp and fp8_producers.mlp_ops_ready(layer.pre_mlp_layernorm, layer.mlp)
     # no captured forward keeps its autograd graph (and with it the parameters' gradient accumulators,
     # bound to the capture stream)
     assert all(c.static_output.grad_fn is None for c in graphs._captured)

@@ -5,7 +5,8 @@ A CPU-only check of ``backends/cuda/triton_kernels/fp8_cast.py`` through the CUD
 amax in the kernel (margins, saturation, zero and non-finite amaxes), the transposed write alone or
 with the row-major one, tiles that do not divide the shape, a strided input (``W^T`` as a view), a
 given scale with the amax recorded into a slot (grid-strided tiles) of a larger buffer, against
-:mod:`mcore.ops.reference`: the FP8 bytes, the scale inverse and the amax must be identical. The
+:mod:`mcore.ops.reference`: the FP8 bytes, the scale inverse and the amax must be identical; the
+cast with the bias gradient (``fp8_cast_dbias``): the cast's bytes and the fp32 column sums. The
 kernels run on CPU tensors with ``TRITON_INTERPRET=1``, which must be on before Triton defines them,
 so the checks run in a child process. It needs Triton installed (the ``test`` extra installs it, so
 CI runs it); ``MCORE_TEST_BACKEND=cuda pytest tests/ops/test_scaled_linear.py`` is the GPU check.
@@ -42,7 +43,7 @@ def _main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     gen = torch.Generator().manual_seed(0)
     failures = []
-    calls = {"amax": 0, "cast": 0}
+    calls = {"amax": 0, "cast": 0, "cast_dbias": 0}
     for name in calls:  # count kernel launches: the dispatchers must not fall back to the reference
         original = getattr(kernels, name)
 
@@ -68,8 +69,11 @@ def _main() -> int:
     # few programs (the interpreter's 4 "SMs" x 1) and small amax blocks: the grid-strided loops of
     # both kernels take several iterations, with a ragged last block
     kernels.PROGRAMS_PER_SM, kernels.AMAX_BLOCK = 1, 64
-    real_cast = kernels.cast
+    real_cast, real_cast_dbias = kernels.cast, kernels.cast_dbias
     kernels.cast = lambda *a, **k: real_cast(*a, **k, config=cfg)
+    # several row splits of one program each (PER_SM 1) and both ways of keeping the column sums
+    dbias_cfg = {**cfg, "PER_SM": 1, "SUM_2D": True}
+    kernels.cast_dbias = lambda *a, **k: real_cast_dbias(*a, **k, config=dbias_cfg)
 
     for shape in ((37, 50), (64, 32), (1, 16)):
         for dtype in (torch.bfloat16, torch.float32):
@@ -102,6 +106,40 @@ def _main() -> int:
                     same(f"scaled {what} strides {source.stride()} {part}", g, w)
                 same(f"recorded amax {what} strides {source.stride()}", slot_got, slot_want)
 
+    # fp8_cast_dbias: fp8_cast's bytes (the same dispatcher arguments) and the column sums, fp32
+    # partials of several row splits (the interpreter's 4 "SMs" over 2-4 column bands) summed in order
+    for shape, sum_2d in (((37, 50), True), ((300, 20), True), ((300, 20), False), ((1, 16), False)):
+        dbias_cfg["SUM_2D"] = sum_2d
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(*shape, generator=gen) * 4).to(dtype)
+            for source in (x, x.t()):
+                what = f"dbias {tuple(source.shape)} strides {source.stride()} {str(dtype)[6:]} 2d {sum_2d}"
+                for kwargs in (
+                    dict(amax=torch.tensor(11.0), margin=1, columnwise=True),
+                    dict(scale=torch.tensor(9.5), rowwise=False, columnwise=True),
+                    dict(scale=torch.tensor(9.5), rowwise=True, columnwise=False),
+                ):
+                    slot_got, slot_want = torch.zeros(1), torch.zeros(1)
+                    record = {"amax_record": slot_got} if "scale" in kwargs else {}
+                    want_record = {"amax_record": slot_want} if "scale" in kwargs else {}
+                    fp8_dtype = torch.float8_e5m2
+                    *got, dbias = cuda_fp8.fp8_cast_dbias(source, fp8_dtype, **kwargs, **record)
+                    want = cuda_fp8.fp8_cast(source, fp8_dtype, **kwargs, **want_record)
+                    tag = f"{what} {kwargs}"
+                    for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+                        same(f"{tag} {part}", g, w)
+                    same(f"{tag} recorded amax", slot_got, slot_want)
+                    exact = source.double().sum(0)
+                    err = (dbias.double() - exact).abs().max().item()
+                    # fp32 accumulation, one rounding to the output dtype: within one ulp of the exact sum
+                    # and fp32 summation error
+                    bound = torch.finfo(dtype).eps * exact.abs() + 1e-6 * source.double().abs().sum(0)
+                    bound = bound.max().item()
+                    ok = dbias.dtype == dtype and dbias.shape == exact.shape and err <= bound
+                    print(f"{tag} dbias", "ok" if ok else f"DIFFERS by {err} (bound {bound})")
+                    if not ok:
+                        failures.append(f"{tag} dbias: error {err}, dtype {dbias.dtype}, shape {dbias.shape}")
+
     x = torch.randn(40, 24, generator=gen)
     x[3, 5] = float("nan")
     got = cuda_fp8.fp8_amax(x)
@@ -114,7 +152,7 @@ def _main() -> int:
         failures.append(f"a NaN amax: the scale inverse is {scale_inv.item()}, not 1")
 
     print("kernel launches", calls)
-    if not (calls["amax"] and calls["cast"]):
+    if not all(calls.values()):
         failures.append(f"the dispatchers fell back to the reference: {calls}")
     if failures:
         print("FAILED:", *failures[:20], sep="\n  ")

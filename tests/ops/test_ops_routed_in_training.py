@@ -36,12 +36,16 @@ GPT2_FP16 = [
 fp16 with a loss scaler: the per-parameter Adam step (adam_step)."""
 
 
-FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--add-qkv-bias"]
 """The FP8 linears (the CPU backend emulates FP8): the amax, the per-tensor cast(-transpose), the
-three GEMMs."""
+three GEMMs; the QKV bias's gradient from its output gradient's cast (fp8_cast_dbias)."""
 
 FP8_ROWWISE_FLAGS = ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
 """The row-scaled FP8 linears: the row-scaled quantize."""
+
+FP8_DELAYED_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+"""The delayed recipe without sequence parallelism: the fused FP8 producers (norm_fp8_forward,
+norm_backward, act_fp8_forward/backward; with GPT-2's QKV bias, fp8_cast_dbias)."""
 
 
 def test_training_calls_every_op_of_the_table():
@@ -51,10 +55,15 @@ def test_training_calls_every_op_of_the_table():
     gpt2 = run_distributed(
         traced_training, 1, [*GPT2_FP16, *FP8_ROWWISE_FLAGS, "--device-backend", "cpu"], timeout=300
     )
-    called = {name for rank in llama + gpt2 for name in rank}
+    delayed = run_distributed(
+        traced_training, 1, [*GPT2_FP16, *FP8_DELAYED_FLAGS, "--device-backend", "cpu"], timeout=300
+    )
+    called = {name for rank in llama + gpt2 + delayed for name in rank}
     assert {"cross_entropy_local_stats", "cross_entropy_grad_inplace_"} <= set(llama[0])  # TP=2 loss
     assert {"cross_entropy", "adam_step"} <= set(gpt2[0])
-    assert {"fp8_amax", "fp8_cast"} <= set(llama[0]) and "fp8_quantize" in gpt2[0]
+    assert {"fp8_amax", "fp8_cast", "fp8_cast_dbias"} <= set(llama[0]) and "fp8_quantize" in gpt2[0]
     assert {"scaled_linear_forward", "scaled_linear_dgrad", "scaled_linear_wgrad"} <= set(llama[0])
+    fused = {"norm_fp8_forward", "norm_backward", "act_fp8_forward", "act_fp8_backward", "fp8_cast_dbias"}
+    assert fused <= set(delayed[0])
     never = [name for name in OP_NAMES if name not in called]
     assert not never, f"ops of the table no training path calls: {never}"

@@ -299,7 +299,7 @@ def test_megatron_fp8_flags_parse():
     [
         (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "Blackwell"),
         (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "block scaling"),
-        (["--fp8-format", "hybrid", "--fp8-param-gather"], "--fp8-param-gather is not supported"),
+        (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
         (["--fp8-format", "hybrid", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len 0"),
         (["--fp8-format", "hybrid", "--fp8-margin", "-1"], "--fp8-margin -1"),
         (["--first-last-layers-bf16"], "needs --fp8-format"),

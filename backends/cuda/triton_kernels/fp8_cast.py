@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, sm_count
+from ._common import (
+    INTERPRET,
+    GridLaunch,
+    balanced_programs,
+    cached_launch,
+    sm_count,
+    sum_partials,
+    use_autotune,
+)
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 _MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -128,17 +136,112 @@ def _cast_kernel(
         x = x.to(tl.float32)
         if RECORD_AMAX:
             running_amax = tl.maximum(running_amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
-        y = x * scale
-        # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
-        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-        if ROUND_IN_FP32:
-            y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
-        q = y.to(FP8, fp_downcast_rounding="rtne")
-        if ROWWISE:
-            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-        if COLUMNWISE:
-            mask_t = (cols[:, None] < K) & (rows[None, :] < M)
-            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+        _quantize_store_tile(
+            x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
+            FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32, ROWWISE, COLUMNWISE,
+        )  # fmt: skip
+    if RECORD_AMAX:
+        tl.atomic_max(amax_record_ptr, tl.max(running_amax, axis=0))
+
+
+@triton.jit
+def _quantize_store_tile(
+    x,
+    scale,
+    q_ptr,
+    qt_ptr,
+    rows,
+    cols,
+    mask,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+):
+    """``q = saturate(x * scale)`` of one fp32 tile ``x [BLOCK_M, BLOCK_K]`` (rows ``rows``, columns
+    ``cols`` of ``[M, K]``) stored to ``q [M, K]`` and/or transposed to ``qT [K, M]``: the one
+    quantization both cast kernels share, so their FP8 bytes are the same by construction."""
+    y = x * scale
+    # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+    if ROUND_IN_FP32:
+        y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+    q = y.to(FP8, fp_downcast_rounding="rtne")
+    if ROWWISE:
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    if COLUMNWISE:
+        mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+
+
+@triton.jit
+def _cast_dbias_kernel(
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    part_ptr,
+    scale_in_ptr,
+    scale_inv_ptr,
+    amax_record_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    FP8_LIMIT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    FROM_AMAX: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUM_2D: tl.constexpr,
+    PER_SM: tl.constexpr,
+):
+    """:func:`_cast_kernel` plus the column sums: program ``(c, r)`` of a ``[K / BLOCK_K, R]`` grid
+    casts the row tiles ``r, r + R, ...`` of column band ``c`` and keeps their fp32 column sums in
+    registers (``SUM_2D``: a tile-shaped fp32 sum, reduced over rows once at the end), then writes
+    them to ``part[r, band]`` (``[R, K]`` fp32; no atomics: the partials are summed in a fixed order
+    afterwards). ``PER_SM`` only sizes the grid (a key of the tuned configs)."""
+    band = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    scale = tl.load(scale_in_ptr)
+    if FROM_AMAX:
+        scale = _scale_from_amax(scale, FP8_LIMIT)
+    if (band == 0) & (split == 0):
+        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    cols = (band * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    col_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    tile_sum = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for tile_m in range(split, tl.cdiv(M, BLOCK_M), splits):
+        rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if SUM_2D:  # element-wise adds, one cross-warp reduction at the end
+            tile_sum += x
+        else:
+            col_sum += tl.sum(x, axis=0)
+        if RECORD_AMAX:
+            running_amax = tl.maximum(running_amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+        _quantize_store_tile(
+            x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
+            FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32, ROWWISE, COLUMNWISE,
+        )  # fmt: skip
+    if SUM_2D:
+        col_sum = tl.sum(tile_sum, axis=0)
+    tl.store(part_ptr + split.to(tl.int64) * K + cols, col_sum, mask=cols < K)
     if RECORD_AMAX:
         tl.atomic_max(amax_record_ptr, tl.max(running_amax, axis=0))
 
@@ -200,3 +303,87 @@ def cast(
         **cfg,
     )
     return q, qt, scale_inv
+
+
+_DBIAS_DEFAULT = {"BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "SUM_2D": True, "PER_SM": PROGRAMS_PER_SM}
+_DBIAS_CONFIGS = [
+    _DBIAS_DEFAULT,
+    {"BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 8, "SUM_2D": True, "PER_SM": PROGRAMS_PER_SM},
+    {"BLOCK_M": 32, "BLOCK_K": 128, "num_warps": 4, "SUM_2D": True, "PER_SM": PROGRAMS_PER_SM},
+    {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, "SUM_2D": False, "PER_SM": PROGRAMS_PER_SM},
+    {"BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 4, "SUM_2D": True, "PER_SM": 8},
+    {"BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "SUM_2D": True, "PER_SM": 4},
+]
+"""Block shapes of :func:`cast_dbias`, tuned at the first call with many rows (``use_autotune``)."""
+
+
+def _dbias_launch(m: int, k: int, device: torch.device, config: dict | None) -> GridLaunch:
+    def splits(cfg) -> int:
+        cap = max(1, cfg["PER_SM"] * sm_count(device) // triton.cdiv(k, cfg["BLOCK_K"]))
+        return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), cap)
+
+    def build() -> GridLaunch:
+        return GridLaunch(
+            _cast_dbias_kernel, "fp8_cast_dbias", m, _DBIAS_CONFIGS, _DBIAS_DEFAULT,
+            key=["M", "K", "ROWWISE", "COLUMNWISE", "RECORD_AMAX"],
+            grid=lambda cfg: (triton.cdiv(k, cfg["BLOCK_K"]), splits(cfg)), parts=splits, config=config,
+        )  # fmt: skip
+
+    if config is not None:  # the tests' and benchmarks' explicit block shapes
+        return build()
+    return cached_launch(("fp8_cast_dbias", m, k, device, use_autotune(m)), build)
+
+
+def cast_dbias(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    margin: int = 0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_record: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The op ``fp8_cast_dbias`` on a 2-D ``x [M, K]`` (any strides): :func:`cast`'s ``(q, qT,
+    scale_inv)``, the same bytes (one shared tile quantization), and ``x.sum(0)`` in ``x.dtype``.
+
+    The column sums are fp32: each program of a ``[K / BLOCK_K, R]`` grid sums its row tiles of one
+    column band into one row of ``part [R, K]``, then :func:`~._common.sum_partials` adds the ``R``
+    rows in a fixed order and rounds to ``x.dtype`` (deterministic, no float atomics). ``R`` gives
+    about ``PER_SM`` programs per SM with the same number of row tiles each; the block shape is tuned
+    per shape at the first call with many rows (:data:`_DBIAS_CONFIGS`)."""
+    m, k = x.shape
+    fp8_max = float(torch.finfo(fp8_dtype).max)
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
+    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    given = amax if amax is not None else scale
+    launch = _dbias_launch(m, k, x.device, config)
+    part = torch.empty((1, launch.max_parts, k), dtype=torch.float32, device=x.device)
+    parts = launch(
+        x,
+        q if q is not None else scale_inv,  # unused pointers still need a tensor
+        qt if qt is not None else scale_inv,
+        part,
+        given,
+        scale_inv,
+        amax_record if amax_record is not None else scale_inv,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        FP8_LIMIT=fp8_max / 2.0**margin,
+        FP8_MAX=fp8_max,
+        FP8=_TL_FP8[fp8_dtype],
+        MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
+        MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
+        ROUND_IN_FP32=INTERPRET,
+        FROM_AMAX=amax is not None,
+        RECORD_AMAX=amax_record is not None,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+    )
+    (dbias,) = sum_partials(part, parts, [x.dtype])
+    return q, qt, scale_inv, dbias

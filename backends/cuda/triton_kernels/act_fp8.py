@@ -1,0 +1,355 @@
+"""The MLP activation fused with its FP8 cast: fc2's input and fc1's output gradient written as FP8.
+
+With the delayed recipe the scale of an FP8 operand is known before the kernel producing it runs, so
+the activation kernel can write the operand itself (``q [M, N]`` and/or its transpose ``qT [N, M]``)
+and record its amax, instead of writing a bf16 tensor that a cast kernel reads back:
+
+* :func:`act_fp8_forward`: ``y = act(h + bias)`` (GeLU exact or tanh: ``h [M, F]``; SwiGLU:
+  ``h [M, 2F] = [gate | up]`` -> ``y [M, F]``) quantized as ``fp8_cast(y, scale=...)``.
+* :func:`act_fp8_backward`: ``dh = dy * act'(h + bias)`` (SwiGLU: ``[M, 2F]`` = ``[d gate | d up]``)
+  quantized the same way, with the bias gradient ``dbias = dh.sum(0)``.
+
+Bit for bit the unfused CUDA path (the kernels of :mod:`.activations`, then :func:`.fp8_cast.cast`):
+the activation uses the same fp32 math (:func:`.activations._gelu_and_grad`, the SwiGLU expressions of
+``_swiglu_fwd_kernel``/``_swiglu_bwd_kernel``) and rounds its output to ``h.dtype`` exactly where the
+unfused kernel writes it; that value, back in fp32, is scaled, clamped to the FP8 range and rounded
+to nearest even as ``_cast_kernel`` does, and its ``|.|`` goes into the recorded amax.
+
+The bias gradient sums what the unfused path sums, in fp32: for GeLU the unrounded fp32 ``dh`` (as
+``_bias_gelu_bwd_kernel`` does), for SwiGLU ``dh`` rounded to ``h.dtype`` (the unfused path adds
+the bias in a separate op, whose autograd sums the SwiGLU kernel's output); one rounding to the
+bias dtype at the end. It is deterministic: each program keeps fp32 column sums of its rows and
+writes them to a ``[row programs, N]`` buffer that :func:`._common.sum_partials` adds in a fixed
+order (no float atomics). The order of the fp32 additions depends on the tiling, so ``dbias`` equals
+the unfused kernel's bit for bit when both split the rows alike and sum the partials in the same
+order (the interpreter test: two row programs, same tiles) and within fp32 rounding otherwise (the
+unfused kernel's own tiling is autotuned per shape, so its additions have no fixed order either;
+on an H100 the test's fp16/bf16 cases came out bit-identical, the fp32 ones not).
+
+Grids: the forward walks ``[BLOCK_M, BLOCK_F]`` tiles grid-strided (one tile a program without an
+amax record; at most ``PROGRAMS_PER_SM`` programs an SM with one, so each program does one atomic
+on the amax word). The backward is persistent over ``[row programs, column blocks]``, so that each
+program accumulates the bias partial sums of one column block over its rows; again one atomic a
+program. Both store the transposed tile through ``tl.trans`` (coalesced along ``M``), as
+``_cast_kernel`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    INTERPRET,
+    GridLaunch,
+    balanced_programs,
+    cached_launch,
+    sm_count,
+    sum_partials,
+    use_autotune,
+)
+from .activations import _gelu_and_grad
+from .fp8_cast import _MANTISSA_BITS, _MIN_NORMAL_EXP, _TL_FP8, PROGRAMS_PER_SM, _round_to_fp8_grid
+
+KINDS = ("gelu", "gelu_tanh", "swiglu")
+
+
+@triton.jit
+def _quantize(y, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+              MIN_NORMAL_EXP: tl.constexpr, ROUND_IN_FP32: tl.constexpr):  # fmt: skip
+    """``saturate(y * scale)`` in FP8, rounded to nearest even: ``_cast_kernel``'s arithmetic."""
+    y = y * scale
+    # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+    if ROUND_IN_FP32:  # the interpreter's conversion does not round to nearest even (see fp8_cast)
+        y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+    return y.to(FP8, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _abs_max_rows(running, y, mask):
+    """``running`` ``[BLOCK_M]`` maxed with the rows' ``max |y|`` over ``mask`` (NaN counts as inf)."""
+    a = tl.where(y == y, tl.abs(y), float("inf"))
+    return tl.maximum(running, tl.max(tl.where(mask, a, 0.0), axis=1))
+
+
+@triton.jit
+def _store_fp8(Q, QT, q, rows, cols, rmask, cmask, M, N, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr):
+    """The tile ``q`` at ``(rows, cols)`` of ``Q [M, N]`` and, transposed, of ``QT [N, M]``."""
+    if ROWWISE:
+        tl.store(Q + rows[:, None] * N + cols[None, :], q, mask=rmask[:, None] & cmask[None, :])
+    if COLUMNWISE:
+        tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(q), mask=cmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS: tl.constexpr):
+    """``h + bias`` rounded to ``h``'s dtype (a separate torch op in the reference), in fp32."""
+    x = tl.load(ptr, mask=mask, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cmask, other=0.0)
+        x = (x.to(tl.float32) + b.to(tl.float32)[None, :]).to(ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _act_fp8_fwd_kernel(
+    H,
+    B,
+    Q,
+    QT,
+    SCALE,
+    SCALE_INV,
+    AMAX_RECORD,
+    M,
+    F,
+    stride_h,
+    SWIGLU: tl.constexpr,
+    TANH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    scale = tl.load(SCALE)
+    if pid == 0:
+        tl.store(SCALE_INV, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    tiles_f = tl.cdiv(F, BLOCK_F)
+    running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M) * tiles_f, programs):
+        rows = ((tile // tiles_f) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = ((tile % tiles_f) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+        cmask = cols < F
+        mask = (rows < M)[:, None] & cmask[None, :]
+        ptr = H + rows[:, None] * stride_h + cols[None, :]
+        x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS)
+        if SWIGLU:  # _swiglu_fwd_kernel: silu(gate) rounded to the dtype before the product
+            u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS)
+            a = (x * tl.sigmoid(x)).to(H.dtype.element_ty).to(tl.float32)
+            y = a * u
+        else:  # _bias_gelu_fwd_kernel
+            y, _ = _gelu_and_grad(x, TANH, False)
+        y = y.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
+        if RECORD_AMAX:
+            running_amax = _abs_max_rows(running_amax, y, mask)
+        q = _quantize(y, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+        _store_fp8(Q, QT, q, rows, cols, rows < M, cmask, M, F, ROWWISE, COLUMNWISE)
+    if RECORD_AMAX:
+        tl.atomic_max(AMAX_RECORD, tl.max(running_amax, axis=0))
+
+
+@triton.jit
+def _act_fp8_bwd_kernel(
+    DY,
+    H,
+    B,
+    Q,
+    QT,
+    SCALE,
+    SCALE_INV,
+    AMAX_RECORD,
+    DB,
+    M,
+    F,
+    stride_dy,
+    stride_h,
+    SWIGLU: tl.constexpr,
+    TANH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    PER_SM: tl.constexpr,  # sets the grid only
+):
+    # Persistent over [row programs, column blocks]: program (r, c) walks row blocks r, r + R, ... of
+    # column block c, keeping fp32 bias partial sums of its rows and the rows' running amax.
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    n_dh = 2 * F if SWIGLU else F  # dh's width (SwiGLU: [d gate | d up])
+    scale = tl.load(SCALE)
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(SCALE_INV, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    cols = (pid_c * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+    cmask = cols < F
+    db = tl.zeros([BLOCK_F], dtype=tl.float32)
+    db_up = tl.zeros([BLOCK_F], dtype=tl.float32)
+    running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        ptr = H + rows[:, None] * stride_h + cols[None, :]
+        x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS)
+        if SWIGLU:  # _swiglu_bwd_kernel's math; the bias gradient sums its rounded output
+            u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS)
+            sig = tl.sigmoid(x)
+            a = x * sig
+            dg = dy * u * sig * (1.0 + x * (1.0 - sig))
+            du = dy * a.to(H.dtype.element_ty).to(tl.float32)
+            dg = dg.to(H.dtype.element_ty).to(tl.float32)
+            du = du.to(H.dtype.element_ty).to(tl.float32)
+            if HAS_BIAS:
+                db += tl.sum(tl.where(mask, dg, 0.0), axis=0)
+                db_up += tl.sum(tl.where(mask, du, 0.0), axis=0)
+            if RECORD_AMAX:
+                running_amax = _abs_max_rows(running_amax, dg, mask)
+                running_amax = _abs_max_rows(running_amax, du, mask)
+            q = _quantize(dg, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            _store_fp8(Q, QT, q, rows, cols, rows < M, cmask, M, n_dh, ROWWISE, COLUMNWISE)
+            q = _quantize(du, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            _store_fp8(Q, QT, q, rows, cols + F, rows < M, cmask, M, n_dh, ROWWISE, COLUMNWISE)
+        else:  # _bias_gelu_bwd_kernel's math; the bias gradient sums the unrounded fp32 dh
+            _, d = _gelu_and_grad(x, TANH, True)
+            dx = dy * d
+            if HAS_BIAS:
+                db += tl.sum(tl.where(mask, dx, 0.0), axis=0)
+            dx = dx.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
+            if RECORD_AMAX:
+                running_amax = _abs_max_rows(running_amax, dx, mask)
+            q = _quantize(dx, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            _store_fp8(Q, QT, q, rows, cols, rows < M, cmask, M, n_dh, ROWWISE, COLUMNWISE)
+    if RECORD_AMAX:
+        tl.atomic_max(AMAX_RECORD, tl.max(running_amax, axis=0))
+    if HAS_BIAS:
+        tl.store(DB + pid_r * n_dh + cols, db, mask=cmask)
+        if SWIGLU:
+            tl.store(DB + pid_r * n_dh + F + cols, db_up, mask=cmask)
+
+
+FWD_CONFIG = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 4}
+"""The forward's tile. Measured on an H100 (benchmarks/kernels/bench_act_fp8.py --sweep, bf16, amax
+recorded): GeLU [8192, 8192] 173 us (8 warps 208 us, 128x128 236 us), SwiGLU [4096, 28672] 159 us
+(the best, 128x64/8 warps, 157 us)."""
+
+_BWD_CONFIGS = [
+    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
+    for bm, bf, w in ((64, 128, 8), (32, 128, 4), (128, 64, 8), (64, 64, 4))
+    for per_sm in (8, 16)
+]
+"""The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``).
+On an H100 they span 250-301 us (GeLU [8192, 8192]) and 248-262 us (SwiGLU [4096, 28672]); the
+tuner found the fastest for both."""
+
+BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_PER_SM}
+"""The backward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
+fastest for GeLU on an H100 (250 us) and within 2% of the fastest for SwiGLU (253 us)."""
+
+
+def _fp8_constexprs(fp8_dtype: torch.dtype) -> dict:
+    return {
+        "FP8_MAX": float(torch.finfo(fp8_dtype).max),
+        "FP8": _TL_FP8[fp8_dtype],
+        "MANTISSA_BITS": _MANTISSA_BITS[fp8_dtype],
+        "MIN_NORMAL_EXP": _MIN_NORMAL_EXP[fp8_dtype],
+        "ROUND_IN_FP32": INTERPRET,
+    }
+
+
+def _outputs(m: int, n: int, fp8_dtype, rowwise: bool, columnwise: bool, device):
+    q = torch.empty((m, n), dtype=fp8_dtype, device=device) if rowwise else None
+    qt = torch.empty((n, m), dtype=fp8_dtype, device=device) if columnwise else None
+    scale_inv = torch.empty((), dtype=torch.float32, device=device)
+    return q, qt, scale_inv
+
+
+def act_fp8_forward(
+    h: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor,
+    amax_record: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    config: dict | None = None,
+):
+    """The op ``act_fp8_forward`` on ``h [M, F]`` (SwiGLU ``[M, 2F]``, unit stride on the last dim):
+    ``(q [M, F], qT [F, M], scale_inv)``; see :func:`mcore.ops.reference.act_fp8_forward`."""
+    swiglu = kind == "swiglu"
+    m = h.shape[0]
+    f = h.shape[1] // 2 if swiglu else h.shape[1]
+    q, qt, scale_inv = _outputs(m, f, fp8_dtype, rowwise, columnwise, h.device)
+    cfg = {**FWD_CONFIG, **(config or {})}
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(f, cfg["BLOCK_F"])
+    # one tile a program (more programs in flight) unless the amax is recorded (one atomic a program)
+    grid = (min(tiles, PROGRAMS_PER_SM * sm_count(h.device)) if amax_record is not None else tiles,)
+    _act_fp8_fwd_kernel[grid](
+        h, h if bias is None else bias, scale_inv if q is None else q, scale_inv if qt is None else qt,
+        scale, scale_inv, scale_inv if amax_record is None else amax_record, m, f, h.stride(0),
+        SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=bias is not None,
+        RECORD_AMAX=amax_record is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
+        **_fp8_constexprs(fp8_dtype), **cfg,
+    )  # fmt: skip
+    return q, qt, scale_inv
+
+
+def _bwd_launch(tag, m: int, f: int, device: torch.device, config: dict | None) -> GridLaunch:
+    if config is None:  # the training path: built once per shape
+        key = (_act_fp8_bwd_kernel, tag, m, f, device, use_autotune(m))
+        return cached_launch(key, lambda: _build_bwd_launch(tag, m, f, device, None))
+    return _build_bwd_launch(tag, m, f, device, config)
+
+
+def _build_bwd_launch(tag, m: int, f: int, device: torch.device, config: dict | None) -> GridLaunch:
+    sms = sm_count(device)
+
+    def grid(cfg):
+        n_cb = triton.cdiv(f, cfg["BLOCK_F"])
+        return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(sms * cfg["PER_SM"], n_cb)), n_cb
+
+    return GridLaunch(
+        _act_fp8_bwd_kernel, tag, m, _BWD_CONFIGS, BWD_DEFAULT, key=["F"], grid=grid,
+        parts=lambda cfg: grid(cfg)[0], config=config,
+    )  # fmt: skip
+
+
+def act_fp8_backward(
+    grad_output: torch.Tensor,
+    h: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor,
+    amax_record: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    config: dict | None = None,
+):
+    """The op ``act_fp8_backward``: ``grad_output [M, F]`` and fc1's output ``h [M, F]`` (SwiGLU
+    ``[M, 2F]``) -> ``(q, qT, scale_inv, dbias)`` of ``dh`` (``[M, F]``, SwiGLU ``[M, 2F]``); see
+    :func:`mcore.ops.reference.act_fp8_backward`."""
+    swiglu = kind == "swiglu"
+    m, n_dh = h.shape
+    f = n_dh // 2 if swiglu else n_dh
+    q, qt, scale_inv = _outputs(m, n_dh, fp8_dtype, rowwise, columnwise, h.device)
+    has_bias = bias is not None
+    launch = _bwd_launch((kind, has_bias, h.dtype, fp8_dtype, rowwise, columnwise), m, f, h.device, config)
+    part = (
+        torch.empty((1, launch.max_parts, n_dh), dtype=torch.float32, device=h.device) if has_bias else None
+    )
+    parts = launch(
+        grad_output, h, bias if has_bias else h, scale_inv if q is None else q, scale_inv if qt is None else qt,
+        scale, scale_inv, scale_inv if amax_record is None else amax_record, scale_inv if part is None else part,
+        m, f, grad_output.stride(0), h.stride(0),
+        SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=has_bias, RECORD_AMAX=amax_record is not None,
+        ROWWISE=rowwise, COLUMNWISE=columnwise, **_fp8_constexprs(fp8_dtype),
+    )  # fmt: skip
+    dbias = sum_partials(part, parts, [bias.dtype])[0] if has_bias else None
+    return q, qt, scale_inv, dbias

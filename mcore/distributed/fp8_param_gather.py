@@ -1,0 +1,175 @@
+"""``--fp8-param-gather``: the distributed optimizer all-gathers the FP8 linears' weights in FP8.
+
+Without it, the distributed optimizer all-gathers every updated bf16 parameter shard (2 bytes per
+element) and each FP8 linear casts its bf16 weight to FP8 in every forward. With it, the weights of
+the FP8 linears (tensorwise and delayed recipes) live in a DDP buffer of their own, and after each
+optimizer step::
+
+    each dp rank r:  W_r (its updated shard of W, in the parameter dtype)
+    tensorwise:      amax  = max over dp x tp ranks of max |W_r|       (one all-reduce per buffer)
+                     scale = fp8_max / amax / 2^margin                  (every rank: the same scale)
+    delayed:         scale = the layer state's WEIGHT scale (replicated); the global amax goes into
+                     the state's pending WEIGHT amax, for the next scale update
+    q_r = saturate(W_r * scale) in e4m3                                 (this rank's shard, in FP8)
+    all-gather q_r over dp, per bucket                                  (1 byte per element)
+    W_q = the gathered [N, K] bytes, scale_inv = 1 / scale   -> the layer's forward GEMM operand;
+                                                                 its backward transposes W_q
+
+The scale depends only on the whole weight, so every rank quantizes its shard exactly as one process
+quantizes the whole weight, and ``W_q`` is bit for bit the cast the FP8 linear would have made of the
+same parameter in its forward (which reads the parameter in its own dtype, as this quantization does).
+
+The parameter in its own dtype (bf16) stays, unlike Megatron (whose compute parameter is FP8 only,
+a Transformer Engine ``Float8Tensor``): it is the autograd leaf that receives the weight gradient
+(gradient buckets, hooks and the optimizer are unchanged), and checkpoints, ``state_dict``, HF
+export and the parameter norm read it. Cost: the 1-byte gather buffer beside the 2-byte parameter
+(+50% of the FP8 weights' parameter memory, where Megatron saves 50%). Its value: on this rank's
+shard, the optimizer's rounding of the fp32 master (what is quantized); elsewhere, after each
+gather, ``W_q * scale_inv`` rounded to the parameter dtype (the weight the forward computes with).
+A checkpoint save first all-gathers the parameters in their own dtype
+(:meth:`Fp8ParamGather.gather_full_precision`), so checkpoints hold exactly the weights a run
+without the flag holds; the optimizer state (fp32 masters, moments) is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore.backend import get_ops
+from mcore.distributed.grad_buffer import Bucket, GradBuffer, all_gather_into_tensor
+from mcore.tensor_parallel.fp8 import WEIGHT, Fp8GatheredWeight, scale_from_amax
+from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_size
+
+logger = logging.getLogger(__name__)
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+"""Weights are quantized in the forward format, e4m3 for both ``--fp8-format e4m3`` and ``hybrid``."""
+
+
+def fp8_gathered_layers(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """``{id(weight): layer}`` of the FP8 linears of ``module`` whose weight is gathered in FP8: an
+    own trainable weight and the tensorwise or delayed recipe (the layers' ``_fp8_call``)."""
+    out = {}
+    for layer in module.modules():
+        call = getattr(layer, "_fp8_call", None)
+        weight = getattr(layer, "weight", None)
+        if call is None or not isinstance(weight, torch.nn.Parameter) or not weight.requires_grad:
+            continue
+        if call.recipe.recipe not in ("tensorwise", "delayed"):
+            raise ValueError(
+                f"--fp8-param-gather: {type(layer).__name__} uses --fp8-recipe {call.recipe.recipe}; "
+                "use tensorwise or delayed"
+            )
+        out[id(weight)] = layer
+    return out
+
+
+class Fp8ParamGather:
+    """The FP8 copy of one DDP buffer whose parameters are all FP8 linears' weights.
+
+    Args:
+        buffer: the buffer (distributed optimizer: its ``param_data`` holds the parameters).
+        layers: the layer of each parameter of ``buffer``, in ``buffer.params`` order.
+        tp_group: the tensor-parallel group (a TP-split weight's amax is reduced over it too).
+
+    ``data [numel]`` (e4m3, laid out like ``param_data``) is what the buckets all-gather (as bytes);
+    each layer gets ``layer.fp8_gathered_weight``, a view of its weight in it and its ``scale_inv``.
+    """
+
+    def __init__(self, buffer: GradBuffer, layers: Sequence[torch.nn.Module], tp_group):
+        if buffer.param_data is None:
+            raise ValueError(
+                "--fp8-param-gather needs the parameters in the DDP buffer (distributed optimizer)"
+            )
+        self.buffer = buffer
+        self.layers = list(layers)
+        self.tp_group = tp_group
+        device = buffer.param_data.device
+        self.data = torch.zeros(buffer.numel, dtype=FP8_WEIGHT_DTYPE, device=device)
+        self.scale_inv = torch.ones(len(self.layers), dtype=torch.float32, device=device)
+        self._ranges = [buffer.buffer_range(p) for p in buffer.params]
+        self._owned: list[tuple[int, int] | None] = []  # buffer indices of this rank's piece
+        for param, (start, _) in zip(buffer.params, self._ranges):
+            local = buffer.local_range(param)
+            self._owned.append(None if local is None else (start + local[0], start + local[1]))
+        for i, (param, layer, (start, end)) in enumerate(zip(buffer.params, self.layers, self._ranges)):
+            view = self.data[start:end].view(param.shape)
+            layer.fp8_gathered_weight = Fp8GatheredWeight(view, self.scale_inv[i])
+        self._in_bucket: dict[int, list[int]] = {b.index: [] for b in buffer.buckets}
+        for i, param in enumerate(buffer.params):
+            self._in_bucket[buffer.bucket_of(param).index].append(i)
+        logger.debug(
+            "--fp8-param-gather: %d weights, %d bytes all-gathered per step (%d in the parameter dtype)",
+            len(self.layers),
+            self.data.numel(),
+            buffer.param_data.numel() * buffer.param_data.element_size(),
+        )
+
+    @torch.no_grad()
+    def quantize_shards(self) -> None:
+        """Quantize this rank's updated piece of every weight into :attr:`data` with the weight's scale
+        (module docstring); one all-reduce (max) of the pieces' amaxes over dp (and one over tp)."""
+        ops = get_ops()
+        param_data = self.buffer.param_data
+        pieces = [None if owned is None else param_data[owned[0] : owned[1]] for owned in self._owned]
+        amax = torch.zeros(len(pieces), dtype=torch.float32, device=param_data.device)
+        present = [i for i, piece in enumerate(pieces) if piece is not None]
+        if present:
+            norms = torch._foreach_norm([pieces[i] for i in present], float("inf"))
+            amax[present] = torch.stack(norms).float()
+        comm = self.buffer.comm
+        if comm.active:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=comm.group)
+        if group_size(self.tp_group) > 1:
+            all_reduce_in_tensor_model_parallel_group(amax, self.tp_group, op="max")
+        current: dict[int, torch.Tensor] = {}  # tensorwise scales of all weights, by margin
+        scales = []
+        for i, layer in enumerate(self.layers):
+            recipe = layer._fp8_call.recipe
+            if recipe.recipe == "delayed":
+                state = layer.fp8_state
+                # this step's W amax, as the forward's cast would have recorded it (the cast of W is
+                # skipped there); update_fp8_scales pushes it into the history at the end of the step
+                state.pending_amax[WEIGHT : WEIGHT + 1].copy_(amax[i : i + 1])
+                scales.append(state.scale[WEIGHT])
+            else:
+                if recipe.margin not in current:
+                    current[recipe.margin] = scale_from_amax(amax, FP8_WEIGHT_DTYPE, recipe.margin)
+                scales.append(current[recipe.margin][i])
+        scale = torch.stack(scales)
+        torch.reciprocal(scale, out=self.scale_inv)
+        for i in present:
+            lo, hi = self._owned[i]
+            self.data[lo:hi].copy_(ops.fp8_quantize(pieces[i], scale[i], FP8_WEIGHT_DTYPE))
+
+    def bucket_bytes(self, bucket: Bucket) -> torch.Tensor:
+        """What ``bucket`` all-gathers: its range of :attr:`data`, as bytes (collectives move uint8)."""
+        return self.data[bucket.start : bucket.end].view(torch.uint8)
+
+    @torch.no_grad()
+    def after_gather(self, bucket: Bucket) -> None:
+        """Set the parameters of ``bucket`` outside this rank's pieces to ``W_q * scale_inv`` (rounded
+        to the parameter dtype): the weight the forward computes with."""
+        param_data = self.buffer.param_data
+        for i in self._in_bucket[bucket.index]:
+            start, end = self._ranges[i]
+            lo, hi = self._owned[i] or (start, start)
+            for a, b in ((start, lo), (hi, end)):
+                if b > a:
+                    param_data[a:b].copy_(self.data[a:b].float() * self.scale_inv[i])
+
+    @torch.no_grad()
+    def gather_full_precision(self) -> None:
+        """All-gather the parameters in their own dtype (every rank then holds each one exactly as the
+        optimizer rounded it on its owner): before a checkpoint save. Every dp rank calls it."""
+        comm = self.buffer.comm
+        if not comm.active:
+            return
+        for bucket in self.buffer.buckets:
+            data = bucket.param_data
+            size = data.numel() // comm.size
+            all_gather_into_tensor(data, data[comm.rank * size : (comm.rank + 1) * size], group=comm.group)

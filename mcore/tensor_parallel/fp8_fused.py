@@ -1,0 +1,359 @@
+"""Fused FP8 producers: ``norm -> column-parallel FP8 linear`` and ``norm -> fc1 -> act -> fc2`` as one
+autograd Function each (the delayed recipe; Transformer Engine's ``LayerNormLinear`` / ``LayerNormMLP``).
+
+With the delayed recipe the scale of every FP8 operand is fixed for the step before the operand is
+produced, so the op that produces it writes it in FP8 (``q [M, K]`` for the forward GEMM, ``qT [K, M]``
+for the weight-gradient GEMM) and records its amax in the same pass; the norm's or the activation's
+output in the activations' dtype is never written, read back and cast. Per pre-norm layer::
+
+    QKV (Fp8NormLinear):   x [M, h] --norm_fp8_forward--> xn_q, xn_qT   (linear_qkv's INPUT scale)
+                           y = scaled_linear_forward(xn_q, W_q) + b      [M, N]
+    MLP (Fp8NormMLP):      x --norm_fp8_forward--> xn_q, xn_qT          (fc1's INPUT scale)
+                           h = scaled_linear_forward(xn_q, W1_q)        [M, F] (fc1's bias not added)
+                           h --act_fp8_forward(h, b1)--> a_q, a_qT      (fc2's INPUT scale)
+                           y = scaled_linear_forward(a_q, W2_q)         [M, h], partial over TP
+
+and backward, with ``g`` the output gradient and ``r`` the residual stream's gradient::
+
+    QKV:  fp8_cast_dbias(g) -> g_q, g_qT, db   (GRAD_OUTPUT scale; ``fp8_cast`` without a bias)
+          dxn = dgrad(g_q, W_qT);  dW = wgrad(g_qT, xn_qT)
+    MLP:  fp8_cast(g) -> g_q, g_qT  (fc2's GRAD_OUTPUT);  da = dgrad(g_q, W2_qT);  dW2 = wgrad(g_qT, a_qT)
+          act_fp8_backward(da, h, b1) -> dh_q, dh_qT, db1   (fc1's GRAD_OUTPUT scale)
+          dxn = dgrad(dh_q, W1_qT);  dW1 = wgrad(dh_qT, xn_qT)
+    both: dxn all-reduced over TP (the column-parallel input's gradient, without sequence parallelism)
+          dx, dgamma, dbeta = norm_backward(dxn, x, mean, rstd, residual_grad=r)
+
+Saved for backward: the norm's input ``x`` and statistics, the FP8 ``qT`` of every GEMM input (the MLP
+also keeps fc1's output ``h``, the activation's backward input), and the weights with their scales:
+``W^T`` is cast again in backward from the same scale, as :class:`~mcore.tensor_parallel.fp8._Fp8LinearFunction`
+does. Nothing in the activations' dtype besides ``x`` and ``h`` is kept, so ``--recompute-modules
+layernorm``/``mlp_act`` have nothing to free on this path.
+
+Exactness: every op equals the unfused composition bit for bit (see :mod:`mcore.ops.reference`), and
+the Functions call them with the same scales, amax slots and TP reductions as the unfused layers, so
+losses, gradients, ``main_grad`` and the delayed states equal the unfused FP8 path exactly
+(``tests/tensor_parallel/test_fp8_fused.py``).
+
+The Functions take the existing modules' parameters and :class:`~mcore.tensor_parallel.fp8.Fp8Linear`
+descriptions (with their :class:`~mcore.tensor_parallel.fp8.Fp8DelayedState`): parameter names,
+checkpoints and the delayed states are those of the unfused layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore.backend import get_ops
+from mcore.ops.reference import ACTIVATIONS
+from mcore.tensor_parallel.fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8GatheredWeight, Fp8Linear
+from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group
+
+NORM_KINDS = ("LayerNorm", "RMSNorm")
+"""The norms :func:`fp8_norm_linear` and :func:`fp8_norm_mlp` fuse (``norm_fp8_forward``'s ``kind``)."""
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """The norm before the fused linear: ``kind`` (one of :data:`NORM_KINDS`) and ``eps``."""
+
+    kind: str
+    eps: float
+
+
+def fusable_call(call: Fp8Linear | None) -> bool:
+    """Whether an FP8 linear's description allows the fused producers: the delayed recipe (the scales
+    are known before the producer runs), FP8 weight gradients (the producer writes ``qT``), and the
+    recipe's switch on (:attr:`~mcore.config.fp8.Fp8Recipe.fused_producers`)."""
+    if call is None or call.state is None:
+        return False
+    recipe = call.recipe
+    return recipe.recipe == "delayed" and recipe.wgrad and recipe.fused_producers
+
+
+def _input_slot(call: Fp8Linear, training: bool):
+    """``(scale, amax_record)`` of the linear's INPUT role (the producer records only in training)."""
+    state = call.state
+    return state.scale[INPUT], (state.pending_amax[INPUT : INPUT + 1] if training else None)
+
+
+def _grad_slot(call: Fp8Linear):
+    state = call.state
+    return state.scale[GRAD_OUTPUT], state.pending_amax[GRAD_OUTPUT : GRAD_OUTPUT + 1]
+
+
+def _cast_weight(call: Fp8Linear, weight: torch.Tensor, training: bool, gathered: Fp8GatheredWeight | None):
+    """``(W_q, W's scale, W's scale_inv)``: the weight cast as the unfused linear casts it; with
+    ``--fp8-param-gather`` the gathered ``W_q`` itself stands in for the scale (:func:`_dgrad`
+    transposes its bytes)."""
+    if gathered is not None:
+        return gathered.data, gathered.data, gathered.scale_inv
+    w_scaling = call.scaling(WEIGHT, weight, training)
+    w_q, _, w_sinv = get_ops().fp8_cast(weight, call.recipe.fwd_dtype, **w_scaling)
+    return w_q, w_scaling["scale"], w_sinv
+
+
+def _dgrad(call: Fp8Linear, dy_q, dy_sinv, weight, w_scale, w_sinv, out_dtype) -> torch.Tensor:
+    """``dx = dy W`` from the FP8 ``dy_q``; ``W^T`` cast again from the forward's scale (or, for a
+    gathered FP8 weight, its bytes transposed)."""
+    ops = get_ops()
+    if w_scale.dtype == call.recipe.fwd_dtype:  # the gathered W_q (--fp8-param-gather)
+        w_qT = w_scale.view(torch.uint8).t().contiguous().view(w_scale.dtype)
+    else:
+        _, w_qT, _ = ops.fp8_cast(
+            weight, call.recipe.fwd_dtype, rowwise=False, columnwise=True, scale=w_scale
+        )
+    return ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, out_dtype)
+
+
+def _wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
+    """``dW = nt(dy_qT, x_qT)``, or accumulated into ``main_grad`` (gradient-accumulation fusion; then
+    the placeholder gradient the DDP hook discards, see
+    :class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`)."""
+    ops = get_ops()
+    if main_grad is None:
+        return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
+    ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, main_grad)
+    return torch.empty_like(weight)
+
+
+def _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual):
+    """The column-parallel input's gradient all-reduced over TP, then the norm's backward with the
+    residual stream's gradient folded in: ``(dx, dgamma, dbeta)``."""
+    all_reduce_in_tensor_model_parallel_group(dxn, ctx.tp_group)
+    residual = None if grad_residual is None else grad_residual.reshape(x2d.shape)
+    norm: NormSpec = ctx.norm
+    dx, dw, db = get_ops().norm_backward(
+        dxn, x2d, norm_weight, norm_bias, norm.eps, norm.kind, mean, rstd, residual_grad=residual
+    )
+    return dx.reshape(ctx.x_shape), dw, db
+
+
+class Fp8NormLinear(torch.autograd.Function):
+    """``(norm(x) W^T + b, x)`` with the norm writing the FP8 GEMM input (module docstring).
+
+    ``x [..., h]``, ``W [N, h]`` (this rank's column shard), ``b [N]`` or None. The second output is
+    ``x`` itself, the residual stream of a pre-norm layer: its gradient is added inside
+    ``norm_backward``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, x, norm_weight, norm_bias, weight, bias, main_grad, norm: NormSpec, call, training, gathered
+    ):
+        ops = get_ops()
+        ctx.set_materialize_grads(False)
+        fwd = call.recipe.fwd_dtype
+        x2d = x.reshape(-1, x.shape[-1])
+        scale, amax_record = _input_slot(call, training)
+        xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
+            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
+            amax_record=amax_record, rowwise=True, columnwise=training,
+        )  # fmt: skip
+        w_q, w_scale, w_sinv = _cast_weight(call, weight, training, gathered)
+        y = ops.scaled_linear_forward(xn_q, w_q, xn_sinv, w_sinv, bias, x.dtype)
+        ctx.norm, ctx.call, ctx.main_grad, ctx.tp_group = norm, call, main_grad, call.tp_group
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        ctx.save_for_backward(
+            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_scale, w_sinv
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1]), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_residual):
+        ops = get_ops()
+        x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_scale, w_sinv = ctx.saved_tensors
+        call: Fp8Linear = ctx.call
+        need_x = any(ctx.needs_input_grad[:3])
+        need_w = ctx.needs_input_grad[3]
+        if grad_output is None:  # the projection's output took no part in the loss
+            grad_output = torch.zeros(*ctx.x_shape[:-1], weight.shape[0], dtype=x2d.dtype, device=x2d.device)
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        bwd = call.recipe.bwd_dtype
+        dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            dy_q, dy_qT, dy_sinv, grad_bias = ops.fp8_cast_dbias(
+                dy2d, bwd, rowwise=need_x, columnwise=need_w, **dy_scaling
+            )
+        else:
+            dy_q, dy_qT, dy_sinv = ops.fp8_cast(dy2d, bwd, rowwise=need_x, columnwise=need_w, **dy_scaling)
+        grad_weight = _wgrad(weight, ctx.main_grad, dy_qT, xn_qT, dy_sinv, xn_sinv) if need_w else None
+        dx = dnw = dnb = None
+        if need_x:
+            dxn = _dgrad(call, dy_q, dy_sinv, weight, w_scale, w_sinv, x2d.dtype)
+            dx, dnw, dnb = _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual)
+        return dx, dnw, dnb, grad_weight, grad_bias, None, None, None, None, None
+
+
+class Fp8NormMLP(torch.autograd.Function):
+    """``(fc2(act(fc1(norm(x)) + b1)), x)`` with the norm writing fc1's and the activation fc2's FP8
+    input (module docstring).
+
+    ``x [..., h]``, ``W1 [F', h]`` (``F' = F/p``, SwiGLU ``2F/p``: ``[gate_t; up_t]``), ``b1 [F']`` or
+    None, ``W2 [h, F/p]``. The first output is this rank's partial fc2 output ``[..., h]`` (the caller
+    all-reduces it over TP and adds fc2's bias); the second is ``x``, as in :class:`Fp8NormLinear`.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        norm_weight,
+        norm_bias,
+        w1,
+        b1,
+        w2,
+        main_grads,
+        norm: NormSpec,
+        activation: str,
+        calls,
+        training,
+        gathered,
+    ):
+        ops = get_ops()
+        ctx.set_materialize_grads(False)
+        fc1, fc2 = calls
+        fwd = fc1.recipe.fwd_dtype
+        x2d = x.reshape(-1, x.shape[-1])
+        scale, amax_record = _input_slot(fc1, training)
+        xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
+            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
+            amax_record=amax_record, rowwise=True, columnwise=training,
+        )  # fmt: skip
+        w1_q, w1_scale, w1_sinv = _cast_weight(fc1, w1, training, gathered[0])
+        h = ops.scaled_linear_forward(xn_q, w1_q, xn_sinv, w1_sinv, None, x.dtype)
+        scale, amax_record = _input_slot(fc2, training)
+        a_q, a_qT, a_sinv = ops.act_fp8_forward(
+            h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
+        )
+        w2_q, w2_scale, w2_sinv = _cast_weight(fc2, w2, training, gathered[1])
+        y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
+        ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
+        ctx.tp_group, ctx.x_shape = fc1.tp_group, x.shape
+        ctx.save_for_backward(
+            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_scale, w1_sinv,
+            h, b1, a_qT, a_sinv, w2, w2_scale, w2_sinv,
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], y.shape[-1]), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_residual):
+        ops = get_ops()
+        (
+            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_scale, w1_sinv,
+            h, b1, a_qT, a_sinv, w2, w2_scale, w2_sinv,
+        ) = ctx.saved_tensors  # fmt: skip
+        fc1, fc2 = ctx.calls
+        main_grad1, main_grad2 = ctx.main_grads
+        bwd = fc1.recipe.bwd_dtype
+        need_x = any(ctx.needs_input_grad[:3])
+        need_w1, need_b1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+        need_h = need_x or need_w1 or need_b1  # anything below the activation
+        if grad_output is None:  # the MLP's output took no part in the loss
+            grad_output = torch.zeros(*ctx.x_shape, dtype=x2d.dtype, device=x2d.device)
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        dy_q, dy_qT, dy_sinv = ops.fp8_cast(
+            dy2d, bwd, rowwise=need_h, columnwise=need_w2, **fc2.scaling(GRAD_OUTPUT, dy2d)
+        )
+        grad_w2 = _wgrad(w2, main_grad2, dy_qT, a_qT, dy_sinv, a_sinv) if need_w2 else None
+        grad_w1 = grad_b1 = dx = dnw = dnb = None
+        if need_h:
+            da = _dgrad(fc2, dy_q, dy_sinv, w2, w2_scale, w2_sinv, x2d.dtype)
+            scale, amax_record = _grad_slot(fc1)
+            dh_q, dh_qT, dh_sinv, grad_b1 = ops.act_fp8_backward(
+                da,
+                h,
+                b1,
+                ctx.activation,
+                bwd,
+                scale,
+                amax_record=amax_record,
+                rowwise=need_x,
+                columnwise=need_w1,
+            )
+            if need_w1:
+                grad_w1 = _wgrad(w1, main_grad1, dh_qT, xn_qT, dh_sinv, xn_sinv)
+            if need_x:
+                dxn = _dgrad(fc1, dh_q, dh_sinv, w1, w1_scale, w1_sinv, x2d.dtype)
+                dx, dnw, dnb = _norm_backward(
+                    ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual
+                )
+        return dx, dnw, dnb, grad_w1, grad_b1, grad_w2, None, None, None, None, None, None
+
+
+def fp8_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor | None,
+    norm: NormSpec,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    call: Fp8Linear,
+    main_grad: torch.Tensor | None = None,
+    gathered: Fp8GatheredWeight | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x) W^T + b, x)``: a pre-norm column-parallel FP8 linear without sequence parallelism,
+    ``x [..., h]`` -> ``([..., N], x)`` (the second output is the residual stream: use it, not ``x``,
+    so that its gradient is added inside the norm's backward).
+
+    ``call`` must pass :func:`fusable_call`; ``main_grad``: accumulate the weight gradient there
+    (:func:`mcore.tensor_parallel.layers.fusion_main_grad`); ``gathered``: the weight's FP8 copy
+    (``--fp8-param-gather``), used instead of casting ``weight``.
+    """
+    if norm.kind not in NORM_KINDS:
+        raise ValueError(f"fp8_norm_linear: norm {norm.kind!r} is not one of {', '.join(NORM_KINDS)}")
+    training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
+    return Fp8NormLinear.apply(
+        x, norm_weight, norm_bias, weight, bias, main_grad, norm, call, training, gathered
+    )
+
+
+def fp8_norm_mlp(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor | None,
+    norm: NormSpec,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    activation: str,
+    calls: tuple[Fp8Linear, Fp8Linear],
+    main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    gathered: tuple[Fp8GatheredWeight | None, Fp8GatheredWeight | None] = (None, None),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fc2(act(fc1(norm(x)) + b1)), x)`` for a pre-norm MLP without sequence parallelism:
+    ``x [..., h]`` -> (this rank's partial fc2 output ``[..., h]``, to all-reduce over TP and add
+    fc2's bias to; the residual stream ``x``). ``activation`` one of ``gelu``, ``gelu_tanh``,
+    ``swiglu``; ``calls``/``main_grads``/``gathered`` (``--fp8-param-gather``): fc1's and fc2's."""
+    if norm.kind not in NORM_KINDS:
+        raise ValueError(f"fp8_norm_mlp: norm {norm.kind!r} is not one of {', '.join(NORM_KINDS)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fp8_norm_mlp: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    training = torch.is_grad_enabled()
+    return Fp8NormMLP.apply(
+        x,
+        norm_weight,
+        norm_bias,
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        main_grads,
+        norm,
+        activation,
+        calls,
+        training,
+        gathered,
+    )
+
+
+__all__ = [
+    "NORM_KINDS",
+    "Fp8NormLinear",
+    "Fp8NormMLP",
+    "NormSpec",
+    "fp8_norm_linear",
+    "fp8_norm_mlp",
+    "fusable_call",
+]

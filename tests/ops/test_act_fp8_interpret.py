@@ -1,0 +1,273 @@
+"""The CUDA backend's fused activation + FP8 cast kernels (``act_fp8_forward``/``act_fp8_backward``).
+
+Under Triton's CPU interpreter (CI) and, with ``MCORE_TEST_BACKEND=cuda``, on the GPU: through the
+CUDA dispatchers, for exact GeLU, tanh GeLU and SwiGLU, with and without a bias, fp32/fp16/bf16
+inputs, e4m3 and e5m2, ``M`` and ``F`` not multiples of the tile, ``q``/``qT`` alone or together, a
+row stride wider than the row and the amax recorded into a slot of a larger buffer (grid-strided
+forward tiles, several row programs in the backward):
+
+* against the unfused CUDA path (the existing activation kernel, then the ``fp8_cast`` kernel):
+  the FP8 bytes, ``scale_inv`` and the recorded amax identical; under the interpreter the bias
+  gradient identical to ``_bias_gelu_bwd_kernel``'s with the same tiling (on the GPU, whose final
+  sums of the partials may run in another order, and for SwiGLU against the sum of the SwiGLU
+  kernel's gradient: within fp32 rounding);
+* against :mod:`mcore.ops.reference`: every FP8 value within the activation's tolerance plus one
+  step of the FP8 grid (the reference computes GeLU with torch's math), the bias gradient within
+  rounding; and the conformance suite's
+  cases of both ops.
+
+Two interpreter artefacts, not kernel behaviour: its fp32 -> bf16 conversion truncates (the GPU's
+rounds to nearest even): with bf16 the unfused path's SwiGLU bias add (torch's) is emulated with a
+truncation there, the GeLU bias gradient's final rounding is compared within one bf16 step, and the
+conformance case of the SwiGLU backward (whose bias gradient sums truncated terms) runs in fp32 only;
+on the GPU everything is compared bit for bit. The interpreter checks run in a child process (the
+interpreter must be on before Triton defines the kernels).
+
+By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_act_fp8_interpret.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+def test_act_fp8_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+
+
+def test_act_fp8_kernels_on_the_gpu():
+    import torch
+
+    if os.environ.get("MCORE_TEST_BACKEND") != "cuda" or not torch.cuda.is_available() or not HAS_TRITON:
+        pytest.skip("the GPU run: MCORE_TEST_BACKEND=cuda on a machine with a CUDA device and Triton")
+    assert _main(torch.device("cuda")) == 0
+
+
+def _main(device) -> int:
+    """The checks below, with the kernel module's entry points and grid size restored afterwards."""
+    from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
+
+    saved = {
+        name: getattr(kernels, name) for name in ("act_fp8_forward", "act_fp8_backward", "PROGRAMS_PER_SM")
+    }
+    try:
+        return _checks(device)
+    finally:
+        for name, value in saved.items():
+            setattr(kernels, name, value)
+
+
+def _checks(device) -> int:
+    import torch
+    from mcore.backends.cuda import act_fp8 as dispatch
+    from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
+    from mcore.backends.cuda.triton_kernels import activations
+    from mcore.backends.cuda.triton_kernels import fp8_cast as cast_kernels
+
+    from mcore.ops import reference
+    from mcore.testing import conformance
+
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    failures = []
+    calls = {"act_fp8_forward": 0, "act_fp8_backward": 0}
+    # small tiles: several ragged tiles a dim; the backward's explicit tiling is the unfused one's
+    fwd_cfg = {"BLOCK_M": 16, "BLOCK_F": 8, "num_warps": 4}
+    bwd_cfg = {"BLOCK_M": 16, "BLOCK_F": 8, "num_warps": 4, "PER_SM": 1}
+    unfused_bwd_cfg = {"BLOCK_M": 16, "BLOCK_N": 8, "num_warps": 4, "PER_SM": 1}
+    for name, cfg in (("act_fp8_forward", fwd_cfg), ("act_fp8_backward", bwd_cfg)):
+        original = getattr(kernels, name)
+
+        def counted(*args, _original=original, _name=name, _cfg=cfg, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs, config=_cfg)
+
+        setattr(kernels, name, counted)
+    # one program an SM (the interpreter counts 4 SMs): the forward's grid-strided loop takes several tiles
+    kernels.PROGRAMS_PER_SM = 1
+
+    u8 = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+
+    def same(what, got, want):
+        if (got is None) != (want is None):
+            failures.append(f"{what}: {got!r} vs {want!r}")
+            return
+        if got is None:
+            return
+        ok = got.dtype == want.dtype and got.shape == want.shape and torch.equal(u8(got), u8(want))
+        if not ok:
+            failures.append(f"{what} differs")
+
+    def within(what, got, want, bound):
+        err = (got.float() - want.float()).abs() - bound
+        if not (err <= 0).all():
+            failures.append(f"{what}: off by {err.max().item():.3g} beyond {bound!r}")
+
+    def near_reference(what, got, want, dtype):
+        """FP8 values within the activation's tolerance plus one FP8 step of the reference's."""
+        rtol, atol = conformance.TOLERANCES["elementwise"][dtype]
+        for part, g, w in zip(("q", "qT"), got[:2], want[:2]):
+            if (g is None) != (w is None):
+                failures.append(f"{what} {part}: {g!r} vs reference {w!r}")
+            elif g is not None and conformance.fp8_values_off(g, w, want[2], rtol, atol).any():
+                failures.append(f"{what} {part}: off the reference")
+
+    def ulp(x, dtype):
+        return torch.finfo(dtype).eps * x.float().abs().clamp_min(torch.finfo(dtype).tiny)
+
+    gen = torch.Generator().manual_seed(0)
+    m, f = 37, 20
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    subsets = ((True, True), (True, False), (False, True))
+    index = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for kind in ("gelu", "gelu_tanh", "swiglu"):
+            for has_bias in (True, False):
+                index += 1
+                rowwise, columnwise = subsets[index % 3]
+                fp8 = (e4m3, e5m2)[index % 2]
+                width = 2 * f if kind == "swiglu" else f
+                tag = f"{str(dtype)[6:]} {kind} bias={has_bias} {str(fp8)[6:]} {rowwise}/{columnwise}"
+                # h a view with a row stride wider than its row; values past the FP8 range after scaling
+                wide = (torch.randn(m, width + 3, generator=gen) * 2).to(dtype)
+                wide[5, :3] = 200.0
+                h = wide.to(device)[:, :width]
+                b = torch.randn(width, generator=gen).to(dtype).to(device) if has_bias else None
+                dy = torch.randn(m, f, generator=gen).to(dtype).to(device)
+                scale = torch.tensor(20.0 if fp8 == e4m3 else 900.0, device=device)
+                tanh = kind == "gelu_tanh"
+                # the unfused CUDA path adds a SwiGLU bias with torch (the GeLU kernel adds its own)
+                x_unfused = (h + b) if kind == "swiglu" and has_bias else h
+                truncating = interpreting and dtype == torch.bfloat16
+                if truncating and x_unfused is not h:  # as the interpreter's bf16 conversion rounds
+                    x_unfused = _truncate_to_bf16(h.float() + b.float())
+                h_cpu, b_cpu, dy_cpu = h.cpu(), None if b is None else b.cpu(), dy.cpu()
+
+                # forward; the amax slot is the middle of three, first below the result, then above it
+                for start in (0.5, 1e6):
+                    slot, slot_unfused = (torch.full((3,), start, device=device) for _ in range(2))
+                    got = dispatch.act_fp8_forward(h, b, kind, fp8, scale, slot[1:2], rowwise, columnwise)
+                    if kind == "swiglu":
+                        y = activations.swiglu_fwd(x_unfused)
+                    else:
+                        y = activations.bias_gelu_fwd(h, b, tanh)
+                    want = cast_kernels.cast(
+                        y,
+                        fp8,
+                        scale=scale,
+                        rowwise=rowwise,
+                        columnwise=columnwise,
+                        amax_record=slot_unfused[1:2],
+                    )
+                    for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+                        same(f"forward {tag} {part} (slot {start})", g, w)
+                    same(f"forward {tag} amax record (slot {start})", slot, slot_unfused)
+                ref_slot = torch.zeros(1)
+                ref = reference.act_fp8_forward(
+                    h_cpu, b_cpu, kind, fp8, scale.cpu(), ref_slot, rowwise=rowwise, columnwise=columnwise
+                )
+                near_reference(f"forward {tag}", got, ref, dtype)
+                same(f"forward {tag} scale_inv vs reference", got[2].cpu(), ref[2])
+                slot = torch.zeros(1, device=device)
+                dispatch.act_fp8_forward(h, b, kind, fp8, scale, slot, rowwise, columnwise)
+                within(f"forward {tag} amax vs reference", slot.cpu(), ref_slot, 2 * ulp(ref_slot, dtype))
+
+                # backward
+                slot, slot_unfused = torch.zeros(1, device=device), torch.zeros(1, device=device)
+                got = dispatch.act_fp8_backward(dy, h, b, kind, fp8, scale, slot, rowwise, columnwise)
+                if kind == "swiglu":
+                    dh = activations.swiglu_bwd(dy, x_unfused)
+                    db_unfused = dh.float().sum(0).to(dtype) if has_bias else None
+                else:
+                    dh, db_unfused = activations.bias_gelu_bwd(dy, h, b, tanh, config=unfused_bwd_cfg)
+                want = cast_kernels.cast(
+                    dh, fp8, scale=scale, rowwise=rowwise, columnwise=columnwise, amax_record=slot_unfused
+                )
+                for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+                    same(f"backward {tag} {part}", g, w)
+                same(f"backward {tag} amax record", slot, slot_unfused)
+                if (got[3] is None) != (db_unfused is None):
+                    failures.append(f"backward {tag} dbias: {got[3]!r} vs {db_unfused!r}")
+                elif has_bias:
+                    if kind != "swiglu" and interpreting and not truncating:
+                        same(f"backward {tag} dbias (the GeLU kernel's)", got[3], db_unfused)
+                    else:  # a final sum in another order (GPU, SwiGLU), or the interpreter's truncation
+                        if kind != "swiglu" and not interpreting:
+                            print(
+                                tag,
+                                "dbias bit-identical to the GeLU kernel's:",
+                                torch.equal(got[3], db_unfused),
+                            )
+                        reordering = 1e-6 * dh.float().abs().sum(0)  # fp32 sums of m terms, reordered
+                        within(
+                            f"backward {tag} dbias", got[3], db_unfused, ulp(db_unfused, dtype) + reordering
+                        )
+                ref = reference.act_fp8_backward(
+                    dy_cpu, h_cpu, b_cpu, kind, fp8, scale.cpu(), None, rowwise=rowwise, columnwise=columnwise
+                )
+                near_reference(f"backward {tag}", got, ref, dtype)
+                if has_bias:
+                    rtol, atol = conformance.TOLERANCES["reduction"][dtype]
+                    bound = atol + rtol * ref[3].float().abs()
+                    if truncating and kind == "swiglu":  # each summed term truncated: biased toward 0
+                        bound = bound + ulp(dh, dtype).sum(0).cpu()
+                    within(f"backward {tag} dbias vs reference", got[3].cpu(), ref[3], bound)
+                print(tag, "checked")
+
+    # rows past M must not reach the amax: there h is 0 and gelu(0 + bias) exceeds every real value
+    h = -(torch.rand(m, f, generator=gen) + 0.5).to(device)
+    b = torch.full((f,), 3.0, device=device)
+    slot, slot_unfused = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    dispatch.act_fp8_forward(h, b, "gelu", e4m3, torch.tensor(1.0, device=device), slot)
+    y = activations.bias_gelu_fwd(h, b, False)
+    cast_kernels.cast(y, e4m3, scale=torch.tensor(1.0, device=device), amax_record=slot_unfused)
+    same("forward amax of ragged row tiles", slot, slot_unfused)
+
+    # the conformance suite's cases, with the CUDA dispatchers as the backend's ops
+    table = {**dispatch.ACT_FP8_OPS}
+
+    class Ops(dict):
+        def provider(self, name):
+            return "cuda:triton"
+
+    backend = types.SimpleNamespace(ops=Ops(table), device=lambda index=0: device)
+    for case in conformance.OP_CASES:
+        if case.op in table:
+            for dtype in case.dtypes:
+                if interpreting and dtype == torch.bfloat16 and case.name == "act_fp8_backward_swiglu":
+                    continue  # its bias gradient sums 40 truncated bf16 terms (see the docstring)
+                try:
+                    conformance.check_op(backend, case, dtype)
+                except conformance.ConformanceError as err:
+                    failures.append(str(err))
+
+    print("kernel launches", calls)
+    if not all(calls.values()):
+        failures.append(f"the dispatchers fell back to the reference: {calls}")
+    if failures:
+        print("FAILED:", *failures[:30], sep="\n  ")
+        return 1
+    return 0
+
+
+def _truncate_to_bf16(x):
+    """fp32 -> bf16 dropping the low 16 bits: the Triton interpreter's conversion."""
+    import torch
+
+    return (x.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+if __name__ == "__main__":
+    import torch
+
+    sys.exit(_main(torch.device("cpu")))

@@ -1,0 +1,270 @@
+"""``--fp8-param-gather``: the distributed optimizer all-gathers the FP8 linears' weights in FP8.
+
+1. The FP8 linear computes with a gathered weight (``fp8_gathered_weight``) instead of casting its own:
+   bit for bit the cast of that weight, forward and backward (one process).
+2. ``pretrain`` at DP=2 with the distributed optimizer and bf16 parameters, 4 steps, tensorwise and
+   delayed, without gradient clipping: the losses with the flag equal those without it. Tolerance:
+   none (exact). Why: each rank quantizes its shard of the bf16 weight with the whole weight's scale
+   (tensorwise: the amax max-reduced over DP; delayed: the replicated WEIGHT scale, its amax recorded
+   at the quantization), so the gathered FP8 bytes and scale_inv are exactly what the per-forward
+   cast of the same bf16 weight makes; the GEMMs get identical operands. (Megatron quantizes the
+   fp32 master instead, which differs by one FP8 step wherever bf16 rounding crosses an FP8 rounding
+   boundary.) With clipping (``--clip-grad 1.0``) the FP8 weights' own gradient buffer changes the
+   fp32 summation order of the global gradient norm: the clip factor moves by about an fp32 ulp, a
+   few bf16 weights round the other way and, through FP8 rounding, the loss moves by ~1e-5 relative
+   at step 4 (measured 8.5e-6), as any other bucket layout change does: 1e-4 relative there.
+   The parameter all-gathers of those weights move uint8 (FP8) bytes, half of bf16's; after training,
+   the gathered FP8 weight is the cast of the (exactly gathered) bf16 weight with one scale.
+   The same with ``--overlap-param-gather`` (the layers' forward pre-hooks wait for the FP8 gather),
+   and at TP=2 (the weight's amax max-reduced over TP too).
+3. Save at iteration 2 and resume: the resumed losses are bit for bit the uninterrupted run's; the
+   saved model file equals the one a run without the flag saves; a weights-only load
+   (``--no-load-optim``) re-quantizes the FP8 copies from the loaded weights.
+4. Bad combinations are refused with one message naming the flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore.testing.distributed import run_distributed
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
+from ckpt_runs import argv as ckpt_argv  # noqa: E402
+from ckpt_runs import train  # noqa: E402
+
+ITERS = 4
+COMMON = ["--bf16", "--use-distributed-optimizer", "--fp8-format", "hybrid", "--train-iters", str(ITERS)]
+NO_CLIP = ["--clip-grad", "0"]
+GATHER = ["--fp8-param-gather"]
+
+
+# -- 1. the layer uses the gathered weight ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_linear_computes_with_the_gathered_weight(recipe):
+    from mcore.ops import reference
+    from mcore.tensor_parallel.fp8 import Fp8GatheredWeight, Fp8Recipe
+    from mcore.tensor_parallel.layers import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    fp8 = Fp8Recipe(format="hybrid", recipe=recipe)
+    layer = ColumnParallelLinear(32, 16, bias=False, fp8=fp8, params_dtype=torch.bfloat16)
+    other = torch.randn(16, 32).to(torch.bfloat16)  # a weight the layer does not hold
+    scale = reference.fp8_scale_from_amax(reference.fp8_amax(other), torch.float8_e4m3fn, 0)
+    if recipe == "delayed":
+        layer.fp8_state.scale[1] = scale  # the WEIGHT role's scale
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        x.grad = None
+        y, _ = layer(x)
+        y.float().square().sum().backward()
+        return y.detach(), x.grad.clone()
+
+    layer.fp8_gathered_weight = None
+    with torch.no_grad():
+        layer.weight.copy_(other)
+    want_y, want_dx = run()
+    with torch.no_grad():
+        layer.weight.zero_()  # the layer's own weight must not be read
+    q = reference.fp8_quantize(other, scale, torch.float8_e4m3fn)
+    layer.fp8_gathered_weight = Fp8GatheredWeight(q, scale.reciprocal())
+    got_y, got_dx = run()
+    assert torch.equal(got_y, want_y) and torch.equal(got_dx, want_dx)
+
+
+# -- 2./3. pretrain at DP=2 ------------------------------------------------------------------------
+
+
+def train_recording(extra: list[str]) -> dict:
+    """``train(extra)``, recording every parameter all-gather (dtype, bytes) of the last step and,
+    afterwards, checking the FP8 copies against the exactly gathered bf16 weights."""
+    import mcore.distributed.grad_buffer as grad_buffer
+    from mcore.distributed.ddp import DistributedDataParallel
+    from mcore.ops import reference
+
+    gathers: list[tuple[str, int]] = []
+    chunks: list[DistributedDataParallel] = []
+    real_gather, real_init = grad_buffer.all_gather_into_tensor, DistributedDataParallel.__init__
+
+    def recording_gather(output, input, *args, **kwargs):
+        gathers.append((str(output.dtype), output.numel() * output.element_size()))
+        return real_gather(output, input, *args, **kwargs)
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        chunks.append(self)
+
+    grad_buffer.all_gather_into_tensor = recording_gather
+    DistributedDataParallel.__init__ = recording_init
+    try:
+        result = train(extra)
+    finally:
+        grad_buffer.all_gather_into_tensor, DistributedDataParallel.__init__ = real_gather, real_init
+    per_step = gathers[-len(chunks[0].buckets) :]  # the last step's gathers, one per bucket
+    fp8_weights = fp8_buffer_bytes = 0
+    copies_exact = True
+    for chunk in chunks:
+        chunk.gather_full_precision_params()
+        for buffer in chunk.grad_buffers:
+            fp8 = buffer.fp8_gather
+            if fp8 is None:
+                continue
+            fp8_buffer_bytes += fp8.data.numel() * fp8.data.element_size()
+            for layer in fp8.layers:
+                gathered = layer.fp8_gathered_weight
+                fp8_weights += gathered.data.numel()
+                assert gathered.data.dtype == torch.float8_e4m3fn
+                q = reference.fp8_quantize(layer.weight, gathered.scale_inv.reciprocal(), torch.float8_e4m3fn)
+                copies_exact &= torch.equal(q.view(torch.uint8), gathered.data.view(torch.uint8))
+                tp1 = layer.tp_size == 1  # (under TP the amax is the whole weight's, over the shards)
+                if tp1 and layer._fp8_call.recipe.recipe == "tensorwise":  # one scale: the weight's amax
+                    amax = reference.fp8_amax(layer.weight)
+                    want = reference.fp8_scale_from_amax(amax, torch.float8_e4m3fn, 0).reciprocal()
+                    copies_exact &= torch.equal(gathered.scale_inv, want)
+    return {
+        **result,
+        "gathers": per_step,
+        "fp8_weights": fp8_weights,
+        "fp8_buffer_bytes": fp8_buffer_bytes,
+        "copies_exact": bool(copies_exact),
+    }
+
+
+def _run(recipe: str, *extra: str) -> dict:
+    argv = [*COMMON, "--fp8-recipe", recipe, *extra]
+    return run_distributed(train_recording, 2, argv, timeout=300)[-1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    save = tmp_path_factory.mktemp("fp8_param_gather") / "ckpt"
+    out = {"tensorwise": (_run("tensorwise", *NO_CLIP), _run("tensorwise", *NO_CLIP, *GATHER))}
+    saving = ["--save", str(save), "--save-interval", "2"]
+    saving_ref = ["--save", str(save.parent / "ref"), "--save-interval", "2"]
+    out["delayed"] = (_run("delayed", *NO_CLIP, *saving_ref), _run("delayed", *NO_CLIP, *GATHER, *saving))
+    resume = [*COMMON, "--fp8-recipe", "delayed", *NO_CLIP, "--load", str(save), "--ckpt-step", "2"]
+    out["resumed"] = run_distributed(train, 2, [*resume, *GATHER], timeout=300)
+    # the weights alone (fresh optimizer): the FP8 copies must be made from the loaded weights
+    out["weights_only"] = [run_distributed(train, 2, [*resume, *flag, "--no-load-optim"], timeout=300)[-1]
+                           for flag in ([], GATHER)]  # fmt: skip
+    out["ckpt"] = save.parent
+    out["clipped"] = (_run("tensorwise"), _run("tensorwise", *GATHER))
+    out["overlap"] = _run("tensorwise", *NO_CLIP, *GATHER, "--overlap-param-gather")
+    tp2 = ["--tensor-model-parallel-size", "2", *NO_CLIP]
+    out["tp2"] = (_run("tensorwise", *tp2), _run("tensorwise", *tp2, *GATHER))
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_dp2_losses_with_fp8_param_gather_equal_without(runs, recipe):
+    without, with_flag = runs[recipe]
+    assert len(with_flag["losses"]) == ITERS
+    assert with_flag["losses"] == without["losses"]  # exact: see the module docstring
+
+
+def test_overlapped_fp8_param_gather_gives_the_same_losses(runs):
+    """--overlap-param-gather: each FP8 linear's forward pre-hook waits for its bucket's FP8 gather."""
+    assert runs["overlap"]["losses"] == runs["tensorwise"][0]["losses"]
+    assert runs["overlap"]["copies_exact"]
+
+
+def test_tp2_fp8_param_gather_scales_with_the_whole_weights_amax(runs):
+    """TP=2 (DP=1): a weight's amax is max-reduced over TP before its scale is formed, as the
+    per-forward cast does, so every TP shard is quantized with the whole weight's scale."""
+    without, with_flag = runs["tp2"]
+    assert with_flag["fp8_weights"] > 0
+    assert with_flag["losses"] == without["losses"]
+
+
+def test_dp2_losses_with_clipping_follow_within_the_bucket_layout_tolerance(runs):
+    without, with_flag = runs["clipped"]
+    for got, want in zip(with_flag["losses"], without["losses"], strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (with_flag["losses"], without["losses"])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_weights_are_gathered_as_fp8_bytes(runs, recipe):
+    without, with_flag = runs[recipe]
+    assert without["fp8_buffer_bytes"] == 0 and all(
+        dtype == "torch.bfloat16" for dtype, _ in without["gathers"]
+    )
+    fp8_bytes = sum(n for dtype, n in with_flag["gathers"] if dtype == "torch.uint8")
+    bf16_bytes = sum(n for dtype, n in with_flag["gathers"] if dtype == "torch.bfloat16")
+    assert fp8_bytes == with_flag["fp8_buffer_bytes"]  # 1 byte per element of the FP8 weights' buffer
+    assert with_flag["fp8_weights"] <= fp8_bytes < with_flag["fp8_weights"] + 256  # + bucket padding
+    # the other parameters still go in bf16; the FP8 weights' share of the bytes halved
+    baseline = sum(n for _, n in without["gathers"])
+    assert bf16_bytes + 2 * fp8_bytes - baseline in range(-512, 513)
+    assert with_flag["copies_exact"]
+
+
+def test_fp8_param_gather_resume_is_bit_exact(runs):
+    straight = runs["delayed"][1]["losses"]
+    assert runs["resumed"][-1]["losses"] == straight[2:]
+
+
+def test_fp8_param_gather_checkpoint_holds_the_exact_weights(runs):
+    """The checkpoint's model file equals the one a run without the flag saves (the FP8 linears'
+    weights are gathered in bf16 for the save, not dequantized from FP8)."""
+    name = "iter_0000002/model_tp00_pp000.pt"
+    with_flag = torch.load(runs["ckpt"] / "ckpt" / name, weights_only=False)
+    without = torch.load(runs["ckpt"] / "ref" / name, weights_only=False)
+    tensors = [k for k, v in without.items() if isinstance(v, torch.Tensor)]
+    assert tensors and with_flag.keys() == without.keys()
+    for key in tensors:
+        assert torch.equal(with_flag[key], without[key]), key
+
+
+def test_fp8_param_gather_loads_weights_without_optimizer_state(runs):
+    without, with_flag = runs["weights_only"]
+    assert len(with_flag["losses"]) == ITERS - 2
+    assert with_flag["losses"] == without["losses"]
+
+
+# -- 4. refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
+        (
+            ["--fp8-param-gather", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
+            "--fp8-param-gather with --fp8-recipe rowwise is not supported",
+        ),
+    ],
+)
+def test_fp8_param_gather_refused_without_fp8_or_with_rowwise(flags, message, capsys):
+    from mcore.training.run_config import parse_run_config
+
+    with pytest.raises(SystemExit) as err:
+        parse_run_config(ckpt_argv(*flags))
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fp8_param_gather_refused_without_distributed_optimizer():
+    from mcore.config.fields import ConfigError
+    from mcore.plugins.manager import select_backend
+    from mcore.training.pretrain import check_run_config
+    from mcore.training.run_config import parse_run_config
+
+    cfg = parse_run_config(ckpt_argv("--fp8-format", "hybrid", "--fp8-param-gather", "--train-iters", "1"))
+    with pytest.raises(ConfigError, match="--fp8-param-gather needs --use-distributed-optimizer"):
+        check_run_config(cfg, select_backend("cpu"), world_size=2)
+    flags = (
+        "--fp8-format",
+        "hybrid",
+        "--fp8-param-gather",
+        "--use-distributed-optimizer",
+        "--train-iters",
+        "1",
+    )
+    check_run_config(parse_run_config(ckpt_argv(*flags)), select_backend("cpu"), world_size=2)  # accepted
