@@ -114,6 +114,63 @@ def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return reference.layer_norm_with_residual(x, weight, bias, eps)
 
 
+def _norm_kind_fits(kind: str, bias: torch.Tensor | None) -> bool:
+    return kind == "LayerNorm" or (kind == "RMSNorm" and bias is None)
+
+
+def _fp32_rows(t: torch.Tensor | None, m: int) -> bool:
+    """``t`` is a contiguous fp32 ``[m]`` vector of per-row statistics (or None)."""
+    return t is None or (t.dtype == torch.float32 and t.shape == (m,) and t.is_contiguous())
+
+
+def norm_fp8_forward(
+    x, weight, bias, eps, kind, fp8_dtype, scale, amax_record=None, rowwise=True, columnwise=True
+):
+    """The reference ``norm_fp8_forward`` as one Triton kernel: the norm writes the FP8 operand."""
+    if (
+        _norm_kind_fits(kind, bias)
+        and x.dim() == 2
+        and fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        and scale.numel() == 1
+        and scale.dtype == torch.float32
+        and (amax_record is None or (amax_record.numel() == 1 and amax_record.dtype == torch.float32))
+        and _norm_fits(x, weight, bias)
+        and _on_kernel_device(x, scale, amax_record)
+    ):
+        from .triton_kernels import norm_fp8
+        from .triton_kernels._common import rows_2d
+
+        return norm_fp8.norm_fp8_fwd(
+            rows_2d(x), weight, bias, eps, kind, fp8_dtype, scale, amax_record, rowwise, columnwise
+        )
+    return reference.norm_fp8_forward(
+        x, weight, bias, eps, kind, fp8_dtype, scale, amax_record, rowwise, columnwise
+    )
+
+
+def norm_backward(grad_output, x, weight, bias, eps, kind, mean, rstd, residual_grad=None):
+    """The reference ``norm_backward`` through the norm's Triton backward kernel (from the saved
+    statistics; ``residual_grad`` added to ``dx`` in the same pass)."""
+    if (
+        _norm_kind_fits(kind, bias)
+        and x.dim() == 2
+        and grad_output.shape == x.shape
+        and grad_output.dtype in _FLOAT
+        and (kind == "RMSNorm" or mean is not None)
+        and _fp32_rows(mean, x.shape[0])
+        and _fp32_rows(rstd, x.shape[0])
+        and (residual_grad is None or (residual_grad.shape == x.shape and residual_grad.dtype == x.dtype))
+        and _norm_fits(x, weight, bias)
+        and _on_kernel_device(x, grad_output, mean, rstd, residual_grad)
+    ):
+        from .triton_kernels import norm_fp8
+        from .triton_kernels._common import rows_2d
+
+        dres2 = None if residual_grad is None else rows_2d(residual_grad)
+        return norm_fp8.norm_bwd(rows_2d(grad_output), rows_2d(x), weight, bias, kind, mean, rstd, dres2)
+    return reference.norm_backward(grad_output, x, weight, bias, eps, kind, mean, rstd, residual_grad)
+
+
 # --- rotary ---------------------------------------------------------------------------------------
 
 
@@ -461,6 +518,8 @@ _TRITON_OPS = {
     "rms_norm": rms_norm,
     "layer_norm_with_residual": layer_norm_with_residual,
     "rms_norm_with_residual": rms_norm_with_residual,
+    "norm_fp8_forward": norm_fp8_forward,
+    "norm_backward": norm_backward,
     "rotary_embedding": rotary_embedding,
     "bias_gelu": bias_gelu,
     "swiglu": swiglu,

@@ -295,6 +295,84 @@ def _rms_norm_make(dtype, gen):
     return [x, (1 + _randn(gen, 64, scale=0.1)).to(dtype)], {"eps": 1e-6}
 
 
+def _norm_fp8_make(kind: str, fp8_dtype: torch.dtype, rowwise: bool):
+    """``x [37, 64]`` (rows not a multiple of a kernel's row block) normalised into FP8 with a scale
+    at which the largest outputs saturate (e4m3), the amax recorded into a slot already holding 1."""
+
+    def make(dtype, gen):
+        args, _ = (_layer_norm_make if kind == "LayerNorm" else _rms_norm_make)(dtype, gen)
+        x, weight, bias = args[0].reshape(15, 64), args[1], (args[2] if kind == "LayerNorm" else None)
+        x = torch.cat([x, _randn(gen, 22, 64, dtype=dtype, scale=3.0)])
+        scale = torch.tensor(96.0 if fp8_dtype == torch.float8_e4m3fn else 1000.0)
+        kwargs = {"amax_record": torch.ones(1), "rowwise": rowwise, "columnwise": True}
+        return [x, weight, bias, 1e-5, kind, fp8_dtype, scale], kwargs
+
+    return make
+
+
+def _norm_backward_make(kind: str, residual: bool):
+    """The norm's backward on ``[37, 64]`` rows from the statistics :func:`reference.norm_fp8_forward`
+    saves, with the residual stream's gradient or without."""
+
+    def make(dtype, gen):
+        x, weight, bias, eps, kind_, fp8_dtype, scale = _norm_fp8_make(kind, torch.float8_e4m3fn, True)(
+            dtype, gen
+        )[0]
+        *_, mean, rstd = reference.norm_fp8_forward(x, weight, bias, eps, kind_, fp8_dtype, scale)
+        dy = _randn(
+            gen,
+            *x.shape,
+            dtype=x.dtype if kind == "LayerNorm" else torch.promote_types(x.dtype, weight.dtype),
+        )
+        kwargs = {"residual_grad": _randn(gen, *x.shape, dtype=dtype)} if residual else {}
+        return [dy, x, weight, bias, eps, kind, mean, rstd], kwargs
+
+    return make
+
+
+def _fp8_step_close(got: torch.Tensor, want: torch.Tensor, what: str, max_fraction: float = 0.01) -> None:
+    """FP8 tensors of a normalised output against the reference's: the inputs to the cast may differ
+    by a rounding (the statistics' summation order), so each value is within one step of the FP8
+    grid of the reference's and at most ``max_fraction`` of them differ at all."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        raise ConformanceError(
+            f"{what}: {got.dtype} {tuple(got.shape)}, reference {want.dtype} {tuple(want.shape)}"
+        )
+    a, b = got.detach().cpu().float(), want.float()
+    info = torch.finfo(want.dtype)
+    mantissa = 3 if want.dtype == torch.float8_e4m3fn else 2
+    step = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(info.smallest_normal))) - mantissa)
+    differ = (a != b) & ~(a.isnan() & b.isnan())
+    if ((a - b).abs() > step).any() or differ.float().mean() > max_fraction:
+        raise ConformanceError(
+            f"{what}: {int(differ.sum())} of {b.numel()} FP8 values differ, largest by "
+            f"{(a - b).abs().max().item():.3g} (one step of the grid allowed, in at most {max_fraction:.0%})"
+        )
+
+
+def _check_norm_fp8_forward(fn, ref_fn, args, kwargs, device, dtype, what) -> None:
+    """``(q, qT, scale_inv, mean, rstd)`` and the recorded amax against the reference on the same inputs."""
+    to_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    ours = fn(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args], **to_device)
+    expected = ref_fn(*args, **kwargs)
+    for name, got, want in zip(("q", "qT", "scale_inv", "mean", "rstd"), ours, expected, strict=True):
+        if (got is None) != (want is None):
+            raise ConformanceError(f"{what}: {name} is {got!r}, the reference's {want!r}")
+        if want is None:
+            continue
+        if name in ("q", "qT"):
+            _fp8_step_close(got, want, f"{what}: {name}")
+        elif name == "scale_inv":
+            if not torch.equal(got.cpu(), want):
+                raise ConformanceError(f"{what}: scale_inv {got.item()!r}, reference {want.item()!r}")
+        else:  # fp32 statistics of the same inputs
+            assert_close(got, want, torch.float32, "reduction", f"{what}: {name}")
+    # the amax of the norm's output (rounded to its dtype): one rounding of that dtype apart
+    assert_close(
+        to_device["amax_record"], kwargs["amax_record"], dtype, "elementwise", f"{what}: amax_record"
+    )
+
+
 OP_CASES: tuple[OpCase, ...] = (
     # the *_with_residual variants return (norm(x), x): the same inputs, gradients through both
     *(
@@ -468,6 +546,28 @@ OP_CASES: tuple[OpCase, ...] = (
         )
         for which in ("forward", "dgrad", "wgrad")
     ),
+    *(
+        OpCase(
+            f"norm_fp8_forward_{name}",
+            "norm_fp8_forward",
+            _norm_fp8_make(kind, fp8_dtype, rowwise),
+            dtypes=(torch.float32, torch.bfloat16),
+            capability="fp8",
+        )
+        for name, kind, fp8_dtype, rowwise in (
+            ("layer_norm_e4m3", "LayerNorm", torch.float8_e4m3fn, True),
+            ("rms_norm_e5m2_columnwise", "RMSNorm", torch.float8_e5m2, False),
+        )
+    ),
+    *(
+        OpCase(
+            f"norm_backward_{name}", "norm_backward", _norm_backward_make(kind, residual), kind="reduction"
+        )
+        for name, kind, residual in (
+            ("layer_norm_residual", "LayerNorm", True),
+            ("rms_norm", "RMSNorm", False),
+        )
+    ),
 )
 """Every op of :data:`mcore.ops.registry.OP_NAMES` appears at least once."""
 
@@ -574,6 +674,10 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
                 got.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
             ):
                 raise ConformanceError(f"{what}: the FP8 bytes differ from the reference's")
+        return
+
+    if case.op == "norm_fp8_forward":
+        _check_norm_fp8_forward(fn, ref_fn, args, kwargs, device, dtype, what)
         return
 
     if case.op.startswith("scaled_linear_"):  # FP8 operands: compare the (dtype) result / main_grad
