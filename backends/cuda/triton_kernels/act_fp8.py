@@ -76,11 +76,16 @@ def _abs_max_rows(running, y, mask):
 
 @triton.jit
 def _store_fp8(Q, QT, q, rows, cols, rmask, cmask, M, N, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr):
-    """The tile ``q`` at ``(rows, cols)`` of ``Q [M, N]`` and, transposed, of ``QT [N, M]``."""
+    """The tile ``q`` at ``(rows, cols)`` of ``Q [M, N]`` and, transposed, of ``QT [N, M]``.
+
+    Stored as bytes (``Q``/``QT`` are uint8 views): with an FP8 tile stored both row-major and
+    transposed in one kernel, Triton 3.6's ptxas (12.9) corrupts the transposed store on Hopper
+    (triton-lang/triton#11111); 8-bit integer stores are clean."""
+    qb = q.to(tl.uint8, bitcast=True)
     if ROWWISE:
-        tl.store(Q + rows[:, None] * N + cols[None, :], q, mask=rmask[:, None] & cmask[None, :])
+        tl.store(Q + rows[:, None] * N + cols[None, :], qb, mask=rmask[:, None] & cmask[None, :])
     if COLUMNWISE:
-        tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(q), mask=cmask[:, None] & rmask[None, :])
+        tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(qb), mask=cmask[:, None] & rmask[None, :])
 
 
 @triton.jit
@@ -262,6 +267,11 @@ def _fp8_constexprs(fp8_dtype: torch.dtype) -> dict:
     }
 
 
+def _bytes(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """An FP8 output as the uint8 view the kernels store into (see :func:`_store_fp8`)."""
+    return placeholder if t is None else t.view(torch.uint8)
+
+
 def _outputs(m: int, n: int, fp8_dtype, rowwise: bool, columnwise: bool, device):
     q = torch.empty((m, n), dtype=fp8_dtype, device=device) if rowwise else None
     qt = torch.empty((n, m), dtype=fp8_dtype, device=device) if columnwise else None
@@ -291,7 +301,7 @@ def act_fp8_forward(
     # one tile a program (more programs in flight) unless the amax is recorded (one atomic a program)
     grid = (min(tiles, PROGRAMS_PER_SM * sm_count(h.device)) if amax_record is not None else tiles,)
     _act_fp8_fwd_kernel[grid](
-        h, h if bias is None else bias, scale_inv if q is None else q, scale_inv if qt is None else qt,
+        h, h if bias is None else bias, _bytes(q, scale_inv), _bytes(qt, scale_inv),
         scale, scale_inv, scale_inv if amax_record is None else amax_record, m, f, h.stride(0),
         SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=bias is not None,
         RECORD_AMAX=amax_record is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
@@ -345,7 +355,7 @@ def act_fp8_backward(
         torch.empty((1, launch.max_parts, n_dh), dtype=torch.float32, device=h.device) if has_bias else None
     )
     parts = launch(
-        grad_output, h, bias if has_bias else h, scale_inv if q is None else q, scale_inv if qt is None else qt,
+        grad_output, h, bias if has_bias else h, _bytes(q, scale_inv), _bytes(qt, scale_inv),
         scale, scale_inv, scale_inv if amax_record is None else amax_record, scale_inv if part is None else part,
         m, f, grad_output.stride(0), h.stride(0),
         SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=has_bias, RECORD_AMAX=amax_record is not None,

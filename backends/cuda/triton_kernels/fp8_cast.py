@@ -171,7 +171,10 @@ def _quantize_store_tile(
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
     if ROUND_IN_FP32:
         y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
-    q = y.to(FP8, fp_downcast_rounding="rtne")
+    # stored as bytes (q_ptr/qt_ptr are uint8 views): with an FP8 tile stored both row-major and
+    # transposed in one kernel, Triton 3.6's ptxas (12.9) corrupts the transposed store on Hopper
+    # (triton-lang/triton#11111); 8-bit integer stores are clean
+    q = y.to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     if ROWWISE:
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     if COLUMNWISE:
@@ -281,8 +284,8 @@ def cast(
     grid = (min(tiles, PROGRAMS_PER_SM * sm_count(x.device)) if amax_record is not None else tiles,)
     _cast_kernel[grid](
         x,
-        q if q is not None else scale_inv,  # unused pointers still need a tensor
-        qt if qt is not None else scale_inv,
+        q.view(torch.uint8) if q is not None else scale_inv,  # unused pointers still need a tensor
+        qt.view(torch.uint8) if qt is not None else scale_inv,
         given,
         scale_inv,
         amax_record if amax_record is not None else scale_inv,
@@ -365,8 +368,8 @@ def cast_dbias(
     part = torch.empty((1, launch.max_parts, k), dtype=torch.float32, device=x.device)
     parts = launch(
         x,
-        q if q is not None else scale_inv,  # unused pointers still need a tensor
-        qt if qt is not None else scale_inv,
+        q.view(torch.uint8) if q is not None else scale_inv,  # unused pointers still need a tensor
+        qt.view(torch.uint8) if qt is not None else scale_inv,
         part,
         given,
         scale_inv,
