@@ -266,11 +266,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dy_qT, dyT_sinv = _quantize_rows(call, dy2d.t(), bwd, False)
                 x_qT, xT_sinv = _quantize_rows(call, x2d.t(), fwd, False)
-                grad_weight = _fp8_wgrad(ctx, weight, dy_qT, x_qT, dyT_sinv, xT_sinv)
+                grad_weight = fp8_wgrad(
+                    weight, ctx.main_grad, dy_qT, x_qT, dyT_sinv, xT_sinv, ctx.zero_placeholder
+                )
         else:
             x_saved, x_sinv, weight, w_given, w_sinv = ctx.saved_tensors
             if ctx.sp_group is not None and ctx.needs_input_grad[1]:
-                x_saved = _transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
+                x_saved = transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
             need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
             # with a bias, its gradient dy.sum(0) comes from the cast's read of dy (fp8_cast_dbias)
@@ -281,7 +283,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_bias = dbias[0] if need_dbias else None
             if ctx.needs_input_grad[0]:
                 if ctx.w_from == "fp8":  # the same bytes the forward multiplied, transposed
-                    w_qT = w_given.t().contiguous()
+                    w_qT = transpose_fp8(w_given)
                 else:
                     w_scaling = (
                         {"amax": w_given, "margin": recipe.margin}
@@ -292,7 +294,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.wgrad:
-                    grad_weight = _fp8_wgrad(ctx, weight, dy_qT, x_saved, dy_sinv, x_sinv)
+                    grad_weight = fp8_wgrad(
+                        weight, ctx.main_grad, dy_qT, x_saved, dy_sinv, x_sinv, ctx.zero_placeholder
+                    )
                 else:
                     from mcore.tensor_parallel.layers import _weight_grad
 
@@ -310,19 +314,20 @@ def _gather_fp8_rows(q_local: torch.Tensor, group) -> torch.Tensor:
     return _gather_first(q_local.view(torch.uint8), group).view(q_local.dtype)
 
 
-def _transpose_fp8(q: torch.Tensor) -> torch.Tensor:
+def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     """``q [M, K] -> q^T [K, M]`` contiguous (a byte copy)."""
     return q.view(torch.uint8).t().contiguous().view(q.dtype)
 
 
-def _fp8_wgrad(ctx, weight, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
-    """``dW = nt(dy_qT, x_qT)``, accumulated into ``ctx.main_grad`` when it is set (then a placeholder
-    gradient is returned, None for a shared weight), else returned in the weight's dtype."""
+def fp8_wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv, shared: bool = False) -> torch.Tensor | None:
+    """``dW = nt(dy_qT, x_qT)``, accumulated into ``main_grad`` when it is set (gradient-accumulation
+    fusion: then a placeholder gradient the DDP hook discards is returned, None for a ``shared``
+    weight), else returned in the weight's dtype. Also used by :mod:`.fp8_fused`."""
     ops = get_ops()
-    if ctx.main_grad is None:
+    if main_grad is None:
         return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
-    ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, ctx.main_grad)
-    return None if ctx.zero_placeholder else torch.empty_like(weight)
+    ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, main_grad)
+    return None if shared else torch.empty_like(weight)
 
 
 def fp8_linear(

@@ -47,7 +47,15 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.ops.reference import ACTIVATIONS
-from mcore.tensor_parallel.fp8 import GRAD_OUTPUT, INPUT, WEIGHT, Fp8GatheredWeight, Fp8Linear
+from mcore.tensor_parallel.fp8 import (
+    GRAD_OUTPUT,
+    INPUT,
+    WEIGHT,
+    Fp8GatheredWeight,
+    Fp8Linear,
+    fp8_wgrad,
+    transpose_fp8,
+)
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group
 
 NORM_KINDS = ("LayerNorm", "RMSNorm")
@@ -99,23 +107,12 @@ def _dgrad(call: Fp8Linear, dy_q, dy_sinv, weight, w_scale, w_sinv, out_dtype) -
     gathered FP8 weight, its bytes transposed)."""
     ops = get_ops()
     if w_scale.dtype == call.recipe.fwd_dtype:  # the gathered W_q (--fp8-param-gather)
-        w_qT = w_scale.view(torch.uint8).t().contiguous().view(w_scale.dtype)
+        w_qT = transpose_fp8(w_scale)
     else:
         _, w_qT, _ = ops.fp8_cast(
             weight, call.recipe.fwd_dtype, rowwise=False, columnwise=True, scale=w_scale
         )
     return ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, out_dtype)
-
-
-def _wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv) -> torch.Tensor:
-    """``dW = nt(dy_qT, x_qT)``, or accumulated into ``main_grad`` (gradient-accumulation fusion; then
-    the placeholder gradient the DDP hook discards, see
-    :class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`)."""
-    ops = get_ops()
-    if main_grad is None:
-        return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
-    ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, main_grad)
-    return torch.empty_like(weight)
 
 
 def _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual):
@@ -179,7 +176,7 @@ class Fp8NormLinear(torch.autograd.Function):
             )
         else:
             dy_q, dy_qT, dy_sinv = ops.fp8_cast(dy2d, bwd, rowwise=need_x, columnwise=need_w, **dy_scaling)
-        grad_weight = _wgrad(weight, ctx.main_grad, dy_qT, xn_qT, dy_sinv, xn_sinv) if need_w else None
+        grad_weight = fp8_wgrad(weight, ctx.main_grad, dy_qT, xn_qT, dy_sinv, xn_sinv) if need_w else None
         dx = dnw = dnb = None
         if need_x:
             dxn = _dgrad(call, dy_q, dy_sinv, weight, w_scale, w_sinv, x2d.dtype)
@@ -257,7 +254,7 @@ class Fp8NormMLP(torch.autograd.Function):
         dy_q, dy_qT, dy_sinv = ops.fp8_cast(
             dy2d, bwd, rowwise=need_h, columnwise=need_w2, **fc2.scaling(GRAD_OUTPUT, dy2d)
         )
-        grad_w2 = _wgrad(w2, main_grad2, dy_qT, a_qT, dy_sinv, a_sinv) if need_w2 else None
+        grad_w2 = fp8_wgrad(w2, main_grad2, dy_qT, a_qT, dy_sinv, a_sinv) if need_w2 else None
         grad_w1 = grad_b1 = dx = dnw = dnb = None
         if need_h:
             da = _dgrad(fc2, dy_q, dy_sinv, w2, w2_scale, w2_sinv, x2d.dtype)
@@ -274,7 +271,7 @@ class Fp8NormMLP(torch.autograd.Function):
                 columnwise=need_w1,
             )
             if need_w1:
-                grad_w1 = _wgrad(w1, main_grad1, dh_qT, xn_qT, dh_sinv, xn_sinv)
+                grad_w1 = fp8_wgrad(w1, main_grad1, dh_qT, xn_qT, dh_sinv, xn_sinv)
             if need_x:
                 dxn = _dgrad(fc1, dh_q, dh_sinv, w1, w1_scale, w1_sinv, x2d.dtype)
                 dx, dnw, dnb = _norm_backward(
