@@ -42,19 +42,20 @@ def check_cast_kernel() -> None:
 def main() -> int:
     check_cast_kernel()
     rows = []
-    update = trainer_module.update_fp8_scales
+    update = trainer_module.DelayedScaleUpdate.__call__
 
-    def recording_update(model, groups=()):
-        states = fp8.delayed_states(model)
+    def recording_update(self, groups=()):
+        names = [name for name, _ in fp8.delayed_states(self.model)]
         row = []
-        for name, state in (states[i] for i in (0, 1, len(states) // 2, len(states) - 1)):
+        for i in (0, 1, len(self.states) // 2, len(self.states) - 1):
+            name, state = names[i], self.states[i]
             limits = [fp8.fp8_max(state.recipe.fwd_dtype)] * 2 + [fp8.fp8_max(state.recipe.bwd_dtype)]
             ratio = [a * s / m for a, s, m in zip(state.pending_amax.tolist(), state.scale.tolist(), limits)]
             row.append(f"{name.split('decoder.')[-1]} {[round(r, 3) for r in ratio]}")
         rows.append(row)
-        return update(model, groups)
+        return update(self, groups)
 
-    trainer_module.update_fp8_scales = recording_update
+    trainer_module.DelayedScaleUpdate.__call__ = recording_update
     rc = train_throughput.main(sys.argv[1:])
     for step, row in enumerate(rows):
         print("step", step, "; ".join(row))

@@ -29,7 +29,7 @@ from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.watchdog import note_step
 from mcore.models.layer_graphs import arm_after_warmup, layer_graphs_of
 from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
-from mcore.tensor_parallel.fp8 import update_fp8_scales
+from mcore.tensor_parallel.fp8 import DelayedScaleUpdate
 from mcore.training.checkpointer import Checkpointer
 from mcore.training.context import TrainContext, TrainResult, TrainState
 from mcore.training.device_memory import release_unused_device_memory
@@ -90,6 +90,8 @@ class Trainer:
         self._pending_nan: collections.deque[tuple[int, HostValue, list[int], int | None]] = (
             collections.deque()
         )
+        self.fp8_scales = DelayedScaleUpdate(model)
+        """The delayed FP8 recipe's step boundary (amax reduction, histories, scales); a no-op without it."""
         self.token_ids = TokenIdCheck(model, getattr(cfg, "data", None))
         """The per-batch vocabulary check: staged every step, read with the deferred NaN check."""
         self.timers = Timers()
@@ -210,7 +212,7 @@ class Trainer:
         with self.timers("forward-backward"):
             logs = self._run_schedule(data_iterator, forward_only=False)
         self.token_ids.stage(f"iteration {self.iteration}")
-        update_fp8_scales(self.model, (self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
+        self.fp8_scales((self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
         if self.cfg.training.empty_unused_memory_level >= 1:
             release_unused_device_memory(self.backend.device_type)
         # The previous step's flags: the device has this step's forward and backward queued behind

@@ -19,6 +19,7 @@ from mcore.tensor_parallel.fp8 import (
     GRAD_OUTPUT,
     INPUT,
     WEIGHT,
+    DelayedScaleUpdate,
     Fp8DelayedState,
     Fp8Linear,
     Fp8Recipe,
@@ -262,6 +263,41 @@ def test_delayed_scaling_uses_the_amax_history(backend):
         amax = amaxes[1] if algo == "most_recent" else torch.maximum(*amaxes)
         limits = torch.tensor([448.0, 448.0, 57344.0])
         assert torch.allclose(layer.fp8_state.scale.cpu(), limits / amax / 2, rtol=1e-6)
+
+
+def test_delayed_scale_update_copies_nothing_from_the_host(monkeypatch):
+    """The step boundary must not copy host tensors to the device: on an accelerator such a copy
+    (``torch.tensor(list, device=...)``, indexing with a list) waits for the device to drain. The
+    states live on the meta device here, so that any op mixing in a host tensor, or a host-to-device
+    copy, shows up; two recipes, so that the per-recipe row selection runs too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    recipes = [
+        Fp8Recipe(format="hybrid", recipe="delayed", amax_history_len=4),
+        Fp8Recipe(format="e4m3", recipe="delayed", amax_history_len=4, margin=1),
+    ]
+    model = torch.nn.ModuleList(Fp8DelayedState(recipes[i % 2], device="meta") for i in range(5))
+    update = DelayedScaleUpdate(model)
+    seen = []
+
+    class HostTensors(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            devices = {t.device.type for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0}
+            seen.append((str(func), devices))
+            return func(*args, **(kwargs or {}))
+
+    def from_host(*args, **kwargs):
+        raise AssertionError("a tensor built from host data in the step's scale update")
+
+    for name in ("tensor", "as_tensor", "from_numpy"):  # below the dispatcher: the mode cannot see them
+        monkeypatch.setattr(torch, name, from_host)
+    with HostTensors():
+        update()
+    monkeypatch.undo()
+    assert seen, "the update ran no ops"
+    offenders = [(f, d) for f, d in seen if d - {"meta"} or "lift_fresh" in f or "_to_copy" in f]
+    assert not offenders, offenders
 
 
 def test_roles_are_distinct():
