@@ -187,10 +187,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 GEMMs (see the module docstring); ``x [..., K]``, ``W [N, K]``.
 
     Saved for backward (tensorwise/delayed): ``x_qT [K, M]`` in FP8 (half the bytes of the bf16 input a
-    bf16 linear keeps) and the weight with its amax (tensorwise) or scale (delayed); the backward
-    quantizes ``W^T`` again from the same amax or scale, which reproduces the forward's ``W_q``
-    exactly, instead of keeping an FP8 copy. With a gathered weight (``--fp8-param-gather``) the
-    forward multiplies its ``W_q`` and the backward transposes those bytes (``W_q^T``, a copy).
+    bf16 linear keeps) and, when the input needs a gradient, ``W_q^T [K, N]``: the forward's one cast
+    of the weight writes ``W_q`` and ``W_q^T`` (as Transformer Engine keeps the transpose), which costs
+    one byte per weight element between forward and backward and saves the backward a second read of
+    the weight (2 bytes per element) and a kernel. With a gathered weight (``--fp8-param-gather``) the
+    forward multiplies its ``W_q`` and keeps those bytes transposed (``W_q^T``, a copy).
     Rowwise (and ``--no-fp8-wgrad``) keep ``x`` itself: the wgrad operand needs other scales.
     """
 
@@ -232,17 +233,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_scaling = call.scaling(INPUT, x2d, training)
                 x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
                 x_saved = x_qT if recipe.wgrad else x2d
+            # W^T for the input gradient, made now and kept until the backward (1 byte a weight
+            # element, as Transformer Engine keeps it): one cast writes W_q and W_q^T, instead of a
+            # second read of the bf16 weight in the backward
+            need_w_t = training and ctx.needs_input_grad[0]
             if gathered is not None:  # --fp8-param-gather: W_q was made after the optimizer step
-                ctx.w_from = "fp8"  # the backward transposes W_q's bytes
                 w_q, w_sinv = gathered.data, gathered.scale_inv
-                w_given = w_q
+                w_qT = transpose_fp8(w_q) if need_w_t else None
             else:
-                # the backward casts W^T again from the same amax (tensorwise) or scale (delayed)
                 w_scaling = call.scaling(WEIGHT, weight, training)
-                w_q, _, w_sinv = ops.fp8_cast(weight, fwd, **w_scaling)
-                ctx.w_from = "amax" if "amax" in w_scaling else "scale"
-                w_given = w_scaling[ctx.w_from]
-            ctx.save_for_backward(x_saved, x_sinv, weight, w_given, w_sinv)
+                w_q, w_qT, w_sinv = ops.fp8_cast(weight, fwd, columnwise=need_w_t, **w_scaling)
+            ctx.save_for_backward(x_saved, x_sinv, weight, w_qT, w_sinv)
         y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
         return y.reshape(*out_rows, y.shape[-1])
 
@@ -270,7 +271,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     weight, ctx.main_grad, dy_qT, x_qT, dyT_sinv, xT_sinv, ctx.zero_placeholder
                 )
         else:
-            x_saved, x_sinv, weight, w_given, w_sinv = ctx.saved_tensors
+            x_saved, x_sinv, weight, w_qT, w_sinv = ctx.saved_tensors
             if ctx.sp_group is not None and ctx.needs_input_grad[1]:
                 x_saved = transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
@@ -282,15 +283,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
             )
             grad_bias = dbias[0] if need_dbias else None
             if ctx.needs_input_grad[0]:
-                if ctx.w_from == "fp8":  # the same bytes the forward multiplied, transposed
-                    w_qT = transpose_fp8(w_given)
-                else:
-                    w_scaling = (
-                        {"amax": w_given, "margin": recipe.margin}
-                        if ctx.w_from == "amax"
-                        else {"scale": w_given}
-                    )
-                    _, w_qT, _ = ops.fp8_cast(weight, fwd, rowwise=False, columnwise=True, **w_scaling)
                 grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.wgrad:

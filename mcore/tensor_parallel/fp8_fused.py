@@ -24,9 +24,9 @@ and backward, with ``g`` the output gradient and ``r`` the residual stream's gra
           dx, dgamma, dbeta = norm_backward(dxn, x, mean, rstd, residual_grad=r)
 
 Saved for backward: the norm's input ``x`` and statistics, the FP8 ``qT`` of every GEMM input (the MLP
-also keeps fc1's output ``h``, the activation's backward input), and the weights with their scales:
-``W^T`` is cast again in backward from the same scale, as :class:`~mcore.tensor_parallel.fp8._Fp8LinearFunction`
-does. Nothing in the activations' dtype besides ``x`` and ``h`` is kept, so ``--recompute-modules
+also keeps fc1's output ``h``, the activation's backward input), and each weight's ``W_q^T``, written
+by the forward's cast of the weight, as :class:`~mcore.tensor_parallel.fp8._Fp8LinearFunction` keeps
+it. Nothing in the activations' dtype besides ``x`` and ``h`` is kept, so ``--recompute-modules
 layernorm``/``mlp_act`` have nothing to free on this path.
 
 Exactness: every op equals the unfused composition bit for bit (see :mod:`mcore.ops.reference`), and
@@ -91,28 +91,25 @@ def _grad_slot(call: Fp8Linear):
     return state.scale[GRAD_OUTPUT], state.pending_amax[GRAD_OUTPUT : GRAD_OUTPUT + 1]
 
 
-def _cast_weight(call: Fp8Linear, weight: torch.Tensor, training: bool, gathered: Fp8GatheredWeight | None):
-    """``(W_q, W's scale, W's scale_inv)``: the weight cast as the unfused linear casts it; with
-    ``--fp8-param-gather`` the gathered ``W_q`` itself stands in for the scale (:func:`_dgrad`
-    transposes its bytes)."""
+def _cast_weight(
+    call: Fp8Linear,
+    weight: torch.Tensor,
+    training: bool,
+    gathered: Fp8GatheredWeight | None,
+    transposed: bool,
+):
+    """``(W_q, W_q^T or None, W's scale_inv)``: the weight cast as the unfused linear casts it, with
+    ``transposed`` also ``W_q^T`` for the input gradient (kept until the backward, as the unfused
+    linear keeps it); with ``--fp8-param-gather`` the gathered ``W_q`` and its bytes transposed."""
     if gathered is not None:
-        return gathered.data, gathered.data, gathered.scale_inv
+        return gathered.data, transpose_fp8(gathered.data) if transposed else None, gathered.scale_inv
     w_scaling = call.scaling(WEIGHT, weight, training)
-    w_q, _, w_sinv = get_ops().fp8_cast(weight, call.recipe.fwd_dtype, **w_scaling)
-    return w_q, w_scaling["scale"], w_sinv
+    return get_ops().fp8_cast(weight, call.recipe.fwd_dtype, columnwise=transposed, **w_scaling)
 
 
-def _dgrad(call: Fp8Linear, dy_q, dy_sinv, weight, w_scale, w_sinv, out_dtype) -> torch.Tensor:
-    """``dx = dy W`` from the FP8 ``dy_q``; ``W^T`` cast again from the forward's scale (or, for a
-    gathered FP8 weight, its bytes transposed)."""
-    ops = get_ops()
-    if w_scale.dtype == call.recipe.fwd_dtype:  # the gathered W_q (--fp8-param-gather)
-        w_qT = transpose_fp8(w_scale)
-    else:
-        _, w_qT, _ = ops.fp8_cast(
-            weight, call.recipe.fwd_dtype, rowwise=False, columnwise=True, scale=w_scale
-        )
-    return ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, out_dtype)
+def _dgrad(dy_q, dy_sinv, w_qT, w_sinv, out_dtype) -> torch.Tensor:
+    """``dx = dy W`` from the FP8 ``dy_q`` and the forward's ``W_q^T``."""
+    return get_ops().scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, out_dtype)
 
 
 def _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual):
@@ -148,19 +145,18 @@ class Fp8NormLinear(torch.autograd.Function):
             x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
-        w_q, w_scale, w_sinv = _cast_weight(call, weight, training, gathered)
+        need_x = training and any(ctx.needs_input_grad[:3])
+        w_q, w_qT, w_sinv = _cast_weight(call, weight, training, gathered, transposed=need_x)
         y = ops.scaled_linear_forward(xn_q, w_q, xn_sinv, w_sinv, bias, x.dtype)
         ctx.norm, ctx.call, ctx.main_grad, ctx.tp_group = norm, call, main_grad, call.tp_group
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        ctx.save_for_backward(
-            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_scale, w_sinv
-        )
+        ctx.save_for_backward(x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_qT, w_sinv)
         return y.reshape(*x.shape[:-1], y.shape[-1]), x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output, grad_residual):
         ops = get_ops()
-        x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_scale, w_sinv = ctx.saved_tensors
+        x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_qT, w_sinv = ctx.saved_tensors
         call: Fp8Linear = ctx.call
         need_x = any(ctx.needs_input_grad[:3])
         need_w = ctx.needs_input_grad[3]
@@ -179,7 +175,7 @@ class Fp8NormLinear(torch.autograd.Function):
         grad_weight = fp8_wgrad(weight, ctx.main_grad, dy_qT, xn_qT, dy_sinv, xn_sinv) if need_w else None
         dx = dnw = dnb = None
         if need_x:
-            dxn = _dgrad(call, dy_q, dy_sinv, weight, w_scale, w_sinv, x2d.dtype)
+            dxn = _dgrad(dy_q, dy_sinv, w_qT, w_sinv, x2d.dtype)
             dx, dnw, dnb = _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual)
         return dx, dnw, dnb, grad_weight, grad_bias, None, None, None, None, None
 
@@ -219,19 +215,21 @@ class Fp8NormMLP(torch.autograd.Function):
             x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
-        w1_q, w1_scale, w1_sinv = _cast_weight(fc1, w1, training, gathered[0])
+        need_x = training and any(ctx.needs_input_grad[:3])
+        need_h = training and any(ctx.needs_input_grad[:5])  # anything below the activation
+        w1_q, w1_qT, w1_sinv = _cast_weight(fc1, w1, training, gathered[0], transposed=need_x)
         h = ops.scaled_linear_forward(xn_q, w1_q, xn_sinv, w1_sinv, None, x.dtype)
         scale, amax_record = _input_slot(fc2, training)
         a_q, a_qT, a_sinv = ops.act_fp8_forward(
             h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
         )
-        w2_q, w2_scale, w2_sinv = _cast_weight(fc2, w2, training, gathered[1])
+        w2_q, w2_qT, w2_sinv = _cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
         y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
         ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
         ctx.tp_group, ctx.x_shape = fc1.tp_group, x.shape
         ctx.save_for_backward(
-            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_scale, w1_sinv,
-            h, b1, a_qT, a_sinv, w2, w2_scale, w2_sinv,
+            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_qT, w1_sinv,
+            h, b1, a_qT, a_sinv, w2, w2_qT, w2_sinv,
         )  # fmt: skip
         return y.reshape(*x.shape[:-1], y.shape[-1]), x.view_as(x)
 
@@ -239,8 +237,8 @@ class Fp8NormMLP(torch.autograd.Function):
     def backward(ctx, grad_output, grad_residual):
         ops = get_ops()
         (
-            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_scale, w1_sinv,
-            h, b1, a_qT, a_sinv, w2, w2_scale, w2_sinv,
+            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_qT, w1_sinv,
+            h, b1, a_qT, a_sinv, w2, w2_qT, w2_sinv,
         ) = ctx.saved_tensors  # fmt: skip
         fc1, fc2 = ctx.calls
         main_grad1, main_grad2 = ctx.main_grads
@@ -257,7 +255,7 @@ class Fp8NormMLP(torch.autograd.Function):
         grad_w2 = fp8_wgrad(w2, main_grad2, dy_qT, a_qT, dy_sinv, a_sinv) if need_w2 else None
         grad_w1 = grad_b1 = dx = dnw = dnb = None
         if need_h:
-            da = _dgrad(fc2, dy_q, dy_sinv, w2, w2_scale, w2_sinv, x2d.dtype)
+            da = _dgrad(dy_q, dy_sinv, w2_qT, w2_sinv, x2d.dtype)
             scale, amax_record = _grad_slot(fc1)
             dh_q, dh_qT, dh_sinv, grad_b1 = ops.act_fp8_backward(
                 da,
@@ -273,7 +271,7 @@ class Fp8NormMLP(torch.autograd.Function):
             if need_w1:
                 grad_w1 = fp8_wgrad(w1, main_grad1, dh_qT, xn_qT, dh_sinv, xn_sinv)
             if need_x:
-                dxn = _dgrad(fc1, dh_q, dh_sinv, w1, w1_scale, w1_sinv, x2d.dtype)
+                dxn = _dgrad(dh_q, dh_sinv, w1_qT, w1_sinv, x2d.dtype)
                 dx, dnw, dnb = _norm_backward(
                     ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual
                 )

@@ -130,6 +130,42 @@ def test_fused_producers_are_bit_identical_to_the_unfused_fp8_path(monkeypatch, 
     _assert_identical(fused, unfused)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_each_weight_is_cast_once_a_forward_and_backward(monkeypatch, fused):
+    """The forward's one cast of a weight writes ``W_q`` and ``W_q^T`` (kept for the input gradient):
+    the backward reads no weight again, on the fused and the unfused path."""
+    from mcore.backend import get_ops
+    from mcore.tensor_parallel import fp8 as fp8_linear_module
+    from mcore.tensor_parallel import fp8_fused
+
+    casts = []
+
+    class Recording:  # the op table, with fp8_cast recording its input and outputs asked for
+        def __getattr__(self, name):
+            op = getattr(get_ops(), name)
+            if name != "fp8_cast":
+                return op
+
+            def fp8_cast(x, *args, **kwargs):
+                casts.append((x.data_ptr(), kwargs.get("rowwise", True), kwargs.get("columnwise", False)))
+                return op(x, *args, **kwargs)
+
+            return fp8_cast
+
+    for module in (fp8_linear_module, fp8_fused):
+        monkeypatch.setattr(module, "get_ops", Recording)
+    cfg = ModelConfig(**MODELS["gpt"])
+    fp8 = Fp8Config(fp8_format="hybrid", fp8_recipe="delayed", fp8_fused_producers=fused)
+    model = GPTModel(cfg, ProcessGroups.single(), 128, device=torch.device("cpu"), fp8=fp8)
+    weights = {p.data_ptr(): name for name, p in model.named_parameters() if p.dim() == 2}
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    model(tokens, None, None, labels=tokens).mean().backward()
+    weight_casts = [(weights[ptr], r, c) for ptr, r, c in casts if ptr in weights]
+    fp8_weights = [n for n in weights.values() if ".layers." in n]  # the linears of the 2 layers
+    assert sorted(n for n, _, _ in weight_casts) == sorted(fp8_weights)  # once each
+    assert all(r and c for _, r, c in weight_casts)  # W_q and W_q^T in the one cast
+
+
 @pytest.mark.parametrize("recompute", ["full", "mlp", "layernorm-mlp_act"])
 def test_fused_producers_under_recomputation(monkeypatch, recompute):
     single = ProcessGroups.single()
