@@ -145,7 +145,7 @@ def _act_fp8_fwd_kernel(
         if RECORD_AMAX:
             running_amax = _abs_max_rows(running_amax, y, mask, EVEN)
         q = _quantize_bytes(y, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-        _store_tile_bytes(Q, QT, q, rows, cols, M, F, ROWWISE, COLUMNWISE, EVEN)
+        _store_tile_bytes(Q, QT, q, rows, cols, M, F, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
 
@@ -219,9 +219,9 @@ def _act_fp8_bwd_kernel(
                 running_amax = _abs_max_rows(running_amax, dg, mask, EVEN)
                 running_amax = _abs_max_rows(running_amax, du, mask, EVEN)
             q = _quantize_bytes(dg, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-            _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, ROWWISE, COLUMNWISE, EVEN)
+            _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
             q = _quantize_bytes(du, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-            _store_tile_bytes(Q, QT, q, rows, cols + F, M, n_dh, ROWWISE, COLUMNWISE, EVEN)
+            _store_tile_bytes(Q, QT, q, rows, cols + F, M, n_dh, n_dh, ROWWISE, COLUMNWISE, EVEN)
         else:  # _bias_gelu_bwd_kernel's math; the bias gradient sums the unrounded fp32 dh
             _, d = _gelu_and_grad(x, TANH, True)
             dx = dy * d
@@ -231,7 +231,7 @@ def _act_fp8_bwd_kernel(
             if RECORD_AMAX:
                 running_amax = _abs_max_rows(running_amax, dx, mask, EVEN)
             q = _quantize_bytes(dx, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-            _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, ROWWISE, COLUMNWISE, EVEN)
+            _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
     if HAS_BIAS:

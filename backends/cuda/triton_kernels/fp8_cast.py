@@ -202,12 +202,14 @@ def _store_tile_bytes(
     cols,
     M,
     K,
+    cols_end,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     """The FP8 bytes ``q [BLOCK_M, BLOCK_K]`` at ``(rows, cols)`` of ``q [M, K]`` and/or, transposed,
-    of ``qT [K, M]`` (masked to the bounds unless ``EVEN``: the tile lies inside both).
+    of ``qT [K, M]``, masked to ``rows < M`` and ``cols < cols_end`` unless ``EVEN`` (the tile lies
+    inside them; ``cols_end < K``: the columns of one part of a row, as SwiGLU's ``[d gate | d up]``).
 
     Stored as bytes (``q_ptr``/``qt_ptr`` are uint8 views): with an FP8 tile stored both row-major and
     transposed in one kernel, Triton 3.6's ptxas (12.9) corrupts the transposed store on Hopper
@@ -216,12 +218,13 @@ def _store_tile_bytes(
         if EVEN:
             tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
         else:
-            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=(rows[:, None] < M) & (cols[None, :] < K))
+            mask = (rows[:, None] < M) & (cols[None, :] < cols_end)
+            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     if COLUMNWISE:
         if EVEN:
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q))
         else:
-            mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+            mask_t = (cols[:, None] < cols_end) & (rows[None, :] < M)
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
 
 
@@ -249,7 +252,7 @@ def _quantize_store_tile(
     quantization (:func:`_quantize_bytes`, :func:`_store_tile_bytes`) that the cast kernels and the
     fused activation kernels share, so their FP8 bytes are the same by construction."""
     q = _quantize_bytes(x, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-    _store_tile_bytes(q_ptr, qt_ptr, q, rows, cols, M, K, ROWWISE, COLUMNWISE, False)
+    _store_tile_bytes(q_ptr, qt_ptr, q, rows, cols, M, K, K, ROWWISE, COLUMNWISE, False)
 
 
 @triton.jit
