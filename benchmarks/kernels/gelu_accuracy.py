@@ -25,7 +25,6 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-
 from mcore.backends.cuda.triton_kernels._common import INTERPRET
 from mcore.backends.cuda.triton_kernels.activations import _gelu_and_grad
 

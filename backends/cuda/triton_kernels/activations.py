@@ -237,15 +237,17 @@ def _gelu_and_grad(t, TANH: tl.constexpr, NEED_GRAD: tl.constexpr):
     Exact (erf): ``Phi`` the normal CDF (:func:`_normal_cdf`), ``dy/dt = Phi + t * phi(t)`` with the
     density ``phi = exp(-t^2 / 2) / sqrt(2 pi)``. Tanh (``--openai-gelu``): ``0.5 * (1 + tanh(u)) =
     sigmoid(2u)`` with ``2u = z(t) = t * (Z1 + Z3 t^2)`` (``Z1 = 2 sqrt(2/pi)``, ``Z3 = 0.044715 Z1``),
-    so ``y = t * s``, ``s = sigmoid(z)``, and ``dy/dt = s + t * s (1 - s) z'(t)``: one ``exp`` and
+    so ``y = t * s``, ``s = sigmoid(z) = 1 / (1 + e)``, ``e = exp(-z)``, and ``dy/dt = s + t * s (1 - s)
+    z'(t)`` with ``1 - s = e * s``: one ``exp`` and
     one reciprocal, where ``tanh`` as ``1 - 2 / (exp(2u) + 1)`` then ``0.5 * (1 + tanh)`` adds a
     rounding and a subtraction."""
     if TANH:
         t2 = t * t
-        s = _sigmoid(t * (_TANH_Z1 + _TANH_Z3 * t2))
+        e = _exp(-t * (_TANH_Z1 + _TANH_Z3 * t2))
+        s = _reciprocal(1.0 + e)  # sigmoid(z)
         y = t * s
-        if NEED_GRAD:
-            dy = s + y * (1.0 - s) * (_TANH_Z1 + 3.0 * _TANH_Z3 * t2)
+        if NEED_GRAD:  # 1 - s = e * s, without the cancellation of 1 - s where s is near 1
+            dy = s + y * (e * s) * (_TANH_Z1 + 3.0 * _TANH_Z3 * t2)
         else:
             dy = y
     else:
