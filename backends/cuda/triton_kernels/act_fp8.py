@@ -241,9 +241,10 @@ def _act_fp8_bwd_kernel(
 
 
 FWD_CONFIG = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 4}
-"""The forward's tile. Measured on an H100 (benchmarks/kernels/bench_act_fp8.py --sweep, bf16, amax
-recorded): GeLU [8192, 8192] 173 us (8 warps 208 us, 128x128 236 us), SwiGLU [4096, 28672] 159 us
-(the best, 128x64/8 warps, 157 us)."""
+"""The forward's tile (tuned on an H100 with the previous GeLU math: benchmarks/kernels/bench_act_fp8.py
+--sweep). Measured on an H100 (bf16, amax recorded, bench_act_fp8.py): GeLU [8192, 8192] 127 us (172
+with libdevice ``erff``; 104 us with the activation replaced by the identity), tanh GeLU 113 us,
+SwiGLU [8192, 8192] 77 us, [4096, 28672] 132 us."""
 
 _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
@@ -251,8 +252,8 @@ _BWD_CONFIGS = [
     for per_sm in (8, 16)
 ]
 """The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``).
-On an H100 they span 250-301 us (GeLU [8192, 8192]) and 248-262 us (SwiGLU [4096, 28672]); the
-tuner found the fastest for both."""
+On an H100 (bench_act_fp8.py, autotuned): GeLU [8192, 8192] 185 us (251 with libdevice ``erff``; 159
+us with the identity activation), tanh GeLU 173 us, SwiGLU [8192, 8192] 128 us, [4096, 28672] 224 us."""
 
 BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_PER_SM}
 """The backward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
