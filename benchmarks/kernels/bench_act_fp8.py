@@ -7,15 +7,19 @@ Against the unfused CUDA path it replaces (the delayed recipe: a given scale, th
 * backward: the activation's backward kernel writing ``dh`` (and the GeLU bias gradient), then
   ``fp8_cast`` of ``dh`` to ``q`` and ``qT``.
 
-Shapes: GeLU ``h [8192, 8192]`` with a bias (the 24L h2048 GPT's fc1 output, 4 x 2048 tokens) and
-SwiGLU ``h [4096, 28672]`` without one (a Llama-style fc1 output, ``F = 14336``); bf16, e4m3 forward
-and e5m2 backward (the hybrid format). Bytes are the fewest the work must move (each input read
+Shapes: GeLU (exact and tanh) ``h [8192, 8192]`` with a bias (the 24L h2048 GPT's fc1 output, 4 x
+2048 tokens), SwiGLU ``h [8192, 8192]`` and ``h [4096, 28672]`` without one (a Llama-style fc1 output,
+``F = 14336``); bf16, e4m3 forward and e5m2 backward (the hybrid format). Also timed: the unfused
+path's two kernels apart (``act``: the activation kernel; ``cast``: ``fp8_cast``), and with
+``--split`` the fused kernels with the activation replaced by the identity (``y = t``, ``dy/dt = 1``;
+the same loads, quantization, amax and stores), which splits a fused kernel's time into its memory
+and FP8 work and the activation's arithmetic. Bytes are the fewest the work must move (each input read
 once, each FP8 output written once; the unfused path also writes and reads the bf16 tensor), so
 ``GB/s`` of the fused kernel compares with the copy bandwidth measured in the same run. Times:
 medians of ``triton.testing.do_bench`` (L2 flushed). The fused and unfused FP8 bytes and amaxes are
 checked identical before timing.
 
-    python benchmarks/kernels/bench_act_fp8.py [--sweep] [--json FILE]
+    python benchmarks/kernels/bench_act_fp8.py [--sweep] [--split] [--json FILE]
 """
 
 from __future__ import annotations
@@ -25,8 +29,41 @@ import json
 
 import torch
 
-SHAPES = {"gelu": (8192, 8192, True), "swiglu": (4096, 28672, False)}
-"""kind -> (M, width of h, bias)."""
+SHAPES = [
+    ("gelu", 8192, 8192, True),
+    ("gelu_tanh", 8192, 8192, True),
+    ("swiglu", 8192, 8192, False),
+    ("swiglu", 4096, 28672, False),
+]
+"""(kind, M, width of h, bias)."""
+
+
+def _identity_act_fp8():
+    """A copy of :mod:`act_fp8` whose GeLU is the identity (``--split``): its source with the import
+    of ``_gelu_and_grad`` replaced, loaded from a temporary file (Triton reads a kernel's source)."""
+    import importlib.util
+    import inspect
+    import tempfile
+
+    from mcore.backends.cuda.triton_kernels import act_fp8
+
+    src = inspect.getsource(act_fp8)
+    old = "from .activations import _gelu_and_grad\n"
+    assert old in src, "act_fp8 no longer imports _gelu_and_grad as the benchmark expects"
+    src = src.replace(
+        old,
+        "\n\n@triton.jit\ndef _gelu_and_grad(t, TANH: tl.constexpr, NEED_GRAD: tl.constexpr):\n"
+        "    return t, t * 0.0 + 1.0\n\n\n",
+    )
+    path = tempfile.mkdtemp() + "/_act_fp8_identity.py"
+    with open(path, "w") as fh:
+        fh.write(src)
+    spec = importlib.util.spec_from_file_location(
+        "mcore.backends.cuda.triton_kernels._act_fp8_identity", path
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def bench(fn) -> float:
@@ -41,7 +78,7 @@ def _same(a, b) -> bool:
     )
 
 
-def _bench_kind(kind, m, width, has_bias, sweep, record) -> None:
+def _bench_kind(kind, m, width, has_bias, sweep, record, identity=None) -> None:
     from mcore.backends.cuda.triton_kernels import act_fp8, activations
     from mcore.backends.cuda.triton_kernels import fp8_cast as cast_kernels
 
@@ -59,26 +96,45 @@ def _bench_kind(kind, m, width, has_bias, sweep, record) -> None:
     def fused_fwd(cfg=None):
         return act_fp8.act_fp8_forward(h, bias, kind, e4m3, s_fwd, amax_f, config=cfg)
 
-    def unfused_fwd():
+    tanh = kind == "gelu_tanh"
+
+    def act_fwd():
         if swiglu:
-            y = activations.swiglu_fwd(h if bias is None else h + bias)
-        else:
-            y = activations.bias_gelu_fwd(h, bias, False)
-        return cast_kernels.cast(y, e4m3, scale=s_fwd, columnwise=True, amax_record=amax_u)
+            return activations.swiglu_fwd(h if bias is None else h + bias)
+        return activations.bias_gelu_fwd(h, bias, tanh)
+
+    def unfused_fwd():
+        return cast_kernels.cast(act_fwd(), e4m3, scale=s_fwd, columnwise=True, amax_record=amax_u)
 
     def fused_bwd(cfg=None):
         return act_fp8.act_fp8_backward(dy, h, bias, kind, e5m2, s_bwd, amax_f, config=cfg)
 
-    def unfused_bwd():
+    def act_bwd():
         if swiglu:
-            dh, db = activations.swiglu_bwd(dy, h), None
-        else:
-            dh, db = activations.bias_gelu_bwd(dy, h, bias, False)
+            return activations.swiglu_bwd(dy, h), None
+        return activations.bias_gelu_bwd(dy, h, bias, tanh)
+
+    def unfused_bwd():
+        dh, db = act_bwd()
         return (*cast_kernels.cast(dh, e5m2, scale=s_bwd, columnwise=True, amax_record=amax_u), db)
 
-    for what, fused, unfused in (
-        ("forward", fused_fwd, unfused_fwd),
-        ("backward", fused_bwd, unfused_bwd),
+    y_act, dh_act = act_fwd(), act_bwd()[0]
+
+    def cast_fwd():
+        return cast_kernels.cast(y_act, e4m3, scale=s_fwd, columnwise=True, amax_record=amax_u)
+
+    def cast_bwd():
+        return cast_kernels.cast(dh_act, e5m2, scale=s_bwd, columnwise=True, amax_record=amax_u)
+
+    def ident_fwd():
+        return identity.act_fp8_forward(h, bias, kind, e4m3, s_fwd, amax_f)
+
+    def ident_bwd():
+        return identity.act_fp8_backward(dy, h, bias, kind, e5m2, s_bwd, amax_f)
+
+    for what, fused, unfused, act, cast, ident in (
+        ("forward", fused_fwd, unfused_fwd, act_fwd, cast_fwd, ident_fwd),
+        ("backward", fused_bwd, unfused_bwd, act_bwd, cast_bwd, ident_bwd),
     ):
         amax_f.zero_(), amax_u.zero_()
         got, want = fused(), unfused()
@@ -99,6 +155,11 @@ def _bench_kind(kind, m, width, has_bias, sweep, record) -> None:
         t_unfused = bench(unfused)
         record(name, "fused", t_fused, fused_moved)
         record(name, "unfused (act + fp8_cast)", t_unfused, unfused_moved)
+        bf16_out = 2 * n_out
+        record(name, "unfused: act", bench(act), nbytes_in + bf16_out)
+        record(name, "unfused: cast", bench(cast), bf16_out + 2 * n_out)
+        if identity is not None and not swiglu:
+            record(name, "fused, identity activation", bench(ident), fused_moved)
         print(f"{name:34s} speed-up {t_unfused / t_fused:.2f}x")
         if sweep:
             if what == "forward":
@@ -116,6 +177,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true", help="also time tile shapes of the fused kernels")
+    parser.add_argument(
+        "--split", action="store_true", help="also time the fused GeLU kernels with an identity activation"
+    )
+    parser.add_argument("--kinds", default=None, help="comma-separated kinds to run (default: all)")
     args = parser.parse_args()
 
     dev = torch.device("cuda")
@@ -132,8 +197,10 @@ def main() -> None:
             f"{name:34s} {path:28s} {ms * 1e3:8.1f} us {row['GB/s']:6.0f} GB/s ({row['GB/s'] / copy_gbs:.0%} of copy)"
         )
 
-    for kind, (m, width, has_bias) in SHAPES.items():
-        _bench_kind(kind, m, width, has_bias, args.sweep, record)
+    identity = _identity_act_fp8() if args.split else None
+    for kind, m, width, has_bias in SHAPES:
+        if args.kinds is None or kind in args.kinds.split(","):
+            _bench_kind(kind, m, width, has_bias, args.sweep, record, identity)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -50,54 +50,50 @@ from ._common import (
     use_autotune,
 )
 from .activations import _gelu_and_grad
-from .fp8_cast import _MANTISSA_BITS, _MIN_NORMAL_EXP, _TL_FP8, PROGRAMS_PER_SM, _round_to_fp8_grid
+from .fp8_cast import (
+    _MANTISSA_BITS,
+    _MIN_NORMAL_EXP,
+    _TL_FP8,
+    PROGRAMS_PER_SM,
+    _abs_max_rows,
+    _amax_value,
+    _quantize_bytes,
+    _store_tile_bytes,
+)
 
 KINDS = ("gelu", "gelu_tanh", "swiglu")
 
 
 @triton.jit
-def _quantize(y, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr, MANTISSA_BITS: tl.constexpr,
-              MIN_NORMAL_EXP: tl.constexpr, ROUND_IN_FP32: tl.constexpr):  # fmt: skip
-    """``saturate(y * scale)`` in FP8, rounded to nearest even: ``_cast_kernel``'s arithmetic."""
-    y = y * scale
-    # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
-    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-    if ROUND_IN_FP32:  # the interpreter's conversion does not round to nearest even (see fp8_cast)
-        y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
-    return y.to(FP8, fp_downcast_rounding="rtne")
-
-
-@triton.jit
-def _abs_max_rows(running, y, mask):
-    """``running`` ``[BLOCK_M]`` maxed with the rows' ``max |y|`` over ``mask`` (NaN counts as inf)."""
-    a = tl.where(y == y, tl.abs(y), float("inf"))
-    return tl.maximum(running, tl.max(tl.where(mask, a, 0.0), axis=1))
-
-
-@triton.jit
-def _store_fp8(Q, QT, q, rows, cols, rmask, cmask, M, N, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr):
-    """The tile ``q`` at ``(rows, cols)`` of ``Q [M, N]`` and, transposed, of ``QT [N, M]``.
-
-    Stored as bytes (``Q``/``QT`` are uint8 views): with an FP8 tile stored both row-major and
-    transposed in one kernel, Triton 3.6's ptxas (12.9) corrupts the transposed store on Hopper
-    (triton-lang/triton#11111); 8-bit integer stores are clean."""
-    qb = q.to(tl.uint8, bitcast=True)
-    if ROWWISE:
-        tl.store(Q + rows[:, None] * N + cols[None, :], qb, mask=rmask[:, None] & cmask[None, :])
-    if COLUMNWISE:
-        tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(qb), mask=cmask[:, None] & rmask[None, :])
-
-
-@triton.jit
-def _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS: tl.constexpr):
+def _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
     """``h + bias`` rounded to ``h``'s dtype (a separate torch op in the reference), in fp32."""
-    x = tl.load(ptr, mask=mask, other=0.0)
+    if EVEN:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
     if HAS_BIAS:
-        b = tl.load(B + cols, mask=cmask, other=0.0)
+        if EVEN:
+            b = tl.load(B + cols)
+        else:
+            b = tl.load(B + cols, mask=cmask, other=0.0)
         x = (x.to(tl.float32) + b.to(tl.float32)[None, :]).to(ptr.dtype.element_ty)
     return x.to(tl.float32)
 
 
+@triton.jit
+def _column_sums(x, mask, EVEN: tl.constexpr):
+    """``x.sum(0)`` over ``mask`` (all of ``x`` when ``EVEN``)."""
+    if not EVEN:
+        x = tl.where(mask, x, 0.0)
+    return tl.sum(x, axis=0)
+
+
+def _even(args) -> bool:
+    """The tiles cover ``[M, F]`` exactly: the kernels drop their bounds masks."""
+    return args["M"] % args["BLOCK_M"] == 0 and args["F"] % args["BLOCK_F"] == 0
+
+
+@triton.heuristics({"EVEN": _even})
 @triton.jit
 def _act_fp8_fwd_kernel(
     H,
@@ -123,6 +119,7 @@ def _act_fp8_fwd_kernel(
     ROUND_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    EVEN: tl.constexpr,  # M % BLOCK_M == F % BLOCK_F == 0: no bounds masks
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -137,22 +134,23 @@ def _act_fp8_fwd_kernel(
         cmask = cols < F
         mask = (rows < M)[:, None] & cmask[None, :]
         ptr = H + rows[:, None] * stride_h + cols[None, :]
-        x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS)
+        x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS, EVEN)
         if SWIGLU:  # _swiglu_fwd_kernel: silu(gate) rounded to the dtype before the product
-            u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS)
+            u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS, EVEN)
             a = (x * tl.sigmoid(x)).to(H.dtype.element_ty).to(tl.float32)
             y = a * u
         else:  # _bias_gelu_fwd_kernel
             y, _ = _gelu_and_grad(x, TANH, False)
         y = y.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
         if RECORD_AMAX:
-            running_amax = _abs_max_rows(running_amax, y, mask)
-        q = _quantize(y, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-        _store_fp8(Q, QT, q, rows, cols, rows < M, cmask, M, F, ROWWISE, COLUMNWISE)
+            running_amax = _abs_max_rows(running_amax, y, mask, EVEN)
+        q = _quantize_bytes(y, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+        _store_tile_bytes(Q, QT, q, rows, cols, M, F, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
-        tl.atomic_max(AMAX_RECORD, tl.max(running_amax, axis=0))
+        tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
 
 
+@triton.heuristics({"EVEN": _even})
 @triton.jit
 def _act_fp8_bwd_kernel(
     DY,
@@ -182,6 +180,7 @@ def _act_fp8_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     PER_SM: tl.constexpr,  # sets the grid only
+    EVEN: tl.constexpr,  # M % BLOCK_M == F % BLOCK_F == 0: no bounds masks
 ):
     # Persistent over [row programs, column blocks]: program (r, c) walks row blocks r, r + R, ... of
     # column block c, keeping fp32 bias partial sums of its rows and the rows' running amax.
@@ -199,11 +198,14 @@ def _act_fp8_bwd_kernel(
     for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < M)[:, None] & cmask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if EVEN:
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :]).to(tl.float32)
+        else:
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         ptr = H + rows[:, None] * stride_h + cols[None, :]
-        x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS)
+        x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS, EVEN)
         if SWIGLU:  # _swiglu_bwd_kernel's math; the bias gradient sums its rounded output
-            u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS)
+            u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS, EVEN)
             sig = tl.sigmoid(x)
             a = x * sig
             dg = dy * u * sig * (1.0 + x * (1.0 - sig))
@@ -211,27 +213,27 @@ def _act_fp8_bwd_kernel(
             dg = dg.to(H.dtype.element_ty).to(tl.float32)
             du = du.to(H.dtype.element_ty).to(tl.float32)
             if HAS_BIAS:
-                db += tl.sum(tl.where(mask, dg, 0.0), axis=0)
-                db_up += tl.sum(tl.where(mask, du, 0.0), axis=0)
+                db += _column_sums(dg, mask, EVEN)
+                db_up += _column_sums(du, mask, EVEN)
             if RECORD_AMAX:
-                running_amax = _abs_max_rows(running_amax, dg, mask)
-                running_amax = _abs_max_rows(running_amax, du, mask)
-            q = _quantize(dg, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-            _store_fp8(Q, QT, q, rows, cols, rows < M, cmask, M, n_dh, ROWWISE, COLUMNWISE)
-            q = _quantize(du, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-            _store_fp8(Q, QT, q, rows, cols + F, rows < M, cmask, M, n_dh, ROWWISE, COLUMNWISE)
+                running_amax = _abs_max_rows(running_amax, dg, mask, EVEN)
+                running_amax = _abs_max_rows(running_amax, du, mask, EVEN)
+            q = _quantize_bytes(dg, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
+            q = _quantize_bytes(du, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            _store_tile_bytes(Q, QT, q, rows, cols + F, M, n_dh, n_dh, ROWWISE, COLUMNWISE, EVEN)
         else:  # _bias_gelu_bwd_kernel's math; the bias gradient sums the unrounded fp32 dh
             _, d = _gelu_and_grad(x, TANH, True)
             dx = dy * d
             if HAS_BIAS:
-                db += tl.sum(tl.where(mask, dx, 0.0), axis=0)
+                db += _column_sums(dx, mask, EVEN)
             dx = dx.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
             if RECORD_AMAX:
-                running_amax = _abs_max_rows(running_amax, dx, mask)
-            q = _quantize(dx, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
-            _store_fp8(Q, QT, q, rows, cols, rows < M, cmask, M, n_dh, ROWWISE, COLUMNWISE)
+                running_amax = _abs_max_rows(running_amax, dx, mask, EVEN)
+            q = _quantize_bytes(dx, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
-        tl.atomic_max(AMAX_RECORD, tl.max(running_amax, axis=0))
+        tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
     if HAS_BIAS:
         tl.store(DB + pid_r * n_dh + cols, db, mask=cmask)
         if SWIGLU:
@@ -239,9 +241,10 @@ def _act_fp8_bwd_kernel(
 
 
 FWD_CONFIG = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 4}
-"""The forward's tile. Measured on an H100 (benchmarks/kernels/bench_act_fp8.py --sweep, bf16, amax
-recorded): GeLU [8192, 8192] 173 us (8 warps 208 us, 128x128 236 us), SwiGLU [4096, 28672] 159 us
-(the best, 128x64/8 warps, 157 us)."""
+"""The forward's tile (tuned on an H100 with the previous GeLU math: benchmarks/kernels/bench_act_fp8.py
+--sweep). Measured on an H100 (bf16, amax recorded, bench_act_fp8.py): GeLU [8192, 8192] 127 us (172
+with libdevice ``erff``; 104 us with the activation replaced by the identity), tanh GeLU 113 us,
+SwiGLU [8192, 8192] 77 us, [4096, 28672] 132 us."""
 
 _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
@@ -249,8 +252,8 @@ _BWD_CONFIGS = [
     for per_sm in (8, 16)
 ]
 """The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``).
-On an H100 they span 250-301 us (GeLU [8192, 8192]) and 248-262 us (SwiGLU [4096, 28672]); the
-tuner found the fastest for both."""
+On an H100 (bench_act_fp8.py, autotuned): GeLU [8192, 8192] 185 us (251 with libdevice ``erff``; 159
+us with the identity activation), tanh GeLU 173 us, SwiGLU [8192, 8192] 128 us, [4096, 28672] 224 us."""
 
 BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_PER_SM}
 """The backward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the

@@ -135,13 +135,97 @@ def _cast_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
         x = x.to(tl.float32)
         if RECORD_AMAX:
-            running_amax = tl.maximum(running_amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+            running_amax = _abs_max_rows(running_amax, x, mask, False)
         _quantize_store_tile(
             x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
             FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32, ROWWISE, COLUMNWISE,
         )  # fmt: skip
     if RECORD_AMAX:
-        tl.atomic_max(amax_record_ptr, tl.max(running_amax, axis=0))
+        tl.atomic_max(amax_record_ptr, _amax_value(running_amax))
+
+
+@triton.jit
+def _max_nan(a, b):
+    """``max(a, b)``, NaN if either is (``max.NaN``)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_max_rows(running, x, mask, EVEN: tl.constexpr):
+    """``running`` ``[BLOCK_M]`` maxed with the rows' ``max |x|`` (over ``mask`` unless ``EVEN``).
+
+    A NaN counts as an infinite amax: ``max.NaN`` keeps it through the reductions (one instruction,
+    ``|x|`` a free operand modifier) and :func:`_amax_value` turns it into ``inf`` once at the end."""
+    a = tl.abs(x)
+    if not EVEN:
+        a = tl.where(mask, a, 0.0)
+    return _max_nan(running, tl.reduce(a, 1, _max_nan))
+
+
+@triton.jit
+def _amax_value(running):
+    """The amax of the ``running`` row maxima of :func:`_abs_max_rows`: ``inf`` where one was NaN."""
+    a = tl.reduce(running, 0, _max_nan)
+    return tl.where(a == a, a, float("inf"))
+
+
+@triton.jit
+def _quantize_bytes(
+    x,
+    scale,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):
+    """``saturate(x * scale)`` of an fp32 tile in FP8, rounded to nearest even, as its bytes (uint8).
+
+    On the GPU the conversion is ``cvt.rn.satfinite``: it rounds to nearest even and clamps to the
+    finite range itself (``+-inf`` to ``+-FP8_MAX``, NaN stays NaN, as ``torch.clamp`` then the cast),
+    so no compare-and-select is spent on the clamp. Under the interpreter (``ROUND_IN_FP32``) the
+    clamp and the rounding are done in fp32 first (see the module docstring)."""
+    y = x * scale
+    if ROUND_IN_FP32:
+        # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
+        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+        y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+    return y.to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _store_tile_bytes(
+    q_ptr,
+    qt_ptr,
+    q,
+    rows,
+    cols,
+    M,
+    K,
+    cols_end,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """The FP8 bytes ``q [BLOCK_M, BLOCK_K]`` at ``(rows, cols)`` of ``q [M, K]`` and/or, transposed,
+    of ``qT [K, M]``, masked to ``rows < M`` and ``cols < cols_end`` unless ``EVEN`` (the tile lies
+    inside them; ``cols_end < K``: the columns of one part of a row, as SwiGLU's ``[d gate | d up]``).
+
+    Stored as bytes (``q_ptr``/``qt_ptr`` are uint8 views): with an FP8 tile stored both row-major and
+    transposed in one kernel, Triton 3.6's ptxas (12.9) corrupts the transposed store on Hopper
+    (triton-lang/triton#11111); 8-bit integer stores are clean."""
+    if ROWWISE:
+        if EVEN:
+            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
+        else:
+            mask = (rows[:, None] < M) & (cols[None, :] < cols_end)
+            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    if COLUMNWISE:
+        if EVEN:
+            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q))
+        else:
+            mask_t = (cols[:, None] < cols_end) & (rows[None, :] < M)
+            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
 
 
 @triton.jit
@@ -165,21 +249,10 @@ def _quantize_store_tile(
 ):
     """``q = saturate(x * scale)`` of one fp32 tile ``x [BLOCK_M, BLOCK_K]`` (rows ``rows``, columns
     ``cols`` of ``[M, K]``) stored to ``q [M, K]`` and/or transposed to ``qT [K, M]``: the one
-    quantization both cast kernels share, so their FP8 bytes are the same by construction."""
-    y = x * scale
-    # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
-    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-    if ROUND_IN_FP32:
-        y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
-    # stored as bytes (q_ptr/qt_ptr are uint8 views): with an FP8 tile stored both row-major and
-    # transposed in one kernel, Triton 3.6's ptxas (12.9) corrupts the transposed store on Hopper
-    # (triton-lang/triton#11111); 8-bit integer stores are clean
-    q = y.to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    if ROWWISE:
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-    if COLUMNWISE:
-        mask_t = (cols[:, None] < K) & (rows[None, :] < M)
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+    quantization (:func:`_quantize_bytes`, :func:`_store_tile_bytes`) that the cast kernels and the
+    fused activation kernels share, so their FP8 bytes are the same by construction."""
+    q = _quantize_bytes(x, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+    _store_tile_bytes(q_ptr, qt_ptr, q, rows, cols, M, K, K, ROWWISE, COLUMNWISE, False)
 
 
 @triton.jit
@@ -237,7 +310,7 @@ def _cast_dbias_kernel(
         else:
             col_sum += tl.sum(x, axis=0)
         if RECORD_AMAX:
-            running_amax = tl.maximum(running_amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+            running_amax = _abs_max_rows(running_amax, x, mask, False)
         _quantize_store_tile(
             x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
             FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32, ROWWISE, COLUMNWISE,
@@ -246,7 +319,7 @@ def _cast_dbias_kernel(
         col_sum = tl.sum(tile_sum, axis=0)
     tl.store(part_ptr + split.to(tl.int64) * K + cols, col_sum, mask=cols < K)
     if RECORD_AMAX:
-        tl.atomic_max(amax_record_ptr, tl.max(running_amax, axis=0))
+        tl.atomic_max(amax_record_ptr, _amax_value(running_amax))
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
