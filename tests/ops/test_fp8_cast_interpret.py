@@ -146,10 +146,26 @@ def _main() -> int:
     print("amax with a NaN", got.item())
     if got.item() != float("inf"):
         failures.append(f"amax with a NaN: {got.item()} (want inf)")
-    # (the interpreter encodes a NaN as 384, not e4m3fn's NaN: the GPU test checks that NaN stays NaN)
     _, _, scale_inv = cuda_fp8.fp8_cast(x, torch.float8_e4m3fn, amax=got)
     if scale_inv.item() != 1.0:
         failures.append(f"a NaN amax: the scale inverse is {scale_inv.item()}, not 1")
+
+    # the integer encoding of the FP8 bytes (every tile here, fp32 tiles on the GPU): signed zeros,
+    # NaNs of both signs, subnormals and the smallest normals, ties between grid points, the largest
+    # finite values and beyond (saturated), for both formats
+    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tiny = 2.0 ** (-9 if fp8_dtype == torch.float8_e4m3fn else -16)  # the smallest subnormal
+        big = torch.finfo(fp8_dtype).max
+        special = [0.0, -0.0, float("nan"), -float("nan"), tiny, -tiny, 0.5 * tiny, 1.5 * tiny,
+                   3 * tiny, 64 * tiny, 1.0 + 1 / 16, 1.0 + 3 / 16, -(2.0 + 1 / 8), big, -big, 2 * big,
+                   -float("inf"), 1e-30]  # fmt: skip
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.tensor(special * 3).reshape(6, 9).to(dtype)
+            args = dict(scale=torch.tensor(1.0), rowwise=True, columnwise=True)
+            got = cuda_fp8.fp8_cast(x, fp8_dtype, **args)
+            want = reference.fp8_cast(x, fp8_dtype, **args)
+            for part, g, w in zip(("q", "qT"), got, want):
+                same(f"special values {str(dtype)[6:]} {str(fp8_dtype)[6:]} {part}", g, w)
 
     print("kernel launches", calls)
     if not all(calls.values()):

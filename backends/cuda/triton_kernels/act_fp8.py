@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    INTERPRET,
     GridLaunch,
     balanced_programs,
     cached_launch,
@@ -59,6 +58,7 @@ from .fp8_cast import (
     _amax_value,
     _quantize_bytes,
     _store_tile_bytes,
+    encode_in_int,
 )
 
 KINDS = ("gelu", "gelu_tanh", "swiglu")
@@ -116,7 +116,7 @@ def _act_fp8_fwd_kernel(
     FP8: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL_EXP: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
+    ENCODE_IN_INT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     EVEN: tl.constexpr,  # M % BLOCK_M == F % BLOCK_F == 0: no bounds masks
@@ -144,7 +144,7 @@ def _act_fp8_fwd_kernel(
         y = y.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
         if RECORD_AMAX:
             running_amax = _abs_max_rows(running_amax, y, mask, EVEN)
-        q = _quantize_bytes(y, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+        q = _quantize_bytes(y, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
         _store_tile_bytes(Q, QT, q, rows, cols, M, F, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
@@ -176,7 +176,7 @@ def _act_fp8_bwd_kernel(
     FP8: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL_EXP: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
+    ENCODE_IN_INT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     PER_SM: tl.constexpr,  # sets the grid only
@@ -218,9 +218,9 @@ def _act_fp8_bwd_kernel(
             if RECORD_AMAX:
                 running_amax = _abs_max_rows(running_amax, dg, mask, EVEN)
                 running_amax = _abs_max_rows(running_amax, du, mask, EVEN)
-            q = _quantize_bytes(dg, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            q = _quantize_bytes(dg, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
             _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
-            q = _quantize_bytes(du, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            q = _quantize_bytes(du, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
             _store_tile_bytes(Q, QT, q, rows, cols + F, M, n_dh, n_dh, ROWWISE, COLUMNWISE, EVEN)
         else:  # _bias_gelu_bwd_kernel's math; the bias gradient sums the unrounded fp32 dh
             _, d = _gelu_and_grad(x, TANH, True)
@@ -230,7 +230,7 @@ def _act_fp8_bwd_kernel(
             dx = dx.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
             if RECORD_AMAX:
                 running_amax = _abs_max_rows(running_amax, dx, mask, EVEN)
-            q = _quantize_bytes(dx, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+            q = _quantize_bytes(dx, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
             _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
@@ -260,13 +260,13 @@ BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_
 fastest for GeLU on an H100 (250 us) and within 2% of the fastest for SwiGLU (253 us)."""
 
 
-def _fp8_constexprs(fp8_dtype: torch.dtype) -> dict:
+def _fp8_constexprs(fp8_dtype: torch.dtype, input_dtype: torch.dtype) -> dict:
     return {
         "FP8_MAX": float(torch.finfo(fp8_dtype).max),
         "FP8": _TL_FP8[fp8_dtype],
         "MANTISSA_BITS": _MANTISSA_BITS[fp8_dtype],
         "MIN_NORMAL_EXP": _MIN_NORMAL_EXP[fp8_dtype],
-        "ROUND_IN_FP32": INTERPRET,
+        "ENCODE_IN_INT": encode_in_int(input_dtype),
     }
 
 
@@ -308,7 +308,7 @@ def act_fp8_forward(
         scale, scale_inv, scale_inv if amax_record is None else amax_record, m, f, h.stride(0),
         SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=bias is not None,
         RECORD_AMAX=amax_record is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
-        **_fp8_constexprs(fp8_dtype), **cfg,
+        **_fp8_constexprs(fp8_dtype, h.dtype), **cfg,
     )  # fmt: skip
     return q, qt, scale_inv
 
@@ -362,7 +362,7 @@ def act_fp8_backward(
         scale, scale_inv, scale_inv if amax_record is None else amax_record, scale_inv if part is None else part,
         m, f, grad_output.stride(0), h.stride(0),
         SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=has_bias, RECORD_AMAX=amax_record is not None,
-        ROWWISE=rowwise, COLUMNWISE=columnwise, **_fp8_constexprs(fp8_dtype),
+        ROWWISE=rowwise, COLUMNWISE=columnwise, **_fp8_constexprs(fp8_dtype, h.dtype),
     )  # fmt: skip
     dbias = sum_partials(part, parts, [bias.dtype])[0] if has_bias else None
     return q, qt, scale_inv, dbias

@@ -21,10 +21,16 @@ The arithmetic is :mod:`mcore.ops.reference`'s bit for bit: the scale is ``(1 / 
 A NaN in ``x`` counts as an infinite amax (the reference's NaN amax), which gives the same scale (1,
 as for any amax that is not finite).
 
-Under Triton's CPU interpreter the fp32 -> fp8 conversion is not round-to-nearest-even (it rounds
-the mantissa half-up and drops the carry into the exponent: 124.4 becomes 64 in e4m3), so there
-the kernel first rounds onto the FP8 grid in fp32 (:func:`_round_to_fp8_grid`, exact) and the
-conversion only re-encodes; on the GPU the hardware conversion (``cvt.rn.satfinite``) rounds.
+On the GPU the hardware conversion (``cvt.rn.satfinite``) rounds and clamps, except for tiles
+loaded from fp32: there the kernels build the FP8 bytes with integer operations instead
+(:func:`_fp8_bytes`, ``ENCODE_IN_INT``), because with such a tile stored row-major and transposed in
+one kernel Triton 3.6's ptxas (12.9) corrupts the transposed store on Hopper (triton-lang/triton#11111;
+measured on an H100: every cast of an fp32 tile of the shapes and tilings tried had a corrupt ``q^T``
+with the conversion, with or without byte stores, a transpose before the conversion or transposed
+addresses; none with the integer encoding, which costs ~10% at [8192, 8192] fp32). Under Triton's
+CPU interpreter the conversion is not round-to-nearest-even (it rounds the mantissa half-up and
+drops the carry into the exponent: 124.4 becomes 64 in e4m3), so the interpreter takes the integer
+encoding too: the CPU tests run the exact code of the fp32 path.
 """
 
 from __future__ import annotations
@@ -94,6 +100,25 @@ def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.conste
 
 
 @triton.jit
+def _fp8_bytes(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """The FP8 bytes of fp32 ``y`` (within the format's finite range, or NaN), rounded to nearest even,
+    built with integer operations: ``sign | exponent | mantissa`` of the value rounded onto the grid
+    (:func:`_round_to_fp8_grid`); subnormals (below ``2^MIN_NORMAL_EXP``) as the integer
+    ``|y| / 2^(MIN_NORMAL_EXP - MANTISSA_BITS)``; NaN as ``sign | 0x7F`` (as torch converts it). The
+    exponent bias is ``1 - MIN_NORMAL_EXP`` (7 for e4m3, 15 for e5m2). The sign is taken before the
+    rounding, whose magic-number addition turns -0 into +0."""
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    r = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+    bits = r.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
+    mantissa = (bits >> (23 - MANTISSA_BITS)) & ((1 << MANTISSA_BITS) - 1)
+    normal = ((exp + 1 - MIN_NORMAL_EXP) << MANTISSA_BITS) | mantissa
+    subnormal = (tl.abs(r) * (2.0 ** (MANTISSA_BITS - MIN_NORMAL_EXP))).to(tl.int32)
+    magnitude = tl.where(exp >= MIN_NORMAL_EXP, normal, subnormal)
+    return (sign | tl.where(y == y, magnitude, 0x7F)).to(tl.uint8)
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr,
     q_ptr,
@@ -110,7 +135,7 @@ def _cast_kernel(
     FP8: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL_EXP: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
+    ENCODE_IN_INT: tl.constexpr,
     FROM_AMAX: tl.constexpr,
     RECORD_AMAX: tl.constexpr,
     ROWWISE: tl.constexpr,
@@ -138,7 +163,7 @@ def _cast_kernel(
             running_amax = _abs_max_rows(running_amax, x, mask, False)
         _quantize_store_tile(
             x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
-            FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32, ROWWISE, COLUMNWISE,
+            FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT, ROWWISE, COLUMNWISE,
         )  # fmt: skip
     if RECORD_AMAX:
         tl.atomic_max(amax_record_ptr, _amax_value(running_amax))
@@ -177,19 +202,20 @@ def _quantize_bytes(
     FP8: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL_EXP: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
+    ENCODE_IN_INT: tl.constexpr,
 ):
     """``saturate(x * scale)`` of an fp32 tile in FP8, rounded to nearest even, as its bytes (uint8).
 
     On the GPU the conversion is ``cvt.rn.satfinite``: it rounds to nearest even and clamps to the
     finite range itself (``+-inf`` to ``+-FP8_MAX``, NaN stays NaN, as ``torch.clamp`` then the cast),
-    so no compare-and-select is spent on the clamp. Under the interpreter (``ROUND_IN_FP32``) the
-    clamp and the rounding are done in fp32 first (see the module docstring)."""
+    so no compare-and-select is spent on the clamp. With ``ENCODE_IN_INT`` (tiles loaded from fp32,
+    and the interpreter: see the module docstring) the clamp is done in fp32 and the bytes are built
+    by :func:`_fp8_bytes`."""
     y = x * scale
-    if ROUND_IN_FP32:
+    if ENCODE_IN_INT:
         # clamp keeps NaN (as torch.clamp does): the NaN check downstream still sees it
         y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-        y = _round_to_fp8_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+        return _fp8_bytes(y, MANTISSA_BITS, MIN_NORMAL_EXP)
     return y.to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
 
@@ -243,7 +269,7 @@ def _quantize_store_tile(
     FP8: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL_EXP: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
+    ENCODE_IN_INT: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
 ):
@@ -251,7 +277,7 @@ def _quantize_store_tile(
     ``cols`` of ``[M, K]``) stored to ``q [M, K]`` and/or transposed to ``qT [K, M]``: the one
     quantization (:func:`_quantize_bytes`, :func:`_store_tile_bytes`) that the cast kernels and the
     fused activation kernels share, so their FP8 bytes are the same by construction."""
-    q = _quantize_bytes(x, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32)
+    q = _quantize_bytes(x, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
     _store_tile_bytes(q_ptr, qt_ptr, q, rows, cols, M, K, K, ROWWISE, COLUMNWISE, False)
 
 
@@ -273,7 +299,7 @@ def _cast_dbias_kernel(
     FP8: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL_EXP: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
+    ENCODE_IN_INT: tl.constexpr,
     FROM_AMAX: tl.constexpr,
     RECORD_AMAX: tl.constexpr,
     ROWWISE: tl.constexpr,
@@ -313,13 +339,19 @@ def _cast_dbias_kernel(
             running_amax = _abs_max_rows(running_amax, x, mask, False)
         _quantize_store_tile(
             x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
-            FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ROUND_IN_FP32, ROWWISE, COLUMNWISE,
+            FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT, ROWWISE, COLUMNWISE,
         )  # fmt: skip
     if SUM_2D:
         col_sum = tl.sum(tile_sum, axis=0)
     tl.store(part_ptr + split.to(tl.int64) * K + cols, col_sum, mask=cols < K)
     if RECORD_AMAX:
         tl.atomic_max(amax_record_ptr, _amax_value(running_amax))
+
+
+def encode_in_int(dtype: torch.dtype) -> bool:
+    """Whether the kernels build the FP8 bytes of tiles loaded as ``dtype`` with integer operations
+    (``ENCODE_IN_INT``; module docstring): fp32 tiles, and every tile under the interpreter."""
+    return INTERPRET or dtype == torch.float32
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -371,7 +403,7 @@ def cast(
         FP8=_TL_FP8[fp8_dtype],
         MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
         MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
-        ROUND_IN_FP32=INTERPRET,
+        ENCODE_IN_INT=encode_in_int(x.dtype),
         FROM_AMAX=amax is not None,
         RECORD_AMAX=amax_record is not None,
         ROWWISE=rowwise,
@@ -456,7 +488,7 @@ def cast_dbias(
         FP8=_TL_FP8[fp8_dtype],
         MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
         MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
-        ROUND_IN_FP32=INTERPRET,
+        ENCODE_IN_INT=encode_in_int(x.dtype),
         FROM_AMAX=amax is not None,
         RECORD_AMAX=amax_record is not None,
         ROWWISE=rowwise,
