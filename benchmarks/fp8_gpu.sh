@@ -15,13 +15,18 @@ RC="--recompute-granularity selective --recompute-modules layernorm mlp_act"
 TT="python benchmarks/train_throughput.py --device-backend cuda --bf16 --no-log-memory"
 what=${1:-all}
 if [[ $what == tests || $what == all ]]; then
-  MCORE_TEST_BACKEND=cuda python -m pytest -q --tb=short tests/ops/test_scaled_linear.py 2>&1 | tail -40 | tee "$OUT/pytest.log"
+  MCORE_TEST_BACKEND=cuda python -m pytest -q --tb=short tests/ops/test_scaled_linear.py tests/ops/test_fp8_cast_interpret.py \
+    tests/ops/test_act_fp8_interpret.py tests/ops/test_norm_fp8_interpret.py tests/tensor_parallel/test_fp8_fused.py \
+    tests/model/test_layer_graphs.py 2>&1 | tail -40 | tee "$OUT/pytest.log"
 fi
 if [[ $what == big || $what == all ]]; then
-  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe tensorwise --reference plain --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --reference plain --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed
   $TT $BIG $PA $G --iters 20 --out "$OUT/fp8.jsonl" --label bf16
-  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed
+  $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe tensorwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise
   $TT $BIG $PA $G --fp8-format hybrid --fp8-recipe delayed --no-fp8-fused-producers --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-unfused
+  # the reference model's GeLU (tanh; Megatron's fused bias-GeLU and Transformer Engine compute it too)
+  $TT $BIG $PA $G --openai-gelu --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-tanh
+  $TT $BIG $PA $G --openai-gelu --iters 20 --out "$OUT/fp8.jsonl" --label bf16-tanh
 fi
 if [[ $what == margin || $what == all ]]; then
   # the delayed recipe's output-gradient scales lag a fast-growing amax on the fixed batch: headroom
