@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
-from mcore.distributed.first_grad import take_first_write
 from mcore.config.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, Fp8Recipe  # noqa: F401 (re-exported)
+from mcore.distributed.first_grad import take_first_write
 from mcore.ops import reference
 from mcore.tensor_parallel.mappings import (
     _gather_first,
