@@ -172,20 +172,33 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-def _pretrain_losses(extra: list[str], overwrite: bool) -> list[float]:
+def _pretrain_losses(extra: list[str], overwrite: bool) -> tuple[list[float], int]:
+    """This rank's losses (last stage) and how many FP8 weight gradients it wrote over ``main_grad``."""
     from ckpt_runs import argv, tiny_datasets_provider
 
     from mcore.training.gpt import forward_step, model_provider
     from mcore.training.pretrain import pretrain
 
     DistributedDataParallel.overwrite_first_grads = overwrite
+    original, writes = fp8_module.take_first_write, [0]
+
+    def counted(param):
+        write = original(param)
+        writes[0] += write
+        return write
+
+    fp8_module.take_first_write = counted
     result = pretrain(model_provider, forward_step, tiny_datasets_provider, argv=argv(*extra))
-    return result.train_losses
+    return result.train_losses, writes[0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pretrain_layouts_give_the_zero_then_add_losses(layout):
     extra = [*FP8_DELAYED, *LAYOUTS[layout], "--train-iters", "4"]
-    want = run_distributed(_pretrain_losses, 2, extra, False, timeout=300)[-1]
-    got = run_distributed(_pretrain_losses, 2, extra, True, timeout=300)[-1]
-    assert len(got) == 4 and got == want, (got, want)
+    want = run_distributed(_pretrain_losses, 2, extra, False, timeout=300)
+    got = run_distributed(_pretrain_losses, 2, extra, True, timeout=300)
+    assert all(writes == 0 for _, writes in want)
+    # every rank wrote the first gradient of its FP8 weights (4 per layer) in steps 2-4
+    layers_per_rank = 2 if layout.startswith("pp2") else 4
+    assert all(writes == 3 * 4 * layers_per_rank for _, writes in got), got
+    assert len(got[-1][0]) == 4 and got[-1][0] == want[-1][0], (got, want)
