@@ -202,7 +202,8 @@ def scaled_linear_wgrad(
         )
     if main_grad is None:
         return _scaled_mm_nt(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, fast_accum=False)
-    if not accumulate and main_grad.is_contiguous():
+    # cuBLASLt's output must be 16-byte aligned; a main_grad view may start anywhere in its buffer
+    if not accumulate and main_grad.is_contiguous() and main_grad.data_ptr() % 16 == 0:
         return _scaled_mm_nt(
             dy_qT, x_qT, dy_scale_inv, x_scale_inv, main_grad.dtype, fast_accum=False, out=main_grad
         )
