@@ -7,7 +7,7 @@ writes instead of adding. Compared with the zero-then-add behaviour
 
 1. In-model (one process, CPU): a GPT with FP8 linears wrapped in the DDP, three steps with an SGD
    update between them, one and two micro-batches per step, for the delayed recipe with the fused
-   Functions (``fp8_fused``) and without, and tensorwise: per-token losses and every ``main_grad``
+   Functions (``fp8_fused``; also under full recomputation) and without, and tensorwise: per-token losses and every ``main_grad``
    after ``finish_grad_sync`` are identical, and the write form really ran.
 2. A weight that gets no gradient in a step: its region is not zeroed at ``zero_grad_buffer`` (the
    stale gradient is still there, flagged) but is zero after ``finish_grad_sync``.
@@ -47,7 +47,9 @@ RECIPES = {
     "delayed-fused": dict(fp8_recipe="delayed", fp8_fused_producers=True),
     "delayed": dict(fp8_recipe="delayed", fp8_fused_producers=False),
     "tensorwise": dict(fp8_recipe="tensorwise"),
+    "delayed-fused-recompute": dict(fp8_recipe="delayed", fp8_fused_producers=True),
 }
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 class _WgradForms:
@@ -72,7 +74,11 @@ def _train(recipe: str, micro_batches: int, overwrite: bool, steps: int = 3):
     groups = ProcessGroups.single()
     fp8 = Fp8Config(fp8_format="hybrid", fp8_amax_history_len=2, **RECIPES[recipe])
     model = GPTModel(
-        ModelConfig(**MODEL), groups, padded_vocab_size(VOCAB, 32, 1), device=torch.device("cpu"), fp8=fp8
+        ModelConfig(**MODEL, **(RECOMPUTE if recipe.endswith("recompute") else {})),
+        groups,
+        padded_vocab_size(VOCAB, 32, 1),
+        device=torch.device("cpu"),
+        fp8=fp8,
     )
     ddp = DistributedDataParallel(model, DDPConfig(), groups)
     ddp.overwrite_first_grads = overwrite
