@@ -33,7 +33,7 @@ wrapper initializes it to False. A weight that also gets gradients from other au
 word embedding, multiplied in by the output layer) keeps the flag False: the output layer returns no
 gradient for it, so the hook adds the embedding's gradient alone.
 
-A step's first weight gradient may be written instead of added (:mod:`mcore.distributed.first_grad`):
+A step's first weight gradient may be written instead of added (:mod:`mcore.tensor_parallel.first_grad`):
 :meth:`DistributedDataParallel.zero_grad_buffer` skips the ``main_grad`` regions of the weights whose
 layers opt in (the FP8 linears, whose ``torch._scaled_mm`` cannot add into its output) and flags them
 unwritten; the first wgrad GEMM of the step writes its result there, later ones add. A flagged region
@@ -61,11 +61,11 @@ import torch
 import torch.distributed as dist
 
 from mcore.config.fields import check, flag
-from mcore.distributed.first_grad import is_unwritten, zero_if_unwritten
 from mcore.distributed.fp8_param_gather import Fp8ParamGather, fp8_gathered_layers
 from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.param_attrs import is_pipeline_shared, is_shared_embedding
+from mcore.tensor_parallel.first_grad import is_unwritten, zero_if_unwritten
 
 _DEFAULT_BUCKET_ELEMENTS = 40_000_000
 _BATCHED_ADD_MAX_ELEMENTS = 1 << 16
@@ -398,7 +398,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     overwrite_first_grads: bool = True
     """True (the default): :meth:`zero_grad_buffer` leaves the ``main_grad`` of the weights that opt in
-    unzeroed and their first gradient of the step is written over it (:mod:`mcore.distributed.first_grad`).
+    unzeroed and their first gradient of the step is written over it (:mod:`mcore.tensor_parallel.first_grad`).
     False: zero everything and add every gradient (the tests' reference behaviour)."""
 
     def zero_grad_buffer(self) -> None:

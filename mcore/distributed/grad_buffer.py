@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore.distributed.first_grad import UNWRITTEN, opts_in, zero_if_unwritten
+from mcore.tensor_parallel.first_grad import UNWRITTEN, opts_in, zero_if_unwritten
 
 # torch 2.10 renamed the tensor-in/tensor-out collectives; the signatures are the same.
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -79,7 +79,7 @@ class Bucket:
         when :attr:`local_norm_sq` was taken."""
         self.unwritten: list[torch.nn.Parameter] = []
         """This step's parameters of the bucket whose ``main_grad`` the buffer's reset did not zero
-        (:mod:`mcore.distributed.first_grad`); those still unwritten are zeroed before the reduction."""
+        (:mod:`mcore.tensor_parallel.first_grad`); those still unwritten are zeroed before the reduction."""
 
     @property
     def numel(self) -> int:
@@ -292,8 +292,8 @@ class GradBuffer:
         """Zero the gradients and forget which buckets were reduced.
 
         ``overwrite_first``: leave the ``main_grad`` of the parameters that opt in
-        (:func:`~mcore.distributed.first_grad.opts_in`) as it is and flag it unwritten instead (their
-        first gradient of the step is written over it, see :mod:`mcore.distributed.first_grad`); the
+        (:func:`~mcore.tensor_parallel.first_grad.opts_in`) as it is and flag it unwritten instead (their
+        first gradient of the step is written over it, see :mod:`mcore.tensor_parallel.first_grad`); the
         rest of the buffer, padding included, is zeroed with one multi-tensor zero of its ranges.
         """
         for param in self._unwritten:  # left from a step that did not reduce: zeroed now or flagged again

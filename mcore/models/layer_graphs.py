@@ -27,7 +27,7 @@ parameter gradients (biases, norms) leave the graph as static tensors that autog
 the DDP hook adds to ``main_grad``. The hooks, and the bucketed reductions they start, run eagerly.
 
 The FP8 linears write the step's first weight gradient over ``main_grad`` and add the later ones
-(:mod:`mcore.distributed.first_grad`), a choice their backward makes in Python from the weight's
+(:mod:`mcore.tensor_parallel.first_grad`), a choice their backward makes in Python from the weight's
 ``main_grad_unwritten`` flag, which a replay does not run. So a layer with such weights gets one
 backward graph per form it needs: the writing form ``B_i^w`` (captured with the flags set) and, when
 a step has more than one micro-batch, the adding form ``B_i^a`` (flags cleared), captured right after
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from mcore.config.fields import ConfigError
-from mcore.distributed.first_grad import UNWRITTEN, is_unwritten, opts_in, zero_if_unwritten
+from mcore.tensor_parallel.first_grad import UNWRITTEN, is_unwritten, opts_in, zero_if_unwritten
 
 # Selective recompute modules that device graphs can capture: they recompute inside the backward pass
 # that reads them (mcore.tensor_parallel.recompute.RecomputeWhenSaved) and run no backward of their own.

@@ -42,7 +42,7 @@ Gradient-accumulation fusion: the wgrad GEMM adds into ``weight.main_grad`` (the
 :class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`. The step's first wgrad GEMM
 of a weight writes over ``main_grad`` instead (``accumulate=False``), which the DDP did not zero: the
 main_grad of an opted-in weight is zero from zero_grad_buffer until its first gradient of the step is
-written, not added (:mod:`mcore.distributed.first_grad`; the layers opt in with
+written, not added (:mod:`mcore.tensor_parallel.first_grad`; the layers opt in with
 :func:`overwrites_first_grad`).
 """
 
@@ -55,8 +55,8 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.config.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, Fp8Recipe  # noqa: F401 (re-exported)
-from mcore.distributed.first_grad import take_first_write
 from mcore.ops import reference
+from mcore.tensor_parallel.first_grad import take_first_write
 from mcore.tensor_parallel.mappings import (
     _gather_first,
     _reduce_scatter_first,
@@ -330,7 +330,7 @@ def fp8_wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv, shared: bool = Fa
     weight), else returned in the weight's dtype. Also used by :mod:`.fp8_fused`.
 
     The weight's first gradient of the step is written over ``main_grad`` instead of added, when the
-    DDP left it unzeroed (``weight.main_grad_unwritten``, :mod:`mcore.distributed.first_grad`): the
+    DDP left it unzeroed (``weight.main_grad_unwritten``, :mod:`mcore.tensor_parallel.first_grad`): the
     GEMM writes ``main_grad`` directly, saving the add and the zeroing."""
     ops = get_ops()
     if main_grad is None:

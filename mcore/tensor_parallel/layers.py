@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore.backend import get_ops
-from mcore.distributed.first_grad import is_unwritten, set_opt_in, zero_if_unwritten
+from mcore.tensor_parallel.first_grad import is_unwritten, set_opt_in, zero_if_unwritten
 from mcore.tensor_parallel.fp8 import (
     Fp8DelayedState,
     Fp8Linear,
@@ -212,7 +212,7 @@ def fusion_main_grad(
     :func:`linear_with_grad_accumulation_fusion` describes (left alone for a shared weight).
 
     ``overwrites_first``: the layer's backward writes the step's first gradient over ``main_grad``
-    (:func:`mcore.distributed.first_grad.take_first_write`; the FP8 linears): with fusion, the weight
+    (:func:`mcore.tensor_parallel.first_grad.take_first_write`; the FP8 linears): with fusion, the weight
     opts in to the DDP's skipped zeroing, written here like ``grad_added_to_main_grad``. Any other use
     that will add to a ``main_grad`` still flagged unwritten zeroes it first."""
     main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None

@@ -1,4 +1,4 @@
-"""The step's first FP8 weight gradient is written over ``main_grad`` (:mod:`mcore.distributed.first_grad`).
+"""The step's first FP8 weight gradient is written over ``main_grad`` (:mod:`mcore.tensor_parallel.first_grad`).
 
 The DDP skips zeroing the FP8 linears' ``main_grad`` regions and their first wgrad GEMM of the step
 writes instead of adding. Compared with the zero-then-add behaviour
@@ -26,12 +26,12 @@ import torch
 
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
-from mcore.distributed.first_grad import is_unwritten, opts_in
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.config import ModelConfig, padded_vocab_size
 from mcore.models.gpt import GPTModel
 from mcore.ops import reference
 from mcore.tensor_parallel import fp8 as fp8_module
+from mcore.tensor_parallel.first_grad import is_unwritten, opts_in
 from mcore.tensor_parallel.fp8 import update_fp8_scales
 from mcore.testing.distributed import run_distributed
 

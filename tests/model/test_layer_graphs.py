@@ -160,7 +160,7 @@ def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     micro_batches = 2 if "4" in extra[extra.index("--global-batch-size") + 1] else 1
     if "--fp8-recipe" in extra:
         # the FP8 weights write their first gradient of a step: each layer captured the write form,
-        # and the add form for the later micro-batches (mcore.distributed.first_grad)
+        # and the add form for the later micro-batches (mcore.tensor_parallel.first_grad)
         forms = {True} if micro_batches == 1 else {True, False}
         assert all(c.overwriting and set(c.backward_graphs) == forms for c in graphs._captured)
     assert graphs.replays == (8 - 2) * micro_batches  # every forward after the warm-up steps
