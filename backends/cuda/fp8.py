@@ -144,8 +144,9 @@ def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_si
     return (a_sinv.numel() == 1) == (b_sinv.numel() == 1)
 
 
-def _scaled_mm_nt(a, b, a_sinv, b_sinv, out_dtype, *, fast_accum: bool, bias=None) -> torch.Tensor:
-    """``(a * a_sinv) @ (b * b_sinv)^T`` on the FP8 tensor cores, in ``out_dtype``."""
+def _scaled_mm_nt(a, b, a_sinv, b_sinv, out_dtype, *, fast_accum: bool, bias=None, out=None) -> torch.Tensor:
+    """``(a * a_sinv) @ (b * b_sinv)^T`` on the FP8 tensor cores, in ``out_dtype`` (written into ``out``
+    when given: a contiguous ``[M, N]`` tensor of ``out_dtype``)."""
     rowwise = a_sinv.numel() != 1
     if rowwise:
         sa, sb = a_sinv.reshape(-1, 1).float(), b_sinv.reshape(1, -1).float()
@@ -154,7 +155,13 @@ def _scaled_mm_nt(a, b, a_sinv, b_sinv, out_dtype, *, fast_accum: bool, bias=Non
         sa, sb = a_sinv.reshape(()).float(), b_sinv.reshape(()).float()
         gemm_dtype = out_dtype
     fuse_bias = bias is not None and bias.dtype == gemm_dtype and gemm_dtype != torch.float32
-    out = torch._scaled_mm(
+    if out is not None and gemm_dtype == out.dtype and not (bias is not None and not fuse_bias):
+        # the GEMM's epilogue writes ``out`` (cuBLASLt D): no temporary, no copy
+        return torch._scaled_mm(
+            a, b.t(), scale_a=sa, scale_b=sb, bias=bias if fuse_bias else None, out_dtype=gemm_dtype,
+            use_fast_accum=fast_accum, out=out,
+        )  # fmt: skip
+    result = torch._scaled_mm(
         a,
         b.t(),
         scale_a=sa,
@@ -164,8 +171,10 @@ def _scaled_mm_nt(a, b, a_sinv, b_sinv, out_dtype, *, fast_accum: bool, bias=Non
         use_fast_accum=fast_accum,
     )
     if bias is not None and not fuse_bias:
-        out = (out.float() + bias.float()).to(out_dtype)
-    return out.to(out_dtype)
+        result = (result.float() + bias.float()).to(out_dtype)
+    if out is not None:
+        return out.copy_(result)
+    return result.to(out_dtype)
 
 
 def scaled_linear_forward(x_q, w_q, x_scale_inv, w_scale_inv, bias, out_dtype) -> torch.Tensor:
@@ -180,13 +189,26 @@ def scaled_linear_dgrad(dy_q, w_qT, dy_scale_inv, w_scale_inv, out_dtype) -> tor
     return _scaled_mm_nt(dy_q, w_qT, dy_scale_inv, w_scale_inv, out_dtype, fast_accum=False)
 
 
-def scaled_linear_wgrad(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, main_grad=None) -> torch.Tensor:
+def scaled_linear_wgrad(
+    dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, main_grad=None, accumulate=True
+) -> torch.Tensor:
+    """``torch._scaled_mm`` has no beta (it cannot add into its output): the accumulating form computes
+    ``dW`` into a temporary and adds it; the overwriting form (``accumulate=False``, a step's first
+    gradient) lets the GEMM write ``main_grad`` itself (``out=``), which saves that add and the
+    zeroing of ``main_grad`` that the DDP then skips."""
     if not _fits_scaled_mm(dy_qT, x_qT, dy_scale_inv, x_scale_inv):
-        return reference.scaled_linear_wgrad(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, main_grad)
+        return reference.scaled_linear_wgrad(
+            dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, main_grad, accumulate
+        )
     if main_grad is None:
         return _scaled_mm_nt(dy_qT, x_qT, dy_scale_inv, x_scale_inv, out_dtype, fast_accum=False)
+    # cuBLASLt's output must be 16-byte aligned; a main_grad view may start anywhere in its buffer
+    if not accumulate and main_grad.is_contiguous() and main_grad.data_ptr() % 16 == 0:
+        return _scaled_mm_nt(
+            dy_qT, x_qT, dy_scale_inv, x_scale_inv, main_grad.dtype, fast_accum=False, out=main_grad
+        )
     dw = _scaled_mm_nt(dy_qT, x_qT, dy_scale_inv, x_scale_inv, main_grad.dtype, fast_accum=False)
-    return main_grad.add_(dw)
+    return main_grad.add_(dw) if accumulate else main_grad.copy_(dw)
 
 
 FP8_OPS = {

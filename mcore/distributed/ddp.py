@@ -33,6 +33,13 @@ wrapper initializes it to False. A weight that also gets gradients from other au
 word embedding, multiplied in by the output layer) keeps the flag False: the output layer returns no
 gradient for it, so the hook adds the embedding's gradient alone.
 
+A step's first weight gradient may be written instead of added (:mod:`mcore.tensor_parallel.first_grad`):
+:meth:`DistributedDataParallel.zero_grad_buffer` skips the ``main_grad`` regions of the weights whose
+layers opt in (the FP8 linears, whose ``torch._scaled_mm`` cannot add into its output) and flags them
+unwritten; the first wgrad GEMM of the step writes its result there, later ones add. A flagged region
+still unwritten when its bucket's reduction starts (the weight got no gradient) is zeroed then, and
+the hook below zeroes it before adding a gradient autograd produced.
+
 Small gradients (at most ``_BATCHED_ADD_MAX_ELEMENTS``, with ``main_grad``'s dtype): a GPT layer has
 eight bias and norm-weight vectors, whose adds are each a kernel launch shorter than its own launch
 gap (a 24-layer model: about 200 adds of 2-3 us). The hook queues them and one ``_foreach_add_`` adds
@@ -58,6 +65,7 @@ from mcore.distributed.fp8_param_gather import Fp8ParamGather, fp8_gathered_laye
 from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.param_attrs import is_pipeline_shared, is_shared_embedding
+from mcore.tensor_parallel.first_grad import is_unwritten, zero_if_unwritten
 
 _DEFAULT_BUCKET_ELEMENTS = 40_000_000
 _BATCHED_ADD_MAX_ELEMENTS = 1 << 16
@@ -265,6 +273,8 @@ class DistributedDataParallel(torch.nn.Module):
             return
         grad = param.grad
         if not param.grad_added_to_main_grad:  # else the layer's backward did it; grad is a placeholder
+            if is_unwritten(param):  # an opted-in weight whose gradient came through autograd
+                zero_if_unwritten((param,))
             if grad.numel() <= _BATCHED_ADD_MAX_ELEMENTS and grad.dtype == param.main_grad.dtype:
                 if not self._queued_adds:
                     _run_after_backward(self._add_queued_grads)
@@ -386,13 +396,21 @@ class DistributedDataParallel(torch.nn.Module):
             f"reduction, in a bucket holding {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
         )
 
+    overwrite_first_grads: bool = True
+    """True (the default): :meth:`zero_grad_buffer` leaves the ``main_grad`` of the weights that opt in
+    unzeroed and their first gradient of the step is written over it (:mod:`mcore.tensor_parallel.first_grad`).
+    False: zero everything and add every gradient (the tests' reference behaviour)."""
+
     def zero_grad_buffer(self) -> None:
-        """Zero every gradient buffer and reset the buckets (call before each step's first forward)."""
+        """Zero every gradient buffer and reset the buckets (call before each step's first forward).
+
+        The ``main_grad`` of an opted-in weight is zero from here until its first gradient of the step
+        is written, not added: its region is skipped and flagged (see :attr:`overwrite_first_grads`)."""
         for param in self._all_params:
             param.grad = None
         self._queued_adds = []  # left by a backward pass that raised
         for buffer in self.grad_buffers:
-            buffer.reset()
+            buffer.reset(overwrite_first=self.overwrite_first_grads)
         self._next_bucket = 0
 
     # ----------------------------------------------------------------------------------------------

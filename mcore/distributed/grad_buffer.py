@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mcore.tensor_parallel.first_grad import UNWRITTEN, opts_in, zero_if_unwritten
+
 # torch 2.10 renamed the tensor-in/tensor-out collectives; the signatures are the same.
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -75,6 +77,9 @@ class Bucket:
         self.local_norm_version = -1
         """The gradient buffer's version counter (bumped by every in-place write to any of its views)
         when :attr:`local_norm_sq` was taken."""
+        self.unwritten: list[torch.nn.Parameter] = []
+        """This step's parameters of the bucket whose ``main_grad`` the buffer's reset did not zero
+        (:mod:`mcore.tensor_parallel.first_grad`); those still unwritten are zeroed before the reduction."""
 
     @property
     def numel(self) -> int:
@@ -113,6 +118,8 @@ class Bucket:
         if self.grad_started:
             return
         self.grad_started = True
+        # a parameter that got no gradient this step: its skipped zeroing happens now, before the read
+        zero_if_unwritten(self.unwritten)
         self.finish_param_sync()  # the all-gather of the last step must not race the gradient reduce
         if check_for_nan:
             # The 2-norm is NaN exactly when an element is NaN (squares are never negative, so an inf
@@ -243,6 +250,9 @@ class GradBuffer:
                 param.data = view
             param.main_grad = self.grad_data[start:end].view(param.shape)
         self.buckets = [Bucket(self, i, s, e, m) for i, (s, e, m) in enumerate(bucket_bounds)]
+        self._unwritten: list[torch.nn.Parameter] = []  # the last reset's skipped parameters
+        self._skipped_key: tuple[int, ...] = ()
+        self._zero_views: list[torch.Tensor] = []  # the buffer outside the skipped parameters
         self.fp8_gather = None
         """``--fp8-param-gather``: the buffer's :class:`~mcore.distributed.fp8_param_gather.Fp8ParamGather`
         (its buckets all-gather FP8 bytes instead of ``param_data``), set by the DDP wrapper."""
@@ -278,11 +288,50 @@ class GradBuffer:
             return None
         return lo - start, hi - start
 
-    def reset(self) -> None:
-        """Zero the gradients and forget which buckets were reduced."""
-        self.grad_data.zero_()
+    def reset(self, overwrite_first: bool = False) -> None:
+        """Zero the gradients and forget which buckets were reduced.
+
+        ``overwrite_first``: leave the ``main_grad`` of the parameters that opt in
+        (:func:`~mcore.tensor_parallel.first_grad.opts_in`) as it is and flag it unwritten instead (their
+        first gradient of the step is written over it, see :mod:`mcore.tensor_parallel.first_grad`); the
+        rest of the buffer, padding included, is zeroed with one multi-tensor zero of its ranges.
+        """
+        for param in self._unwritten:  # left from a step that did not reduce: zeroed now or flagged again
+            setattr(param, UNWRITTEN, False)
+        skipped = [p for p in self.params if opts_in(p)] if overwrite_first else []
+        if not skipped:
+            self.grad_data.zero_()
+            if self._skipped_key:
+                self._skipped_key = ()
+                for bucket in self.buckets:
+                    bucket.unwritten = []
+        else:
+            key = tuple(id(p) for p in skipped)
+            if key != self._skipped_key:
+                self._plan_skipped_zeroing(skipped)
+                self._skipped_key = key
+            if self._zero_views:
+                torch._foreach_zero_(self._zero_views)
+            for param in skipped:
+                setattr(param, UNWRITTEN, True)
+        self._unwritten = skipped
         for bucket in self.buckets:
             bucket.reset()
+
+    def _plan_skipped_zeroing(self, skipped: list[torch.nn.Parameter]) -> None:
+        """The views that zero the buffer outside ``skipped`` (maximal ranges between them, in buffer
+        order) and each bucket's share of ``skipped``."""
+        views, at = [], 0
+        for param in sorted(skipped, key=lambda p: self.index[id(p)][0]):
+            start, end, _ = self.index[id(param)]
+            if start > at:
+                views.append(self.grad_data[at:start])
+            at = end
+        if at < self.numel:
+            views.append(self.grad_data[at:])
+        self._zero_views = views
+        for bucket in self.buckets:
+            bucket.unwritten = [p for p in skipped if self.index[id(p)][2] == bucket.index]
 
     @property
     def grad_bytes(self) -> int:

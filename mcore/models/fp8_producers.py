@@ -141,7 +141,8 @@ def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[tor
     """``(linear_qkv(norm(x)), x)`` through :func:`~mcore.tensor_parallel.fp8_fused.fp8_norm_linear`:
     ``x [s, b, h]`` -> (``[s, b, (n_p + 2 g_p) d]``, the residual stream)."""
     linear = attention.linear_qkv
-    main_grad = fusion_main_grad(linear.weight, linear.gradient_accumulation_fusion, False)
+    # the fused Functions write the step's first weight gradient over main_grad (fp8_wgrad): opt in
+    main_grad = fusion_main_grad(linear.weight, linear.gradient_accumulation_fusion, False, True)
     return fp8_norm_linear(
         x, norm.weight, norm.bias, _norm_spec(norm), linear.weight, linear.bias, linear._fp8_call, main_grad,
         gathered=linear.fp8_gathered_weight,
@@ -154,8 +155,8 @@ def norm_mlp(norm: Norm, mlp: MLP, x: torch.Tensor) -> tuple[torch.Tensor, torch
     as :class:`~mcore.tensor_parallel.layers.RowParallelLinear` does."""
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
     main_grads = (
-        fusion_main_grad(fc1.weight, fc1.gradient_accumulation_fusion, False),
-        fusion_main_grad(fc2.weight, fc2.gradient_accumulation_fusion, False),
+        fusion_main_grad(fc1.weight, fc1.gradient_accumulation_fusion, False, True),
+        fusion_main_grad(fc2.weight, fc2.gradient_accumulation_fusion, False, True),
     )
     partial, residual = fp8_norm_mlp(
         x, norm.weight, norm.bias, _norm_spec(norm), fc1.weight, fc1.bias, fc2.weight,

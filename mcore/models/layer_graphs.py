@@ -26,11 +26,23 @@ autograd then receives a fresh placeholder, as in eager mode, which the DDP hook
 parameter gradients (biases, norms) leave the graph as static tensors that autograd accumulates and
 the DDP hook adds to ``main_grad``. The hooks, and the bucketed reductions they start, run eagerly.
 
+The FP8 linears write the step's first weight gradient over ``main_grad`` and add the later ones
+(:mod:`mcore.tensor_parallel.first_grad`), a choice their backward makes in Python from the weight's
+``main_grad_unwritten`` flag, which a replay does not run. So a layer with such weights gets one
+backward graph per form it needs: the writing form ``B_i^w`` (captured with the flags set) and, when
+a step has more than one micro-batch, the adding form ``B_i^a`` (flags cleared), captured right after
+``B_i^w`` from the same forward (``retain_graph``) into the same pool. ``B_i^a`` copies its ``dX_i``
+and non-fused parameter gradients into ``B_i^w``'s static tensors, so the chain and the replay's
+outputs do not depend on the form. :meth:`_ReplayLayer.backward` replays the form the flags ask for
+and clears them; a form that was not captured is emulated around the other (zero the regions first,
+or save and add back ``main_grad``).
+
 Capture happens lazily, in the first training forward of the step after :meth:`LayerGraphs.arm`
 (the trainer arms after ``--cuda-graph-warmup-steps`` eager steps). Before capturing, each layer runs
 forward and backward on the sample input on a side stream (lazy initialisation and autotuning must
-not be captured); those backward passes accumulate into ``main_grad``, which is zero at that point of
-the step (the step's first forward precedes its first backward), so it is zeroed again afterwards.
+not be captured); those backward passes accumulate into ``main_grad``, which holds no gradient at
+that point of the step (the step's first forward precedes its first backward), so it is zeroed
+afterwards and the ``main_grad_unwritten`` flags are restored.
 
 Calls that do not match what was captured run the eager layers: evaluation (no autograd), another
 input shape or dtype, a mask or rotary table that is present when it was absent at capture (or the
@@ -49,6 +61,7 @@ from typing import Any
 import torch
 
 from mcore.config.fields import ConfigError
+from mcore.tensor_parallel.first_grad import UNWRITTEN, is_unwritten, opts_in, zero_if_unwritten
 
 # Selective recompute modules that device graphs can capture: they recompute inside the backward pass
 # that reads them (mcore.tensor_parallel.recompute.RecomputeWhenSaved) and run no backward of their own.
@@ -73,8 +86,9 @@ class _CapturedLayer:
         self.static_grad_output: torch.Tensor | None = None  # dY_i
         self.static_grads: tuple[torch.Tensor | None, ...] = ()  # dX_i, then one per parameter
         self.placeholder: tuple[bool, ...] = ()  # per parameter: its gradient went to main_grad
+        self.overwriting: tuple[torch.nn.Parameter, ...] = ()  # weights whose first gradient is written
         self.forward_graph: Any = None
-        self.backward_graph: Any = None
+        self.backward_graphs: dict[bool, Any] = {}  # write form (True) / add form (False) -> graph
 
 
 class _ReplayLayer(torch.autograd.Function):
@@ -94,7 +108,7 @@ class _ReplayLayer(torch.autograd.Function):
         captured: _CapturedLayer = ctx.captured
         if grad_output.data_ptr() != captured.static_grad_output.data_ptr():  # else the next layer's dX
             captured.static_grad_output.copy_(grad_output)
-        captured.backward_graph.replay()
+        _replay_backward(captured)
         grads = []
         for g, param, placeholder in zip(captured.static_grads[1:], captured.params, captured.placeholder):
             if placeholder:
@@ -106,6 +120,27 @@ class _ReplayLayer(torch.autograd.Function):
                 grads.append(None if g is None else g.detach())
         grad_input = captured.static_grads[0]
         return (None, None if grad_input is None else grad_input.detach(), *grads)
+
+
+def _replay_backward(captured: _CapturedLayer) -> None:
+    """Replay the backward graph whose form (write or add the fused weight gradients) the weights'
+    ``main_grad_unwritten`` flags ask for, then clear the flags (module docstring)."""
+    weights, graphs = captured.overwriting, captured.backward_graphs
+    flags = [is_unwritten(p) for p in weights]
+    write = bool(flags) and all(flags)
+    if any(flags) and not write:  # mixed (not expected): zero the unwritten ones, add into all
+        zero_if_unwritten(weights)
+    if write and True not in graphs:  # only the add form: the old way, zero then add
+        zero_if_unwritten(weights)
+        write = False
+    if not write and False not in graphs:  # only the write form: keep what main_grad holds, add it back
+        kept = [p.main_grad.clone() for p in weights]
+        graphs[True].replay()
+        torch._foreach_add_([p.main_grad for p in weights], kept)
+    else:
+        graphs[write].replay()
+    for p in weights:
+        setattr(p, UNWRITTEN, False)
 
 
 class LayerGraphs:
@@ -127,6 +162,8 @@ class LayerGraphs:
         self.backend = backend
         self.warmup_iters = warmup_iters
         self.armed = False
+        self.microbatches: int | None = None
+        """Micro-batches per step, as :meth:`arm` was told (None: unknown, capture both backward forms)."""
         self.replays = 0
         """Micro-batch forwards served by the graphs (for tests and logs)."""
         self._captured: list[_CapturedLayer] | None = None
@@ -137,9 +174,13 @@ class LayerGraphs:
     def captured(self) -> bool:
         return self._captured is not None
 
-    def arm(self) -> None:
-        """Capture at the next training forward (call at the start of a step, before its forwards)."""
+    def arm(self, microbatches: int | None = None) -> None:
+        """Capture at the next training forward (call at the start of a step, before its forwards).
+
+        ``microbatches``: per step; with one, a layer's backward is captured only in the form that
+        writes the fused weight gradients (module docstring)."""
         self.armed = True
+        self.microbatches = microbatches
 
     def applies(self, hidden: torch.Tensor, extras: Sequence[torch.Tensor | None]) -> bool:
         """Whether this forward call runs (or, armed, captures) the graphs."""
@@ -170,6 +211,8 @@ class LayerGraphs:
         layers = [_CapturedLayer(layer) for layer in self.layers]
         extras = [None if t is None else t.detach().clone() for t in extras]
 
+        # the weights' main_grad_unwritten flags as the step left them (the warm-up passes change them)
+        unwritten = {id(p): is_unwritten(p) for c in layers for p in c.params}
         backend.synchronize()
         with backend.side_stream():
             sample = hidden.detach().clone().requires_grad_(True)
@@ -191,13 +234,32 @@ class LayerGraphs:
         grad_output = torch.empty_like(layers[-1].static_output)
         for c in reversed(layers):  # dY_i is dX_{i+1}
             c.static_grad_output = grad_output
-            c.backward_graph = backend.graph()
-            with c.backward_graph.capture(pool):
-                c.static_grads = torch.autograd.grad(
-                    c.static_output, (c.static_input, *c.params), grad_output, allow_unused=True
-                )
-            # Set by the fusing layers' forward: these weights' gradients went to main_grad in the graph.
-            c.placeholder = tuple(bool(getattr(p, "grad_added_to_main_grad", False)) for p in c.params)
+            # Set by the layers' forward: which weights write their first gradient (first_grad.opts_in)
+            c.overwriting = tuple(p for p in c.params if opts_in(p))
+            forms = (False,) if not c.overwriting else (True,) if self.microbatches == 1 else (True, False)
+            for i, write in enumerate(forms):
+                for p in c.overwriting:  # what the FP8 backward reads while it is captured
+                    setattr(p, UNWRITTEN, write)
+                graph = c.backward_graphs[write] = backend.graph()
+                with graph.capture(pool):
+                    grads = torch.autograd.grad(
+                        c.static_output,
+                        (c.static_input, *c.params),
+                        grad_output,
+                        allow_unused=True,
+                        retain_graph=i + 1 < len(forms),  # the next form backpropagates the same forward
+                    )
+                    if i == 0:
+                        c.static_grads = grads
+                        # Set by the fusing layers' forward: these gradients went to main_grad in the graph.
+                        c.placeholder = tuple(
+                            bool(getattr(p, "grad_added_to_main_grad", False)) for p in c.params
+                        )
+                    else:  # the same outputs whatever the form: dX_i and the non-fused gradients
+                        for static, g, fused in zip(c.static_grads, grads, (False, *c.placeholder)):
+                            if static is not None and not fused:
+                                static.copy_(g)
+                del grads
             grad_output = c.static_grads[0]
             # The captured forward's autograd graph is not needed any more; kept, it would keep the
             # parameters' gradient accumulators (autograd nodes) alive, bound to the capture stream,
@@ -205,12 +267,15 @@ class LayerGraphs:
             c.static_output = c.static_output.detach()
         backend.synchronize()
 
-        # The warm-up passes accumulated into main_grad, which was zero (see the module docstring).
+        # The warm-up passes accumulated into main_grad, which held no gradient yet (see the module
+        # docstring): zero it, and restore the flags (on zeros, writing and adding agree).
         for c in layers:
             for p in c.params:
                 main_grad = getattr(p, "main_grad", None)
                 if main_grad is not None:
                     main_grad.zero_()
+                if is_unwritten(p) != unwritten[id(p)]:
+                    setattr(p, UNWRITTEN, unwritten[id(p)])
         self._captured, self._static_extras = layers, extras
         self._signature = _signature(hidden, extras)
         self.armed = False
@@ -286,11 +351,14 @@ def layer_graphs_of(chunks: Sequence[torch.nn.Module]) -> list[LayerGraphs]:
     return [b.layer_graphs for b in blocks if getattr(b, "layer_graphs", None) is not None]
 
 
-def arm_after_warmup(graphs: Sequence[LayerGraphs], steps_run: int, warmup_steps: int) -> None:
+def arm_after_warmup(
+    graphs: Sequence[LayerGraphs], steps_run: int, warmup_steps: int, microbatches: int | None = None
+) -> None:
     """At the start of a training step: arm the graphs not captured yet once ``warmup_steps`` eager
-    steps have run (``--cuda-graph-warmup-steps``), so they are captured in this step's first forward."""
+    steps have run (``--cuda-graph-warmup-steps``), so they are captured in this step's first forward
+    (``microbatches``: per step, see :meth:`LayerGraphs.arm`)."""
     if steps_run < warmup_steps:
         return
     for layer_graphs in graphs:
         if not layer_graphs.captured:
-            layer_graphs.arm()
+            layer_graphs.arm(microbatches)

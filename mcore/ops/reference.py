@@ -538,16 +538,23 @@ def scaled_linear_wgrad(
     x_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
     main_grad: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """The weight gradient ``dW = dy^T x``: ``dy_qT [N, M]``, ``x_qT [K, M]`` -> ``dW [N, K]``.
 
     With ``main_grad`` (gradient-accumulation fusion) the product, rounded to ``main_grad.dtype``, is
-    added into it in place and ``main_grad`` is returned; otherwise ``dW`` in ``out_dtype``.
+    added into it in place (``accumulate=True``) or overwrites it (``accumulate=False``: the first
+    gradient of a step into a ``main_grad`` that was not zeroed, see :mod:`mcore.distributed.ddp`), and
+    ``main_grad`` is returned; otherwise ``dW`` in ``out_dtype``. The two forms agree bit for bit on a
+    zero ``main_grad`` (``0 + x == x``), so a backend may serve the overwrite as a GEMM that writes
+    ``main_grad`` directly.
     """
     dw = scaled_mm_nt(dy_qT, x_qT, dy_scale_inv, x_scale_inv)
     if main_grad is None:
         return dw.to(out_dtype)
-    return main_grad.add_(dw.to(main_grad.dtype))
+    if accumulate:
+        return main_grad.add_(dw.to(main_grad.dtype))
+    return main_grad.copy_(dw.to(main_grad.dtype))
 
 
 # -- fused producers of FP8 operands (the delayed recipe's fused norm / activation casts) -------------

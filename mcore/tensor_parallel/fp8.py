@@ -39,7 +39,11 @@ transposed), and reduce-scatters the input gradient, as the bf16 sequence-parall
 
 Gradient-accumulation fusion: the wgrad GEMM adds into ``weight.main_grad`` (the op's
 ``main_grad`` argument) and the weight's ``.grad`` is a placeholder, as in
-:class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`.
+:class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`. The step's first wgrad GEMM
+of a weight writes over ``main_grad`` instead (``accumulate=False``), which the DDP did not zero: the
+main_grad of an opted-in weight is zero from zero_grad_buffer until its first gradient of the step is
+written, not added (:mod:`mcore.tensor_parallel.first_grad`; the layers opt in with
+:func:`overwrites_first_grad`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import torch
 from mcore.backend import get_ops
 from mcore.config.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, Fp8Recipe  # noqa: F401 (re-exported)
 from mcore.ops import reference
+from mcore.tensor_parallel.first_grad import take_first_write
 from mcore.tensor_parallel.mappings import (
     _gather_first,
     _reduce_scatter_first,
@@ -314,12 +319,25 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
 def fp8_wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv, shared: bool = False) -> torch.Tensor | None:
     """``dW = nt(dy_qT, x_qT)``, accumulated into ``main_grad`` when it is set (gradient-accumulation
     fusion: then a placeholder gradient the DDP hook discards is returned, None for a ``shared``
-    weight), else returned in the weight's dtype. Also used by :mod:`.fp8_fused`."""
+    weight), else returned in the weight's dtype. Also used by :mod:`.fp8_fused`.
+
+    The weight's first gradient of the step is written over ``main_grad`` instead of added, when the
+    DDP left it unzeroed (``weight.main_grad_unwritten``, :mod:`mcore.tensor_parallel.first_grad`): the
+    GEMM writes ``main_grad`` directly, saving the add and the zeroing."""
     ops = get_ops()
     if main_grad is None:
         return ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype)
-    ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, main_grad)
+    accumulate = shared or not take_first_write(weight)
+    ops.scaled_linear_wgrad(dy_qT, x_qT, dy_sinv, x_sinv, weight.dtype, main_grad, accumulate=accumulate)
     return None if shared else torch.empty_like(weight)
+
+
+def overwrites_first_grad(recipe: Fp8Recipe) -> bool:
+    """Whether an FP8 linear with ``recipe`` writes its weight's first gradient of a step over
+    ``main_grad`` (:func:`fp8_wgrad`; the opt-in of :func:`mcore.tensor_parallel.layers.fusion_main_grad`):
+    with the FP8 weight gradient, in eager mode (a compiled backward is traced once, with the flag's
+    value at tracing time, so a compiled layer always adds into a zeroed ``main_grad``)."""
+    return recipe.wgrad and not torch.compiler.is_compiling()
 
 
 def fp8_linear(
@@ -463,6 +481,7 @@ __all__ = [
     "fp8_extra_state",
     "fp8_linear",
     "gathers_fp8_input",
+    "overwrites_first_grad",
     "scale_from_amax",
     "update_fp8_scales",
 ]

@@ -31,7 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from mcore.backend import get_ops
-from mcore.tensor_parallel.fp8 import Fp8DelayedState, Fp8Linear, Fp8Recipe, fp8_linear, gathers_fp8_input
+from mcore.tensor_parallel.first_grad import is_unwritten, set_opt_in, zero_if_unwritten
+from mcore.tensor_parallel.fp8 import (
+    Fp8DelayedState,
+    Fp8Linear,
+    Fp8Recipe,
+    fp8_linear,
+    gathers_fp8_input,
+    overwrites_first_grad,
+)
 from mcore.tensor_parallel.mappings import (
     all_gather_along_sequence,
     copy_to_tensor_model_parallel_region,
@@ -194,18 +202,31 @@ def linear_with_grad_accumulation_fusion(
 
 
 def fusion_main_grad(
-    weight: torch.Tensor, gradient_accumulation_fusion: bool, shared_weight: bool
+    weight: torch.Tensor,
+    gradient_accumulation_fusion: bool,
+    shared_weight: bool,
+    overwrites_first: bool = False,
 ) -> torch.Tensor | None:
     """The ``main_grad`` a fusing layer accumulates ``weight``'s gradient into, or None (no fusion:
     disabled, no DDP buffer, no autograd), after writing ``weight.grad_added_to_main_grad`` as
-    :func:`linear_with_grad_accumulation_fusion` describes (left alone for a shared weight)."""
+    :func:`linear_with_grad_accumulation_fusion` describes (left alone for a shared weight).
+
+    ``overwrites_first``: the layer's backward writes the step's first gradient over ``main_grad``
+    (:func:`mcore.tensor_parallel.first_grad.take_first_write`; the FP8 linears): with fusion, the weight
+    opts in to the DDP's skipped zeroing, written here like ``grad_added_to_main_grad``. Any other use
+    that will add to a ``main_grad`` still flagged unwritten zeroes it first."""
     main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
     fuse = main_grad is not None and weight.requires_grad and torch.is_grad_enabled()
+    overwrites = fuse and overwrites_first and not shared_weight
     if not shared_weight:
         if fuse:
             weight.grad_added_to_main_grad = True
         elif getattr(weight, "grad_added_to_main_grad", False) and torch.is_grad_enabled():
             weight.grad_added_to_main_grad = False  # fusion turned off since the last step
+        if torch.is_grad_enabled():
+            set_opt_in(weight, overwrites)
+    if not overwrites and torch.is_grad_enabled() and is_unwritten(weight):
+        zero_if_unwritten((weight,))  # this use adds: main_grad must hold real zeros
     return main_grad if fuse else None
 
 
@@ -323,15 +344,16 @@ class ColumnParallelLinear(torch.nn.Module):
         shared_weight = weight is not self.weight
         sp = self.sequence_parallel and group_size(self.tp_group) > 1
         gathered = None if shared_weight else self.fp8_gathered_weight
+        overwrites = self._fp8_call is not None and overwrites_first_grad(self.fp8)
         if self._fp8_call is not None and sp and gathers_fp8_input(self.fp8):
-            main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
+            main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight, overwrites)
             y = fp8_linear(
                 x, weight, bias, self._fp8_call, main_grad, shared_weight,
                 sequence_parallel_group=self.tp_group, gathered=gathered,
             )  # fmt: skip
         elif self._fp8_call is not None:
             total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
-            main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
+            main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight, overwrites)
             with saved_input:
                 y = fp8_linear(
                     total, weight, bias, self._fp8_call, main_grad, shared_weight, gathered=gathered
@@ -438,7 +460,8 @@ class RowParallelLinear(torch.nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         if self._fp8_call is not None:
-            main_grad = fusion_main_grad(self.weight, self.gradient_accumulation_fusion, False)
+            overwrites = overwrites_first_grad(self.fp8)
+            main_grad = fusion_main_grad(self.weight, self.gradient_accumulation_fusion, False, overwrites)
             y = fp8_linear(x, self.weight, None, self._fp8_call, main_grad, gathered=self.fp8_gathered_weight)
         else:
             y = linear_with_grad_accumulation_fusion(

@@ -239,6 +239,8 @@ def _scaled_linear_make(which: str):
         a, b = _fp8_operand(gen, 48, 32, torch.float8_e5m2), _fp8_operand(gen, 64, 32)
         if which == "dgrad":
             return [a, b, sa, sb, dtype], {}
+        if which == "wgrad_overwrite":  # a step's first gradient: written over a stale main_grad
+            return [a, b, sa, sb, dtype, _randn(gen, 48, 64)], {"accumulate": False}
         return [a, b, sa, sb, dtype, _randn(gen, 48, 64)], {}  # wgrad accumulated into a main_grad
 
     return make
@@ -538,13 +540,13 @@ OP_CASES: tuple[OpCase, ...] = (
     *(
         OpCase(
             f"scaled_linear_{which}",
-            f"scaled_linear_{which}",
+            f"scaled_linear_{which.removesuffix('_overwrite')}",
             _scaled_linear_make(which),
             dtypes=(torch.float32, torch.bfloat16),
             kind="reduction",
             capability="fp8",
         )
-        for which in ("forward", "dgrad", "wgrad")
+        for which in ("forward", "dgrad", "wgrad", "wgrad_overwrite")
     ),
     *(
         OpCase(

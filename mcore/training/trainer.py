@@ -206,7 +206,12 @@ class Trainer:
         self.check_nan(wait=False)  # flags of earlier steps that have reached the host already
         self.token_ids.check(wait=False)
         self._train_mode()
-        arm_after_warmup(self._layer_graphs, self.steps_run, self.cfg.training.device_graph_warmup_steps)
+        arm_after_warmup(
+            self._layer_graphs,
+            self.steps_run,
+            self.cfg.training.device_graph_warmup_steps,
+            self.batches.num_microbatches,
+        )
         self.steps_run += 1
         self.optimizer.zero_grad()
         with self.timers("forward-backward"):

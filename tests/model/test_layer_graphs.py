@@ -4,7 +4,9 @@ On CPU: the layouts the graphs cannot replay are refused with one message naming
 backend without device graphs is refused. On a GPU (``MCORE_TEST_BACKEND=cuda``, or any machine with
 CUDA): training with the layers replayed from graphs follows the eager run's losses and gradient
 norms step for step, including gradient accumulation, fused weight gradients, the distributed
-optimizer, a Llama layout and precision-aware optimizer state, and the graphs really served the forwards.
+optimizer, a Llama layout and precision-aware optimizer state, FP8 with one and two micro-batches per
+step (the backward forms that write and add the FP8 weight gradients), and the graphs really served
+the forwards.
 """
 
 from __future__ import annotations
@@ -129,10 +131,13 @@ def _run(tmp_path, name: str, extra: list[str]):
          "--position-embedding-type", "rope", "--disable-bias-linear", "--recompute-granularity",
          "selective", "--recompute-modules", "layernorm", "mlp_act"],
         ["--global-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+        ["--global-batch-size", "2", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+        ["--global-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+         "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--no-fp8-fused-producers"],
     ],
     ids=[
         "accumulation", "distopt-overlap", "llama", "precision-aware", "recompute", "llama-recompute",
-        "fp8-delayed-fused",
+        "fp8-delayed-fused", "fp8-delayed-one-micro-batch", "fp8-delayed-bf16-main-grads",
     ],
 )  # fmt: skip
 def test_graph_replay_follows_the_eager_run(tmp_path, extra):
@@ -142,7 +147,8 @@ def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     )
     graphs = models[0].decoder.layer_graphs
     assert graphs is not None and graphs.captured
-    if "--fp8-recipe" in extra:  # the fused FP8 producers were captured (the backend serves their ops)
+    if "--fp8-recipe" in extra and "--no-fp8-fused-producers" not in extra:
+        # the fused FP8 producers were captured (the backend serves their ops)
         layer = models[0].decoder.layers[0]
         assert layer.fp8_fused_qkv and fp8_producers.qkv_ops_ready(
             layer.input_layernorm, layer.self_attention
@@ -152,6 +158,11 @@ def test_graph_replay_follows_the_eager_run(tmp_path, extra):
     # bound to the capture stream)
     assert all(c.static_output.grad_fn is None for c in graphs._captured)
     micro_batches = 2 if "4" in extra[extra.index("--global-batch-size") + 1] else 1
+    if "--fp8-recipe" in extra:
+        # the FP8 weights write their first gradient of a step: each layer captured the write form,
+        # and the add form for the later micro-batches (mcore.tensor_parallel.first_grad)
+        forms = {True} if micro_batches == 1 else {True, False}
+        assert all(c.overwriting and set(c.backward_graphs) == forms for c in graphs._captured)
     assert graphs.replays == (8 - 2) * micro_batches  # every forward after the warm-up steps
     assert len(eager_losses) == len(graph_losses) == 8
     # The same kernels run in the same order; bf16 atomics in attention backward may differ slightly.

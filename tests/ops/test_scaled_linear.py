@@ -176,6 +176,13 @@ def test_scaled_linear_ops_match_dequantize_matmul(backend, rowwise):
     out = backend.ops.scaled_linear_wgrad(*d, out_dtype, acc)
     assert out is acc  # in place
     assert _rel(acc, main_grad.double() + want) < max(tol, 1e-6)
+    # accumulate=False: the product written over main_grad's (stale) values, equal to adding it to zeros
+    for mg_dtype in (torch.float32, torch.bfloat16):
+        stale = torch.randn(n, k, generator=gen).to(dev, mg_dtype)
+        out = backend.ops.scaled_linear_wgrad(*d, out_dtype, stale, accumulate=False)
+        assert out is stale and _rel(stale, want) < max(tol, 1e-6 if mg_dtype == torch.float32 else 8e-3)
+        zero = torch.zeros(n, k, dtype=mg_dtype, device=dev)
+        assert torch.equal(stale, backend.ops.scaled_linear_wgrad(*d, out_dtype, zero))
 
 
 def _fp8_model_linear(x, w, b, dy, recipe: Fp8Recipe):
