@@ -466,6 +466,11 @@ class DistributedDataParallel(torch.nn.Module):
     def grad_bytes(self) -> int:
         return sum(buffer.grad_bytes for buffer in self.grad_buffers)
 
+    @property
+    def fp8_param_bytes(self) -> int:
+        """Bytes of the FP8 weight copies of ``--fp8-param-gather`` (beside the parameters; 0 without)."""
+        return sum(fp8.data.numel() * fp8.data.element_size() for fp8 in self._fp8_gathers)
+
 
 def _run_after_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass that is running now ends (autograd's engine calls it

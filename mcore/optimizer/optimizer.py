@@ -700,7 +700,8 @@ class MegatronOptimizer:
     # memory
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (moments and fp32 masters)."""
+        """Bytes this rank holds: ``params`` (with ``--fp8-param-gather``'s FP8 weight copies), ``grads``,
+        ``optimizer_state`` (moments and fp32 masters)."""
         seen: set[int] = set()
         params = grads = 0
         for chunk in self.model_chunks:
@@ -713,6 +714,7 @@ class MegatronOptimizer:
                     grads += p.grad.numel() * p.grad.element_size()
             if isinstance(chunk, DistributedDataParallel):
                 grads += chunk.grad_bytes
+                params += chunk.fp8_param_bytes
         if self.flat:
             state = sum(flat.state_bytes for flat in self.flat_states)
             return {"params": params, "grads": grads, "optimizer_state": state}

@@ -88,10 +88,13 @@ def train_recording(extra: list[str]) -> dict:
     import mcore.distributed.grad_buffer as grad_buffer
     from mcore.distributed.ddp import DistributedDataParallel
     from mcore.ops import reference
+    from mcore.optimizer.optimizer import MegatronOptimizer
 
     gathers: list[tuple[str, int]] = []
     chunks: list[DistributedDataParallel] = []
+    reports: list[dict[str, int]] = []
     real_gather, real_init = grad_buffer.all_gather_into_tensor, DistributedDataParallel.__init__
+    real_report = MegatronOptimizer.memory_report
 
     def recording_gather(output, input, *args, **kwargs):
         gathers.append((str(output.dtype), output.numel() * output.element_size()))
@@ -101,12 +104,18 @@ def train_recording(extra: list[str]) -> dict:
         real_init(self, *args, **kwargs)
         chunks.append(self)
 
+    def recording_report(self):
+        reports.append(real_report(self))
+        return reports[-1]
+
     grad_buffer.all_gather_into_tensor = recording_gather
     DistributedDataParallel.__init__ = recording_init
+    MegatronOptimizer.memory_report = recording_report
     try:
         result = train(extra)
     finally:
         grad_buffer.all_gather_into_tensor, DistributedDataParallel.__init__ = real_gather, real_init
+        MegatronOptimizer.memory_report = real_report
     per_step = gathers[-len(chunks[0].buckets) :]  # the last step's gathers, one per bucket
     fp8_weights = fp8_buffer_bytes = 0
     copies_exact = True
@@ -134,6 +143,7 @@ def train_recording(extra: list[str]) -> dict:
         "fp8_weights": fp8_weights,
         "fp8_buffer_bytes": fp8_buffer_bytes,
         "copies_exact": bool(copies_exact),
+        "params_bytes": reports[-1]["params"] if reports else None,
     }
 
 
@@ -203,6 +213,8 @@ def test_fp8_weights_are_gathered_as_fp8_bytes(runs, recipe):
     baseline = sum(n for _, n in without["gathers"])
     assert bf16_bytes + 2 * fp8_bytes - baseline in range(-512, 513)
     assert with_flag["copies_exact"]
+    # the memory report counts the FP8 copies beside the parameters
+    assert with_flag["params_bytes"] - without["params_bytes"] == with_flag["fp8_buffer_bytes"] > 0
 
 
 def test_fp8_param_gather_resume_is_bit_exact(runs):
