@@ -238,16 +238,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_scaling = call.scaling(INPUT, x2d, training)
                 x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
                 x_saved = x_qT if recipe.wgrad else x2d
-            # W^T for the input gradient, made now and kept until the backward (1 byte a weight
-            # element, as Transformer Engine keeps it): one cast writes W_q and W_q^T, instead of a
-            # second read of the bf16 weight in the backward
-            need_w_t = training and ctx.needs_input_grad[0]
-            if gathered is not None:  # --fp8-param-gather: W_q was made after the optimizer step
-                w_q, w_sinv = gathered.data, gathered.scale_inv
-                w_qT = transpose_fp8(w_q) if need_w_t else None
-            else:
-                w_scaling = call.scaling(WEIGHT, weight, training)
-                w_q, w_qT, w_sinv = ops.fp8_cast(weight, fwd, columnwise=need_w_t, **w_scaling)
+            need_w_t = training and ctx.needs_input_grad[0]  # W_q^T for the input gradient
+            w_q, w_qT, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_w_t)
             ctx.save_for_backward(x_saved, x_sinv, weight, w_qT, w_sinv)
         y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
         return y.reshape(*out_rows, y.shape[-1])
@@ -314,6 +306,26 @@ def _gather_fp8_rows(q_local: torch.Tensor, group) -> torch.Tensor:
 def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     """``q [M, K] -> q^T [K, M]`` contiguous (a byte copy)."""
     return q.view(torch.uint8).t().contiguous().view(q.dtype)
+
+
+def cast_weight(
+    call: Fp8Linear,
+    weight: torch.Tensor,
+    training: bool,
+    gathered: Fp8GatheredWeight | None,
+    transposed: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(W_q, W_q^T or None, W's scale_inv)`` for a tensorwise/delayed FP8 linear's forward.
+
+    With ``transposed`` the one cast also writes ``W_q^T``, which the caller keeps for the input
+    gradient (1 byte a weight element until the backward, as Transformer Engine keeps it) instead of
+    reading the bf16 weight again in the backward. With ``--fp8-param-gather`` (``gathered``) the
+    gathered ``W_q`` (made after the optimizer step) and its bytes transposed. Also used by
+    :mod:`.fp8_fused`."""
+    if gathered is not None:
+        return gathered.data, transpose_fp8(gathered.data) if transposed else None, gathered.scale_inv
+    w_scaling = call.scaling(WEIGHT, weight, training)
+    return get_ops().fp8_cast(weight, call.recipe.fwd_dtype, columnwise=transposed, **w_scaling)
 
 
 def fp8_wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv, shared: bool = False) -> torch.Tensor | None:

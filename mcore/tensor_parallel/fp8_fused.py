@@ -50,11 +50,10 @@ from mcore.ops.reference import ACTIVATIONS
 from mcore.tensor_parallel.fp8 import (
     GRAD_OUTPUT,
     INPUT,
-    WEIGHT,
     Fp8GatheredWeight,
     Fp8Linear,
+    cast_weight,
     fp8_wgrad,
-    transpose_fp8,
 )
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group
 
@@ -89,22 +88,6 @@ def _input_slot(call: Fp8Linear, training: bool):
 def _grad_slot(call: Fp8Linear):
     state = call.state
     return state.scale[GRAD_OUTPUT], state.pending_amax[GRAD_OUTPUT : GRAD_OUTPUT + 1]
-
-
-def _cast_weight(
-    call: Fp8Linear,
-    weight: torch.Tensor,
-    training: bool,
-    gathered: Fp8GatheredWeight | None,
-    transposed: bool,
-):
-    """``(W_q, W_q^T or None, W's scale_inv)``: the weight cast as the unfused linear casts it, with
-    ``transposed`` also ``W_q^T`` for the input gradient (kept until the backward, as the unfused
-    linear keeps it); with ``--fp8-param-gather`` the gathered ``W_q`` and its bytes transposed."""
-    if gathered is not None:
-        return gathered.data, transpose_fp8(gathered.data) if transposed else None, gathered.scale_inv
-    w_scaling = call.scaling(WEIGHT, weight, training)
-    return get_ops().fp8_cast(weight, call.recipe.fwd_dtype, columnwise=transposed, **w_scaling)
 
 
 def _dgrad(dy_q, dy_sinv, w_qT, w_sinv, out_dtype) -> torch.Tensor:
@@ -146,7 +129,7 @@ class Fp8NormLinear(torch.autograd.Function):
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
         need_x = training and any(ctx.needs_input_grad[:3])
-        w_q, w_qT, w_sinv = _cast_weight(call, weight, training, gathered, transposed=need_x)
+        w_q, w_qT, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_x)
         y = ops.scaled_linear_forward(xn_q, w_q, xn_sinv, w_sinv, bias, x.dtype)
         ctx.norm, ctx.call, ctx.main_grad, ctx.tp_group = norm, call, main_grad, call.tp_group
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
@@ -217,13 +200,13 @@ class Fp8NormMLP(torch.autograd.Function):
         )  # fmt: skip
         need_x = training and any(ctx.needs_input_grad[:3])
         need_h = training and any(ctx.needs_input_grad[:5])  # anything below the activation
-        w1_q, w1_qT, w1_sinv = _cast_weight(fc1, w1, training, gathered[0], transposed=need_x)
+        w1_q, w1_qT, w1_sinv = cast_weight(fc1, w1, training, gathered[0], transposed=need_x)
         h = ops.scaled_linear_forward(xn_q, w1_q, xn_sinv, w1_sinv, None, x.dtype)
         scale, amax_record = _input_slot(fc2, training)
         a_q, a_qT, a_sinv = ops.act_fp8_forward(
             h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
         )
-        w2_q, w2_qT, w2_sinv = _cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
+        w2_q, w2_qT, w2_sinv = cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
         y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
         ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
         ctx.tp_group, ctx.x_shape = fc1.tp_group, x.shape
