@@ -16,7 +16,9 @@ hand-written Triton kernels of :mod:`mcore.backends.cuda.triton_kernels.fp8_cast
 (grid-strided, one atomic per program), then one kernel that forms the scale on the device, casts, writes the FP8
 tensor and its transpose with coalesced stores (the other GEMMs' NT operand) and, for the delayed
 recipe, records the amax in the same pass; ``fp8_cast_dbias`` (an output gradient with its bias
-gradient) is a variant of that kernel that also sums the columns. The row-scaled cast (``fp8_quantize``, rowwise recipe) is
+gradient) is a variant of that kernel that also sums the columns, and ``fp8_cast_packed`` (a fused QKV
+projection's output gradient, from the attention's separate ``dq``, ``dk``, ``dv``) the same kernel
+reading each column band from the part it lies in. The row-scaled cast (``fp8_quantize``, rowwise recipe) is
 an Inductor-generated kernel (``torch.compile`` of the reference, dynamic shapes). Inside an outer
 ``torch.compile`` (``--compile-layers``) all of them trace the reference, which Inductor fuses with
 the neighbouring ops. Shapes ``_scaled_mm`` refuses (a contraction or output dim not a multiple of 16,
@@ -132,6 +134,46 @@ def fp8_cast_dbias(
     return kernels.cast_dbias(x, fp8_dtype, **args)
 
 
+def fp8_cast_packed(
+    parts,
+    groups,
+    fp8_dtype,
+    *,
+    dbias,
+    scale=None,
+    amax=None,
+    margin=0,
+    rowwise=True,
+    columnwise=False,
+    amax_record=None,
+):
+    args = dict(
+        scale=scale, amax=amax, margin=margin, rowwise=rowwise, columnwise=columnwise, amax_record=amax_record
+    )
+    first = parts[0]
+    fits = (
+        len(parts) == 3
+        and first.numel() > 0
+        and all(
+            p.dim() == 2 and p.dtype == first.dtype and p.shape[0] == first.shape[0] and p.stride(1) == 1
+            and p.shape[1] % groups == 0
+            for p in parts
+        )
+        and _cast_fits(first, fp8_dtype, scale, amax, amax_record)
+        and _triton_cast_fits(*parts)
+    )  # fmt: skip
+    if fits:
+        from .triton_kernels import fp8_cast as kernels
+
+        fits = kernels.packed_block_fits(tuple(p.shape[1] // groups for p in parts))
+    if not fits:  # this backend's casts of the concatenation
+        x = reference.pack_columns(parts, groups)
+        if dbias:
+            return fp8_cast_dbias(x, fp8_dtype, **args)
+        return (*fp8_cast(x, fp8_dtype, **args), None)
+    return kernels.cast_packed(parts, groups, fp8_dtype, dbias=dbias, **args)
+
+
 def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_sinv: torch.Tensor) -> bool:
     """``_scaled_mm`` takes ``a [M, K]`` row-major x ``b^T [K, N]`` column-major with K and N
     multiples of 16, not two e5m2 operands, and scales that are both per-tensor or both per-row."""
@@ -216,6 +258,7 @@ FP8_OPS = {
     "fp8_amax": fp8_amax,
     "fp8_cast": fp8_cast,
     "fp8_cast_dbias": fp8_cast_dbias,
+    "fp8_cast_packed": fp8_cast_packed,
     "scaled_linear_forward": scaled_linear_forward,
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,

@@ -550,7 +550,9 @@ def _build() -> tuple[dict, dict[str, str]]:
     ops.update(FP8_OPS)
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
-        providers.update(fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton")
+        providers.update(
+            fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton", fp8_cast_packed="triton"
+        )
         from .act_fp8 import ACT_FP8_OPS
 
         ops.update(ACT_FP8_OPS)

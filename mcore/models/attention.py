@@ -189,10 +189,33 @@ class SelfAttention(torch.nn.Module):
         """:meth:`forward` after the QKV projection: ``qkv [s, b, (n_p + 2 g_p) d]`` (``linear_qkv``'s
         output, or the fused norm and projection's, :mod:`mcore.models.fp8_producers`)."""
         s, b = qkv.shape[:2]
+        groups, widths = self.qkv_split()
+        query, key, value = torch.split(qkv.view(s, b, groups, sum(widths)), list(widths), dim=-1)
+        return self.forward_from_split(
+            query, key, value, attention_mask, rotary_freqs, inference_context, attention_bias
+        )
+
+    def qkv_split(self) -> tuple[int, tuple[int, int, int]]:
+        """``(g_p, (r d, d, d))``: ``linear_qkv``'s output on this rank is ``g_p`` groups of ``[q | k | v]``
+        columns of these widths (the module docstring's per-group layout)."""
         r, d = self.heads_per_group, self.head_dim
-        qkv = qkv.view(s, b, self.num_groups, (r + 2) * d)
-        query, key, value = torch.split(qkv, [r * d, d, d], dim=-1)
-        query = query.reshape(s, b, self.num_heads, d)
+        return self.num_groups, (r * d, d, d)
+
+    def forward_from_split(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_freqs: torch.Tensor | None = None,
+        inference_context=None,
+        attention_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward_from_qkv` after the split: ``query [s, b, g_p, r d]``, ``key``/``value [s, b,
+        g_p, d]`` (views of ``linear_qkv``'s output, or the fused norm and projection's parts,
+        :class:`~mcore.tensor_parallel.fp8_fused.OutputSplit`)."""
+        s, b = query.shape[:2]
+        query = query.reshape(s, b, self.num_heads, self.head_dim)
         if rotary_freqs is not None:
             ops = get_ops()
             query = ops.rotary_embedding(query, rotary_freqs)

@@ -34,7 +34,14 @@ from mcore.models.attention import SelfAttention
 from mcore.models.mlp import MLP
 from mcore.models.norms import Norm
 from mcore.ops.registry import REFERENCE
-from mcore.tensor_parallel.fp8_fused import NORM_KINDS, NormSpec, fp8_norm_linear, fp8_norm_mlp, fusable_call
+from mcore.tensor_parallel.fp8_fused import (
+    NORM_KINDS,
+    NormSpec,
+    OutputSplit,
+    fp8_norm_linear,
+    fp8_norm_mlp,
+    fusable_call,
+)
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, fusion_main_grad
 from mcore.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -137,15 +144,19 @@ def mlp_ops_ready(norm: Norm, mlp: MLP) -> bool:
     return _same_server(pairs)
 
 
-def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear_qkv(norm(x)), x)`` through :func:`~mcore.tensor_parallel.fp8_fused.fp8_norm_linear`:
-    ``x [s, b, h]`` -> (``[s, b, (n_p + 2 g_p) d]``, the residual stream)."""
+def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(query, key, value, x)``: ``linear_qkv(norm(x))`` split as
+    :meth:`~mcore.models.attention.SelfAttention.forward_from_qkv` splits it (``[s, b, g_p, r d]``,
+    ``[s, b, g_p, d]`` twice), through :func:`~mcore.tensor_parallel.fp8_fused.fp8_norm_linear` with
+    an :class:`~mcore.tensor_parallel.fp8_fused.OutputSplit` (the three gradients are cast to FP8
+    where they lie), and the residual stream."""
     linear = attention.linear_qkv
     # the fused Functions write the step's first weight gradient over main_grad (fp8_wgrad): opt in
     main_grad = fusion_main_grad(linear.weight, linear.gradient_accumulation_fusion, False, True)
+    groups, widths = attention.qkv_split()
     return fp8_norm_linear(
         x, norm.weight, norm.bias, _norm_spec(norm), linear.weight, linear.bias, linear._fp8_call, main_grad,
-        gathered=linear.fp8_gathered_weight,
+        gathered=linear.fp8_gathered_weight, split=OutputSplit(groups, widths),
     )  # fmt: skip
 
 

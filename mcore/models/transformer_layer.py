@@ -127,9 +127,9 @@ class TransformerLayer(torch.nn.Module):
     ) -> torch.Tensor:
         """The self-attention branch; ``attention_kwargs`` go to the attention (T5's ``attention_bias``)."""
         if self.fp8_fused_qkv and fp8_producers.qkv_ops_ready(self.input_layernorm, self.self_attention):
-            qkv, residual = fp8_producers.norm_qkv(self.input_layernorm, self.self_attention, hidden_states)
-            out, bias = self.self_attention.forward_from_qkv(
-                qkv, attention_mask, rotary_freqs, inference_context=inference_context, **attention_kwargs
+            *qkv, residual = fp8_producers.norm_qkv(self.input_layernorm, self.self_attention, hidden_states)
+            out, bias = self.self_attention.forward_from_split(
+                *qkv, attention_mask, rotary_freqs, inference_context=inference_context, **attention_kwargs
             )
             return self._bias_dropout_add(out, bias, residual)
         return self._residual_branch(

@@ -723,6 +723,42 @@ def fp8_cast_dbias(
     return q, qT, scale_inv, x.sum(0)
 
 
+def pack_columns(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """The column packing of ``parts`` (each ``[M, groups * w_i]``) into ``x [M, groups * W]``,
+    ``W = sum(w_i)``: row ``m`` of ``x`` is, group after group, ``parts[0][m, j w_0 : (j+1) w_0]``, then
+    ``parts[1][m, j w_1 : (j+1) w_1]``, ... -- a fused QKV projection's output ``[M, g (r+2) d]``
+    (Megatron's per-group ``[q_j | k_j | v_j]``) from its Q ``[M, g r d]``, K and V ``[M, g d]``."""
+    m = parts[0].shape[0]
+    return torch.cat([p.reshape(m, groups, -1) for p in parts], dim=-1).reshape(m, -1)
+
+
+def fp8_cast_packed(
+    parts: list[torch.Tensor],
+    groups: int,
+    fp8_dtype: torch.dtype,
+    *,
+    dbias: bool,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    margin: int = 0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_record: torch.Tensor | None = None,
+):
+    """:func:`fp8_cast` (``dbias``: :func:`fp8_cast_dbias`) of ``x = pack_columns(parts, groups)``
+    without materializing ``x``: ``(q [M, N], q^T [N, M], scale_inv, dbias [N] or None)`` of the
+    packed ``x``. The output gradient of a fused QKV projection arrives as the attention's separate
+    ``dq``, ``dk``, ``dv``; casting them where they lie saves writing and reading ``x`` (the
+    concatenation autograd would otherwise make)."""
+    x = pack_columns(parts, groups)
+    kwargs = dict(
+        scale=scale, amax=amax, margin=margin, rowwise=rowwise, columnwise=columnwise, amax_record=amax_record
+    )
+    if dbias:
+        return fp8_cast_dbias(x, fp8_dtype, **kwargs)
+    return (*fp8_cast(x, fp8_dtype, **kwargs), None)
+
+
 REFERENCE_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
@@ -743,6 +779,7 @@ REFERENCE_OPS = {
     "fp8_amax": fp8_amax,
     "fp8_cast": fp8_cast,
     "fp8_cast_dbias": fp8_cast_dbias,
+    "fp8_cast_packed": fp8_cast_packed,
     "norm_fp8_forward": norm_fp8_forward,
     "norm_backward": norm_backward,
     "act_fp8_forward": act_fp8_forward,

@@ -45,6 +45,7 @@ OP_NAMES: tuple[str, ...] = (
     "fp8_amax",
     "fp8_cast",
     "fp8_cast_dbias",
+    "fp8_cast_packed",
     "norm_fp8_forward",
     "norm_backward",
     "act_fp8_forward",

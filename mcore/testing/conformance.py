@@ -223,6 +223,20 @@ def _fp8_cast_make(from_amax: bool):
     return make
 
 
+def _fp8_cast_packed_make(dbias: bool):
+    """A fused QKV projection's output gradient as its three parts (2 groups of ``[q 128 | k 64 | v
+    64]`` columns, so that 64-wide column bands fit), a given scale, the amax recorded."""
+
+    def make(dtype, gen):
+        parts = [_randn(gen, 40, 2 * w, scale=3.0, dtype=dtype) for w in (128, 64, 64)]
+        parts[1][0, :2] = 1e4  # saturates
+        return [parts, 2, torch.float8_e5m2], {
+            "dbias": dbias, "scale": torch.tensor(20.0), "columnwise": True, "amax_record": torch.zeros(1)
+        }  # fmt: skip
+
+    return make
+
+
 def _fp8_operand(gen, rows: int, k: int, fp8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
     return (torch.randn(rows, k, generator=gen) * 64).to(fp8_dtype)
 
@@ -527,6 +541,16 @@ OP_CASES: tuple[OpCase, ...] = (
     ),
     *(
         OpCase(
+            f"fp8_cast_packed{'_dbias' if dbias else ''}",
+            "fp8_cast_packed",
+            _fp8_cast_packed_make(dbias),
+            dtypes=(torch.float32, torch.bfloat16),
+            capability="fp8",
+        )
+        for dbias in (True, False)
+    ),
+    *(
+        OpCase(
             f"{op}_{kind}{'' if bias else '_no_bias'}",
             op,
             _act_fp8_make(kind, op == "act_fp8_backward", bias),
@@ -660,13 +684,21 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         return
 
     if case.op.startswith("fp8_"):  # the casts and the amax: exactly the reference's bytes
-        on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        ours = fn(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args], **on_device)
+        def to_device(a):
+            if isinstance(a, list):  # fp8_cast_packed's parts
+                return [t.to(device) for t in a]
+            return a.to(device) if isinstance(a, torch.Tensor) else a
+
+        on_device = {k: to_device(v) for k, v in kwargs.items()}
+        ours = fn(*[to_device(a) for a in args], **on_device)
         expected = ref_fn(*args, **kwargs)
         if "amax_record" in kwargs:  # updated in place: compared as one more result
             ours, expected = (*ours, on_device["amax_record"]), (*expected, kwargs["amax_record"])
         ours, expected = (t if isinstance(t, tuple) else (t,) for t in (ours, expected))
-        if case.op == "fp8_cast_dbias":  # the bias gradient is a sum: the reduction bounds, not bytes
+        if case.op in ("fp8_cast_dbias", "fp8_cast_packed") and expected[3] is not None:
+            # the bias gradient is a sum: the reduction bounds, not bytes
+            if ours[3] is None:
+                raise ConformanceError(f"{what}: no dbias returned")
             assert_close(ours[3], expected[3], dtype, "reduction", f"{what}: dbias")
             ours, expected = ours[:3] + ours[4:], expected[:3] + expected[4:]
         for got, want in zip(ours, expected, strict=True):

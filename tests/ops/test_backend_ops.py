@@ -324,6 +324,7 @@ def test_every_op_has_cases():
         "fp8_amax",
         "fp8_cast",
         "fp8_cast_dbias",
+        "fp8_cast_packed",  # tests/ops/test_fp8_cast_interpret.py, mcore.testing.conformance
         "scaled_linear_forward",
         "scaled_linear_dgrad",
         "scaled_linear_wgrad",

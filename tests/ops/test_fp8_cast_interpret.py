@@ -6,7 +6,9 @@ amax in the kernel (margins, saturation, zero and non-finite amaxes), the transp
 with the row-major one, tiles that do not divide the shape, a strided input (``W^T`` as a view), a
 given scale with the amax recorded into a slot (grid-strided tiles) of a larger buffer, against
 :mod:`mcore.ops.reference`: the FP8 bytes, the scale inverse and the amax must be identical; the
-cast with the bias gradient (``fp8_cast_dbias``): the cast's bytes and the fp32 column sums. The
+cast with the bias gradient (``fp8_cast_dbias``): the cast's bytes and the fp32 column sums; the
+cast of a packed QKV gradient from its three parts (``fp8_cast_packed``) against ``fp8_cast_dbias``
+of the concatenation. The
 kernels run on CPU tensors with ``TRITON_INTERPRET=1``, which must be on before Triton defines them,
 so the checks run in a child process. It needs Triton installed (the ``test`` extra installs it, so
 CI runs it); ``MCORE_TEST_BACKEND=cuda pytest tests/ops/test_scaled_linear.py`` is the GPU check.
@@ -43,7 +45,7 @@ def _main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     gen = torch.Generator().manual_seed(0)
     failures = []
-    calls = {"amax": 0, "cast": 0, "cast_dbias": 0}
+    calls = {"amax": 0, "cast": 0, "cast_dbias": 0, "cast_packed": 0}
     for name in calls:  # count kernel launches: the dispatchers must not fall back to the reference
         original = getattr(kernels, name)
 
@@ -69,11 +71,12 @@ def _main() -> int:
     # few programs (the interpreter's 4 "SMs" x 1) and small amax blocks: the grid-strided loops of
     # both kernels take several iterations, with a ragged last block
     kernels.PROGRAMS_PER_SM, kernels.AMAX_BLOCK = 1, 64
-    real_cast, real_cast_dbias = kernels.cast, kernels.cast_dbias
+    real_cast, real_cast_dbias, real_cast_packed = kernels.cast, kernels.cast_dbias, kernels.cast_packed
     kernels.cast = lambda *a, **k: real_cast(*a, **k, config=cfg)
     # several row splits of one program each (PER_SM 1) and both ways of keeping the column sums
     dbias_cfg = {**cfg, "PER_SM": 1, "SUM_2D": True}
     kernels.cast_dbias = lambda *a, **k: real_cast_dbias(*a, **k, config=dbias_cfg)
+    kernels.cast_packed = lambda *a, **k: real_cast_packed(*a, **k, config=dbias_cfg)
 
     for shape in ((37, 50), (64, 32), (1, 16)):
         for dtype in (torch.bfloat16, torch.float32):
@@ -139,6 +142,41 @@ def _main() -> int:
                     print(f"{tag} dbias", "ok" if ok else f"DIFFERS by {err} (bound {bound})")
                     if not ok:
                         failures.append(f"{tag} dbias: error {err}, dtype {dbias.dtype}, shape {dbias.shape}")
+
+    # fp8_cast_packed: the QKV output gradient as dq, dk, dv (widths that the 64/128-wide tuned bands
+    # divide, read here in 16-wide bands): fp8_cast_dbias's bytes, amax and column sums (bit for bit:
+    # the same bands and row splits) on the concatenation, with and without the bias gradient; a part
+    # with a row stride wider than itself (a view into a larger buffer); GQA's wider query part
+    for groups, widths in ((2, (64, 64, 64)), (1, (128, 64, 64))):
+        for dtype in (torch.bfloat16, torch.float32):
+            rows = 37
+            parts = [(torch.randn(rows, groups * w, generator=gen) * 4).to(dtype) for w in widths]
+            wide = torch.zeros(rows, groups * widths[2] + 16, dtype=dtype)
+            wide[:, : groups * widths[2]] = parts[2]
+            parts[2] = wide[:, : groups * widths[2]]  # row stride > width
+            parts[1][0, 3] = 1e5  # saturates
+            packed = reference.pack_columns(parts, groups)
+            for dbias in (True, False):
+                for kwargs in (
+                    dict(scale=torch.tensor(9.5), rowwise=True, columnwise=True),
+                    dict(scale=torch.tensor(9.5), rowwise=False, columnwise=True),
+                    dict(amax=torch.tensor(11.0), margin=1, rowwise=True, columnwise=False),
+                ):
+                    slot_got, slot_want = torch.zeros(1), torch.zeros(1)
+                    record = {"amax_record": slot_got} if "scale" in kwargs else {}
+                    want_record = {"amax_record": slot_want} if "scale" in kwargs else {}
+                    tag = f"packed g{groups} {widths} {str(dtype)[6:]} dbias {dbias} {kwargs}"
+                    got = cuda_fp8.fp8_cast_packed(
+                        parts, groups, torch.float8_e5m2, dbias=dbias, **kwargs, **record
+                    )
+                    want = cuda_fp8.fp8_cast_dbias(packed, torch.float8_e5m2, **kwargs, **want_record)
+                    for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+                        same(f"{tag} {part}", g, w)
+                    same(f"{tag} recorded amax", slot_got, slot_want)
+                    if dbias:
+                        same(f"{tag} dbias", got[3], want[3])
+                    elif got[3] is not None:
+                        failures.append(f"{tag}: a dbias without dbias=True")
 
     x = torch.randn(40, 24, generator=gen)
     x[3, 5] = float("nan")

@@ -45,7 +45,8 @@ FP8_ROWWISE_FLAGS = ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]
 
 FP8_DELAYED_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
 """The delayed recipe without sequence parallelism: the fused FP8 producers (norm_fp8_forward,
-norm_backward, act_fp8_forward/backward; with GPT-2's QKV bias, fp8_cast_dbias)."""
+norm_backward, act_fp8_forward/backward; the QKV output gradient cast from the attention's dq, dk,
+dv with GPT-2's QKV bias, fp8_cast_packed)."""
 
 
 def test_training_calls_every_op_of_the_table():
@@ -63,7 +64,7 @@ def test_training_calls_every_op_of_the_table():
     assert {"cross_entropy", "adam_step"} <= set(gpt2[0])
     assert {"fp8_amax", "fp8_cast", "fp8_cast_dbias"} <= set(llama[0]) and "fp8_quantize" in gpt2[0]
     assert {"scaled_linear_forward", "scaled_linear_dgrad", "scaled_linear_wgrad"} <= set(llama[0])
-    fused = {"norm_fp8_forward", "norm_backward", "act_fp8_forward", "act_fp8_backward", "fp8_cast_dbias"}
+    fused = {"norm_fp8_forward", "norm_backward", "act_fp8_forward", "act_fp8_backward", "fp8_cast_packed"}
     assert fused <= set(delayed[0])
     never = [name for name in OP_NAMES if name not in called]
     assert not never, f"ops of the table no training path calls: {never}"

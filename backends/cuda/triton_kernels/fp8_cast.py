@@ -282,8 +282,31 @@ def _quantize_store_tile(
 
 
 @triton.jit
+def _band_source(x_ptr, x1_ptr, x2_ptr, band_start, stride_xm, stride_x1m, stride_x2m, W0, W1, W2):
+    """Where column band ``[band_start, band_start + BLOCK_K)`` of the packed ``x`` (groups of ``[W0 |
+    W1 | W2]`` columns, :func:`mcore.ops.reference.pack_columns`) lies in its part: ``(pointer to the
+    band's first column in row 0, the part's row stride)``. The band lies in one part of one group
+    (``BLOCK_K`` divides every width; the host checks)."""
+    width = W0 + W1 + W2
+    group = band_start // width
+    within = band_start - group * width
+    if within < W0:
+        src = x_ptr + (group * W0 + within)
+        stride_m = stride_xm
+    elif within < W0 + W1:
+        src = x1_ptr + (group * W1 + within - W0)
+        stride_m = stride_x1m
+    else:
+        src = x2_ptr + (group * W2 + within - W0 - W1)
+        stride_m = stride_x2m
+    return src, stride_m
+
+
+@triton.jit
 def _cast_dbias_kernel(
     x_ptr,
+    x1_ptr,
+    x2_ptr,
     q_ptr,
     qt_ptr,
     part_ptr,
@@ -294,6 +317,13 @@ def _cast_dbias_kernel(
     K,
     stride_xm,
     stride_xk,
+    stride_x1m,
+    stride_x2m,
+    W0,
+    W1,
+    W2,
+    PACKED: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
@@ -313,7 +343,11 @@ def _cast_dbias_kernel(
     casts the row tiles ``r, r + R, ...`` of column band ``c`` and keeps their fp32 column sums in
     registers (``SUM_2D``: a tile-shaped fp32 sum, reduced over rows once at the end), then writes
     them to ``part[r, band]`` (``[R, K]`` fp32; no atomics: the partials are summed in a fixed order
-    afterwards). ``PER_SM`` only sizes the grid (a key of the tuned configs)."""
+    afterwards). ``PER_SM`` only sizes the grid (a key of the tuned configs).
+
+    ``PACKED``: ``x`` is the column packing of three parts (``x_ptr``, ``x1_ptr``, ``x2_ptr``, unit
+    column stride, groups of ``[W0 | W1 | W2]`` columns; :func:`_band_source`), read where they lie.
+    Without ``HAS_DBIAS`` no column sums are kept or written (the packed cast of a bias-less linear)."""
     band = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -323,27 +357,36 @@ def _cast_dbias_kernel(
     if (band == 0) & (split == 0):
         tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
     cols = (band * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    if PACKED:
+        src, stride_m = _band_source(
+            x_ptr, x1_ptr, x2_ptr, band * BLOCK_K, stride_xm, stride_x1m, stride_x2m, W0, W1, W2
+        )
+        src_cols = tl.arange(0, BLOCK_K).to(tl.int64)
+    else:
+        src, stride_m, src_cols = x_ptr, stride_xm, cols * stride_xk
     col_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
     tile_sum = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for tile_m in range(split, tl.cdiv(M, BLOCK_M), splits):
         rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+        x = tl.load(src + rows[:, None] * stride_m + src_cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        if SUM_2D:  # element-wise adds, one cross-warp reduction at the end
-            tile_sum += x
-        else:
-            col_sum += tl.sum(x, axis=0)
+        if HAS_DBIAS:
+            if SUM_2D:  # element-wise adds, one cross-warp reduction at the end
+                tile_sum += x
+            else:
+                col_sum += tl.sum(x, axis=0)
         if RECORD_AMAX:
             running_amax = _abs_max_rows(running_amax, x, mask, False)
         _quantize_store_tile(
             x, scale, q_ptr, qt_ptr, rows, cols, mask, M, K,
             FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT, ROWWISE, COLUMNWISE,
         )  # fmt: skip
-    if SUM_2D:
-        col_sum = tl.sum(tile_sum, axis=0)
-    tl.store(part_ptr + split.to(tl.int64) * K + cols, col_sum, mask=cols < K)
+    if HAS_DBIAS:
+        if SUM_2D:
+            col_sum = tl.sum(tile_sum, axis=0)
+        tl.store(part_ptr + split.to(tl.int64) * K + cols, col_sum, mask=cols < K)
     if RECORD_AMAX:
         tl.atomic_max(amax_record_ptr, _amax_value(running_amax))
 
@@ -425,22 +468,99 @@ _DBIAS_CONFIGS = [
 """Block shapes of :func:`cast_dbias`, tuned at the first call with many rows (``use_autotune``)."""
 
 
-def _dbias_launch(m: int, k: int, device: torch.device, config: dict | None) -> GridLaunch:
+def _dbias_launch(
+    m: int, k: int, device: torch.device, config: dict | None, widths: tuple[int, ...] = ()
+) -> GridLaunch:
+    """The launch of :func:`_cast_dbias_kernel` for ``x [m, k]`` (``widths``: the packed parts' widths,
+    :func:`cast_packed`; a config's ``BLOCK_K`` must divide each)."""
+    # (an explicit ``config`` is the caller's to fit; without one, :func:`packed_block_fits` held)
+    configs = [c for c in _DBIAS_CONFIGS if all(w % c["BLOCK_K"] == 0 for w in widths)] or [_DBIAS_DEFAULT]
+    default = _DBIAS_DEFAULT if _DBIAS_DEFAULT in configs else configs[0]
+
     def splits(cfg) -> int:
         cap = max(1, cfg["PER_SM"] * sm_count(device) // triton.cdiv(k, cfg["BLOCK_K"]))
         return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), cap)
 
     def build() -> GridLaunch:
         return GridLaunch(
-            _cast_dbias_kernel, "fp8_cast_dbias", m, _DBIAS_CONFIGS, _DBIAS_DEFAULT,
-            key=["M", "K", "ROWWISE", "COLUMNWISE", "RECORD_AMAX"],
+            _cast_dbias_kernel, "fp8_cast_dbias", m, configs, default,
+            key=["M", "K", "W0", "W1", "W2", "PACKED", "HAS_DBIAS", "ROWWISE", "COLUMNWISE", "RECORD_AMAX"],
             grid=lambda cfg: (triton.cdiv(k, cfg["BLOCK_K"]), splits(cfg)), parts=splits, config=config,
         )  # fmt: skip
 
     # explicit block shapes (tests, the benchmark's sweep) are cached too: building a launch costs
     # host time that a timed loop would otherwise measure
     how = use_autotune(m) if config is None else tuple(sorted(config.items()))
-    return cached_launch(("fp8_cast_dbias", m, k, device, how), build)
+    return cached_launch(("fp8_cast_dbias", m, k, widths, device, how), build)
+
+
+def packed_block_fits(widths: tuple[int, ...]) -> bool:
+    """Whether :func:`cast_packed` has a block shape for parts of these widths (one dividing each)."""
+    return any(all(w % c["BLOCK_K"] == 0 for w in widths) for c in _DBIAS_CONFIGS)
+
+
+def _cast_dbias_launch(
+    sources: list[torch.Tensor],
+    widths: tuple[int, ...],
+    m: int,
+    k: int,
+    fp8_dtype: torch.dtype,
+    dbias: bool,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor | None,
+    margin: int,
+    rowwise: bool,
+    columnwise: bool,
+    amax_record: torch.Tensor | None,
+    config: dict | None,
+):
+    """Run :func:`_cast_dbias_kernel` on ``x [m, k]`` (one source, any strides) or on the packing of
+    three sources (``widths``): ``(q, qT, scale_inv, dbias or None)``."""
+    x = sources[0]
+    fp8_max = float(torch.finfo(fp8_dtype).max)
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
+    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    given = amax if amax is not None else scale
+    launch = _dbias_launch(m, k, x.device, config, widths)
+    part = torch.empty((1, launch.max_parts, k), dtype=torch.float32, device=x.device) if dbias else scale_inv
+    packed = len(sources) == 3
+    x1, x2 = (sources[1], sources[2]) if packed else (x, x)
+    w0, w1, w2 = widths if packed else (k, 0, 0)
+    parts = launch(
+        x,
+        x1,
+        x2,
+        q.view(torch.uint8) if q is not None else scale_inv,  # unused pointers still need a tensor
+        qt.view(torch.uint8) if qt is not None else scale_inv,
+        part,
+        given,
+        scale_inv,
+        amax_record if amax_record is not None else scale_inv,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        x1.stride(0),
+        x2.stride(0),
+        w0,
+        w1,
+        w2,
+        PACKED=packed,
+        HAS_DBIAS=dbias,
+        FP8_LIMIT=fp8_max / 2.0**margin,
+        FP8_MAX=fp8_max,
+        FP8=_TL_FP8[fp8_dtype],
+        MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
+        MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
+        ENCODE_IN_INT=encode_in_int(x.dtype),
+        FROM_AMAX=amax is not None,
+        RECORD_AMAX=amax_record is not None,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+    )
+    dbias_out = sum_partials(part, parts, [x.dtype])[0] if dbias else None
+    return q, qt, scale_inv, dbias_out
 
 
 def cast_dbias(
@@ -464,35 +584,33 @@ def cast_dbias(
     about ``PER_SM`` programs per SM with the same number of row tiles each; the block shape is tuned
     per shape at the first call with many rows (:data:`_DBIAS_CONFIGS`)."""
     m, k = x.shape
-    fp8_max = float(torch.finfo(fp8_dtype).max)
-    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
-    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    given = amax if amax is not None else scale
-    launch = _dbias_launch(m, k, x.device, config)
-    part = torch.empty((1, launch.max_parts, k), dtype=torch.float32, device=x.device)
-    parts = launch(
-        x,
-        q.view(torch.uint8) if q is not None else scale_inv,  # unused pointers still need a tensor
-        qt.view(torch.uint8) if qt is not None else scale_inv,
-        part,
-        given,
-        scale_inv,
-        amax_record if amax_record is not None else scale_inv,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        FP8_LIMIT=fp8_max / 2.0**margin,
-        FP8_MAX=fp8_max,
-        FP8=_TL_FP8[fp8_dtype],
-        MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
-        MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
-        ENCODE_IN_INT=encode_in_int(x.dtype),
-        FROM_AMAX=amax is not None,
-        RECORD_AMAX=amax_record is not None,
-        ROWWISE=rowwise,
-        COLUMNWISE=columnwise,
+    return _cast_dbias_launch(
+        [x], (), m, k, fp8_dtype, True, scale, amax, margin, rowwise, columnwise, amax_record, config
     )
-    (dbias,) = sum_partials(part, parts, [x.dtype])
-    return q, qt, scale_inv, dbias
+
+
+def cast_packed(
+    parts: list[torch.Tensor],
+    groups: int,
+    fp8_dtype: torch.dtype,
+    *,
+    dbias: bool,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    margin: int = 0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    amax_record: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The op ``fp8_cast_packed`` on three 2-D parts ``[M, groups * w_i]`` (unit column stride, one
+    dtype): :func:`cast_dbias` of their packing (:func:`mcore.ops.reference.pack_columns`), each column
+    band read from the part it lies in, so the packed ``x`` is never written. The bytes and the column
+    sums are those of :func:`cast_dbias` on the packed ``x`` with the same block shape; the caller
+    checks :func:`packed_block_fits`."""
+    m = parts[0].shape[0]
+    widths = tuple(p.shape[1] // groups for p in parts)
+    k = groups * sum(widths)
+    return _cast_dbias_launch(
+        parts, widths, m, k, fp8_dtype, dbias, scale, amax, margin, rowwise, columnwise, amax_record, config
+    )
