@@ -684,6 +684,7 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         return
 
     if case.op.startswith("fp8_"):  # the casts and the amax: exactly the reference's bytes
+
         def to_device(a):
             if isinstance(a, list):  # fp8_cast_packed's parts
                 return [t.to(device) for t in a]
