@@ -87,6 +87,18 @@ def _scale_from_amax(amax, FP8_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _load_scale(scale_in_ptr, scale_inv_ptr, publish, FROM_AMAX: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """The cast's scale: the given one, or (``FROM_AMAX``) formed from the given amax
+    (:func:`_scale_from_amax`); the program that ``publish``-es stores ``scale_inv = 1 / scale``."""
+    scale = tl.load(scale_in_ptr)
+    if FROM_AMAX:
+        scale = _scale_from_amax(scale, FP8_LIMIT)
+    if publish:
+        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    return scale
+
+
+@triton.jit
 def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """``y`` (fp32, within the format's range) rounded to nearest even onto the FP8 grid, in fp32:
     the grid step is ``2^(max(e, e_min) - mantissa_bits)`` for ``y``'s binary exponent ``e``."""
@@ -145,11 +157,7 @@ def _cast_kernel(
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    scale = tl.load(scale_in_ptr)
-    if FROM_AMAX:
-        scale = _scale_from_amax(scale, FP8_LIMIT)
-    if pid == 0:
-        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    scale = _load_scale(scale_in_ptr, scale_inv_ptr, pid == 0, FROM_AMAX, FP8_LIMIT)
     tiles_k = tl.cdiv(K, BLOCK_K)
     # per row of the tile: max over the row is a reduction within warps (no shared memory, no barrier)
     running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -351,11 +359,7 @@ def _cast_dbias_kernel(
     band = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
-    scale = tl.load(scale_in_ptr)
-    if FROM_AMAX:
-        scale = _scale_from_amax(scale, FP8_LIMIT)
-    if (band == 0) & (split == 0):
-        tl.store(scale_inv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    scale = _load_scale(scale_in_ptr, scale_inv_ptr, (band == 0) & (split == 0), FROM_AMAX, FP8_LIMIT)
     cols = (band * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     if PACKED:
         src, stride_m = _band_source(
