@@ -1,7 +1,8 @@
 """``--cuda-graph-impl local``: device graphs of the transformer layers.
 
 On CPU: the layouts the graphs cannot replay are refused with one message naming the flag, and a
-backend without device graphs is refused. On a GPU (``MCORE_TEST_BACKEND=cuda``, or any machine with
+backend without device graphs is refused, and a backward form (writing or adding the FP8 weight
+gradients) that was not captured is emulated around the other with the same ``main_grad``. On a GPU (``MCORE_TEST_BACKEND=cuda``, or any machine with
 CUDA): training with the layers replayed from graphs follows the eager run's losses and gradient
 norms step for step, including gradient accumulation, fused weight gradients, the distributed
 optimizer, a Llama layout and precision-aware optimizer state, FP8 with one and two micro-batches per
@@ -210,3 +211,52 @@ def test_hidden_dropout_draws_a_new_mask_on_every_replay(tmp_path):
         outputs.append(layer.static_output.clone())
     torch.cuda.synchronize()
     assert not torch.equal(outputs[0], outputs[1])
+
+
+class _FormGraph:
+    """A captured backward form stand-in: replay writes (``write``) or adds ``grad`` into each weight's
+    ``main_grad``, as the FP8 linears' weight-gradient GEMMs of that form do."""
+
+    def __init__(self, weights, grads, write: bool):
+        self.weights, self.grads, self.write, self.replays = weights, grads, write, 0
+
+    def replay(self):
+        self.replays += 1
+        for p, g in zip(self.weights, self.grads):
+            p.main_grad.copy_(g) if self.write else p.main_grad.add_(g)
+
+
+@pytest.mark.parametrize(
+    "captured_forms, flags, expect_replayed",
+    [
+        ((True, False), (True, True), True),  # both captured: the write form, as asked
+        ((True, False), (False, False), False),  # both captured: the add form
+        ((False,), (True, True), False),  # write asked, only add captured: zero, then add
+        ((True,), (False, False), True),  # add asked, only write captured: keep, write, add back
+        ((True, False), (True, False), False),  # mixed flags: zero the unwritten one, add into both
+    ],
+)
+def test_backward_form_not_captured_is_emulated(captured_forms, flags, expect_replayed):
+    """``_replay_backward``: whatever forms were captured, ``main_grad`` ends as the zero+add behaviour
+    gives it (an unwritten weight's stale memory counts as zero), and every flag is cleared."""
+    from mcore.models.layer_graphs import _CapturedLayer, _replay_backward
+    from mcore.tensor_parallel.first_grad import UNWRITTEN
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.nn.Parameter(torch.zeros(3, 4)) for _ in range(2)]
+    grads = [torch.randn(3, 4, generator=gen) for _ in weights]
+    stale = [torch.randn(3, 4, generator=gen) for _ in weights]
+    expected = []
+    for p, g, old, unwritten in zip(weights, grads, stale, flags):
+        p.main_grad = old.clone()
+        setattr(p, UNWRITTEN, unwritten)
+        expected.append(g if unwritten else old + g)  # stale memory stands for zero
+    captured = _CapturedLayer(torch.nn.Linear(1, 1))
+    captured.overwriting = tuple(weights)
+    captured.backward_graphs = {form: _FormGraph(weights, grads, form) for form in captured_forms}
+    _replay_backward(captured)
+    for p, want in zip(weights, expected):
+        torch.testing.assert_close(p.main_grad, want, rtol=0, atol=1e-6)
+        assert not getattr(p, UNWRITTEN)
+    replayed = [form for form, graph in captured.backward_graphs.items() if graph.replays]
+    assert replayed == [expect_replayed]
