@@ -17,7 +17,10 @@ bias-dropout-add's backward sums it.
    ``linear_proj`` and ``linear_fc2`` (2 a layer and micro-batch; the old behaviour: none).
 2. TP=2 (2 gloo processes): the same comparison on each rank (the bias is replicated: each rank sums
    the whole output gradient, as the bias-dropout-add did).
-3. Where the linear keeps the old behaviour: sequence parallelism (a rank's bias gradient is the sum
+3. ``pretrain`` (the CPU backend's op table wrapped by a tracing plugin), tensorwise and delayed
+   (fused MLP): no training ``bias_dropout_add`` gets a bias that needs a gradient, and
+   ``fp8_cast_dbias`` runs on proj's and fc2's output gradients.
+4. Where the linear keeps the old behaviour: sequence parallelism (a rank's bias gradient is the sum
    over its sequence shard), the rowwise recipe, ``--no-fp8-wgrad``, a bf16 linear, a part of a
    spec's own class; evaluation returns the bias detached with the same outputs.
 """
@@ -34,11 +37,14 @@ from mcore.distributed.groups import ProcessGroups, initialize_parallel
 from mcore.models import transformer_layer
 from mcore.models.config import ModelConfig, padded_vocab_size
 from mcore.models.gpt import GPTModel
+from mcore.plugins.manager import plugin_manager, register_plugin
 from mcore.tensor_parallel import fp8 as fp8_module
 from mcore.tensor_parallel import fp8_fused
 from mcore.tensor_parallel.fp8 import update_fp8_scales
 from mcore.tensor_parallel.layers import RowParallelLinear
+from mcore.testing.conformance import training_rank
 from mcore.testing.distributed import run_distributed
+from mcore.testing.op_trace import OpCallRecorder
 
 VOCAB, SEQ, BATCH, HIDDEN = 100, 16, 2, 32
 MODEL = dict(
@@ -251,3 +257,64 @@ def test_the_returned_bias_is_detached_and_the_output_unchanged():
     with torch.no_grad():
         y_eval, b_eval = linear(x)
     assert torch.equal(y_eval, y_old) and torch.equal(b_eval, linear.bias)
+
+
+# -- in pretrain: the op table's calls ------------------------------------------------------------
+
+PRETRAIN_ARGV = [
+    "--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+    "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "7", "--bf16",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+    "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1000",
+    "--fp8-format", "hybrid", "--device-backend", "cpu",
+]  # fmt: skip
+"""GPT-2 style (biases, LayerNorm, GeLU, hidden dropout 0.1), 2 steps of 2 micro-batches, FP8."""
+
+
+class _ArgumentRecorder(OpCallRecorder):
+    """A tracing plugin (every op of the table wrapped): records whether a training
+    ``bias_dropout_add``'s bias needs a gradient, and the width of each ``fp8_cast_dbias`` input."""
+
+    def __init__(self):
+        super().__init__()
+        self.bda_bias_needs_grad: list[bool] = []
+        self.dbias_widths: list[int] = []
+
+    def wrapper(self, name):
+        count = super().wrapper(name)
+
+        def wrap(implementation):
+            counted = count(implementation)
+
+            def recorded(*args, **kwargs):
+                if name == "bias_dropout_add" and args[1] is not None and torch.is_grad_enabled():
+                    self.bda_bias_needs_grad.append(args[1].requires_grad)
+                if name == "fp8_cast_dbias":
+                    self.dbias_widths.append(args[0].shape[-1])
+                return counted(*args, **kwargs)
+
+            return recorded
+
+        return wrap
+
+
+def _traced_pretrain(argv):
+    recorder = _ArgumentRecorder()
+    register_plugin(plugin_manager(), recorder, "argument-recorder")
+    training_rank(argv)
+    return recorder.bda_bias_needs_grad, recorder.dbias_widths
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_pretrain_routes_the_bias_grad_to_the_cast(recipe):
+    """``pretrain`` (the backend's op table, DDP, the layers as built for training): no training
+    ``bias_dropout_add`` sums a bias gradient, and ``fp8_cast_dbias`` runs on proj's and fc2's output
+    gradients (the delayed recipe: fc2's inside the fused MLP)."""
+    ((needs_grad, widths),) = run_distributed(
+        _traced_pretrain, 1, [*PRETRAIN_ARGV, "--fp8-recipe", recipe], timeout=300
+    )
+    # 2 layers x 2 bias-dropout-adds x 2 steps x 2 micro-batches
+    assert needs_grad == [False] * 16
+    assert widths.count(HIDDEN) == 16
