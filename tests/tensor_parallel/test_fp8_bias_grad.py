@@ -20,7 +20,9 @@ bias-dropout-add's backward sums it.
 3. ``pretrain`` (the CPU backend's op table wrapped by a tracing plugin), tensorwise and delayed
    (fused MLP): no training ``bias_dropout_add`` gets a bias that needs a gradient, and
    ``fp8_cast_dbias`` runs on proj's and fc2's output gradients.
-4. Where the linear keeps the old behaviour: sequence parallelism (a rank's bias gradient is the sum
+4. Layers compiled with ``torch.compile(fullgraph=True)`` trace the new path (no graph break) and give
+   the compiled old behaviour's losses and gradients.
+5. Where the linear keeps the old behaviour: sequence parallelism (a rank's bias gradient is the sum
    over its sequence shard), the rowwise recipe, ``--no-fp8-wgrad``, a bf16 linear, a part of a
    spec's own class; evaluation returns the bias detached with the same outputs.
 """
@@ -318,3 +320,27 @@ def test_pretrain_routes_the_bias_grad_to_the_cast(recipe):
     # 2 layers x 2 bias-dropout-adds x 2 steps x 2 micro-batches
     assert needs_grad == [False] * 16
     assert widths.count(HIDDEN) == 16
+
+
+def _compiled_step(new: bool):
+    model = _build(ProcessGroups.single(), "tensorwise", 0.0)
+    _set_behaviour(model, new)
+    assert all(linear.takes_bias_grad() == new for linear in _proj_and_fc2(model))
+    for layer in model.decoder.layers:
+        layer.compile(backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False)
+    tokens, labels = torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    loss = model(tokens, None, None, labels=labels)
+    loss.mean().backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_compiled_layers_take_the_bias_grad_from_the_cast():
+    """``torch.compile(fullgraph=True)`` of each layer traces the linear taking its bias for the
+    gradient only: the same losses and gradients as the compiled old behaviour."""
+    from mcore.backend import get_ops
+
+    get_ops()  # select the backend outside the compiled region
+    (want_loss, want_grads), (loss, grads) = _compiled_step(False), _compiled_step(True)
+    assert torch.equal(loss, want_loss)
+    for name, g in grads.items():
+        assert torch.equal(g, want_grads[name]), name
