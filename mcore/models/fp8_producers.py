@@ -163,15 +163,20 @@ def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[tor
 def norm_mlp(norm: Norm, mlp: MLP, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(fc2 output, fc2 bias un-added, residual)`` of ``mlp(norm(x))`` through
     :func:`~mcore.tensor_parallel.fp8_fused.fp8_norm_mlp`; the fc2 output is all-reduced over TP here,
-    as :class:`~mcore.tensor_parallel.layers.RowParallelLinear` does."""
+    as :class:`~mcore.tensor_parallel.layers.RowParallelLinear` does, and when fc2 gives its bias the
+    gradient (:meth:`~mcore.tensor_parallel.layers.RowParallelLinear.takes_bias_grad`: the layer adds
+    it as is) the fused backward does so and the bias is returned detached, as fc2 would."""
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
     main_grads = (
         fusion_main_grad(fc1.weight, fc1.gradient_accumulation_fusion, False, True),
         fusion_main_grad(fc2.weight, fc2.gradient_accumulation_fusion, False, True),
     )
+    bias_grad_here = fc2.takes_bias_grad()
     partial, residual = fp8_norm_mlp(
         x, norm.weight, norm.bias, _norm_spec(norm), fc1.weight, fc1.bias, fc2.weight,
         activation_kind(mlp), (fc1._fp8_call, fc2._fp8_call), main_grads,
         gathered=(fc1.fp8_gathered_weight, fc2.fp8_gathered_weight),
+        fc2_bias=fc2.bias if bias_grad_here else None,
     )  # fmt: skip
-    return reduce_from_tensor_model_parallel_region(partial, fc2.tp_group), fc2.bias, residual
+    bias = fc2.bias.detach() if bias_grad_here else fc2.bias
+    return reduce_from_tensor_model_parallel_region(partial, fc2.tp_group), bias, residual

@@ -20,7 +20,12 @@ from mcore.models.cross_attention import CrossAttention, CrossAttentionSubmodule
 from mcore.models.mlp import MLP, MLPSubmodules
 from mcore.models.norms import Norm
 from mcore.models.spec import ModuleSpec, build_module
-from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
+from mcore.models.transformer_layer import (
+    TransformerBlock,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    mark_bias_added_by_caller,
+)
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.recompute import checkpoint
 
@@ -130,6 +135,7 @@ class T5Layer(TransformerLayer):
             self.cross_attention = build_module(
                 submodules.cross_attention, config, ctx, layer_number=layer_number
             )
+            mark_bias_added_by_caller(self.cross_attention)  # added in _residual_branch's bda
             # megatron-core's order: self-attention, cross-attention, MLP (parameter listings, checkpoints)
             order = ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention")
             self._modules = {

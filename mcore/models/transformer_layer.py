@@ -45,10 +45,12 @@ from mcore.models import fp8_producers
 from mcore.models.attention import SelfAttention
 from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext
+from mcore.models.cross_attention import CrossAttention
 from mcore.models.layer_graphs import LayerGraphs
 from mcore.models.mlp import MLP
 from mcore.models.norms import Norm
 from mcore.models.spec import ModuleSpec, build_module
+from mcore.tensor_parallel.layers import RowParallelLinear
 from mcore.tensor_parallel.random import get_rng_tracker
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved, checkpoint, compiled_recompute_region
 
@@ -61,6 +63,24 @@ class TransformerLayerSubmodules:
     self_attention: Any = field(default_factory=lambda: ModuleSpec(SelfAttention))
     pre_mlp_layernorm: Any = field(default_factory=lambda: ModuleSpec(Norm))
     mlp: Any = field(default_factory=lambda: ModuleSpec(MLP))
+
+
+def mark_bias_added_by_caller(*parts: torch.nn.Module | None) -> None:
+    """Tell the row-parallel output projections of a layer's stock parts (:class:`SelfAttention`,
+    :class:`~mcore.models.cross_attention.CrossAttention`, :class:`MLP`), whose forward returns the
+    projection's ``(output, bias)`` unchanged, that the layer's ``bias_dropout_add`` adds that bias to
+    the output as is: an FP8 projection then gives the bias its gradient from its own backward
+    (:attr:`~mcore.tensor_parallel.layers.RowParallelLinear.bias_added_by_caller`). A part of another
+    class (a spec's own) may use the bias otherwise and is left alone."""
+    for part in parts:
+        if type(part) in (SelfAttention, CrossAttention):
+            linear = part.linear_proj
+        elif type(part) is MLP:
+            linear = part.linear_fc2
+        else:
+            continue
+        if isinstance(linear, RowParallelLinear):
+            linear.bias_added_by_caller = True
 
 
 class TransformerLayer(torch.nn.Module):
@@ -94,6 +114,8 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = build_module(submodules.self_attention, config, ctx, layer_number=layer_number)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, ctx)
         self.mlp = build_module(submodules.mlp, config, ctx, layer_number=layer_number)
+        # bias_dropout_add adds linear_proj's and linear_fc2's returned biases to their outputs as is
+        mark_bias_added_by_caller(self.self_attention, self.mlp)
         # FP8 (delayed recipe): the norms write the next linear's FP8 input (mcore.models.fp8_producers)
         fusable = fp8_producers.layer_allows(self)
         self.fp8_fused_qkv = fusable and fp8_producers.qkv_fusable(self.input_layernorm, self.self_attention)

@@ -37,6 +37,14 @@ instead of gathering bf16 and casting the whole ``[s, b, K]`` on every rank. Bac
 local FP8 rows, gathers them again for the weight gradient (``x_qT`` is the gathered ``x_q``
 transposed), and reduce-scatters the input gradient, as the bf16 sequence-parallel linear does.
 
+A bias the caller adds (``bias_added_by_caller``): a row-parallel linear with ``skip_bias_add``
+returns its bias for the transformer layer's ``bias_dropout_add`` to add to the output as is,
+``out = residual + dropout(y + b)``, so ``d/db = colsum(d/d(y + b)) = colsum(dy)`` with ``dy`` exactly
+the output gradient this Function's backward casts. The Function then takes ``b`` for its gradient
+only (it does not add it) and forms ``db`` in the cast's read of ``dy`` (``fp8_cast_dbias``), while the
+caller adds ``b.detach()``: the separate column sum of ``dy`` in the bias-dropout-add's backward is
+gone (:func:`bias_grad_from_output_cast` says for which recipes).
+
 Gradient-accumulation fusion: the wgrad GEMM adds into ``weight.main_grad`` (the op's
 ``main_grad`` argument) and the weight's ``.grad`` is a placeholder, as in
 :class:`~mcore.tensor_parallel.layers._LinearWithGradAccumulationFusion`. The step's first wgrad GEMM
@@ -198,6 +206,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     the weight (2 bytes per element) and a kernel. With a gathered weight (``--fp8-param-gather``) the
     forward multiplies its ``W_q`` and keeps those bytes transposed (``W_q^T``, a copy).
     Rowwise (and ``--no-fp8-wgrad``) keep ``x`` itself: the wgrad operand needs other scales.
+
+    ``bias_added_by_caller``: ``bias`` is not added to ``y`` (the caller adds it, see the module
+    docstring); the backward still returns its gradient ``dy.sum(0)``.
     """
 
     @staticmethod
@@ -212,6 +223,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         training: bool,
         gathered: Fp8GatheredWeight | None,
         sp_group,
+        bias_added_by_caller: bool,
     ):
         ops = get_ops()
         recipe = call.recipe
@@ -241,7 +253,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             need_w_t = training and ctx.needs_input_grad[0]  # W_q^T for the input gradient
             w_q, w_qT, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_w_t)
             ctx.save_for_backward(x_saved, x_sinv, weight, w_qT, w_sinv)
-        y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, bias, x.dtype)
+        added_bias = None if bias_added_by_caller else bias
+        y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, added_bias, x.dtype)
         return y.reshape(*out_rows, y.shape[-1])
 
     @staticmethod
@@ -294,7 +307,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if ctx.sp_group is not None:
                 grad_input = _reduce_scatter_first(grad_input, ctx.sp_group)
             grad_input = grad_input.reshape(ctx.x_shape)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _gather_fp8_rows(q_local: torch.Tensor, group) -> torch.Tensor:
@@ -361,6 +374,7 @@ def fp8_linear(
     zero_placeholder: bool = False,
     sequence_parallel_group=None,
     gathered: Fp8GatheredWeight | None = None,
+    bias_added_by_caller: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on FP8 GEMMs (``x [..., K]`` -> ``[..., N]``, in ``x.dtype``).
 
@@ -370,12 +384,25 @@ def fp8_linear(
     ``[s, b, N]``); tensorwise and delayed recipes with the FP8 weight gradient only
     (:func:`gathers_fp8_input`). ``gathered``: ``weight``'s FP8 copy (``--fp8-param-gather``;
     tensorwise and delayed recipes), used instead of casting ``weight``, which then only receives
-    the gradient.
+    the gradient. ``bias_added_by_caller``: return ``x weight^T`` without ``bias``, which the caller adds
+    to the output as is (its ``bias.detach()``: only this call gives ``bias`` a gradient), and take
+    ``bias``'s gradient from the cast of the output gradient (module docstring; for a recipe that
+    passes :func:`bias_grad_from_output_cast`).
     """
     training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
     return _Fp8LinearFunction.apply(
-        x, weight, bias, main_grad, zero_placeholder, call, training, gathered, sequence_parallel_group
-    )
+        x, weight, bias, main_grad, zero_placeholder, call, training, gathered, sequence_parallel_group,
+        bias_added_by_caller,
+    )  # fmt: skip
+
+
+def bias_grad_from_output_cast(recipe: Fp8Recipe) -> bool:
+    """Whether an FP8 linear with ``recipe`` casts its output gradient ``dy`` in every backward, so
+    that the gradient of a bias its caller adds (``bias_added_by_caller``) comes from that cast's read
+    of ``dy`` (``fp8_cast_dbias``) for free: the per-tensor recipes with the FP8 weight gradient
+    (rowwise quantizes ``dy`` per row and per column separately, and ``--no-fp8-wgrad`` casts ``dy``
+    only when the input needs a gradient)."""
+    return recipe.recipe in ("tensorwise", "delayed") and recipe.wgrad
 
 
 def gathers_fp8_input(recipe: Fp8Recipe) -> bool:
@@ -489,6 +516,7 @@ __all__ = [
     "Fp8GatheredWeight",
     "Fp8Linear",
     "Fp8Recipe",
+    "bias_grad_from_output_cast",
     "delayed_states",
     "fp8_extra_state",
     "fp8_linear",

@@ -12,17 +12,25 @@ output in the activations' dtype is never written, read back and cast. Per pre-n
                            h = scaled_linear_forward(xn_q, W1_q)        [M, F] (fc1's bias not added)
                            h --act_fp8_forward(h, b1)--> a_q, a_qT      (fc2's INPUT scale)
                            y = scaled_linear_forward(a_q, W2_q)         [M, h], partial over TP
+                           (fc2's bias b2 not added: the layer's bias_dropout_add adds it)
 
 and backward, with ``g`` the output gradient and ``r`` the residual stream's gradient::
 
     QKV:  fp8_cast_packed(gq, gk, gv) -> g_q, g_qT, db  (GRAD_OUTPUT scale; the attention's dq, dk,
           dv cast where they lie, as the packed [M, N] gradient: OutputSplit)
           dxn = dgrad(g_q, W_qT);  dW = wgrad(g_qT, xn_qT)
-    MLP:  fp8_cast(g) -> g_q, g_qT  (fc2's GRAD_OUTPUT);  da = dgrad(g_q, W2_qT);  dW2 = wgrad(g_qT, a_qT)
+    MLP:  fp8_cast_dbias(g) -> g_q, g_qT, db2  (fc2's GRAD_OUTPUT; ``fp8_cast`` without fc2's bias)
+          da = dgrad(g_q, W2_qT);  dW2 = wgrad(g_qT, a_qT)
           act_fp8_backward(da, h, b1) -> dh_q, dh_qT, db1   (fc1's GRAD_OUTPUT scale)
           dxn = dgrad(dh_q, W1_qT);  dW1 = wgrad(dh_qT, xn_qT)
     both: dxn all-reduced over TP (the column-parallel input's gradient, without sequence parallelism)
           dx, dgamma, dbeta = norm_backward(dxn, x, mean, rstd, residual_grad=r)
+
+fc2's bias ``b2`` is added by the layer's ``bias_dropout_add`` (``out = r + dropout(y + b2)``, ``y`` the
+TP all-reduced fc2 output), whose backward would sum ``d/d(y + b2)`` over the tokens for ``db2``. That
+gradient is ``g``, which the MLP's backward reads anyway to cast it: the Function takes ``b2`` (for its
+gradient only), sums it in the cast (``fp8_cast_dbias``, one read of ``g``) and the layer adds
+``b2.detach()`` (``RowParallelLinear.bias_added_by_caller``; as the unfused row-parallel FP8 linear).
 
 Saved for backward: the norm's input ``x`` and statistics, the FP8 ``qT`` of every GEMM input (the MLP
 also keeps fc1's output ``h``, the activation's backward input), and each weight's ``W_q^T``, written
@@ -224,8 +232,10 @@ class Fp8NormMLP(torch.autograd.Function):
     input (module docstring).
 
     ``x [..., h]``, ``W1 [F', h]`` (``F' = F/p``, SwiGLU ``2F/p``: ``[gate_t; up_t]``), ``b1 [F']`` or
-    None, ``W2 [h, F/p]``. The first output is this rank's partial fc2 output ``[..., h]`` (the caller
-    all-reduces it over TP and adds fc2's bias); the second is ``x``, as in :class:`Fp8NormLinear`.
+    None, ``W2 [h, F/p]``, ``b2 [h]`` or None (fc2's bias, gradient only). The first output is this
+    rank's partial fc2 output ``[..., h]`` (the caller all-reduces it over TP and adds fc2's bias: with
+    ``b2`` given, ``b2.detach()``, and ``b2``'s gradient comes from here); the second is ``x``, as in
+    :class:`Fp8NormLinear`.
     """
 
     @staticmethod
@@ -237,6 +247,7 @@ class Fp8NormMLP(torch.autograd.Function):
         w1,
         b1,
         w2,
+        b2,
         main_grads,
         norm: NormSpec,
         activation: str,
@@ -265,7 +276,7 @@ class Fp8NormMLP(torch.autograd.Function):
         w2_q, w2_qT, w2_sinv = cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
         y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
         ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
-        ctx.tp_group, ctx.x_shape = fc1.tp_group, x.shape
+        ctx.tp_group, ctx.x_shape, ctx.has_b2 = fc1.tp_group, x.shape, b2 is not None
         ctx.save_for_backward(
             x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_qT, w1_sinv,
             h, b1, a_qT, a_sinv, w2, w2_qT, w2_sinv,
@@ -284,13 +295,17 @@ class Fp8NormMLP(torch.autograd.Function):
         bwd = fc1.recipe.bwd_dtype
         need_x = any(ctx.needs_input_grad[:3])
         need_w1, need_b1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+        need_b2 = ctx.has_b2 and ctx.needs_input_grad[6]
         need_h = need_x or need_w1 or need_b1  # anything below the activation
         if grad_output is None:  # the MLP's output took no part in the loss
             grad_output = torch.zeros(*ctx.x_shape, dtype=x2d.dtype, device=x2d.device)
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        dy_q, dy_qT, dy_sinv = ops.fp8_cast(
+        # fc2's bias gradient dy.sum(0) from the cast's read of dy (module docstring)
+        cast = ops.fp8_cast_dbias if need_b2 else ops.fp8_cast
+        dy_q, dy_qT, dy_sinv, *db2 = cast(
             dy2d, bwd, rowwise=need_h, columnwise=need_w2, **fc2.scaling(GRAD_OUTPUT, dy2d)
         )
+        grad_b2 = db2[0] if need_b2 else None
         grad_w2 = fp8_wgrad(w2, main_grad2, dy_qT, a_qT, dy_sinv, a_sinv) if need_w2 else None
         grad_w1 = grad_b1 = dx = dnw = dnb = None
         if need_h:
@@ -314,7 +329,7 @@ class Fp8NormMLP(torch.autograd.Function):
                 dx, dnw, dnb = _norm_backward(
                     ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual
                 )
-        return dx, dnw, dnb, grad_w1, grad_b1, grad_w2, None, None, None, None, None, None
+        return dx, dnw, dnb, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None
 
 
 def fp8_norm_linear(
@@ -360,11 +375,15 @@ def fp8_norm_mlp(
     calls: tuple[Fp8Linear, Fp8Linear],
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     gathered: tuple[Fp8GatheredWeight | None, Fp8GatheredWeight | None] = (None, None),
+    fc2_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fc2(act(fc1(norm(x)) + b1)), x)`` for a pre-norm MLP without sequence parallelism:
     ``x [..., h]`` -> (this rank's partial fc2 output ``[..., h]``, to all-reduce over TP and add
     fc2's bias to; the residual stream ``x``). ``activation`` one of ``gelu``, ``gelu_tanh``,
-    ``swiglu``; ``calls``/``main_grads``/``gathered`` (``--fp8-param-gather``): fc1's and fc2's."""
+    ``swiglu``; ``calls``/``main_grads``/``gathered`` (``--fp8-param-gather``): fc1's and fc2's.
+    ``fc2_bias``: fc2's bias, which the caller adds to the all-reduced output as is, as
+    ``fc2_bias.detach()``: it is not added here, and its gradient comes from the cast of the output
+    gradient (module docstring); None: the caller gives fc2's bias its gradient."""
     if norm.kind not in NORM_KINDS:
         raise ValueError(f"fp8_norm_mlp: norm {norm.kind!r} is not one of {', '.join(NORM_KINDS)}")
     if activation not in ACTIVATIONS:
@@ -377,6 +396,7 @@ def fp8_norm_mlp(
         fc1_weight,
         fc1_bias,
         fc2_weight,
+        fc2_bias,
         main_grads,
         norm,
         activation,

@@ -36,6 +36,7 @@ from mcore.tensor_parallel.fp8 import (
     Fp8DelayedState,
     Fp8Linear,
     Fp8Recipe,
+    bias_grad_from_output_cast,
     fp8_linear,
     gathers_fp8_input,
     overwrites_first_grad,
@@ -410,7 +411,14 @@ class RowParallelLinear(torch.nn.Module):
         bias: add a (replicated) bias.
         input_is_parallel: the input is already split (``[..., in/p]``, the output of a
             column-parallel layer); otherwise it is ``[..., in]`` and gets scattered.
-        skip_bias_add: return the bias instead of adding it.
+        skip_bias_add: return the bias instead of adding it. A caller that adds the returned bias to
+            the output as is (``out + bias``: the transformer layer's ``bias_dropout_add``) says so
+            by setting :attr:`bias_added_by_caller` (the layer does it for its stock attention and
+            MLP). The bias gradient is then the column sum of the output gradient, and an FP8 linear
+            that casts that gradient anyway (:meth:`takes_bias_grad`) returns ``bias.detach()``,
+            takes ``bias`` into its backward for the gradient only and sums it in the cast's read
+            (``fp8_cast_dbias``; :mod:`mcore.tensor_parallel.fp8`): the caller's add computes no
+            bias gradient. Everywhere else the returned bias is the parameter itself.
         sequence_parallel: reduce-scatter the output to ``[s/p, b, out]`` (needs input_is_parallel).
         init_method: init of the logical weight (Megatron uses the scaled init for output layers).
         gradient_accumulation_fusion: accumulate the weight gradient into ``weight.main_grad`` in the
@@ -453,16 +461,38 @@ class RowParallelLinear(torch.nn.Module):
             self.bias = make_parameter(layout, self.tp_size, dtype=params_dtype, device=device)
         else:
             self.register_parameter("bias", None)
+        self.bias_added_by_caller = False
+        """The caller adds the returned bias (``skip_bias_add``) to the output as is (see Args)."""
         _setup_fp8(self, fp8, "row", device)
+
+    def takes_bias_grad(self) -> bool:
+        """Whether this layer's backward gives its bias the gradient (and :meth:`forward` returns the
+        bias detached): ``skip_bias_add`` with :attr:`bias_added_by_caller`, an FP8 recipe whose
+        backward casts the output gradient (:func:`~mcore.tensor_parallel.fp8.bias_grad_from_output_cast`),
+        and no sequence parallelism (each rank's bias gradient is then a partial sum over its
+        sequence shard, all-reduced over TP later with the other sequence-parallel gradients,
+        whereas the linear sees the gathered output gradient of the whole sequence)."""
+        return (
+            self.skip_bias_add
+            and self.bias_added_by_caller
+            and self.bias is not None
+            and self.fp8 is not None
+            and bias_grad_from_output_cast(self.fp8)
+            and not self.sequence_parallel
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [..., in/p]`` (or ``[..., in]``) -> ``([..., out]`` (``[s/p, b, out]`` with SP), bias)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        bias_grad_here = self.takes_bias_grad()  # the caller adds bias.detach(): its gradient is ours
         if self._fp8_call is not None:
             overwrites = overwrites_first_grad(self.fp8)
             main_grad = fusion_main_grad(self.weight, self.gradient_accumulation_fusion, False, overwrites)
-            y = fp8_linear(x, self.weight, None, self._fp8_call, main_grad, gathered=self.fp8_gathered_weight)
+            y = fp8_linear(
+                x, self.weight, self.bias if bias_grad_here else None, self._fp8_call, main_grad,
+                gathered=self.fp8_gathered_weight, bias_added_by_caller=bias_grad_here,
+            )  # fmt: skip
         else:
             y = linear_with_grad_accumulation_fusion(
                 x, self.weight, None, gradient_accumulation_fusion=self.gradient_accumulation_fusion
@@ -471,6 +501,8 @@ class RowParallelLinear(torch.nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        if bias_grad_here:
+            return y, self.bias.detach()
         if self.skip_bias_add or self.bias is None:
             return y, self.bias if self.skip_bias_add else None
         return y + self.bias, None
