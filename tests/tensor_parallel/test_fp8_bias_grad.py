@@ -17,8 +17,8 @@ bias-dropout-add's backward sums it.
    ``linear_proj`` and ``linear_fc2`` (2 a layer and micro-batch; the old behaviour: none).
 2. TP=2 (2 gloo processes): the same comparison on each rank (the bias is replicated: each rank sums
    the whole output gradient, as the bias-dropout-add did).
-3. ``pretrain`` (the CPU backend's op table wrapped by a tracing plugin), tensorwise and delayed
-   (fused MLP): no training ``bias_dropout_add`` gets a bias that needs a gradient, and
+3. ``pretrain`` (the test backend's op table, the CPU's or ``MCORE_TEST_BACKEND``'s, wrapped by a
+   tracing plugin), tensorwise and delayed (fused MLP): no training ``bias_dropout_add`` gets a bias that needs a gradient, and
    ``fp8_cast_dbias`` runs on proj's and fc2's output gradients.
 4. Layers compiled with ``torch.compile(fullgraph=True)`` trace the new path (no graph break) and give
    the compiled old behaviour's losses and gradients.
@@ -45,7 +45,7 @@ from mcore.tensor_parallel import fp8_fused
 from mcore.tensor_parallel.fp8 import update_fp8_scales
 from mcore.tensor_parallel.layers import RowParallelLinear
 from mcore.testing.conformance import training_rank
-from mcore.testing.distributed import run_distributed
+from mcore.testing.distributed import run_distributed, test_backend_name
 from mcore.testing.op_trace import OpCallRecorder
 
 VOCAB, SEQ, BATCH, HIDDEN = 100, 16, 2, 32
@@ -270,7 +270,7 @@ PRETRAIN_ARGV = [
     "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "7", "--bf16",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
     "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1000",
-    "--fp8-format", "hybrid", "--device-backend", "cpu",
+    "--fp8-format", "hybrid", "--device-backend", test_backend_name(),
 ]  # fmt: skip
 """GPT-2 style (biases, LayerNorm, GeLU, hidden dropout 0.1), 2 steps of 2 micro-batches, FP8."""
 
