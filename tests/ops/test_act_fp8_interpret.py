@@ -85,8 +85,9 @@ def _checks(device) -> int:
     fwd_cfg = {"BLOCK_M": 16, "BLOCK_F": 8, "num_warps": 4}
     bwd_cfg = {"BLOCK_M": 16, "BLOCK_F": 8, "num_warps": 4, "PER_SM": 1}
     unfused_bwd_cfg = {"BLOCK_M": 16, "BLOCK_N": 8, "num_warps": 4, "PER_SM": 1}
+    originals = {name: getattr(kernels, name) for name in calls}
     for name, cfg in (("act_fp8_forward", fwd_cfg), ("act_fp8_backward", bwd_cfg)):
-        original = getattr(kernels, name)
+        original = originals[name]
 
         def counted(*args, _original=original, _name=name, _cfg=cfg, **kwargs):
             calls[_name] += 1
@@ -233,6 +234,13 @@ def _checks(device) -> int:
     cast_kernels.cast(y, e4m3, scale=torch.tensor(1.0, device=device), amax_record=slot_unfused)
     same("forward amax of ragged row tiles", slot, slot_unfused)
 
+    # every forward tile autotuning may pick, and the autotuned launch, against the unfused path
+    def unfused_forward(h, kind, fp8, scale, slot):
+        y = activations.swiglu_fwd(h) if kind == "swiglu" else activations.bias_gelu_fwd(h, None, False)
+        return cast_kernels.cast(y, fp8, scale=scale, amax_record=slot)
+
+    _check_forward_tiles(device, originals["act_fp8_forward"], unfused_forward, same, failures, gen)
+
     # the conformance suite's cases, with the CUDA dispatchers as the backend's ops
     table = {**dispatch.ACT_FP8_OPS}
 
@@ -258,6 +266,93 @@ def _checks(device) -> int:
         print("FAILED:", *failures[:30], sep="\n  ")
         return 1
     return 0
+
+
+def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) -> None:
+    """Each of the forward's tiles (``_FWD_CONFIGS``), and the launch autotuning builds, give the
+    unfused path's bytes and amax; the launch cache keys on the shape, the amax record and the config.
+
+    Autotuning runs every config several times into the same outputs and amax record before the
+    chosen one runs: here Triton's autotuner does so for real, with its timing (which needs a GPU
+    driver) replaced by one that runs the kernel three times and makes the last config the fastest
+    (not the default, so the test sees the tuned launch switch tiles).
+    """
+    import torch
+    from mcore.backends.cuda.triton_kernels import _common
+    from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
+    from triton.runtime import autotuner
+
+    e4m3 = torch.float8_e4m3fn
+    scale = torch.tensor(20.0, device=device)
+    # (m, width): ragged for every tile; a multiple of every tile's (no bounds masks: EVEN)
+    cases = [("gelu", 37, 20), ("swiglu", 37, 40), ("gelu", 128, 128), ("swiglu", 128, 256)]
+    inputs = {case: (torch.randn(case[1:], generator=gen) * 2).to(device) for case in cases}
+
+    def check(what, kind, h, config=None, start=0.5):
+        slot, slot_unfused = (torch.full((3,), start, device=device) for _ in range(2))
+        got = forward(h, None, kind, e4m3, scale, slot[1:2], config=config)
+        want = unfused_forward(h, kind, e4m3, scale, slot_unfused[1:2])
+        for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+            same(f"{what} {part}", g, w)
+        same(f"{what} amax record", slot, slot_unfused)
+
+    for cfg in kernels._FWD_CONFIGS:
+        for kind, m, width in cases:
+            check(f"forward tile {cfg} {kind} [{m}, {width}]", kind, inputs[kind, m, width], cfg)
+
+    # the launch cache: one launch a shape and amax record; an explicit config is never cached
+    tag = ("gelu", False, torch.float32, e4m3, True, True)
+    launch = kernels._fwd_launch(tag, 37, 20, True, device, None)
+    if kernels._fwd_launch(tag, 37, 20, True, device, None) is not launch:
+        failures.append("forward launch: not cached per shape")
+    if launch.configs != [kernels.FWD_DEFAULT]:
+        failures.append(f"forward launch without autotuning: {launch.configs}, not the default")
+    if kernels._fwd_launch(tag, 37, 21, True, device, None) is launch:
+        failures.append("forward launch: the width not in the cache key")
+    # 16 x 8 tiles of 64 x 128: one a program, or at most PROGRAMS_PER_SM an SM with the amax recorded
+    big = [kernels._fwd_launch(tag, 1000, 1000, record, device, None) for record in (True, False)]
+    grids = [launch.grid_of(kernels.FWD_DEFAULT) for launch in big]
+    if big[0] is big[1] or grids != [(min(128, kernels.PROGRAMS_PER_SM * _common.sm_count(device)),), (128,)]:
+        failures.append(f"forward launch: the amax record not in the cache key (grids {grids})")
+    for cfg in kernels._FWD_CONFIGS[1:]:
+        explicit = kernels._fwd_launch(tag, 37, 20, True, device, cfg)
+        if explicit.configs != [{**kernels.FWD_DEFAULT, **cfg}]:
+            failures.append(f"forward launch with config {cfg}: runs {explicit.configs}")
+
+    # the autotuned launch (interpreter, few rows: turned on by hand)
+    saved = (_common.use_autotune, kernels.use_autotune, autotuner.Autotuner.do_bench)
+    tuners, launches = set(_common._TUNERS), set(_common._LAUNCHES)
+    benched = []
+
+    def bench(kernel_call, quantiles):
+        for _ in range(3):
+            kernel_call()
+        benched.append(1)
+        fastest = len(benched) % len(kernels._FWD_CONFIGS) == 0
+        return [1.0 if fastest else 2.0] * len(quantiles)
+
+    _common.use_autotune = kernels.use_autotune = lambda rows: True
+    autotuner.Autotuner.do_bench = staticmethod(bench)
+    try:
+        for kind, m, width in cases[:2]:
+            h = inputs[kind, m, width]
+            for call in ("tuning", "tuned"):  # the first call tunes, the second reuses the choice
+                check(f"forward autotuned ({call}) {kind}", kind, h, start=1e6 if call == "tuned" else 0.5)
+            tag = (kind, False, h.dtype, e4m3, True, True)
+            launch = kernels._fwd_launch(tag, m, width // (2 if kind == "swiglu" else 1), True, device, None)
+            want = {**kernels._FWD_CONFIGS[-1], "num_stages": 3}
+            if launch.tuner is not None or launch.configs != [want]:
+                failures.append(f"forward autotuned {kind}: launch runs {launch.configs}, not {want}")
+        if len(benched) != 2 * len(kernels._FWD_CONFIGS):
+            failures.append(
+                f"forward autotuning: {len(benched)} configs timed, not 2 x {len(kernels._FWD_CONFIGS)}"
+            )
+    finally:
+        _common.use_autotune, kernels.use_autotune, autotuner.Autotuner.do_bench = saved
+        for key in set(_common._TUNERS) - tuners:
+            del _common._TUNERS[key]
+        for key in set(_common._LAUNCHES) - launches:
+            del _common._LAUNCHES[key]
 
 
 def _truncate_to_bf16(x):

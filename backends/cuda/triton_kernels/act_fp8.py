@@ -28,7 +28,8 @@ on an H100 the test's fp16/bf16 cases came out bit-identical, the fp32 ones not)
 
 Grids: the forward walks ``[BLOCK_M, BLOCK_F]`` tiles grid-strided (one tile a program without an
 amax record; at most ``PROGRAMS_PER_SM`` programs an SM with one, so each program does one atomic
-on the amax word). The backward is persistent over ``[row programs, column blocks]``, so that each
+on the amax word); its tile is autotuned per shape (``_FWD_CONFIGS``), every tile giving the same
+bytes. The backward is persistent over ``[row programs, column blocks]``, so that each
 program accumulates the bias partial sums of one column block over its rows; again one atomic a
 program. Both store the transposed tile through ``tl.trans`` (coalesced along ``M``), as
 ``_cast_kernel`` does.
@@ -240,11 +241,20 @@ def _act_fp8_bwd_kernel(
             tl.store(DB + pid_r * n_dh + F + cols, db_up, mask=cmask)
 
 
-FWD_CONFIG = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 4}
-"""The forward's tile (tuned on an H100 with the previous GeLU math: benchmarks/kernels/bench_act_fp8.py
---sweep). Measured on an H100 (bf16, amax recorded, bench_act_fp8.py): GeLU [8192, 8192] 127 us (172
-with libdevice ``erff``; 104 us with the activation replaced by the identity), tanh GeLU 113 us,
-SwiGLU [8192, 8192] 77 us, [4096, 28672] 132 us."""
+_FWD_CONFIGS = [
+    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w}
+    for bm, bf, w in ((64, 128, 4), (32, 128, 4), (64, 64, 4), (128, 64, 8), (64, 128, 8))
+]
+"""The forward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``):
+the four fastest of ``bench_act_fp8.py --sweep --kinds gelu`` on an H100 (exact GeLU, bf16 [8192,
+8192], amax recorded): 32x128 4 warps 113.1 us, 128x64 8 warps 113.3, 64x64 4 warps 113.6, 64x128 8
+warps 117.2; and the previous fixed tile, 64x128 4 warps, 126.9 (tuned before the GeLU math changed;
+slower: 128x128 8 warps 142.1, 32x256 8 warps 127.6, 64x256 8 warps 126.5). SwiGLU ([8192, 2 x 8192],
+[4096, 2 x 14336]) was not re-measured with these tiles (with 64x128 4 warps: 77 us and 132 us)."""
+
+FWD_DEFAULT = _FWD_CONFIGS[0]
+"""The forward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
+previous fixed tile, the one SwiGLU was measured with."""
 
 _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
@@ -282,6 +292,29 @@ def _outputs(m: int, n: int, fp8_dtype, rowwise: bool, columnwise: bool, device)
     return q, qt, scale_inv
 
 
+def _fwd_launch(tag, m: int, f: int, record_amax: bool, device: torch.device, config: dict | None):
+    if config is None:  # the training path: built once per shape
+        key = (_act_fp8_fwd_kernel, tag, m, f, record_amax, device, use_autotune(m))
+        return cached_launch(key, lambda: _build_fwd_launch(tag, m, f, record_amax, device, None))
+    return _build_fwd_launch(tag, m, f, record_amax, device, config)
+
+
+def _build_fwd_launch(tag, m: int, f: int, record_amax: bool, device, config: dict | None) -> GridLaunch:
+    sms = sm_count(device)
+
+    def grid(cfg):
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(f, cfg["BLOCK_F"])
+        # one tile a program (more programs in flight) unless the amax is recorded (one atomic a program)
+        return (min(tiles, PROGRAMS_PER_SM * sms) if record_amax else tiles,)
+
+    # Autotuning runs every config several times into the same outputs: harmless, as a run stores
+    # the same bytes whatever its tile and only max-es the same values into the amax record.
+    return GridLaunch(
+        _act_fp8_fwd_kernel, (*tag, record_amax), m, _FWD_CONFIGS, FWD_DEFAULT, key=["M", "F"], grid=grid,
+        parts=lambda cfg: 0, config=config,
+    )  # fmt: skip
+
+
 def act_fp8_forward(
     h: torch.Tensor,
     bias: torch.Tensor | None,
@@ -299,16 +332,14 @@ def act_fp8_forward(
     m = h.shape[0]
     f = h.shape[1] // 2 if swiglu else h.shape[1]
     q, qt, scale_inv = _outputs(m, f, fp8_dtype, rowwise, columnwise, h.device)
-    cfg = {**FWD_CONFIG, **(config or {})}
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(f, cfg["BLOCK_F"])
-    # one tile a program (more programs in flight) unless the amax is recorded (one atomic a program)
-    grid = (min(tiles, PROGRAMS_PER_SM * sm_count(h.device)) if amax_record is not None else tiles,)
-    _act_fp8_fwd_kernel[grid](
+    tag = (kind, bias is not None, h.dtype, fp8_dtype, rowwise, columnwise)
+    launch = _fwd_launch(tag, m, f, amax_record is not None, h.device, config)
+    launch(
         h, h if bias is None else bias, _bytes(q, scale_inv), _bytes(qt, scale_inv),
         scale, scale_inv, scale_inv if amax_record is None else amax_record, m, f, h.stride(0),
         SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=bias is not None,
         RECORD_AMAX=amax_record is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
-        **_fp8_constexprs(fp8_dtype, h.dtype), **cfg,
+        **_fp8_constexprs(fp8_dtype, h.dtype),
     )  # fmt: skip
     return q, qt, scale_inv
 
