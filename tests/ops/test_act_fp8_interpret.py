@@ -14,7 +14,11 @@ forward tiles, several row programs in the backward):
 * against :mod:`mcore.ops.reference`: every FP8 value within the activation's tolerance plus one
   step of the FP8 grid (the reference computes GeLU with torch's math), the bias gradient within
   rounding; and the conformance suite's
-  cases of both ops.
+  cases of both ops;
+* every forward tile that autotuning may pick (``_FWD_CONFIGS``), with and without an amax record,
+  ragged and exact tilings: the unfused path's bytes and amax; the launch that Triton's autotuner
+  builds (each config run twice into the same outputs, then the chosen one) likewise; the launch
+  cache keyed on the shape and the amax record, and each config's grid.
 
 Two interpreter artefacts, not kernel behaviour: its fp32 -> bf16 conversion truncates (the GPU's
 rounds to nearest even): with bf16 the unfused path's SwiGLU bias add (torch's) is emulated with a
@@ -237,7 +241,7 @@ def _checks(device) -> int:
     # every forward tile autotuning may pick, and the autotuned launch, against the unfused path
     def unfused_forward(h, kind, fp8, scale, slot):
         y = activations.swiglu_fwd(h) if kind == "swiglu" else activations.bias_gelu_fwd(h, None, False)
-        return cast_kernels.cast(y, fp8, scale=scale, amax_record=slot)
+        return cast_kernels.cast(y, fp8, scale=scale, columnwise=True, amax_record=slot)
 
     _check_forward_tiles(device, originals["act_fp8_forward"], unfused_forward, same, failures, gen)
 
@@ -274,7 +278,7 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
 
     Autotuning runs every config several times into the same outputs and amax record before the
     chosen one runs: here Triton's autotuner does so for real, with its timing (which needs a GPU
-    driver) replaced by one that runs the kernel three times and makes the last config the fastest
+    driver) replaced by one that runs the kernel twice and makes the last config the fastest
     (not the default, so the test sees the tuned launch switch tiles).
     """
     import torch
@@ -288,17 +292,25 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
     cases = [("gelu", 37, 20), ("swiglu", 37, 40), ("gelu", 128, 128), ("swiglu", 128, 256)]
     inputs = {case: (torch.randn(case[1:], generator=gen) * 2).to(device) for case in cases}
 
-    def check(what, kind, h, config=None, start=0.5):
-        slot, slot_unfused = (torch.full((3,), start, device=device) for _ in range(2))
-        got = forward(h, None, kind, e4m3, scale, slot[1:2], config=config)
-        want = unfused_forward(h, kind, e4m3, scale, slot_unfused[1:2])
+    wants = {}
+
+    def check(what, case, config=None, start=0.5, record=True):
+        h = inputs[case]
+        if (case, start) not in wants:  # the unfused path, once an input and amax slot
+            slot_unfused = torch.full((3,), start, device=device)
+            wants[case, start] = (unfused_forward(h, case[0], e4m3, scale, slot_unfused[1:2]), slot_unfused)
+        want, slot_unfused = wants[case, start]
+        slot = torch.full((3,), start, device=device)
+        got = forward(h, None, case[0], e4m3, scale, slot[1:2] if record else None, config=config)
         for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
             same(f"{what} {part}", g, w)
-        same(f"{what} amax record", slot, slot_unfused)
+        if record:
+            same(f"{what} amax record", slot, slot_unfused)
 
     for cfg in kernels._FWD_CONFIGS:
-        for kind, m, width in cases:
-            check(f"forward tile {cfg} {kind} [{m}, {width}]", kind, inputs[kind, m, width], cfg)
+        for case in cases:
+            for record in (True, False):  # grid-strided tiles; one tile a program
+                check(f"forward tile {cfg} {case} amax recorded {record}", case, cfg, record=record)
 
     # the launch cache: one launch a shape and amax record; an explicit config is never cached
     tag = ("gelu", False, torch.float32, e4m3, True, True)
@@ -309,11 +321,15 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
         failures.append(f"forward launch without autotuning: {launch.configs}, not the default")
     if kernels._fwd_launch(tag, 37, 21, True, device, None) is launch:
         failures.append("forward launch: the width not in the cache key")
-    # 16 x 8 tiles of 64 x 128: one a program, or at most PROGRAMS_PER_SM an SM with the amax recorded
+    # the grid of every tile: one tile a program, or at most PROGRAMS_PER_SM an SM with the amax recorded
     big = [kernels._fwd_launch(tag, 1000, 1000, record, device, None) for record in (True, False)]
-    grids = [launch.grid_of(kernels.FWD_DEFAULT) for launch in big]
-    if big[0] is big[1] or grids != [(min(128, kernels.PROGRAMS_PER_SM * _common.sm_count(device)),), (128,)]:
-        failures.append(f"forward launch: the amax record not in the cache key (grids {grids})")
+    if big[0] is big[1]:
+        failures.append("forward launch: the amax record not in the cache key")
+    for cfg in kernels._FWD_CONFIGS:
+        tiles = -(-1000 // cfg["BLOCK_M"]) * -(-1000 // cfg["BLOCK_F"])
+        grids = [launch.grid_of(cfg) for launch in big]
+        if grids != [(min(tiles, kernels.PROGRAMS_PER_SM * _common.sm_count(device)),), (tiles,)]:
+            failures.append(f"forward grids of {cfg} on [1000, 1000], amax recorded or not: {grids}")
     for cfg in kernels._FWD_CONFIGS[1:]:
         explicit = kernels._fwd_launch(tag, 37, 20, True, device, cfg)
         if explicit.configs != [{**kernels.FWD_DEFAULT, **cfg}]:
@@ -325,7 +341,7 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
     benched = []
 
     def bench(kernel_call, quantiles):
-        for _ in range(3):
+        for _ in range(2):
             kernel_call()
         benched.append(1)
         fastest = len(benched) % len(kernels._FWD_CONFIGS) == 0
@@ -334,18 +350,17 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
     _common.use_autotune = kernels.use_autotune = lambda rows: True
     autotuner.Autotuner.do_bench = staticmethod(bench)
     try:
-        for kind, m, width in cases[:2]:
-            h = inputs[kind, m, width]
-            for call in ("tuning", "tuned"):  # the first call tunes, the second reuses the choice
-                check(f"forward autotuned ({call}) {kind}", kind, h, start=1e6 if call == "tuned" else 0.5)
-            tag = (kind, False, h.dtype, e4m3, True, True)
-            launch = kernels._fwd_launch(tag, m, width // (2 if kind == "swiglu" else 1), True, device, None)
-            want = {**kernels._FWD_CONFIGS[-1], "num_stages": 3}
-            if launch.tuner is not None or launch.configs != [want]:
-                failures.append(f"forward autotuned {kind}: launch runs {launch.configs}, not {want}")
-        if len(benched) != 2 * len(kernels._FWD_CONFIGS):
+        case = kind, m, width = cases[1]
+        for call in ("tuning", "tuned"):  # the first call tunes, the second reuses the choice
+            check(f"forward autotuned ({call}) {case}", case, start=1e6 if call == "tuned" else 0.5)
+        tag = (kind, False, inputs[case].dtype, e4m3, True, True)
+        launch = kernels._fwd_launch(tag, m, width // 2 if kind == "swiglu" else width, True, device, None)
+        want = {**kernels._FWD_CONFIGS[-1], "num_stages": 3}
+        if launch.tuner is not None or launch.configs != [want]:
+            failures.append(f"forward autotuned {case}: launch runs {launch.configs}, not {want}")
+        if len(benched) != len(kernels._FWD_CONFIGS):
             failures.append(
-                f"forward autotuning: {len(benched)} configs timed, not 2 x {len(kernels._FWD_CONFIGS)}"
+                f"forward autotuning: {len(benched)} configs timed, not {len(kernels._FWD_CONFIGS)}"
             )
     finally:
         _common.use_autotune, kernels.use_autotune, autotuner.Autotuner.do_bench = saved
