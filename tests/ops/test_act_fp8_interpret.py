@@ -336,8 +336,11 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
             failures.append(f"forward launch with config {cfg}: runs {explicit.configs}")
 
     # the autotuned launch (interpreter, few rows: turned on by hand)
+    # (with empty tuner and launch caches, put back afterwards: on the GPU this runs inside pytest,
+    # where an earlier test may have tuned this kernel for real)
     saved = (_common.use_autotune, kernels.use_autotune, autotuner.Autotuner.do_bench)
-    tuners, launches = set(_common._TUNERS), set(_common._LAUNCHES)
+    tuners, launches = dict(_common._TUNERS), dict(_common._LAUNCHES)
+    _common._TUNERS.clear(), _common._LAUNCHES.clear()
     benched = []
 
     def bench(kernel_call, quantiles):
@@ -364,10 +367,8 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
             )
     finally:
         _common.use_autotune, kernels.use_autotune, autotuner.Autotuner.do_bench = saved
-        for key in set(_common._TUNERS) - tuners:
-            del _common._TUNERS[key]
-        for key in set(_common._LAUNCHES) - launches:
-            del _common._LAUNCHES[key]
+        _common._TUNERS.clear(), _common._LAUNCHES.clear()
+        _common._TUNERS.update(tuners), _common._LAUNCHES.update(launches)
 
 
 def _truncate_to_bf16(x):
