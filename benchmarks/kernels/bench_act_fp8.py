@@ -163,9 +163,11 @@ def _bench_kind(kind, m, width, has_bias, sweep, record, identity=None) -> None:
         print(f"{name:34s} speed-up {t_unfused / t_fused:.2f}x")
         if sweep:
             if what == "forward":
-                cfgs = [{"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w}
-                        for bm, bf, w in ((32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8),
-                                          (128, 64, 8), (128, 128, 8), (32, 256, 8), (64, 256, 8))]  # fmt: skip
+                # the autotuned tiles, then ones that lost on an H100 (see act_fp8._FWD_CONFIGS)
+                cfgs = act_fp8._FWD_CONFIGS + [
+                    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": 8}
+                    for bm, bf in ((128, 128), (32, 256), (64, 256))
+                ]
             else:
                 cfgs = act_fp8._BWD_CONFIGS + [{"BLOCK_M": 32, "BLOCK_F": 256, "num_warps": 8, "PER_SM": 8}]
             for cfg in cfgs:

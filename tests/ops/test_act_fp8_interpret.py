@@ -14,7 +14,11 @@ forward tiles, several row programs in the backward):
 * against :mod:`mcore.ops.reference`: every FP8 value within the activation's tolerance plus one
   step of the FP8 grid (the reference computes GeLU with torch's math), the bias gradient within
   rounding; and the conformance suite's
-  cases of both ops.
+  cases of both ops;
+* every forward tile that autotuning may pick (``_FWD_CONFIGS``), with and without an amax record,
+  ragged and exact tilings: the unfused path's bytes and amax; the launch that Triton's autotuner
+  builds (each config run twice into the same outputs, then the chosen one) likewise; the launch
+  cache keyed on the shape and the amax record, and each config's grid.
 
 Two interpreter artefacts, not kernel behaviour: its fp32 -> bf16 conversion truncates (the GPU's
 rounds to nearest even): with bf16 the unfused path's SwiGLU bias add (torch's) is emulated with a
@@ -85,8 +89,9 @@ def _checks(device) -> int:
     fwd_cfg = {"BLOCK_M": 16, "BLOCK_F": 8, "num_warps": 4}
     bwd_cfg = {"BLOCK_M": 16, "BLOCK_F": 8, "num_warps": 4, "PER_SM": 1}
     unfused_bwd_cfg = {"BLOCK_M": 16, "BLOCK_N": 8, "num_warps": 4, "PER_SM": 1}
+    originals = {name: getattr(kernels, name) for name in calls}
     for name, cfg in (("act_fp8_forward", fwd_cfg), ("act_fp8_backward", bwd_cfg)):
-        original = getattr(kernels, name)
+        original = originals[name]
 
         def counted(*args, _original=original, _name=name, _cfg=cfg, **kwargs):
             calls[_name] += 1
@@ -233,6 +238,13 @@ def _checks(device) -> int:
     cast_kernels.cast(y, e4m3, scale=torch.tensor(1.0, device=device), amax_record=slot_unfused)
     same("forward amax of ragged row tiles", slot, slot_unfused)
 
+    # every forward tile autotuning may pick, and the autotuned launch, against the unfused path
+    def unfused_forward(h, kind, fp8, scale, slot):
+        y = activations.swiglu_fwd(h) if kind == "swiglu" else activations.bias_gelu_fwd(h, None, False)
+        return cast_kernels.cast(y, fp8, scale=scale, columnwise=True, amax_record=slot)
+
+    _check_forward_tiles(device, originals["act_fp8_forward"], unfused_forward, same, failures, gen)
+
     # the conformance suite's cases, with the CUDA dispatchers as the backend's ops
     table = {**dispatch.ACT_FP8_OPS}
 
@@ -258,6 +270,105 @@ def _checks(device) -> int:
         print("FAILED:", *failures[:30], sep="\n  ")
         return 1
     return 0
+
+
+def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) -> None:
+    """Each of the forward's tiles (``_FWD_CONFIGS``), and the launch autotuning builds, give the
+    unfused path's bytes and amax; the launch cache keys on the shape, the amax record and the config.
+
+    Autotuning runs every config several times into the same outputs and amax record before the
+    chosen one runs: here Triton's autotuner does so for real, with its timing (which needs a GPU
+    driver) replaced by one that runs the kernel twice and makes the last config the fastest
+    (not the default, so the test sees the tuned launch switch tiles).
+    """
+    import torch
+    from mcore.backends.cuda.triton_kernels import _common
+    from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
+    from triton.runtime import autotuner
+
+    e4m3 = torch.float8_e4m3fn
+    scale = torch.tensor(20.0, device=device)
+    # (m, width): ragged for every tile; a multiple of every tile's (no bounds masks: EVEN)
+    cases = [("gelu", 37, 20), ("swiglu", 37, 40), ("gelu", 128, 128), ("swiglu", 128, 256)]
+    inputs = {case: (torch.randn(case[1:], generator=gen) * 2).to(device) for case in cases}
+
+    wants = {}
+
+    def check(what, case, config=None, start=0.5, record=True):
+        h = inputs[case]
+        if (case, start) not in wants:  # the unfused path, once an input and amax slot
+            slot_unfused = torch.full((3,), start, device=device)
+            wants[case, start] = (unfused_forward(h, case[0], e4m3, scale, slot_unfused[1:2]), slot_unfused)
+        want, slot_unfused = wants[case, start]
+        slot = torch.full((3,), start, device=device)
+        got = forward(h, None, case[0], e4m3, scale, slot[1:2] if record else None, config=config)
+        for part, g, w in zip(("q", "qT", "scale_inv"), got, want):
+            same(f"{what} {part}", g, w)
+        if record:
+            same(f"{what} amax record", slot, slot_unfused)
+
+    for cfg in kernels._FWD_CONFIGS:
+        for case in cases:
+            for record in (True, False):  # grid-strided tiles; one tile a program
+                check(f"forward tile {cfg} {case} amax recorded {record}", case, cfg, record=record)
+
+    # the launch cache: one launch a shape and amax record; an explicit config is never cached
+    tag = ("gelu", False, torch.float32, e4m3, True, True)
+    launch = kernels._fwd_launch(tag, 37, 20, True, device, None)
+    if kernels._fwd_launch(tag, 37, 20, True, device, None) is not launch:
+        failures.append("forward launch: not cached per shape")
+    if launch.configs != [kernels.FWD_DEFAULT]:
+        failures.append(f"forward launch without autotuning: {launch.configs}, not the default")
+    if kernels._fwd_launch(tag, 37, 21, True, device, None) is launch:
+        failures.append("forward launch: the width not in the cache key")
+    # the grid of every tile: one tile a program, or at most PROGRAMS_PER_SM an SM with the amax recorded
+    big = [kernels._fwd_launch(tag, 1000, 1000, record, device, None) for record in (True, False)]
+    if big[0] is big[1]:
+        failures.append("forward launch: the amax record not in the cache key")
+    for cfg in kernels._FWD_CONFIGS:
+        tiles = -(-1000 // cfg["BLOCK_M"]) * -(-1000 // cfg["BLOCK_F"])
+        grids = [launch.grid_of(cfg) for launch in big]
+        if grids != [(min(tiles, kernels.PROGRAMS_PER_SM * _common.sm_count(device)),), (tiles,)]:
+            failures.append(f"forward grids of {cfg} on [1000, 1000], amax recorded or not: {grids}")
+    for cfg in kernels._FWD_CONFIGS[1:]:
+        explicit = kernels._fwd_launch(tag, 37, 20, True, device, cfg)
+        if explicit.configs != [{**kernels.FWD_DEFAULT, **cfg}]:
+            failures.append(f"forward launch with config {cfg}: runs {explicit.configs}")
+
+    # the autotuned launch (interpreter, few rows: turned on by hand)
+    # (with empty tuner and launch caches, put back afterwards: on the GPU this runs inside pytest,
+    # where an earlier test may have tuned this kernel for real)
+    saved = (_common.use_autotune, kernels.use_autotune, autotuner.Autotuner.do_bench)
+    tuners, launches = dict(_common._TUNERS), dict(_common._LAUNCHES)
+    _common._TUNERS.clear(), _common._LAUNCHES.clear()
+    benched = []
+
+    def bench(kernel_call, quantiles):
+        for _ in range(2):
+            kernel_call()
+        benched.append(1)
+        fastest = len(benched) % len(kernels._FWD_CONFIGS) == 0
+        return [1.0 if fastest else 2.0] * len(quantiles)
+
+    _common.use_autotune = kernels.use_autotune = lambda rows: True
+    autotuner.Autotuner.do_bench = staticmethod(bench)
+    try:
+        case = kind, m, width = cases[1]
+        for call in ("tuning", "tuned"):  # the first call tunes, the second reuses the choice
+            check(f"forward autotuned ({call}) {case}", case, start=1e6 if call == "tuned" else 0.5)
+        tag = (kind, False, inputs[case].dtype, e4m3, True, True)
+        launch = kernels._fwd_launch(tag, m, width // 2 if kind == "swiglu" else width, True, device, None)
+        want = {**kernels._FWD_CONFIGS[-1], "num_stages": 3}
+        if launch.tuner is not None or launch.configs != [want]:
+            failures.append(f"forward autotuned {case}: launch runs {launch.configs}, not {want}")
+        if len(benched) != len(kernels._FWD_CONFIGS):
+            failures.append(
+                f"forward autotuning: {len(benched)} configs timed, not {len(kernels._FWD_CONFIGS)}"
+            )
+    finally:
+        _common.use_autotune, kernels.use_autotune, autotuner.Autotuner.do_bench = saved
+        _common._TUNERS.clear(), _common._LAUNCHES.clear()
+        _common._TUNERS.update(tuners), _common._LAUNCHES.update(launches)
 
 
 def _truncate_to_bf16(x):

@@ -28,13 +28,17 @@ on an H100 the test's fp16/bf16 cases came out bit-identical, the fp32 ones not)
 
 Grids: the forward walks ``[BLOCK_M, BLOCK_F]`` tiles grid-strided (one tile a program without an
 amax record; at most ``PROGRAMS_PER_SM`` programs an SM with one, so each program does one atomic
-on the amax word). The backward is persistent over ``[row programs, column blocks]``, so that each
+on the amax word); its tile is autotuned per shape (``_FWD_CONFIGS``), every tile giving the same
+bytes. The backward is persistent over ``[row programs, column blocks]``, so that each
 program accumulates the bias partial sums of one column block over its rows; again one atomic a
 program. Both store the transposed tile through ``tl.trans`` (coalesced along ``M``), as
 ``_cast_kernel`` does.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -80,6 +84,41 @@ def _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS: tl.constexpr, EVEN: tl.con
     return x.to(tl.float32)
 
 
+class Fp8Format(NamedTuple):
+    """The constants of an FP8 output, passed to the kernels as one constexpr (``FP8_FORMAT``): the
+    parameters of :func:`.fp8_cast._quantize_bytes`. Triton folds a constexpr's fields like separate
+    constexprs: the kernels compile to the same PTX as with five parameters (compared for sm_90, bf16
+    and fp32 inputs, with Triton 3.6 and 3.9)."""
+
+    max: float  # the largest finite value (FP8_MAX)
+    dtype: tl.dtype  # the Triton FP8 type (FP8)
+    mantissa_bits: int  # MANTISSA_BITS
+    min_normal_exp: int  # MIN_NORMAL_EXP
+    encode_in_int: bool  # ENCODE_IN_INT: the bytes built by integer operations (fp32 input, interpreter)
+
+
+@functools.cache  # one object a format: no host work per launch
+def _fp8_format(fp8_dtype: torch.dtype, input_dtype: torch.dtype) -> Fp8Format:
+    return Fp8Format(
+        max=float(torch.finfo(fp8_dtype).max),
+        dtype=_TL_FP8[fp8_dtype],
+        mantissa_bits=_MANTISSA_BITS[fp8_dtype],
+        min_normal_exp=_MIN_NORMAL_EXP[fp8_dtype],
+        encode_in_int=encode_in_int(input_dtype),
+    )
+
+
+@triton.jit
+def _quantize(x, scale, FP8_FORMAT: tl.constexpr):
+    """:func:`.fp8_cast._quantize_bytes` with its constants from an :class:`Fp8Format`."""
+    # the fields read off the constexpr in place: a local copy of it (``f = FP8_FORMAT``) is no
+    # longer a constexpr, and ``f.dtype`` then fails to compile
+    return _quantize_bytes(
+        x, scale, FP8_FORMAT.max, FP8_FORMAT.dtype, FP8_FORMAT.mantissa_bits, FP8_FORMAT.min_normal_exp,
+        FP8_FORMAT.encode_in_int,
+    )  # fmt: skip
+
+
 @triton.jit
 def _column_sums(x, mask, EVEN: tl.constexpr):
     """``x.sum(0)`` over ``mask`` (all of ``x`` when ``EVEN``)."""
@@ -112,11 +151,7 @@ def _act_fp8_fwd_kernel(
     RECORD_AMAX: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8: tl.constexpr,
-    MANTISSA_BITS: tl.constexpr,
-    MIN_NORMAL_EXP: tl.constexpr,
-    ENCODE_IN_INT: tl.constexpr,
+    FP8_FORMAT: tl.constexpr,  # an Fp8Format
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     EVEN: tl.constexpr,  # M % BLOCK_M == F % BLOCK_F == 0: no bounds masks
@@ -144,7 +179,7 @@ def _act_fp8_fwd_kernel(
         y = y.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
         if RECORD_AMAX:
             running_amax = _abs_max_rows(running_amax, y, mask, EVEN)
-        q = _quantize_bytes(y, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
+        q = _quantize(y, scale, FP8_FORMAT)
         _store_tile_bytes(Q, QT, q, rows, cols, M, F, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
@@ -172,11 +207,7 @@ def _act_fp8_bwd_kernel(
     RECORD_AMAX: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8: tl.constexpr,
-    MANTISSA_BITS: tl.constexpr,
-    MIN_NORMAL_EXP: tl.constexpr,
-    ENCODE_IN_INT: tl.constexpr,
+    FP8_FORMAT: tl.constexpr,  # an Fp8Format
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     PER_SM: tl.constexpr,  # sets the grid only
@@ -218,9 +249,9 @@ def _act_fp8_bwd_kernel(
             if RECORD_AMAX:
                 running_amax = _abs_max_rows(running_amax, dg, mask, EVEN)
                 running_amax = _abs_max_rows(running_amax, du, mask, EVEN)
-            q = _quantize_bytes(dg, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
+            q = _quantize(dg, scale, FP8_FORMAT)
             _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
-            q = _quantize_bytes(du, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
+            q = _quantize(du, scale, FP8_FORMAT)
             _store_tile_bytes(Q, QT, q, rows, cols + F, M, n_dh, n_dh, ROWWISE, COLUMNWISE, EVEN)
         else:  # _bias_gelu_bwd_kernel's math; the bias gradient sums the unrounded fp32 dh
             _, d = _gelu_and_grad(x, TANH, True)
@@ -230,7 +261,7 @@ def _act_fp8_bwd_kernel(
             dx = dx.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
             if RECORD_AMAX:
                 running_amax = _abs_max_rows(running_amax, dx, mask, EVEN)
-            q = _quantize_bytes(dx, scale, FP8_MAX, FP8, MANTISSA_BITS, MIN_NORMAL_EXP, ENCODE_IN_INT)
+            q = _quantize(dx, scale, FP8_FORMAT)
             _store_tile_bytes(Q, QT, q, rows, cols, M, n_dh, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_RECORD, _amax_value(running_amax))
@@ -240,11 +271,20 @@ def _act_fp8_bwd_kernel(
             tl.store(DB + pid_r * n_dh + F + cols, db_up, mask=cmask)
 
 
-FWD_CONFIG = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 4}
-"""The forward's tile (tuned on an H100 with the previous GeLU math: benchmarks/kernels/bench_act_fp8.py
---sweep). Measured on an H100 (bf16, amax recorded, bench_act_fp8.py): GeLU [8192, 8192] 127 us (172
-with libdevice ``erff``; 104 us with the activation replaced by the identity), tanh GeLU 113 us,
-SwiGLU [8192, 8192] 77 us, [4096, 28672] 132 us."""
+_FWD_CONFIGS = [
+    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w}
+    for bm, bf, w in ((64, 128, 4), (32, 128, 4), (64, 64, 4), (128, 64, 8), (64, 128, 8))
+]
+"""The forward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``):
+the four fastest of ``bench_act_fp8.py --sweep --kinds gelu`` on an H100 (exact GeLU, bf16 [8192,
+8192], amax recorded): 32x128 4 warps 113.1 us, 128x64 8 warps 113.3, 64x64 4 warps 113.6, 64x128 8
+warps 117.2; and the previous fixed tile, 64x128 4 warps, 126.9 (tuned before the GeLU math changed;
+slower: 128x128 8 warps 142.1, 32x256 8 warps 127.6, 64x256 8 warps 126.5). SwiGLU ([8192, 2 x 8192],
+[4096, 2 x 14336]) was not re-measured with these tiles (with 64x128 4 warps: 77 us and 132 us)."""
+
+FWD_DEFAULT = _FWD_CONFIGS[0]
+"""The forward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
+previous fixed tile, the one SwiGLU was measured with."""
 
 _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
@@ -260,16 +300,6 @@ BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_
 fastest for GeLU on an H100 (250 us) and within 2% of the fastest for SwiGLU (253 us)."""
 
 
-def _fp8_constexprs(fp8_dtype: torch.dtype, input_dtype: torch.dtype) -> dict:
-    return {
-        "FP8_MAX": float(torch.finfo(fp8_dtype).max),
-        "FP8": _TL_FP8[fp8_dtype],
-        "MANTISSA_BITS": _MANTISSA_BITS[fp8_dtype],
-        "MIN_NORMAL_EXP": _MIN_NORMAL_EXP[fp8_dtype],
-        "ENCODE_IN_INT": encode_in_int(input_dtype),
-    }
-
-
 def _bytes(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
     """An FP8 output as the uint8 view the kernels store into (see :func:`_store_fp8`)."""
     return placeholder if t is None else t.view(torch.uint8)
@@ -280,6 +310,29 @@ def _outputs(m: int, n: int, fp8_dtype, rowwise: bool, columnwise: bool, device)
     qt = torch.empty((n, m), dtype=fp8_dtype, device=device) if columnwise else None
     scale_inv = torch.empty((), dtype=torch.float32, device=device)
     return q, qt, scale_inv
+
+
+def _fwd_launch(tag, m: int, f: int, record_amax: bool, device: torch.device, config: dict | None):
+    if config is None:  # the training path: built once per shape
+        key = (_act_fp8_fwd_kernel, tag, m, f, record_amax, device, use_autotune(m))
+        return cached_launch(key, lambda: _build_fwd_launch(tag, m, f, record_amax, device, None))
+    return _build_fwd_launch(tag, m, f, record_amax, device, config)
+
+
+def _build_fwd_launch(tag, m: int, f: int, record_amax: bool, device, config: dict | None) -> GridLaunch:
+    sms = sm_count(device)
+
+    def grid(cfg):
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(f, cfg["BLOCK_F"])
+        # one tile a program (more programs in flight) unless the amax is recorded (one atomic a program)
+        return (min(tiles, PROGRAMS_PER_SM * sms) if record_amax else tiles,)
+
+    # Autotuning runs every config several times into the same outputs: harmless, as a run stores
+    # the same bytes whatever its tile and only max-es the same values into the amax record.
+    return GridLaunch(
+        _act_fp8_fwd_kernel, (*tag, record_amax), m, _FWD_CONFIGS, FWD_DEFAULT, key=["M", "F"], grid=grid,
+        parts=lambda cfg: 0, config=config,
+    )  # fmt: skip
 
 
 def act_fp8_forward(
@@ -299,16 +352,14 @@ def act_fp8_forward(
     m = h.shape[0]
     f = h.shape[1] // 2 if swiglu else h.shape[1]
     q, qt, scale_inv = _outputs(m, f, fp8_dtype, rowwise, columnwise, h.device)
-    cfg = {**FWD_CONFIG, **(config or {})}
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(f, cfg["BLOCK_F"])
-    # one tile a program (more programs in flight) unless the amax is recorded (one atomic a program)
-    grid = (min(tiles, PROGRAMS_PER_SM * sm_count(h.device)) if amax_record is not None else tiles,)
-    _act_fp8_fwd_kernel[grid](
+    tag = (kind, bias is not None, h.dtype, fp8_dtype, rowwise, columnwise)
+    launch = _fwd_launch(tag, m, f, amax_record is not None, h.device, config)
+    launch(
         h, h if bias is None else bias, _bytes(q, scale_inv), _bytes(qt, scale_inv),
         scale, scale_inv, scale_inv if amax_record is None else amax_record, m, f, h.stride(0),
         SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=bias is not None,
         RECORD_AMAX=amax_record is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
-        **_fp8_constexprs(fp8_dtype, h.dtype), **cfg,
+        FP8_FORMAT=_fp8_format(fp8_dtype, h.dtype),
     )  # fmt: skip
     return q, qt, scale_inv
 
@@ -362,7 +413,7 @@ def act_fp8_backward(
         scale, scale_inv, scale_inv if amax_record is None else amax_record, scale_inv if part is None else part,
         m, f, grad_output.stride(0), h.stride(0),
         SWIGLU=swiglu, TANH=kind == "gelu_tanh", HAS_BIAS=has_bias, RECORD_AMAX=amax_record is not None,
-        ROWWISE=rowwise, COLUMNWISE=columnwise, **_fp8_constexprs(fp8_dtype, h.dtype),
+        ROWWISE=rowwise, COLUMNWISE=columnwise, FP8_FORMAT=_fp8_format(fp8_dtype, h.dtype),
     )  # fmt: skip
     dbias = sum_partials(part, parts, [bias.dtype])[0] if has_bias else None
     return q, qt, scale_inv, dbias
