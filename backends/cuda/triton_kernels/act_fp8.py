@@ -273,7 +273,15 @@ def _act_fp8_bwd_kernel(
 
 _FWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w}
-    for bm, bf, w in ((64, 128, 4), (32, 128, 4), (64, 64, 4), (128, 64, 8), (64, 128, 8))
+    for bm, bf, w in (
+        (64, 128, 4),
+        (32, 128, 4),
+        (64, 64, 4),
+        (128, 64, 8),
+        (64, 128, 8),
+        (32, 64, 4),
+        (16, 128, 4),
+    )
 ]
 """The forward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``):
 the four fastest of ``bench_act_fp8.py --sweep --kinds gelu`` on an H100 (exact GeLU, bf16 [8192,
@@ -290,7 +298,7 @@ _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
     for bm, bf, w in ((64, 128, 8), (32, 128, 4), (128, 64, 8), (64, 64, 4))
     for per_sm in (8, 16)
-]
+] + [{"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": 4, "PER_SM": 16} for bm, bf in ((32, 64), (16, 128))]
 """The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``).
 On an H100 (bench_act_fp8.py, autotuned): GeLU [8192, 8192] 185 us (251 with libdevice ``erff``; 159
 us with the identity activation), tanh GeLU 173 us, SwiGLU [8192, 8192] 128 us, [4096, 28672] 224 us."""
