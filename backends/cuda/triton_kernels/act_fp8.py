@@ -273,22 +273,17 @@ def _act_fp8_bwd_kernel(
 
 _FWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w}
-    for bm, bf, w in (
-        (64, 128, 4),
-        (32, 128, 4),
-        (64, 64, 4),
-        (128, 64, 8),
-        (64, 128, 8),
-        (32, 64, 4),
-        (16, 128, 4),
-    )
+    for bm, bf, w in ((64, 128, 4), (32, 128, 4), (64, 64, 4), (128, 64, 8), (64, 128, 8))
 ]
 """The forward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``):
 the four fastest of ``bench_act_fp8.py --sweep --kinds gelu`` on an H100 (exact GeLU, bf16 [8192,
 8192], amax recorded): 32x128 4 warps 113.1 us, 128x64 8 warps 113.3, 64x64 4 warps 113.6, 64x128 8
 warps 117.2; and the previous fixed tile, 64x128 4 warps, 126.9 (tuned before the GeLU math changed;
-slower: 128x128 8 warps 142.1, 32x256 8 warps 127.6, 64x256 8 warps 126.5). SwiGLU ([8192, 2 x 8192],
-[4096, 2 x 14336]) was not re-measured with these tiles (with 64x128 4 warps: 77 us and 132 us)."""
+slower: 128x128 8 warps 142.1, 32x256 8 warps 127.6, 64x256 8 warps 126.5). A second H100 sweep the
+same day (``--sweep --kinds gelu,swiglu``): GeLU autotuned 111.5 us (32x128 4 warps 111.6, 128x64 8
+warps 111.3, 64x64 4 warps 112.5, 64x128 4 warps 126.5); SwiGLU [8192, 2 x 8192] autotuned 77.8 us,
+[4096, 2 x 14336] 131.7 us (64x128 4 warps 131.6, 64x64 4 warps 131.9); 32x64 4 warps (140.5 us GeLU)
+and 16x128 4 warps (280.5 us) were slower everywhere and are not tuned over."""
 
 FWD_DEFAULT = _FWD_CONFIGS[0]
 """The forward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
@@ -298,10 +293,12 @@ _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
     for bm, bf, w in ((64, 128, 8), (32, 128, 4), (128, 64, 8), (64, 64, 4))
     for per_sm in (8, 16)
-] + [{"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": 4, "PER_SM": 16} for bm, bf in ((32, 64), (16, 128))]
+]
 """The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``).
 On an H100 (bench_act_fp8.py, autotuned): GeLU [8192, 8192] 185 us (251 with libdevice ``erff``; 159
-us with the identity activation), tanh GeLU 173 us, SwiGLU [8192, 8192] 128 us, [4096, 28672] 224 us."""
+us with the identity activation), tanh GeLU 173 us, SwiGLU [8192, 8192] 128 us, [4096, 28672] 224 us.
+32x64 and 16x128 tiles (4 warps, 16 per SM) were timed too and lost for every kind (GeLU 232 and 268
+us against the autotuned 204 on that machine)."""
 
 BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_PER_SM}
 """The backward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
