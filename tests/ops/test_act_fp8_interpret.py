@@ -357,7 +357,9 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
         for call in ("tuning", "tuned"):  # the first call tunes, the second reuses the choice
             check(f"forward autotuned ({call}) {case}", case, start=1e6 if call == "tuned" else 0.5)
         tag = (kind, False, inputs[case].dtype, e4m3, True, True)
-        launch = kernels._fwd_launch(tag, m, width // 2 if kind == "swiglu" else width, True, device, None)
+        # the inputs' device (cuda:0 on the GPU: the launch cache keys on it, not on the bare "cuda")
+        f = width // 2 if kind == "swiglu" else width
+        launch = kernels._fwd_launch(tag, m, f, True, inputs[case].device, None)
         want = {**kernels._FWD_CONFIGS[-1], "num_stages": 3}
         if launch.tuner is not None or launch.configs != [want]:
             failures.append(f"forward autotuned {case}: launch runs {launch.configs}, not {want}")
