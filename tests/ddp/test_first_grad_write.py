@@ -32,7 +32,7 @@ from mcore.models.gpt import GPTModel
 from mcore.ops import reference
 from mcore.tensor_parallel import fp8 as fp8_module
 from mcore.tensor_parallel.first_grad import is_unwritten, opts_in
-from mcore.tensor_parallel.fp8 import update_fp8_scales
+from mcore.testing.ddp_steps import sgd_steps_on_main_grad
 from mcore.testing.distributed import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
@@ -84,20 +84,8 @@ def _train(recipe: str, micro_batches: int, overwrite: bool, steps: int = 3):
     ddp.overwrite_first_grads = overwrite
     gen = torch.Generator().manual_seed(7)
     data = torch.randint(0, VOCAB, (steps, micro_batches, 2, BATCH, SEQ), generator=gen)
-    losses, grads = [], []
-    for step in range(steps):
-        ddp.zero_grad_buffer()
-        for tokens, labels in data[step]:
-            loss = ddp(tokens, None, None, labels=labels)
-            loss.mean().backward()
-            losses.append(loss.detach())
-        ddp.finish_grad_sync()
-        update_fp8_scales(model, (groups.tp,))
-        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(0.05 * p.main_grad)
-    return torch.stack(losses), grads, model
+    losses, grads = sgd_steps_on_main_grad(ddp, model, data, groups)
+    return losses, grads, model
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

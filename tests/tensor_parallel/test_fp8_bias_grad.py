@@ -42,9 +42,9 @@ from mcore.models.gpt import GPTModel
 from mcore.plugins.manager import plugin_manager, register_plugin
 from mcore.tensor_parallel import fp8 as fp8_module
 from mcore.tensor_parallel import fp8_fused
-from mcore.tensor_parallel.fp8 import update_fp8_scales
 from mcore.tensor_parallel.layers import RowParallelLinear
 from mcore.testing.conformance import training_rank
+from mcore.testing.ddp_steps import sgd_steps_on_main_grad
 from mcore.testing.distributed import run_distributed, test_backend_name
 from mcore.testing.op_trace import OpCallRecorder
 
@@ -127,20 +127,7 @@ def _train(groups, path: str, dropout: float, new: bool, recompute: str = "none"
     gen = torch.Generator().manual_seed(7)
     data = torch.randint(0, VOCAB, (steps, 2, 2, BATCH, SEQ), generator=gen)
     torch.manual_seed(3)  # the dropout masks
-    losses, grads = [], []
-    for step in range(steps):
-        ddp.zero_grad_buffer()
-        for tokens, labels in data[step]:
-            loss = ddp(tokens, None, None, labels=labels)
-            loss.mean().backward()
-            losses.append(loss.detach())
-        ddp.finish_grad_sync()
-        update_fp8_scales(model, (groups.tp,))
-        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(0.05 * p.main_grad)
-    return torch.stack(losses), grads
+    return sgd_steps_on_main_grad(ddp, model, data, groups)
 
 
 def _compare(got, want) -> None:
