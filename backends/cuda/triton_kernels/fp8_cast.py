@@ -411,6 +411,30 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _cast_outputs(x: torch.Tensor, m: int, k: int, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool):
+    """The cast kernels' outputs: ``(q [m, k] or None, qT [k, m] or None, scale_inv)``."""
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
+    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
+    return q, qt, torch.empty((), dtype=torch.float32, device=x.device)
+
+
+def _cast_constexprs(x, fp8_dtype, margin, amax, amax_record, rowwise, columnwise) -> dict:
+    """The FP8 format and mode constexprs both cast kernels take."""
+    fp8_max = float(torch.finfo(fp8_dtype).max)
+    return dict(
+        FP8_LIMIT=fp8_max / 2.0**margin,
+        FP8_MAX=fp8_max,
+        FP8=_TL_FP8[fp8_dtype],
+        MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
+        MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
+        ENCODE_IN_INT=encode_in_int(x.dtype),
+        FROM_AMAX=amax is not None,
+        RECORD_AMAX=amax_record is not None,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+    )
+
+
 def cast(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -425,10 +449,7 @@ def cast(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The op ``fp8_cast`` on a 2-D ``x [M, K]`` (any strides): see :func:`mcore.ops.reference.fp8_cast`."""
     m, k = x.shape
-    fp8_max = float(torch.finfo(fp8_dtype).max)
-    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
-    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    q, qt, scale_inv = _cast_outputs(x, m, k, fp8_dtype, rowwise, columnwise)
     given = amax if amax is not None else scale
     cfg = {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, **(config or {})}
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(k, cfg["BLOCK_K"])
@@ -445,16 +466,7 @@ def cast(
         k,
         x.stride(0),
         x.stride(1),
-        FP8_LIMIT=fp8_max / 2.0**margin,
-        FP8_MAX=fp8_max,
-        FP8=_TL_FP8[fp8_dtype],
-        MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
-        MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
-        ENCODE_IN_INT=encode_in_int(x.dtype),
-        FROM_AMAX=amax is not None,
-        RECORD_AMAX=amax_record is not None,
-        ROWWISE=rowwise,
-        COLUMNWISE=columnwise,
+        **_cast_constexprs(x, fp8_dtype, margin, amax, amax_record, rowwise, columnwise),
         **cfg,
     )
     return q, qt, scale_inv
@@ -521,10 +533,7 @@ def _cast_dbias_launch(
     """Run :func:`_cast_dbias_kernel` on ``x [m, k]`` (one source, any strides) or on the packing of
     three sources (``widths``): ``(q, qT, scale_inv, dbias or None)``."""
     x = sources[0]
-    fp8_max = float(torch.finfo(fp8_dtype).max)
-    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
-    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    q, qt, scale_inv = _cast_outputs(x, m, k, fp8_dtype, rowwise, columnwise)
     given = amax if amax is not None else scale
     launch = _dbias_launch(m, k, x.device, config, widths)
     part = torch.empty((1, launch.max_parts, k), dtype=torch.float32, device=x.device) if dbias else scale_inv
@@ -552,16 +561,7 @@ def _cast_dbias_launch(
         w2,
         PACKED=packed,
         HAS_DBIAS=dbias,
-        FP8_LIMIT=fp8_max / 2.0**margin,
-        FP8_MAX=fp8_max,
-        FP8=_TL_FP8[fp8_dtype],
-        MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
-        MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
-        ENCODE_IN_INT=encode_in_int(x.dtype),
-        FROM_AMAX=amax is not None,
-        RECORD_AMAX=amax_record is not None,
-        ROWWISE=rowwise,
-        COLUMNWISE=columnwise,
+        **_cast_constexprs(x, fp8_dtype, margin, amax, amax_record, rowwise, columnwise),
     )
     dbias_out = sum_partials(part, parts, [x.dtype])[0] if dbias else None
     return q, qt, scale_inv, dbias_out
