@@ -35,6 +35,8 @@ encoding too: the CPU tests run the exact code of the fp32 path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -489,15 +491,17 @@ def _dbias_launch(
 ) -> GridLaunch:
     """The launch of :func:`_cast_dbias_kernel` for ``x [m, k]`` (``widths``: the packed parts' widths,
     :func:`cast_packed`; a config's ``BLOCK_K`` must divide each)."""
-    # (an explicit ``config`` is the caller's to fit; without one, :func:`packed_block_fits` held)
-    configs = [c for c in _DBIAS_CONFIGS if all(w % c["BLOCK_K"] == 0 for w in widths)] or [_DBIAS_DEFAULT]
-    default = _DBIAS_DEFAULT if _DBIAS_DEFAULT in configs else configs[0]
 
     def splits(cfg) -> int:
         cap = max(1, cfg["PER_SM"] * sm_count(device) // triton.cdiv(k, cfg["BLOCK_K"]))
         return balanced_programs(triton.cdiv(m, cfg["BLOCK_M"]), cap)
 
     def build() -> GridLaunch:
+        # (an explicit ``config`` is the caller's to fit; without one, :func:`packed_block_fits` held)
+        configs = [c for c in _DBIAS_CONFIGS if all(w % c["BLOCK_K"] == 0 for w in widths)] or [
+            _DBIAS_DEFAULT
+        ]
+        default = _DBIAS_DEFAULT if _DBIAS_DEFAULT in configs else configs[0]
         return GridLaunch(
             _cast_dbias_kernel, "fp8_cast_dbias", m, configs, default,
             key=["M", "K", "W0", "W1", "W2", "PACKED", "HAS_DBIAS", "ROWWISE", "COLUMNWISE", "RECORD_AMAX"],
@@ -510,6 +514,7 @@ def _dbias_launch(
     return cached_launch(("fp8_cast_dbias", m, k, widths, device, how), build)
 
 
+@functools.cache
 def packed_block_fits(widths: tuple[int, ...]) -> bool:
     """Whether :func:`cast_packed` has a block shape for parts of these widths (one dividing each)."""
     return any(all(w % c["BLOCK_K"] == 0 for w in widths) for c in _DBIAS_CONFIGS)
