@@ -211,6 +211,7 @@ def _act_fp8_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     PER_SM: tl.constexpr,  # sets the grid only
+    NUM_STAGES: tl.constexpr,  # software pipelining of the row loop (1: none)
     EVEN: tl.constexpr,  # M % BLOCK_M == F % BLOCK_F == 0: no bounds masks
 ):
     # Persistent over [row programs, column blocks]: program (r, c) walks row blocks r, r + R, ... of
@@ -226,7 +227,9 @@ def _act_fp8_bwd_kernel(
     db = tl.zeros([BLOCK_F], dtype=tl.float32)
     db_up = tl.zeros([BLOCK_F], dtype=tl.float32)
     running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+    # NUM_STAGES > 1: the next row blocks' loads are issued (cp.async into shared memory) while this
+    # one is computed and stored, hiding the erf/exp arithmetic behind the memory traffic
+    for start in tl.range(pid_r * BLOCK_M, M, tl.num_programs(0) * BLOCK_M, num_stages=NUM_STAGES):
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < M)[:, None] & cmask[None, :]
         if EVEN:
@@ -290,17 +293,32 @@ FWD_DEFAULT = _FWD_CONFIGS[0]
 previous fixed tile, the one SwiGLU was measured with."""
 
 _BWD_CONFIGS = [
-    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
-    for bm, bf, w in ((64, 128, 8), (32, 128, 4), (128, 64, 8), (64, 64, 4))
-    for per_sm in (8, 16)
+    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm, "NUM_STAGES": stages}
+    for bm, bf, w, per_sm, stages in (
+        *(
+            (bm, bf, w, per_sm, 1)
+            for bm, bf, w in ((64, 128, 8), (32, 128, 4), (128, 64, 8), (64, 64, 4))
+            for per_sm in (8, 16)
+        ),
+        (32, 128, 4, 24, 1),
+        (64, 64, 4, 16, 3),
+        (64, 64, 4, 24, 3),
+        (64, 64, 4, 8, 4),
+        (128, 64, 8, 8, 3),
+    )
 ]
 """The backward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``).
-On an H100 (bench_act_fp8.py, autotuned): GeLU [8192, 8192] 185 us (251 with libdevice ``erff``; 159
-us with the identity activation), tanh GeLU 173 us, SwiGLU [8192, 8192] 128 us, [4096, 28672] 224 us.
-32x64 and 16x128 tiles (4 warps, 16 per SM) were timed too and lost for every kind (GeLU 232 and 268
-us against the autotuned 204 on that machine)."""
+``NUM_STAGES`` pipelines the row loop (``tl.range(..., num_stages=)``: the next row blocks' loads in
+flight while this one's erf/exp arithmetic and stores run). On an H100 (a sweep of
+every tile x ``PER_SM`` 8/16/24 x stages 1-4, bytes checked equal to stages 1; 2026-11-25): exact GeLU
+[8192, 8192] best 163.5 us with 64x64 / 4 warps / 24 per SM / 3 stages (best without pipelining 186.2,
+the previous list's autotuned 185.3; 64x64/16 per SM/3 stages 164.5 and 187.7 in two runs, so both
+grids are tuned over); SwiGLU [8192, 2 x 8192] 128.4 us and [4096, 2 x 14336] 221.0 us, both best
+without pipelining (it gained nothing there: within 1%). Older measurements of the first eight: tanh
+GeLU 173 us; 32x64 and 16x128 tiles lost for every kind. In the 24L h2048 training step the 24
+backward calls went from ~4.7 to 4.00 ms (166.7 us each)."""
 
-BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_PER_SM}
+BWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4, "PER_SM": PROGRAMS_PER_SM, "NUM_STAGES": 1}
 """The backward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
 fastest for GeLU on an H100 (250 us) and within 2% of the fastest for SwiGLU (253 us)."""
 
