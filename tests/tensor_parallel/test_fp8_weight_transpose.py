@@ -11,7 +11,8 @@ backward casts ``W^T`` again with it (:func:`mcore.tensor_parallel.fp8.weight_tr
    two micro-batches with SGD and a scale update between them (the delayed history moves): per-token
    losses, every ``main_grad`` after each step and the delayed states (amax histories, scales) are
    identical with the flag and without; also under full and ``--recompute-modules mlp``
-   recomputation, and at TP=2 (2 gloo processes, on each rank). Each run with the flag must have
+   recomputation, and at TP=2 (2 gloo processes, on each rank; there the saved bytes drop by the
+   rank's weight shards, as in 3.). Each run with the flag must have
    cast the weights again in its backward (else the comparison proves nothing).
 2. The casts: with the flag every FP8 weight is cast row-wise in the forward (recording its amax,
    delayed) and column-wise in the backward, which records nothing: the amax records (casts with an
@@ -111,7 +112,11 @@ class _WeightCasts:
 
 def _build(groups, model_name: str, path: str, keep: bool, recompute: str = "none"):
     fp8 = Fp8Config(
-        fp8_format="hybrid", fp8_amax_history_len=2, fp8_keep_weight_transpose=keep, **PATHS[path]
+        fp8_format="hybrid",
+        fp8_amax_history_len=2,
+        fp8_margin=1,
+        fp8_keep_weight_transpose=keep,
+        **PATHS[path],
     )
     cfg = ModelConfig(**MODELS[model_name], **RECOMPUTE[recompute])
     torch.manual_seed(0)
@@ -204,9 +209,10 @@ def test_dropping_the_weight_transpose_under_recomputation(monkeypatch, path, re
     _compare(got, want)
 
 
-def _saved_fp8_bytes(model_name: str, path: str, keep: bool) -> tuple[int, int]:
-    """FP8 bytes one training forward saves for backward, and the FP8 linears' weight elements."""
-    model = _build(ProcessGroups.single(), model_name, path, keep)
+def _saved_fp8_bytes(groups, model_name: str, path: str, keep: bool) -> tuple[int, int]:
+    """FP8 bytes one training forward saves for backward, and the FP8 linears' weight elements (this
+    rank's shards)."""
+    model = _build(groups, model_name, path, keep)
     saved = 0
 
     def pack(t):
@@ -224,8 +230,9 @@ def _saved_fp8_bytes(model_name: str, path: str, keep: bool) -> tuple[int, int]:
 
 @pytest.mark.parametrize(("model_name", "path"), [("gpt", "tensorwise"), ("llama", "delayed-fused")])
 def test_the_saved_fp8_bytes_drop_by_the_weight_elements(model_name, path):
-    kept, weight_elements = _saved_fp8_bytes(model_name, path, keep=True)
-    dropped, _ = _saved_fp8_bytes(model_name, path, keep=False)
+    single = ProcessGroups.single()
+    kept, weight_elements = _saved_fp8_bytes(single, model_name, path, keep=True)
+    dropped, _ = _saved_fp8_bytes(single, model_name, path, keep=False)
     assert weight_elements > 0 and dropped > 0
     assert kept - dropped == weight_elements, (kept, dropped, weight_elements)
 
@@ -241,12 +248,17 @@ def _tp2_cases():
             out[f"{model_name}-{path}"] = "ok"
         except AssertionError as error:
             out[f"{model_name}-{path}"] = str(error)
+        (kept, shard_elements), (dropped, _) = (
+            _saved_fp8_bytes(groups, model_name, path, keep) for keep in (True, False)
+        )
+        out[f"{model_name}-{path}-bytes"] = kept - dropped == shard_elements > 0
     return out
 
 
 def test_dropping_the_weight_transpose_at_tp2():
     for rank in run_distributed(_tp2_cases, 2, timeout=300):
-        assert rank == {"gpt-tensorwise": "ok", "llama-delayed-fused": "ok", "gpt-delayed": "ok"}, rank
+        cases = ("gpt-tensorwise", "llama-delayed-fused", "gpt-delayed")
+        assert rank == {**dict.fromkeys(cases, "ok"), **{f"{c}-bytes": True for c in cases}}, rank
 
 
 # -- --fp8-param-gather ------------------------------------------------------------------------------
