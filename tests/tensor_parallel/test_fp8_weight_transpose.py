@@ -11,8 +11,8 @@ backward casts ``W^T`` again with it (:func:`mcore.tensor_parallel.fp8.weight_tr
    two micro-batches with SGD and a scale update between them (the delayed history moves): per-token
    losses, every ``main_grad`` after each step and the delayed states (amax histories, scales) are
    identical with the flag and without; also under full and ``--recompute-modules mlp``
-   recomputation, and at TP=2 (2 gloo processes, on each rank; there the saved bytes drop by the
-   rank's weight shards, as in 3.). Each run with the flag must have
+   recomputation, and at TP=2 (2 gloo processes, on each rank; also with sequence parallelism; there
+   the saved bytes drop by the rank's weight shards, as in 3.). Each run with the flag must have
    cast the weights again in its backward (else the comparison proves nothing).
 2. The casts: with the flag every FP8 weight is cast row-wise in the forward (recording its amax,
    delayed) and column-wise in the backward, which records nothing: the amax records (casts with an
@@ -111,6 +111,9 @@ class _WeightCasts:
 
 
 def _build(groups, model_name: str, path: str, keep: bool, recompute: str = "none"):
+    """``path``: one of :data:`PATHS`, with ``-sp``: sequence parallelism (the FP8 input gather)."""
+    sequence_parallel = path.endswith("-sp")
+    path = path.removesuffix("-sp")
     fp8 = Fp8Config(
         fp8_format="hybrid",
         fp8_amax_history_len=2,
@@ -121,7 +124,9 @@ def _build(groups, model_name: str, path: str, keep: bool, recompute: str = "non
     cfg = ModelConfig(**MODELS[model_name], **RECOMPUTE[recompute])
     torch.manual_seed(0)
     vocab = padded_vocab_size(VOCAB, 32, groups.tp_size)
-    model = GPTModel(cfg, groups, vocab, device=torch.device("cpu"), fp8=fp8)
+    model = GPTModel(
+        cfg, groups, vocab, device=torch.device("cpu"), fp8=fp8, sequence_parallel=sequence_parallel
+    )
     fused = path == "delayed-fused"
     assert all(layer.fp8_fused_mlp == fused for layer in model.decoder.layers)
     return model
@@ -237,10 +242,18 @@ def test_the_saved_fp8_bytes_drop_by_the_weight_elements(model_name, path):
     assert kept - dropped == weight_elements, (kept, dropped, weight_elements)
 
 
+TP2_CASES = (
+    ("gpt", "tensorwise"),
+    ("llama", "delayed-fused"),
+    ("gpt", "delayed"),
+    ("llama", "tensorwise-sp"),
+)
+
+
 def _tp2_cases():
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
     out = {}
-    for model_name, path in (("gpt", "tensorwise"), ("llama", "delayed-fused"), ("gpt", "delayed")):
+    for model_name, path in TP2_CASES:
         want = _train(groups, model_name, path, keep=True)
         got = _train(groups, model_name, path, keep=False)
         try:
@@ -257,7 +270,7 @@ def _tp2_cases():
 
 def test_dropping_the_weight_transpose_at_tp2():
     for rank in run_distributed(_tp2_cases, 2, timeout=300):
-        cases = ("gpt-tensorwise", "llama-delayed-fused", "gpt-delayed")
+        cases = [f"{model_name}-{path}" for model_name, path in TP2_CASES]
         assert rank == {**dict.fromkeys(cases, "ok"), **{f"{c}-bytes": True for c in cases}}, rank
 
 
