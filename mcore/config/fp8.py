@@ -113,7 +113,8 @@ class Fp8Config:
         "Tensorwise/delayed: do not keep each FP8 weight's transpose W_q^T from the forward for the "
         "backward's input gradient (1 byte a weight element held from forward to backward); the "
         "backward casts the weight again with the forward's scale instead (bit-identical; it reads "
-        "the weight again, 2 bytes an element, and runs one more kernel a linear).",
+        "the weight again, 2 bytes an element, and runs one more kernel a linear; with "
+        "--fp8-param-gather it transposes the gathered FP8 weight). Rowwise keeps no transpose.",
         name="--no-fp8-keep-weight-transpose",
     )
     fp8_param_gather: bool = flag(
