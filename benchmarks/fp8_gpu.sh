@@ -45,6 +45,9 @@ fi
 if [[ $what == llama || $what == all ]]; then
   $TT $LLAMA $PA $G $RC --iters 10 --out "$OUT/fp8.jsonl" --label llama-bf16
   $TT $LLAMA $PA $G $RC --fp8-format hybrid --fp8-recipe tensorwise --iters 10 --out "$OUT/fp8.jsonl" --label llama-fp8-tensorwise
+  # the peak memory with and without the kept W_q^T (1 byte a weight element held forward -> backward)
+  $TT $LLAMA $PA $G $RC --fp8-format hybrid --fp8-recipe delayed --iters 10 --out "$OUT/fp8.jsonl" --label llama-fp8-delayed
+  $TT $LLAMA $PA $G $RC --fp8-format hybrid --fp8-recipe delayed --no-fp8-keep-weight-transpose --iters 10 --out "$OUT/fp8.jsonl" --label llama-fp8-delayed-notrans
 fi
 LLAMA32="--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu --ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 50257"
 if [[ $what == llama32 ]]; then

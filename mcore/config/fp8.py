@@ -34,6 +34,11 @@ class Fp8Recipe:
             and the MLP activation write the FP8 GEMM inputs themselves
             (:mod:`mcore.tensor_parallel.fp8_fused`; bit-identical to the unfused path).
             ``--no-fp8-fused-producers`` runs the unfused path.
+        keep_weight_transpose: the tensorwise and delayed recipes' forward cast of a weight also
+            writes ``W_q^T`` and keeps it for the input gradient (1 byte a weight element held from
+            forward to backward); ``--no-fp8-keep-weight-transpose`` casts ``W_q`` only and the
+            backward casts ``W^T`` again with the forward's scale (bit-identical; a second read of
+            the weight, 2 bytes an element, and one more kernel a linear).
     """
 
     format: str = "hybrid"
@@ -43,6 +48,7 @@ class Fp8Recipe:
     amax_compute_algo: str = "most_recent"
     wgrad: bool = True
     fused_producers: bool = True
+    keep_weight_transpose: bool = True
 
     def __post_init__(self):
         if self.format not in FP8_FORMATS:
@@ -101,6 +107,15 @@ class Fp8Config:
         "Delayed recipe: run the norm and the MLP activation unfused from the FP8 casts of the next "
         "linear's input (mcore's fused producers are bit-identical and faster; for comparisons).",
         name="--no-fp8-fused-producers",
+    )
+    fp8_keep_weight_transpose: bool = flag(
+        True,
+        "Tensorwise/delayed: do not keep each FP8 weight's transpose W_q^T from the forward for the "
+        "backward's input gradient (1 byte a weight element held from forward to backward); the "
+        "backward casts the weight again with the forward's scale instead (bit-identical; it reads "
+        "the weight again, 2 bytes an element, and runs one more kernel a linear; with "
+        "--fp8-param-gather it transposes the gathered FP8 weight). Rowwise keeps no transpose.",
+        name="--no-fp8-keep-weight-transpose",
     )
     fp8_param_gather: bool = flag(
         False,
@@ -174,6 +189,7 @@ class Fp8Config:
             amax_compute_algo=self.fp8_amax_compute_algo,
             wgrad=self.fp8_wgrad,
             fused_producers=self.fp8_fused_producers,
+            keep_weight_transpose=self.fp8_keep_weight_transpose,
         )
 
     def layer_in_fp8(self, layer_number: int, num_layers: int) -> bool:

@@ -205,6 +205,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     one byte per weight element between forward and backward and saves the backward a second read of
     the weight (2 bytes per element) and a kernel. With a gathered weight (``--fp8-param-gather``) the
     forward multiplies its ``W_q`` and keeps those bytes transposed (``W_q^T``, a copy).
+    ``--no-fp8-keep-weight-transpose`` keeps the forward's scale instead and the backward makes
+    ``W_q^T`` again, bit for bit (:func:`cast_weight`, :func:`weight_transpose_for_backward`).
     Rowwise (and ``--no-fp8-wgrad``) keep ``x`` itself: the wgrad operand needs other scales.
 
     ``bias_added_by_caller``: ``bias`` is not added to ``y`` (the caller adds it, see the module
@@ -251,8 +253,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
                 x_saved = x_qT if recipe.wgrad else x2d
             need_w_t = training and ctx.needs_input_grad[0]  # W_q^T for the input gradient
-            w_q, w_qT, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_w_t)
-            ctx.save_for_backward(x_saved, x_sinv, weight, w_qT, w_sinv)
+            w_q, w_t, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_w_t)
+            ctx.save_for_backward(x_saved, x_sinv, weight, w_t, w_sinv)
         added_bias = None if bias_added_by_caller else bias
         y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, added_bias, x.dtype)
         return y.reshape(*out_rows, y.shape[-1])
@@ -281,7 +283,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     weight, ctx.main_grad, dy_qT, x_qT, dyT_sinv, xT_sinv, ctx.zero_placeholder
                 )
         else:
-            x_saved, x_sinv, weight, w_qT, w_sinv = ctx.saved_tensors
+            x_saved, x_sinv, weight, w_t, w_sinv = ctx.saved_tensors
             if ctx.sp_group is not None and ctx.needs_input_grad[1]:
                 x_saved = transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
@@ -293,6 +295,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             )
             grad_bias = dbias[0] if need_dbias else None
             if ctx.needs_input_grad[0]:
+                w_qT = weight_transpose_for_backward(call, weight, w_t)
                 grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
                 if recipe.wgrad:
@@ -328,17 +331,58 @@ def cast_weight(
     gathered: Fp8GatheredWeight | None,
     transposed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(W_q, W_q^T or None, W's scale_inv)`` for a tensorwise/delayed FP8 linear's forward.
+    """``(W_q, for_backward, W's scale_inv)`` for a tensorwise/delayed FP8 linear's forward; also used
+    by :mod:`.fp8_fused`. ``transposed``: the backward needs ``W_q^T [K, N]`` (for the input
+    gradient); ``for_backward`` (None without ``transposed``) is what to save for
+    :func:`weight_transpose_for_backward`, the one place that turns it into ``W_q^T``.
 
-    With ``transposed`` the one cast also writes ``W_q^T``, which the caller keeps for the input
-    gradient (1 byte a weight element until the backward, as Transformer Engine keeps it) instead of
-    reading the bf16 weight again in the backward. With ``--fp8-param-gather`` (``gathered``) the
-    gathered ``W_q`` (made after the optimizer step) and its bytes transposed. Also used by
-    :mod:`.fp8_fused`."""
+    The recipe's ``keep_weight_transpose`` (the default) keeps ``W_q^T`` itself: the one cast writes
+    ``W_q`` and ``W_q^T`` (as Transformer Engine keeps the transpose), 1 byte a weight element held
+    from forward to backward. Without it (``--no-fp8-keep-weight-transpose``) the cast writes ``W_q``
+    only and ``for_backward`` is the scaling the forward used: the delayed recipe's WEIGHT scale (the
+    state's slot, which changes only at the step's scale update, after every backward of the step:
+    autograd's version check refuses a backward after an in-place change) or the tensorwise amax
+    (the weight does not change between forward and backward); the backward casts ``W^T`` again with
+    exactly that scale, bit for bit the kept ``W_q^T``.
+
+    With ``--fp8-param-gather`` (``gathered``) ``W_q`` is the gathered weight (made after the optimizer
+    step; its buffer is rewritten only at the next step's gather, after the backward): kept, its bytes
+    transposed (a copy); not kept, the gathered ``W_q`` itself (no bytes of its own), transposed in
+    the backward."""
+    keep = call.recipe.keep_weight_transpose
     if gathered is not None:
-        return gathered.data, transpose_fp8(gathered.data) if transposed else None, gathered.scale_inv
+        for_backward = None
+        if transposed:
+            for_backward = transpose_fp8(gathered.data) if keep else gathered.data
+        return gathered.data, for_backward, gathered.scale_inv
     w_scaling = call.scaling(WEIGHT, weight, training)
-    return get_ops().fp8_cast(weight, call.recipe.fwd_dtype, columnwise=transposed, **w_scaling)
+    w_q, w_qT, w_sinv = get_ops().fp8_cast(
+        weight, call.recipe.fwd_dtype, columnwise=transposed and keep, **w_scaling
+    )
+    if not transposed or keep:
+        return w_q, w_qT, w_sinv
+    return w_q, w_scaling["scale"] if "scale" in w_scaling else w_scaling["amax"], w_sinv
+
+
+def weight_transpose_for_backward(
+    call: Fp8Linear, weight: torch.Tensor, for_backward: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``W_q^T [K, N]`` for the input gradient ``dx = dy W``, from what :func:`cast_weight` gave the
+    forward to save: the kept ``W_q^T`` as is; else (``--no-fp8-keep-weight-transpose``) a gathered
+    ``W_q`` (FP8) transposed, or ``weight [N, K]`` cast column-wise only with the forward's scale
+    (fp32: the delayed scale or the tensorwise amax, with the recipe's margin). This cast records no
+    amax (the forward's cast did) and reduces nothing over TP (the saved amax already is)."""
+    if for_backward is None or call.recipe.keep_weight_transpose:
+        return for_backward
+    fwd = call.recipe.fwd_dtype
+    if for_backward.dtype == fwd:  # a gathered W_q [N, K]
+        return transpose_fp8(for_backward)
+    if call.state is not None:
+        scaling: dict[str, Any] = {"scale": for_backward}
+    else:
+        scaling = {"amax": for_backward, "margin": call.recipe.margin}
+    _, w_qT, _ = get_ops().fp8_cast(weight, fwd, rowwise=False, columnwise=True, **scaling)
+    return w_qT
 
 
 def fp8_wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv, shared: bool = False) -> torch.Tensor | None:

@@ -35,8 +35,10 @@ gradient only), sums it in the cast (``fp8_cast_dbias``, one read of ``g``) and 
 Saved for backward: the norm's input ``x`` and statistics, the FP8 ``qT`` of every GEMM input (the MLP
 also keeps fc1's output ``h``, the activation's backward input), and each weight's ``W_q^T``, written
 by the forward's cast of the weight, as :class:`~mcore.tensor_parallel.fp8._Fp8LinearFunction` keeps
-it. Nothing in the activations' dtype besides ``x`` and ``h`` is kept, so ``--recompute-modules
-layernorm``/``mlp_act`` have nothing to free on this path.
+it (``--no-fp8-keep-weight-transpose``: the forward's weight scale, and the backward casts ``W^T``
+again, :func:`~mcore.tensor_parallel.fp8.weight_transpose_for_backward`). Nothing in the
+activations' dtype besides ``x`` and ``h`` is kept, so ``--recompute-modules layernorm``/``mlp_act``
+have nothing to free on this path.
 
 Exactness: every op equals the unfused composition bit for bit (see :mod:`mcore.ops.reference`), and
 the Functions call them with the same scales, amax slots and TP reductions as the unfused layers, so
@@ -63,6 +65,7 @@ from mcore.tensor_parallel.fp8 import (
     Fp8Linear,
     cast_weight,
     fp8_wgrad,
+    weight_transpose_for_backward,
 )
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group
 
@@ -164,11 +167,11 @@ class Fp8NormLinear(torch.autograd.Function):
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
         need_x = training and any(ctx.needs_input_grad[:3])
-        w_q, w_qT, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_x)
+        w_q, w_t, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_x)
         y = ops.scaled_linear_forward(xn_q, w_q, xn_sinv, w_sinv, bias, x.dtype)
         ctx.norm, ctx.call, ctx.main_grad, ctx.tp_group = norm, call, main_grad, call.tp_group
         ctx.x_shape, ctx.has_bias, ctx.split = x.shape, bias is not None, split
-        ctx.save_for_backward(x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_qT, w_sinv)
+        ctx.save_for_backward(x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_t, w_sinv)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         if split is None:
             return y, x.view_as(x)
@@ -177,7 +180,7 @@ class Fp8NormLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_qT, w_sinv = ctx.saved_tensors
+        x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_t, w_sinv = ctx.saved_tensors
         need_x = any(ctx.needs_input_grad[:3])
         need_w = ctx.needs_input_grad[3]
         grad_residual = grads[-1]
@@ -188,6 +191,7 @@ class Fp8NormLinear(torch.autograd.Function):
         grad_weight = fp8_wgrad(weight, ctx.main_grad, dy_qT, xn_qT, dy_sinv, xn_sinv) if need_w else None
         dx = dnw = dnb = None
         if need_x:
+            w_qT = weight_transpose_for_backward(ctx.call, weight, w_t)
             dxn = _dgrad(dy_q, dy_sinv, w_qT, w_sinv, x2d.dtype)
             dx, dnw, dnb = _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual)
         return dx, dnw, dnb, grad_weight, grad_bias, None, None, None, None, None, None
@@ -267,19 +271,19 @@ class Fp8NormMLP(torch.autograd.Function):
         )  # fmt: skip
         need_x = training and any(ctx.needs_input_grad[:3])
         need_h = training and any(ctx.needs_input_grad[:5])  # anything below the activation
-        w1_q, w1_qT, w1_sinv = cast_weight(fc1, w1, training, gathered[0], transposed=need_x)
+        w1_q, w1_t, w1_sinv = cast_weight(fc1, w1, training, gathered[0], transposed=need_x)
         h = ops.scaled_linear_forward(xn_q, w1_q, xn_sinv, w1_sinv, None, x.dtype)
         scale, amax_record = _input_slot(fc2, training)
         a_q, a_qT, a_sinv = ops.act_fp8_forward(
             h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
         )
-        w2_q, w2_qT, w2_sinv = cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
+        w2_q, w2_t, w2_sinv = cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
         y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
         ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
         ctx.tp_group, ctx.x_shape, ctx.has_b2 = fc1.tp_group, x.shape, b2 is not None
         ctx.save_for_backward(
-            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_qT, w1_sinv,
-            h, b1, a_qT, a_sinv, w2, w2_qT, w2_sinv,
+            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_t, w1_sinv,
+            h, b1, a_qT, a_sinv, w2, w2_t, w2_sinv,
         )  # fmt: skip
         return y.reshape(*x.shape[:-1], y.shape[-1]), x.view_as(x)
 
@@ -287,8 +291,8 @@ class Fp8NormMLP(torch.autograd.Function):
     def backward(ctx, grad_output, grad_residual):
         ops = get_ops()
         (
-            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_qT, w1_sinv,
-            h, b1, a_qT, a_sinv, w2, w2_qT, w2_sinv,
+            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_t, w1_sinv,
+            h, b1, a_qT, a_sinv, w2, w2_t, w2_sinv,
         ) = ctx.saved_tensors  # fmt: skip
         fc1, fc2 = ctx.calls
         main_grad1, main_grad2 = ctx.main_grads
@@ -309,7 +313,7 @@ class Fp8NormMLP(torch.autograd.Function):
         grad_w2 = fp8_wgrad(w2, main_grad2, dy_qT, a_qT, dy_sinv, a_sinv) if need_w2 else None
         grad_w1 = grad_b1 = dx = dnw = dnb = None
         if need_h:
-            da = _dgrad(dy_q, dy_sinv, w2_qT, w2_sinv, x2d.dtype)
+            da = _dgrad(dy_q, dy_sinv, weight_transpose_for_backward(fc2, w2, w2_t), w2_sinv, x2d.dtype)
             scale, amax_record = _grad_slot(fc1)
             dh_q, dh_qT, dh_sinv, grad_b1 = ops.act_fp8_backward(
                 da,
@@ -325,7 +329,7 @@ class Fp8NormMLP(torch.autograd.Function):
             if need_w1:
                 grad_w1 = fp8_wgrad(w1, main_grad1, dh_qT, xn_qT, dh_sinv, xn_sinv)
             if need_x:
-                dxn = _dgrad(dh_q, dh_sinv, w1_qT, w1_sinv, x2d.dtype)
+                dxn = _dgrad(dh_q, dh_sinv, weight_transpose_for_backward(fc1, w1, w1_t), w1_sinv, x2d.dtype)
                 dx, dnw, dnb = _norm_backward(
                     ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual
                 )

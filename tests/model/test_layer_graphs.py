@@ -135,10 +135,13 @@ def _run(tmp_path, name: str, extra: list[str]):
         ["--global-batch-size", "2", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
         ["--global-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
          "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--no-fp8-fused-producers"],
+        ["--global-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+         "--no-fp8-keep-weight-transpose"],
     ],
     ids=[
         "accumulation", "distopt-overlap", "llama", "precision-aware", "recompute", "llama-recompute",
         "fp8-delayed-fused", "fp8-delayed-one-micro-batch", "fp8-delayed-bf16-main-grads",
+        "fp8-delayed-no-kept-transpose",
     ],
 )  # fmt: skip
 def test_graph_replay_follows_the_eager_run(tmp_path, extra):
