@@ -129,8 +129,8 @@ def data_digest(paths) -> str:
 def validation_split(prefix: str, seq_length: int, sequences_read: int) -> dict:
     """How much data the final evaluation reads: the tokens of the validation split (``SPLIT`` over
     the ``.idx`` sequences, as mcore's builder splits), the seq_length windows they make, and the
-    windows ``--eval-iters`` global batches read (more than the split holds: the split is re-read,
-    in another order per seed, which weights no sequence twice as often as another within an epoch)."""
+    windows ``--eval-iters`` global batches read. Reading more than the split holds reads it again
+    (Megatron's dataset appends reshuffled epochs): the same loss, averaged over repeated windows."""
     from mcore.data.indexed_dataset import IndexedDataset
     from mcore.data.splits import normalize, parse_split, split_matrix, split_ranges
 
@@ -143,9 +143,11 @@ def validation_split(prefix: str, seq_length: int, sequences_read: int) -> dict:
 def flag_value(argv: list[str], flag: str, default: str) -> str:
     """The value the trainer will see for ``flag``: its last occurrence in ``argv`` wins."""
     value = default
-    for i, arg in enumerate(argv[:-1]):
-        if arg == flag:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
             value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
     return value
 
 

@@ -139,7 +139,8 @@ def test_a_tiny_cpu_run_over_two_seeds_stores_a_validation_loss_per_run_and_resu
     assert results["runs"]["bf16"]["11"]["train"] != results["runs"]["bf16"]["12"]["train"]
     verdict = results["summary"]["verdict"]["fp8 hybrid delayed"]
     assert abs(verdict["rel_diff_of_means"]) < 0.01
-    assert results["validation_split"]["sequences_read"] == 8
+    assert results["validation_split"]["sequences_read"] == 8  # --model-args override MODEL's sizes
+    assert results["title"].startswith("GPT 2L h64 s64 gbs4, 3 steps")
     assert "final validation loss" in first.stdout and "fp8 hybrid delayed seed 12" in first.stdout
 
     # the same command again: every run is there, none is trained, the results are unchanged
