@@ -53,4 +53,5 @@ LLAMA32="--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-que
 if [[ $what == llama32 ]]; then
   $TT $LLAMA32 $PA $G $RC --iters 10 --out "$OUT/fp8.jsonl" --label llama32-bf16
   $TT $LLAMA32 $PA $G $RC --fp8-format hybrid --fp8-recipe delayed --iters 10 --out "$OUT/fp8.jsonl" --label llama32-fp8-delayed
+  $TT $LLAMA32 $PA $G $RC --fp8-format hybrid --fp8-recipe delayed --no-fp8-keep-weight-transpose --iters 10 --out "$OUT/fp8.jsonl" --label llama32-fp8-delayed-notrans
 fi
