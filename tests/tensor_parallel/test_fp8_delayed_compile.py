@@ -29,14 +29,19 @@ import functools
 
 import pytest
 import torch
-
 from mcore.backends.cuda.compile import compile_layer
+
+from mcore.backend import CPUBackend
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.config import ModelConfig, padded_vocab_size
 from mcore.models.gpt import GPTModel
+from mcore.plugins import hookimpl
+from mcore.plugins.hookspecs import PLUGIN_API_VERSION
+from mcore.plugins.manager import plugin_manager, register_plugin
 from mcore.tensor_parallel.fp8 import delayed_states, update_fp8_scales
+from mcore.testing.conformance import training_rank
 from mcore.testing.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, HIDDEN = 100, 16, 2, 32
@@ -149,3 +154,61 @@ def test_inductor_decompositions_with_delayed_scaling_near_eager():
     an FP8 rounding here (that would change a quantized value by 1/16 of itself)."""
     want = _train(None, True, False)
     _compare(_train("aot_eager_decomp_partition", True, False), want, relative=1e-6)
+
+
+# -- through pretrain --------------------------------------------------------------------------------
+
+
+class CompilingCPUBackend(CPUBackend):
+    """The CPU backend plus ``compile_layers`` (the CPU backend itself does not declare it): compiles
+    a layer as the CUDA backend does (:func:`~mcore.backends.cuda.compile.compile_layer`, in place),
+    with :func:`aot_partitioned` and ``fullgraph=True`` instead of Inductor."""
+
+    name = "cpu-compile"
+    _capabilities = CPUBackend._capabilities | {"compile_layers"}
+
+    def compile_layer(self, module: torch.nn.Module, **kwargs) -> torch.nn.Module:
+        return compile_layer(module, backend=aot_partitioned, fullgraph=True)
+
+
+class _CompilingCPUPlugin:
+    MCORE_PLUGIN_API_VERSION = PLUGIN_API_VERSION
+
+    @hookimpl
+    def mcore_backends(self):
+        return [CompilingCPUBackend()]
+
+
+def _register_compiling_cpu() -> None:
+    register_plugin(plugin_manager(), _CompilingCPUPlugin(), "compiling-cpu")
+
+
+PRETRAIN_ARGV = [
+    "--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4",
+    "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+    "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "7", "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+    "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1000",
+    "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "2",
+    "--device-backend", CompilingCPUBackend.name,
+]  # fmt: skip
+"""GPT-2 style (biases, LayerNorm, GeLU; no dropout: the attention dropout forks the RNG, which
+``fullgraph=True`` cannot trace), bf16, 3 steps of 2 micro-batches, the delayed recipe."""
+
+
+def test_pretrain_compile_layers_with_delayed_scaling():
+    """``pretrain --compile-layers --fp8-recipe delayed`` gives the eager run's losses bit for bit (the
+    CPU backend does not declare ``compile_layers``: a test plugin's backend that does)."""
+    assert "compile_layers" not in CPUBackend().capabilities()
+
+    def losses(*extra):
+        (result,) = run_distributed(
+            training_rank, 1, [*PRETRAIN_ARGV, *extra], backend=CompilingCPUBackend.name,
+            rank_setup=_register_compiling_cpu, timeout=300,
+        )  # fmt: skip
+        return result
+
+    want = losses()
+    assert len(want) == 3 and len(set(want)) == 3
+    assert losses("--compile-layers") == want
