@@ -12,15 +12,20 @@ after the compiled forward, the backward's inside the compiled backward.
 
 1. One process, CPU, a GPT (biases, GeLU, 2 layers) in the DDP (gradient-accumulation fusion into
    ``main_grad``), 3 steps of 2 micro-batches with the scale update and an SGD step between them
-   (history length 2, so the histories roll): the layers compiled with
-   ``aot_eager_decomp_partition`` (the Inductor partitioner and decompositions, no code generation)
-   and ``fullgraph=True`` give the eager layers' per-token losses, every ``main_grad``, and every
-   amax history and scale after every step, bit for bit; with the weight transpose kept and not
-   (``--no-fp8-keep-weight-transpose``), and against the eager fused producers (the compiled layer
-   runs the unfused path: the reference ops give the same bits).
-2. ``pretrain`` with ``--compile-layers --fp8-recipe delayed`` (through a test plugin: the CPU backend
-   plus the ``compile_layers`` capability, compiling as the CUDA backend does but with
-   ``aot_eager_decomp_partition``): the eager run's losses, bit for bit.
+   (history length 2, so the histories roll): the layers compiled with ``fullgraph=True`` by
+   :func:`aot_partitioned` (AOTAutograd and Inductor's partitioner, input mutations not kept in the
+   graph, as ``aot_eager_decomp_partition``, but without Inductor's decompositions) give the eager
+   layers' per-token losses, every ``main_grad``, and every amax history and scale after every step,
+   bit for bit; with the weight transpose kept and not (``--no-fp8-keep-weight-transpose``), and
+   against the eager fused producers (the compiled layer runs the unfused path: the reference ops
+   give the same bits).
+2. ``aot_eager_decomp_partition`` itself: within relative 1e-6 of eager (of each tensor's largest
+   magnitude): Inductor's decompositions of ``layer_norm``, ``gelu`` and ``softmax`` differ from the
+   eager CPU kernels by an ulp or two, with or without FP8 (the fp32 model without FP8 differs
+   from eager as much).
+3. ``pretrain`` with ``--compile-layers --fp8-recipe delayed`` (the CPU backend does not declare
+   ``compile_layers``: a test plugin's backend that does, compiling as the CUDA backend does, with
+   :func:`aot_partitioned` and ``fullgraph=True``): the eager run's losses, bit for bit.
 """
 
 from __future__ import annotations
