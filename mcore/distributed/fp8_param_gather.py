@@ -134,7 +134,7 @@ class Fp8ParamGather:
                 state = layer.fp8_state
                 # this step's W amax, as the forward's cast would have recorded it (the cast of W is
                 # skipped there); update_fp8_scales pushes it into the history at the end of the step
-                state.pending_amax[WEIGHT : WEIGHT + 1].copy_(amax[i : i + 1])
+                state.amax_record(WEIGHT).copy_(amax[i : i + 1])
                 scales.append(state.scale[WEIGHT])
             else:
                 if recipe.margin not in current:

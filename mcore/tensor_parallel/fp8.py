@@ -98,12 +98,19 @@ def _amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 class Fp8DelayedState(torch.nn.Module):
     """The delayed recipe's state of one linear: per role (input, weight, grad_output) an amax history
-    ``[L, 3]``, the current ``scale [3]`` and the amax recorded during this step ``pending_amax [3]``.
+    ``[L, 3]``, the current ``scale [3]`` and the amaxes recorded during this step (``pending_amax``).
 
     History and scales are buffers (so they move with the module and live on its device) and go into
-    checkpoints through :func:`fp8_extra_state`; ``pending_amax`` is zero at step boundaries and the
-    casts keep the running max of each role's amaxes in it (``fp8_cast(amax_record=...)``, in place:
-    graph- and recompute-safe).
+    checkpoints through :func:`fp8_extra_state`. The recorded amaxes are zero at step boundaries and
+    the casts keep the running max of each role's amaxes in its slot (:meth:`amax_record`, passed as
+    ``fp8_cast(amax_record=...)`` and written in place: graph- and recompute-safe), in two buffers,
+    one per pass that writes them: ``forward_amax [2]`` (input, weight) and ``grad_output_amax [1]``.
+    Why two: ``torch.compile`` traces a layer's forward and backward as one joint graph and
+    functionalizes the in-place writes; a buffer the forward and the backward both write comes out as
+    a forward output that depends on the backward (the partitioner refuses it unless the compiler
+    keeps input mutations in the graph), while a buffer written only in the backward is updated
+    inside the compiled backward (AOTAutograd's backward input mutations, as torchao's delayed
+    scaling kept its output-gradient amax in a buffer of its own).
     """
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | None = None):
@@ -112,7 +119,19 @@ class Fp8DelayedState(torch.nn.Module):
         length = recipe.amax_history_len
         self.register_buffer("amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
-        self.register_buffer("pending_amax", torch.zeros(3, device=device), persistent=False)
+        self.register_buffer("forward_amax", torch.zeros(2, device=device), persistent=False)
+        self.register_buffer("grad_output_amax", torch.zeros(1, device=device), persistent=False)
+
+    def amax_record(self, role: int) -> torch.Tensor:
+        """The one-element slot (a view) where the casts of ``role`` record their running max amax."""
+        if role == GRAD_OUTPUT:
+            return self.grad_output_amax
+        return self.forward_amax[role : role + 1]
+
+    @property
+    def pending_amax(self) -> torch.Tensor:
+        """The amaxes recorded this step, ``[3]`` by role (a copy: write through :meth:`amax_record`)."""
+        return torch.cat([self.forward_amax, self.grad_output_amax])
 
     def extra_repr(self) -> str:
         return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}"
@@ -158,7 +177,7 @@ class Fp8Linear:
         if self.state is not None:
             kwargs: dict[str, Any] = {"scale": self.state.scale[role]}
             if record:
-                kwargs["amax_record"] = self.state.pending_amax[role : role + 1]
+                kwargs["amax_record"] = self.state.amax_record(role)
             return kwargs
         sharded = role == WEIGHT or (role == GRAD_OUTPUT) == (self.parallel_mode == "column")
         sharded = sharded if split is None else split
@@ -512,7 +531,8 @@ class DelayedScaleUpdate:
     def __call__(self, amax_reduction_groups=()) -> None:
         if not self.states:
             return
-        pending = torch.stack([s.pending_amax for s in self.states])  # [S, 3]
+        forward = torch.stack([s.forward_amax for s in self.states])  # [S, 2]
+        pending = torch.cat([forward, torch.stack([s.grad_output_amax for s in self.states])], dim=1)
         for group in amax_reduction_groups:
             all_reduce_in_tensor_model_parallel_group(pending, group, op="max")
         for recipe, states, rows, limit in self._groups:
@@ -525,7 +545,7 @@ class DelayedScaleUpdate:
             scale = torch.where(keep, (limit / amax).clamp(max=torch.finfo(torch.float32).max), old)
             torch._foreach_copy_([s.amax_history for s in states], list(history.unbind(0)))
             torch._foreach_copy_([s.scale for s in states], list(scale.unbind(0)))
-            torch._foreach_zero_([s.pending_amax for s in states])
+            torch._foreach_zero_([t for s in states for t in (s.forward_amax, s.grad_output_amax)])
 
 
 def update_fp8_scales(model, amax_reduction_groups=()) -> None:

@@ -109,12 +109,12 @@ def fusable_call(call: Fp8Linear | None) -> bool:
 def _input_slot(call: Fp8Linear, training: bool):
     """``(scale, amax_record)`` of the linear's INPUT role (the producer records only in training)."""
     state = call.state
-    return state.scale[INPUT], (state.pending_amax[INPUT : INPUT + 1] if training else None)
+    return state.scale[INPUT], (state.amax_record(INPUT) if training else None)
 
 
 def _grad_slot(call: Fp8Linear):
     state = call.state
-    return state.scale[GRAD_OUTPUT], state.pending_amax[GRAD_OUTPUT : GRAD_OUTPUT + 1]
+    return state.scale[GRAD_OUTPUT], state.amax_record(GRAD_OUTPUT)
 
 
 def _dgrad(dy_q, dy_sinv, w_qT, w_sinv, out_dtype) -> torch.Tensor:
