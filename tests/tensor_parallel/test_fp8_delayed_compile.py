@@ -45,8 +45,9 @@ from mcore.models.gpt import GPTModel
 from mcore.plugins import hookimpl
 from mcore.plugins.hookspecs import PLUGIN_API_VERSION
 from mcore.plugins.manager import plugin_manager, register_plugin
-from mcore.tensor_parallel.fp8 import delayed_states, update_fp8_scales
+from mcore.tensor_parallel.fp8 import delayed_states
 from mcore.testing.conformance import training_rank
+from mcore.testing.ddp_steps import sgd_steps_on_main_grad
 from mcore.testing.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, HIDDEN = 100, 16, 2, 32
@@ -90,21 +91,13 @@ def _train(compiler, keep_weight_transpose: bool, fused_producers: bool, steps: 
             compile_layer(layer, backend=compiler, fullgraph=True)
     ddp = DistributedDataParallel(model, DDPConfig(), groups)
     data = torch.randint(0, VOCAB, (steps, 2, 2, BATCH, SEQ), generator=torch.Generator().manual_seed(7))
-    losses, grads, states = [], [], []
-    for step_data in data:
-        ddp.zero_grad_buffer()
-        for tokens, labels in step_data:
-            loss = ddp(tokens, None, None, labels=labels)
-            loss.mean().backward()
-            losses.append(loss.detach())
-        ddp.finish_grad_sync()
-        update_fp8_scales(model)
-        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+    states = []
+
+    def record_states():
         states.append({n: (s.amax_history.clone(), s.scale.clone()) for n, s in delayed_states(model)})
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(0.05 * p.main_grad)
-    return torch.stack(losses), grads, states
+
+    losses, grads = sgd_steps_on_main_grad(ddp, model, data, groups, on_step=record_states)
+    return losses, grads, states
 
 
 def _check(got: torch.Tensor, want: torch.Tensor, relative: float, where: str) -> None:
