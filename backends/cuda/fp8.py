@@ -174,6 +174,17 @@ def fp8_cast_packed(
     return kernels.cast_packed(parts, groups, fp8_dtype, dbias=dbias, **args)
 
 
+def fp8_transpose(q: torch.Tensor) -> torch.Tensor:
+    """The Triton transpose for a 2-D FP8 tensor with contiguous rows on the kernel device."""
+    from .ops import _on_kernel_device
+
+    if _compiling() or q.dim() != 2 or q.element_size() != 1 or q.stride(1) != 1 or not _on_kernel_device(q):
+        return reference.fp8_transpose(q)
+    from .triton_kernels import fp8_transpose as kernels
+
+    return kernels.transpose(q)
+
+
 def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_sinv: torch.Tensor) -> bool:
     """``_scaled_mm`` takes ``a [M, K]`` row-major x ``b^T [K, N]`` column-major with K and N
     multiples of 16, not two e5m2 operands, and scales that are both per-tensor or both per-row."""
@@ -186,6 +197,20 @@ def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_sinv: torch.Tensor, b_si
     return (a_sinv.numel() == 1) == (b_sinv.numel() == 1)
 
 
+SCALE_ALIGN_BYTES = 16
+"""cuBLASLt refuses FP8 GEMM scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED;
+measured on an H100 with ``torch._scaled_mm``: a 0-d scale viewed at byte offset 4, 8, 12 or 380 of an
+fp32 buffer fails, at 0 or 16 it runs)."""
+
+
+def _aligned_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``scale``, or a copy of it when its address is not :data:`SCALE_ALIGN_BYTES`-aligned (a view
+    into a table of scales, say): the GEMM then reads the copy."""
+    if scale.data_ptr() % SCALE_ALIGN_BYTES == 0:
+        return scale
+    return scale.clone()
+
+
 def _scaled_mm_nt(a, b, a_sinv, b_sinv, out_dtype, *, fast_accum: bool, bias=None, out=None) -> torch.Tensor:
     """``(a * a_sinv) @ (b * b_sinv)^T`` on the FP8 tensor cores, in ``out_dtype`` (written into ``out``
     when given: a contiguous ``[M, N]`` tensor of ``out_dtype``)."""
@@ -196,6 +221,7 @@ def _scaled_mm_nt(a, b, a_sinv, b_sinv, out_dtype, *, fast_accum: bool, bias=Non
     else:
         sa, sb = a_sinv.reshape(()).float(), b_sinv.reshape(()).float()
         gemm_dtype = out_dtype
+    sa, sb = _aligned_scale(sa), _aligned_scale(sb)
     fuse_bias = bias is not None and bias.dtype == gemm_dtype and gemm_dtype != torch.float32
     if out is not None and gemm_dtype == out.dtype and not (bias is not None and not fuse_bias):
         # the GEMM's epilogue writes ``out`` (cuBLASLt D): no temporary, no copy
@@ -259,6 +285,7 @@ FP8_OPS = {
     "fp8_cast": fp8_cast,
     "fp8_cast_dbias": fp8_cast_dbias,
     "fp8_cast_packed": fp8_cast_packed,
+    "fp8_transpose": fp8_transpose,
     "scaled_linear_forward": scaled_linear_forward,
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,

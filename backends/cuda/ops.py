@@ -551,8 +551,11 @@ def _build() -> tuple[dict, dict[str, str]]:
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
         providers.update(
-            fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton", fp8_cast_packed="triton"
-        )
+            fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton", fp8_cast_packed="triton",
+            fp8_transpose="triton",
+        )  # fmt: skip
+    else:
+        providers["fp8_transpose"] = "reference"  # PyTorch's strided copy
         from .act_fp8 import ACT_FP8_OPS
 
         ops.update(ACT_FP8_OPS)

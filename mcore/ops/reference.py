@@ -732,6 +732,16 @@ def pack_columns(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
     return torch.cat([p.reshape(m, groups, -1) for p in parts], dim=-1).reshape(m, -1)
 
 
+def fp8_transpose(q: torch.Tensor) -> torch.Tensor:
+    """``q [M, K] -> q^T [K, M]``, contiguous: the bytes of a 2-D FP8 tensor transposed (no rounding).
+
+    The FP8 GEMMs of Hopper take both operands with the contraction dimension contiguous, so a weight
+    quantized once as ``W_q [N, K]`` (``--fp8-param-gather``) and an input gathered as FP8 rows
+    (sequence parallelism) need their transposes for the input and weight gradients. Copied as
+    ``uint8``: copy kernels may not know the FP8 dtypes."""
+    return q.view(torch.uint8).t().contiguous().view(q.dtype)
+
+
 def fp8_cast_packed(
     parts: list[torch.Tensor],
     groups: int,
@@ -780,6 +790,7 @@ REFERENCE_OPS = {
     "fp8_cast": fp8_cast,
     "fp8_cast_dbias": fp8_cast_dbias,
     "fp8_cast_packed": fp8_cast_packed,
+    "fp8_transpose": fp8_transpose,
     "norm_fp8_forward": norm_fp8_forward,
     "norm_backward": norm_backward,
     "act_fp8_forward": act_fp8_forward,

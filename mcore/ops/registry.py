@@ -46,6 +46,7 @@ OP_NAMES: tuple[str, ...] = (
     "fp8_cast",
     "fp8_cast_dbias",
     "fp8_cast_packed",
+    "fp8_transpose",
     "norm_fp8_forward",
     "norm_backward",
     "act_fp8_forward",

@@ -339,8 +339,8 @@ def _gather_fp8_rows(q_local: torch.Tensor, group) -> torch.Tensor:
 
 
 def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
-    """``q [M, K] -> q^T [K, M]`` contiguous (a byte copy)."""
-    return q.view(torch.uint8).t().contiguous().view(q.dtype)
+    """``q [M, K] -> q^T [K, M]`` contiguous (the op ``fp8_transpose``: the same bytes transposed)."""
+    return get_ops().fp8_transpose(q)
 
 
 def cast_weight(

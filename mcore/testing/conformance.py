@@ -241,6 +241,12 @@ def _fp8_operand(gen, rows: int, k: int, fp8_dtype=torch.float8_e4m3fn) -> torch
     return (torch.randn(rows, k, generator=gen) * 64).to(fp8_dtype)
 
 
+def _fp8_transpose_make(dtype, gen):
+    """An FP8 ``[40, 72]`` (e4m3 for the fp32 pass, e5m2 for bf16): no side a multiple of a tile."""
+    fp8_dtype = torch.float8_e4m3fn if dtype == torch.float32 else torch.float8_e5m2
+    return [_fp8_operand(gen, 40, 72, fp8_dtype)], {}
+
+
 def _scaled_linear_make(which: str):
     """FP8 NT operands (K = 32, outputs 48 x 64; the gradient operand e5m2 as in the hybrid format)
     with per-tensor scale inverses; bf16/fp32 outputs."""
@@ -548,6 +554,13 @@ OP_CASES: tuple[OpCase, ...] = (
             capability="fp8",
         )
         for dbias in (True, False)
+    ),
+    OpCase(
+        "fp8_transpose",
+        "fp8_transpose",
+        _fp8_transpose_make,
+        dtypes=(torch.float32, torch.bfloat16),
+        capability="fp8",
     ),
     *(
         OpCase(

@@ -325,6 +325,7 @@ def test_every_op_has_cases():
         "fp8_cast",
         "fp8_cast_dbias",
         "fp8_cast_packed",  # tests/ops/test_fp8_cast_interpret.py, mcore.testing.conformance
+        "fp8_transpose",  # the same two
         "scaled_linear_forward",
         "scaled_linear_dgrad",
         "scaled_linear_wgrad",

@@ -8,7 +8,7 @@ given scale with the amax recorded into a slot (grid-strided tiles) of a larger 
 :mod:`mcore.ops.reference`: the FP8 bytes, the scale inverse and the amax must be identical; the
 cast with the bias gradient (``fp8_cast_dbias``): the cast's bytes and the fp32 column sums; the
 cast of a packed QKV gradient from its three parts (``fp8_cast_packed``) against ``fp8_cast_dbias``
-of the concatenation. The
+of the concatenation; the byte transpose (``fp8_transpose``, its own kernel module). The
 kernels run on CPU tensors with ``TRITON_INTERPRET=1``, which must be on before Triton defines them,
 so the checks run in a child process. It needs Triton installed (the ``test`` extra installs it, so
 CI runs it); ``MCORE_TEST_BACKEND=cuda pytest tests/ops/test_scaled_linear.py`` is the GPU check.
@@ -204,6 +204,38 @@ def _main() -> int:
             want = reference.fp8_cast(x, fp8_dtype, **args)
             for part, g, w in zip(("q", "qT"), got, want):
                 same(f"special values {str(dtype)[6:]} {str(fp8_dtype)[6:]} {part}", g, w)
+
+    # fp8_transpose: the byte transpose, tiles that divide the shape and ragged ones, a single row
+    # or column, a row-strided view (a column slice); and the fallback for a non-contiguous row
+    from mcore.backends.cuda.triton_kernels import fp8_transpose as transpose_kernels
+
+    real_transpose = transpose_kernels.transpose
+
+    def counted_transpose(q):
+        calls["transpose"] += 1
+        return real_transpose(q)
+
+    calls["transpose"] = 0
+    transpose_kernels.transpose = counted_transpose
+    for shape in ((256, 128), (40, 72), (1, 300), (130, 1)):
+        for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            q = (torch.randn(*shape, generator=gen) * 64).to(fp8_dtype)
+            same(
+                f"fp8_transpose {shape} {str(fp8_dtype)[6:]}",
+                cuda_fp8.fp8_transpose(q),
+                reference.fp8_transpose(q),
+            )
+    sliced = (torch.randn(64, 200, generator=gen) * 64).to(torch.float8_e4m3fn)[:, 8:136]
+    same("fp8_transpose of a column slice", cuda_fp8.fp8_transpose(sliced), reference.fp8_transpose(sliced))
+    before = calls["transpose"]
+    strided = sliced.t()  # rows not contiguous: the reference copy
+    same(
+        "fp8_transpose of a transposed view",
+        cuda_fp8.fp8_transpose(strided),
+        reference.fp8_transpose(strided),
+    )
+    if calls["transpose"] != before:
+        failures.append("fp8_transpose launched the kernel on rows that are not contiguous")
 
     print("kernel launches", calls)
     if not all(calls.values()):

@@ -185,6 +185,38 @@ def test_scaled_linear_ops_match_dequantize_matmul(backend, rowwise):
         assert torch.equal(stale, backend.ops.scaled_linear_wgrad(*d, out_dtype, zero))
 
 
+def test_scaled_linear_takes_scales_viewed_from_a_table(backend):
+    """Per-tensor scale inverses that are views into one fp32 table (as ``--fp8-param-gather`` keeps
+    its weights'), at every 4-byte offset: cuBLASLt refuses a scale pointer that is not 16-byte aligned,
+    so the CUDA backend must copy such a scale (the GPU run of this test fails without that)."""
+    dev = backend.device()
+    gen = torch.Generator().manual_seed(3)
+    out_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    x, w, sx, sw = _operands(gen, 64, 48, 32, False)
+    x, w = x.to(dev), w.to(dev)
+    want = backend.ops.scaled_linear_forward(x, w, sx.to(dev), sw.to(dev), None, out_dtype)
+    table = torch.zeros(8, dtype=torch.float32, device=dev)
+    for i in range(4):
+        table[i] = sw.reshape(())
+        got = backend.ops.scaled_linear_forward(x, w, sx.to(dev), table[i], None, out_dtype)
+        assert torch.equal(got, want), f"scale at byte offset {4 * i}"
+        want_dx = backend.ops.scaled_linear_dgrad(x, w, sw.to(dev), sw.to(dev), out_dtype)
+        assert torch.equal(backend.ops.scaled_linear_dgrad(x, w, table[i], table[i], out_dtype), want_dx)
+
+
+def test_misaligned_gemm_scales_are_copied():
+    """The CUDA backend's guard itself (runs on CPU tensors): aligned scales pass through, others are
+    copied to fresh (aligned) memory with the same value."""
+    from mcore.backends.cuda.fp8 import SCALE_ALIGN_BYTES, _aligned_scale
+
+    table = torch.arange(8, dtype=torch.float32)
+    assert table.data_ptr() % SCALE_ALIGN_BYTES == 0
+    for i in range(8):
+        got = _aligned_scale(table[i])
+        assert got.data_ptr() % SCALE_ALIGN_BYTES == 0 and got.item() == i
+        assert (got.data_ptr() == table[i].data_ptr()) == (i % 4 == 0)
+
+
 def _fp8_model_linear(x, w, b, dy, recipe: Fp8Recipe):
     """The FP8 linear written out: current per-tensor (or per-row) scales, quantize, dequantize,
     float64 GEMMs. Returns y, dx, dw, db."""
