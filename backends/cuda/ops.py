@@ -554,12 +554,12 @@ def _build() -> tuple[dict, dict[str, str]]:
             fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton", fp8_cast_packed="triton",
             fp8_transpose="triton",
         )  # fmt: skip
-    else:
-        providers["fp8_transpose"] = "reference"  # PyTorch's strided copy
         from .act_fp8 import ACT_FP8_OPS
 
         ops.update(ACT_FP8_OPS)
         providers.update(dict.fromkeys(ACT_FP8_OPS, "triton"))
+    else:
+        providers["fp8_transpose"] = "reference"  # PyTorch's strided copy
     return ops, providers
 
 

@@ -429,6 +429,25 @@ def cuda_backend():
     return select_backend("cuda", activate=False)
 
 
+def test_cuda_op_table_serves_every_triton_kernel():
+    """The CUDA backend's table, built without a GPU: with Triton installed (the test extra), every op
+    with a Triton kernel is served by it. One FP8 fused-producer op left to the reference turns the
+    whole fused FP8 path off on the GPU (``mcore.models.fp8_producers``: the pair must be served alike),
+    which a GPU run notices only as a slower step."""
+    from mcore.backends.cuda import extensions
+    from mcore.backends.cuda import ops as cuda_ops
+
+    assert extensions.triton_available(), "the test extra installs Triton"
+    table, providers = cuda_ops._build()
+    kernels = {
+        *cuda_ops._TRITON_OPS,
+        "fp8_amax", "fp8_cast", "fp8_cast_dbias", "fp8_cast_packed", "fp8_transpose",
+        "norm_fp8_forward", "norm_backward", "act_fp8_forward", "act_fp8_backward",
+    }  # fmt: skip
+    for op in sorted(kernels):
+        assert providers.get(op) == "triton" and op in table, op
+
+
 @needs_cuda
 def test_cuda_op_providers(cuda_backend):
     from mcore.backends.cuda import extensions
