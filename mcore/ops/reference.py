@@ -434,14 +434,14 @@ def adam_step_flat_fp8(
     other byte of ``data`` is left as it is. A kernel may return ``inf`` instead of NaN for a piece
     holding a NaN (both non-finite, both kept out of the delayed recipe's scales).
     """
-    adam_step_flat(
-        grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, step=step, lrs=lrs,
-        weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps, grad_scale=grad_scale, skip=skip,
-    )  # fmt: skip
     key = ("fp8-pieces-checked", fp8.ranges)
     if key not in segments.cache:  # a piece outside the segments would never be written by a kernel
         split_at_fp8_pieces(segments, fp8.ranges)
         segments.cache[key] = True
+    adam_step_flat(
+        grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, step=step, lrs=lrs,
+        weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps, grad_scale=grad_scale, skip=skip,
+    )  # fmt: skip
     fp8.amax.zero_()
     for start, end, index in fp8.ranges:
         if end <= start:
