@@ -115,7 +115,9 @@ class Fp8ParamGather:
         for i, (param, layer, (start, end)) in enumerate(zip(buffer.params, self.layers, self._ranges)):
             view = self.data[start:end].view(param.shape)
             layer.fp8_gathered_weight = Fp8GatheredWeight(view, self.scale_inv[i, 0])
-        self._delayed = [i for i, layer in enumerate(self.layers) if layer._fp8_call.recipe.recipe == "delayed"]
+        self._delayed = [
+            i for i, layer in enumerate(self.layers) if layer._fp8_call.recipe.recipe == "delayed"
+        ]
         self.quantizes_in_step = len(self._delayed) == len(self.layers)
         """Every weight on the delayed recipe (scales known before the step): the flat optimizer step
         writes the FP8 copies (``adam_step_flat_fp8``, :meth:`fused_weights`)."""

@@ -21,8 +21,8 @@ from mcore.ops.flat import (
     FlatSegments,
     bias_corrections,
     join_master,
-    split_master,
     split_at_fp8_pieces,
+    split_master,
 )
 
 

@@ -813,12 +813,15 @@ def _check_adam_flat_fp8(fn, ref_fn, args, kwargs, device, dtype, case, what) ->
     want_amax = torch.zeros_like(fp8.amax)
     for start, end, index in fp8.ranges:
         piece = params[start:end]
-        want_data[start:end] = reference.fp8_quantize(piece, fp8.scales[index], fp8.data.dtype).view(torch.uint8)
+        q = reference.fp8_quantize(piece, fp8.scales[index], fp8.data.dtype)
+        want_data[start:end] = q.view(torch.uint8)
         want_amax[index] = torch.maximum(want_amax[index], reference.fp8_amax(piece))
     got_data = ours_fp8.data.cpu().view(torch.uint8)
     if not torch.equal(got_data, want_data):
         bad = (got_data != want_data).nonzero().flatten()
-        raise ConformanceError(f"{what}: FP8 bytes differ at {bad.numel()} buffer indices, first {bad[:8].tolist()}")
+        raise ConformanceError(
+            f"{what}: FP8 bytes differ at {bad.numel()} buffer indices, first {bad[:8].tolist()}"
+        )
     if not torch.equal(ours_fp8.amax.cpu(), want_amax):
         raise ConformanceError(f"{what}: amax {ours_fp8.amax.cpu().tolist()}, expected {want_amax.tolist()}")
 

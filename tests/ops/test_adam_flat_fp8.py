@@ -78,7 +78,8 @@ def test_fused_step_is_the_flat_step_then_the_quantization(mode, skip):
     want_bytes = torch.full((N,), 0x5A, dtype=torch.uint8)
     for (start, end, i), piece, norm in zip(RANGES, pieces, norms):
         want_amax[i] = norm.float()
-        want_bytes[start:end] = reference.fp8_quantize(piece, SCALES[i], torch.float8_e4m3fn).view(torch.uint8)
+        q = reference.fp8_quantize(piece, SCALES[i], torch.float8_e4m3fn)
+        want_bytes[start:end] = q.view(torch.uint8)
     assert torch.equal(fp8.amax, want_amax)  # weight 3 has no piece: 0
     assert torch.equal(fp8.data.view(torch.uint8), want_bytes)  # bytes outside the pieces untouched
     assert (fp8.data.float().abs() == 448.0).any()  # the saturating case is exercised
@@ -86,7 +87,9 @@ def test_fused_step_is_the_flat_step_then_the_quantization(mode, skip):
 
 def test_pieces_split_the_segments_at_their_boundaries():
     split = split_at_fp8_pieces(FlatSegments.from_runs(RUNS), RANGES)
-    got = [(seg.buffer_start, seg.buffer_start + seg.length, seg.state_start, seg.group, i) for seg, i in split]
+    got = [
+        (seg.buffer_start, seg.buffer_start + seg.length, seg.state_start, seg.group, i) for seg, i in split
+    ]
     assert got == [
         (3, 10, 0, 0, -1), (10, 50, 7, 0, 0), (50, 57, 47, 0, -1), (57, 123, 54, 0, 2),
         (131, 140, 128, 1, -1), (140, 201, 137, 1, 1), (201, 256, 198, 1, -1),

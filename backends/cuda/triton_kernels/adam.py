@@ -359,7 +359,9 @@ def _launch(
 ) -> None:  # fmt: skip
     """One launch of the kernel over the tile table (with ``fp8``: the FP8 tiles' table and constexprs)."""
     ranges = fp8.ranges if fp8 is not None else None
-    tile_state, tile_buffer, tile_bounds, tile_group, tile_fp8, aligned = _tiles(segments, grads.device, ranges)
+    tile_state, tile_buffer, tile_bounds, tile_group, tile_fp8, aligned = _tiles(
+        segments, grads.device, ranges
+    )
     tiles = tile_state.numel()
     if tiles == 0:
         return
