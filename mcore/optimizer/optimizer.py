@@ -21,7 +21,9 @@ gradient norm reduced over  ``groups.mp`` (tp x pp)           all ranks
 2. with a loss scaler: unscale, check for inf/NaN; if any rank overflowed, every rank skips the step
    and the scaler lowers the scale (``(False, None, None)`` is returned);
 3. the global gradient norm, and clipping to ``--clip-grad``;
-4. the update (``get_ops().adam_step``, the backend's fused kernel, or SGD with momentum);
+4. the update (``get_ops().adam_step``, the backend's fused kernel, or SGD with momentum; on the flat
+   path ``adam_step_flat``, or ``adam_step_flat_fp8`` for a buffer of ``--fp8-param-gather`` weights on
+   the delayed recipe, which also writes their FP8 copies);
 5. fp32 masters copied back into bf16/fp16 parameters; with the distributed optimizer, updated shards
    all-gathered (asynchronously with ``--overlap-param-gather``: each module's forward pre-hook waits
    for the buckets of its own parameters).
