@@ -477,6 +477,26 @@ def adam_step_flat(
     )  # fmt: skip
 
 
+def adam_step_flat_fp8(
+    grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, fp8, *, step, lrs,
+    weight_decays, beta1, beta2, eps, grad_scale=None, skip=None,
+):  # fmt: skip
+    """The reference ``adam_step_flat_fp8`` as one Triton launch: the flat step's kernel, whose tiles
+    in an FP8 weight's piece also write its FP8 bytes and max its amax."""
+    tensors = (grads, params, masters, remainders, exp_avgs, exp_avg_sqs, grad_scale, skip)
+    fp8_tensors = (fp8.data, fp8.scales, fp8.amax)
+    if not _tracing() and len(lrs) <= 4 and _on_kernel_device(*tensors, *fp8_tensors):
+        from .triton_kernels import adam
+
+        fn = adam.adam_step_flat_fp8
+    else:
+        fn = reference.adam_step_flat_fp8
+    fn(
+        grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, fp8, step=step, lrs=lrs,
+        weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps, grad_scale=grad_scale, skip=skip,
+    )  # fmt: skip
+
+
 # --- weight-gradient accumulation -----------------------------------------------------------------
 
 _MIXED_ADDMM: dict[torch.device, bool] = {}
@@ -528,6 +548,7 @@ _TRITON_OPS = {
     "cross_entropy_local_stats": cross_entropy_local_stats,
     "cross_entropy_grad_inplace_": cross_entropy_grad_inplace_,
     "adam_step_flat": adam_step_flat,
+    "adam_step_flat_fp8": adam_step_flat_fp8,
 }
 
 

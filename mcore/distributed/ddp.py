@@ -418,9 +418,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_param_sync(self) -> None:
         """Launch the all-gather of updated parameter shards, first-needed bucket first (with
-        ``--fp8-param-gather`` the FP8 linears' shards are quantized first and gathered in FP8)."""
+        ``--fp8-param-gather`` the FP8 linears' shards are quantized first, unless the optimizer step
+        wrote them (``adam_step_flat_fp8``), and gathered in FP8)."""
         for fp8 in self._fp8_gathers:
-            fp8.quantize_shards()
+            if not fp8.take_quantized():
+                fp8.quantize_shards()
         for bucket in reversed(self.buckets):
             bucket.start_param_sync()
 

@@ -15,6 +15,14 @@ optimizer step::
     W_q = the gathered [N, K] bytes, scale_inv = 1 / scale   -> the layer's forward GEMM operand;
                                                                  its backward transposes W_q
 
+Where the scale is known before the step (every weight of the buffer on the delayed recipe), the
+flat optimizer step writes ``q_r`` and ``max |W_r|`` itself (op ``adam_step_flat_fp8``, from the
+parameters it has just written: ~1 byte per weight element instead of the separate quantization's
+~7) and :meth:`Fp8ParamGather.finish_fused_quantization` does the rest (the amax all-reduce, the
+recorded amaxes, ``scale_inv``); otherwise (tensorwise, whose scale needs the new weights' amax, or
+the per-parameter optimizer) :meth:`Fp8ParamGather.quantize_shards` quantizes after the step. Both
+end in the same code (:meth:`Fp8ParamGather._settle_scales`).
+
 The scale depends only on the whole weight, so every rank quantizes its shard exactly as one process
 quantizes the whole weight, and ``W_q`` is bit for bit the cast the FP8 linear would have made of the
 same parameter in its forward (which reads the parameter in its own dtype, as this quantization does).
@@ -41,6 +49,7 @@ import torch.distributed as dist
 
 from mcore.backend import get_ops
 from mcore.distributed.grad_buffer import Bucket, GradBuffer, all_gather_into_tensor
+from mcore.ops.flat import FlatFp8Weights
 from mcore.tensor_parallel.fp8 import WEIGHT, Fp8GatheredWeight, scale_from_amax
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_size
 
@@ -48,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 """Weights are quantized in the forward format, e4m3 for both ``--fp8-format e4m3`` and ``hybrid``."""
+
+SCALE_STRIDE = 4
+"""fp32 words between two weights' ``scale_inv``: 16 bytes, the alignment cuBLASLt's FP8 GEMMs need of
+a scale pointer (``torch._scaled_mm`` fails with CUBLAS_STATUS_NOT_SUPPORTED otherwise)."""
 
 
 def fp8_gathered_layers(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -78,6 +91,9 @@ class Fp8ParamGather:
 
     ``data [numel]`` (e4m3, laid out like ``param_data``) is what the buckets all-gather (as bytes);
     each layer gets ``layer.fp8_gathered_weight``, a view of its weight in it and its ``scale_inv``.
+    ``scale_inv [W, 4]`` fp32 holds weight ``i``'s ``1 / scale`` at ``[i, 0]``: a 16-byte stride,
+    because cuBLASLt refuses FP8 GEMM scale pointers that are not 16-byte aligned (a ``[W]`` tensor's
+    views were misaligned for 3 weights of 4).
     """
 
     def __init__(self, buffer: GradBuffer, layers: Sequence[torch.nn.Module], tp_group):
@@ -90,7 +106,7 @@ class Fp8ParamGather:
         self.tp_group = tp_group
         device = buffer.param_data.device
         self.data = torch.zeros(buffer.numel, dtype=FP8_WEIGHT_DTYPE, device=device)
-        self.scale_inv = torch.ones(len(self.layers), dtype=torch.float32, device=device)
+        self.scale_inv = torch.ones(len(self.layers), SCALE_STRIDE, dtype=torch.float32, device=device)
         self._ranges = [buffer.buffer_range(p) for p in buffer.params]
         self._owned: list[tuple[int, int] | None] = []  # buffer indices of this rank's piece
         for param, (start, _) in zip(buffer.params, self._ranges):
@@ -98,7 +114,18 @@ class Fp8ParamGather:
             self._owned.append(None if local is None else (start + local[0], start + local[1]))
         for i, (param, layer, (start, end)) in enumerate(zip(buffer.params, self.layers, self._ranges)):
             view = self.data[start:end].view(param.shape)
-            layer.fp8_gathered_weight = Fp8GatheredWeight(view, self.scale_inv[i])
+            layer.fp8_gathered_weight = Fp8GatheredWeight(view, self.scale_inv[i, 0])
+        self._delayed = [
+            i for i, layer in enumerate(self.layers) if layer._fp8_call.recipe.recipe == "delayed"
+        ]
+        self.quantizes_in_step = len(self._delayed) == len(self.layers)
+        """Every weight on the delayed recipe (scales known before the step): the flat optimizer step
+        writes the FP8 copies (``adam_step_flat_fp8``, :meth:`fused_weights`)."""
+        self._fp8_ranges = tuple((*owned, i) for i, owned in enumerate(self._owned) if owned is not None)
+        self._step_amax = torch.zeros(len(self.layers), dtype=torch.float32, device=device)
+        self._quantized = False  # the step's FP8 copies are written (start_param_sync skips quantize_shards)
+        self.fused_steps = 0
+        """Steps whose FP8 copies the optimizer step wrote (a count for tests and logs)."""
         self._in_bucket: dict[int, list[int]] = {b.index: [] for b in buffer.buckets}
         for i, param in enumerate(buffer.params):
             self._in_bucket[buffer.bucket_of(param).index].append(i)
@@ -121,30 +148,69 @@ class Fp8ParamGather:
         if present:
             norms = torch._foreach_norm([pieces[i] for i in present], float("inf"))
             amax[present] = torch.stack(norms).float()
+        scale = self._settle_scales(amax)
+        for i in present:
+            lo, hi = self._owned[i]
+            self.data[lo:hi].copy_(ops.fp8_quantize(pieces[i], scale[i], FP8_WEIGHT_DTYPE))
+
+    def fused_weights(self) -> FlatFp8Weights:
+        """What ``adam_step_flat_fp8`` writes for this buffer (:attr:`quantizes_in_step` only): this
+        rank's pieces of :attr:`data`, with the weights' delayed scales and an amax it fills."""
+        return FlatFp8Weights(self.data, self._fp8_ranges, self._delayed_scales(), self._step_amax)
+
+    @torch.no_grad()
+    def finish_fused_quantization(self, fp8: FlatFp8Weights) -> None:
+        """After ``adam_step_flat_fp8`` wrote ``fp8`` (:meth:`fused_weights`: this rank's pieces and
+        their amaxes): what :meth:`quantize_shards` does after its quantization; :meth:`take_quantized`
+        then tells the parameter sync that this step's copies are written."""
+        self._settle_scales(fp8.amax, fp8.scales)
+        self._quantized = True
+        self.fused_steps += 1
+
+    def take_quantized(self) -> bool:
+        """Whether the optimizer step wrote the FP8 copies since the last call (then they are not
+        quantized again before the gather); resets it."""
+        quantized, self._quantized = self._quantized, False
+        return quantized
+
+    def _delayed_scales(self) -> torch.Tensor:
+        """``[W]`` fp32: every (delayed) weight's WEIGHT scale."""
+        return torch.stack([layer.fp8_state.scale[WEIGHT] for layer in self.layers])
+
+    def _settle_scales(self, amax: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """From this rank's pieces' ``amax [W]`` (0 for weights without a piece): max-reduce it over dp
+        and tp in place, record it in the delayed layers' pending WEIGHT amax, set :attr:`scale_inv`
+        from ``scale`` (the delayed scales the pieces were quantized with) or, when None, from the
+        scales this forms; returns the scales ``[W]``."""
         comm = self.buffer.comm
         if comm.active:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=comm.group)
         if group_size(self.tp_group) > 1:
             all_reduce_in_tensor_model_parallel_group(amax, self.tp_group, op="max")
+        if self._delayed:
+            # this step's W amax, as the forward's cast would have recorded it (the cast of W is
+            # skipped there); update_fp8_scales pushes it into the history at the end of the step
+            records = [self.layers[i].fp8_state.amax_record(WEIGHT) for i in self._delayed]
+            torch._foreach_copy_(records, [amax[i : i + 1] for i in self._delayed])
+        if scale is None:
+            scale = self._delayed_scales() if self.quantizes_in_step else self._current_scales(amax)
+        torch.reciprocal(scale, out=self.scale_inv[:, 0])
+        return scale
+
+    def _current_scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """``[W]`` fp32: the tensorwise weights' scales from the reduced ``amax``, the delayed ones'
+        WEIGHT scales."""
         current: dict[int, torch.Tensor] = {}  # tensorwise scales of all weights, by margin
         scales = []
         for i, layer in enumerate(self.layers):
             recipe = layer._fp8_call.recipe
             if recipe.recipe == "delayed":
-                state = layer.fp8_state
-                # this step's W amax, as the forward's cast would have recorded it (the cast of W is
-                # skipped there); update_fp8_scales pushes it into the history at the end of the step
-                state.amax_record(WEIGHT).copy_(amax[i : i + 1])
-                scales.append(state.scale[WEIGHT])
+                scales.append(layer.fp8_state.scale[WEIGHT])
             else:
                 if recipe.margin not in current:
                     current[recipe.margin] = scale_from_amax(amax, FP8_WEIGHT_DTYPE, recipe.margin)
                 scales.append(current[recipe.margin][i])
-        scale = torch.stack(scales)
-        torch.reciprocal(scale, out=self.scale_inv)
-        for i in present:
-            lo, hi = self._owned[i]
-            self.data[lo:hi].copy_(ops.fp8_quantize(pieces[i], scale[i], FP8_WEIGHT_DTYPE))
+        return torch.stack(scales)
 
     def bucket_bytes(self, bucket: Bucket) -> torch.Tensor:
         """What ``bucket`` all-gathers: its range of :attr:`data`, as bytes (collectives move uint8)."""
@@ -160,7 +226,7 @@ class Fp8ParamGather:
             lo, hi = self._owned[i] or (start, start)
             for a, b in ((start, lo), (hi, end)):
                 if b > a:
-                    param_data[a:b].copy_(self.data[a:b].float() * self.scale_inv[i])
+                    param_data[a:b].copy_(self.data[a:b].float() * self.scale_inv[i, 0])
 
     @torch.no_grad()
     def gather_full_precision(self) -> None:

@@ -114,3 +114,58 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """(bf16 parameter, int16 remainder) -> the fp32 master, bit for bit."""
     hi = param.contiguous().view(torch.int16).to(torch.int32)
     return ((hi << 16) + remainder.to(torch.int32)).view(torch.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class FlatFp8Weights:
+    """The FP8 copies that ``adam_step_flat_fp8`` writes beside the parameters it updates
+    (``--fp8-param-gather`` with the delayed recipe, :mod:`mcore.distributed.fp8_param_gather`).
+
+    Attributes:
+        data: ``[N]`` float8 (e4m3), indexed like the buffer (``data[i]`` is ``params[i]``'s copy).
+        ranges: ``(start, end, index)`` per piece: the buffer range ``[start, end)`` of this rank's
+            piece of FP8 weight ``index``; pieces other ranks own are absent, and every piece lies
+            inside the step's segments (the parameters it updates).
+        scales: ``[W]`` fp32, weight ``index``'s scale (the delayed recipe's WEIGHT scale).
+        amax: ``[W]`` fp32, written by the op: ``max |p|`` over weight ``index``'s pieces of the
+            parameters after the step (0 for a weight with no piece here).
+    """
+
+    data: torch.Tensor
+    ranges: tuple[tuple[int, int, int], ...]
+    scales: torch.Tensor
+    amax: torch.Tensor
+
+
+def split_at_fp8_pieces(
+    segments: FlatSegments, ranges: tuple[tuple[int, int, int], ...]
+) -> list[tuple[Segment, int]]:
+    """``segments`` cut at the FP8 pieces' boundaries: ``(segment, index)`` with ``index`` the FP8
+    weight every element of the segment belongs to, or -1 (a parameter that is not an FP8 weight).
+
+    Raises:
+        ValueError: a piece overlaps another or does not lie inside the segments.
+    """
+    pieces = sorted((start, end, index) for start, end, index in ranges if end > start)
+    for (_, end, a), (start, _, b) in zip(pieces, pieces[1:]):
+        if start < end:
+            raise ValueError(f"FP8 pieces of weights {a} and {b} overlap at buffer index {start}")
+    out: list[tuple[Segment, int]] = []
+    covered = 0
+    for seg in sorted(segments.segments, key=lambda s: s.buffer_start):
+        cuts = {seg.buffer_start, seg.buffer_start + seg.length}
+        for start, end, _ in pieces:
+            cuts.update(c for c in (start, end) if seg.buffer_start < c < seg.buffer_start + seg.length)
+        cuts = sorted(cuts)
+        for lo, hi in zip(cuts, cuts[1:]):
+            index = next((i for start, end, i in pieces if start <= lo and hi <= end), -1)
+            covered += (hi - lo) if index >= 0 else 0
+            delta = seg.state_start - seg.buffer_start
+            out.append((Segment(lo + delta, lo, hi - lo, seg.group), index))
+    if covered != sum(end - start for start, end, _ in pieces):
+        raise ValueError(
+            f"FP8 pieces {pieces} do not lie inside the optimizer's segments "
+            f"{[(s.buffer_start, s.buffer_start + s.length) for s in segments.segments]} (buffer ranges)"
+        )
+    out.sort(key=lambda item: item[0].state_start)
+    return out

@@ -16,7 +16,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mcore.ops.flat import FlatSegments, bias_corrections, join_master, split_master
+from mcore.ops.flat import (
+    FlatFp8Weights,
+    FlatSegments,
+    bias_corrections,
+    join_master,
+    split_at_fp8_pieces,
+    split_master,
+)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -389,6 +396,59 @@ def adam_step_flat(
             remainders[state].copy_(rem)
         else:
             params[buffer].copy_(p)
+
+
+def adam_step_flat_fp8(
+    grads: torch.Tensor,
+    params: torch.Tensor,
+    masters: torch.Tensor | None,
+    remainders: torch.Tensor | None,
+    exp_avgs: torch.Tensor,
+    exp_avg_sqs: torch.Tensor,
+    segments: FlatSegments,
+    fp8: FlatFp8Weights,
+    *,
+    step: int | torch.Tensor,
+    lrs: Sequence[float],
+    weight_decays: Sequence[float],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grad_scale: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
+) -> None:
+    """:func:`adam_step_flat`, then the FP8 copies of the updated FP8 weights' pieces
+    (``--fp8-param-gather`` with the delayed recipe: the scale is known before the step).
+
+    Tensors: those of :func:`adam_step_flat`, and ``fp8`` (:class:`mcore.ops.flat.FlatFp8Weights`):
+    ``data [N]`` float8 (e4m3) in the buffer space, ``scales [W]`` fp32, ``amax [W]`` fp32 (written),
+    ``ranges``: ``(start, end, i)`` per piece of FP8 weight ``i`` this rank updates (each inside the
+    segments). After the step, with ``p = params[start:end]`` (the parameters as written, in their own
+    dtype)::
+
+        data[start:end] = saturate(p * scales[i])  in fp8, round to nearest even   (fp8_quantize)
+        amax[i]         = max |p|   over weight i's pieces; 0 for a weight with no piece
+
+    ``skip`` true leaves the parameters and the state untouched, and the FP8 bytes and the amax are
+    still written from those unchanged parameters: the same as quantizing after a skipped step. Every
+    other byte of ``data`` is left as it is. A kernel may return ``inf`` instead of NaN for a piece
+    holding a NaN (both non-finite, both kept out of the delayed recipe's scales).
+    """
+    key = ("fp8-pieces-checked", fp8.ranges)
+    if key not in segments.cache:  # a piece outside the segments would never be written by a kernel
+        split_at_fp8_pieces(segments, fp8.ranges)
+        segments.cache[key] = True
+    adam_step_flat(
+        grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, step=step, lrs=lrs,
+        weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps, grad_scale=grad_scale, skip=skip,
+    )  # fmt: skip
+    fp8.amax.zero_()
+    for start, end, index in fp8.ranges:
+        if end <= start:
+            continue
+        piece = params[start:end]
+        fp8.data[start:end] = fp8_quantize(piece, fp8.scales[index], fp8.data.dtype)
+        fp8.amax[index] = torch.maximum(fp8.amax[index], fp8_amax(piece))
 
 
 def accumulate_weight_grad(
@@ -784,6 +844,7 @@ REFERENCE_OPS = {
     "cross_entropy_grad_inplace_": cross_entropy_grad_inplace_,
     "adam_step": adam_step,
     "adam_step_flat": adam_step_flat,
+    "adam_step_flat_fp8": adam_step_flat_fp8,
     "accumulate_weight_grad": accumulate_weight_grad,
     "fp8_quantize": fp8_quantize,
     "fp8_amax": fp8_amax,

@@ -40,6 +40,7 @@ OP_NAMES: tuple[str, ...] = (
     "cross_entropy_grad_inplace_",
     "adam_step",
     "adam_step_flat",
+    "adam_step_flat_fp8",
     "accumulate_weight_grad",
     "fp8_quantize",
     "fp8_amax",

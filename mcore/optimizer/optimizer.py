@@ -21,7 +21,9 @@ gradient norm reduced over  ``groups.mp`` (tp x pp)           all ranks
 2. with a loss scaler: unscale, check for inf/NaN; if any rank overflowed, every rank skips the step
    and the scaler lowers the scale (``(False, None, None)`` is returned);
 3. the global gradient norm, and clipping to ``--clip-grad``;
-4. the update (``get_ops().adam_step``, the backend's fused kernel, or SGD with momentum);
+4. the update (``get_ops().adam_step``, the backend's fused kernel, or SGD with momentum; on the flat
+   path ``adam_step_flat``, or ``adam_step_flat_fp8`` for a buffer of ``--fp8-param-gather`` weights on
+   the delayed recipe, which also writes their FP8 copies);
 5. fp32 masters copied back into bf16/fp16 parameters; with the distributed optimizer, updated shards
    all-gathered (asynchronously with ``--overlap-param-gather``: each module's forward pre-hook waits
    for the buckets of its own parameters).
@@ -430,25 +432,21 @@ class MegatronOptimizer:
         step = self._applied_steps
         lrs = [group["lr"] for group in self.param_groups]
         wds = [group["weight_decay"] for group in self.param_groups]
-        adam_step_flat = get_ops().adam_step_flat
+        ops = get_ops()
+        hyper = dict(
+            step=step, lrs=lrs, weight_decays=wds, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+            eps=cfg.adam_eps, grad_scale=scale, skip=skip,
+        )  # fmt: skip
         for flat in self.flat_states:
-            adam_step_flat(
-                flat.buffer.grad_data,
-                flat.buffer.param_data,
-                flat.masters,
-                flat.remainders,
-                flat.exp_avg,
-                flat.exp_avg_sq,
-                flat.segments,
-                step=step,
-                lrs=lrs,
-                weight_decays=wds,
-                beta1=cfg.adam_beta1,
-                beta2=cfg.adam_beta2,
-                eps=cfg.adam_eps,
-                grad_scale=scale,
-                skip=skip,
-            )
+            buffers = (flat.buffer.grad_data, flat.buffer.param_data, flat.masters, flat.remainders)
+            buffers += (flat.exp_avg, flat.exp_avg_sq, flat.segments)
+            gather = flat.buffer.fp8_gather  # --fp8-param-gather: the FP8 copies of this buffer
+            if gather is not None and gather.quantizes_in_step:  # delayed scales: written in the step
+                fp8 = gather.fused_weights()
+                ops.adam_step_flat_fp8(*buffers, fp8, **hyper)
+                gather.finish_fused_quantization(fp8)
+            else:
+                ops.adam_step_flat(*buffers, **hyper)
         if self.distributed:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()

@@ -193,6 +193,26 @@ def _adam_flat_make(mode: str, device_step: bool = False):
     return make
 
 
+def _adam_flat_fp8_make(mode: str):
+    """:func:`_adam_flat_make`'s buffers with the FP8 copies of three FP8 weights (W=4, weight 2 has no
+    piece here): pieces that start and end inside aligned blocks, non-FP8 parameters between them, one
+    piece across two segments (a group change), a scale that saturates."""
+    base = _adam_flat_make(mode)
+
+    def make(dtype, gen):
+        from mcore.ops.flat import FlatFp8Weights
+
+        args, hyper = base(dtype, gen)
+        n_buffer = args[1].numel()
+        data = torch.full((n_buffer,), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)  # a sentinel
+        ranges = ((37, 410, 0), (560, 899, 3), (1003, 1497, 1))
+        scales = torch.tensor([96.0, 200.0, 5.0, 0.75])  # saturates for the larger |p| of weight 1
+        fp8 = FlatFp8Weights(data, ranges, scales, torch.full((4,), 7.0))
+        return [*args, fp8], hyper
+
+    return make
+
+
 def _accumulate_weight_grad_make(dtype, gen):
     """An fp32 gradient buffer ``[24, 40]`` (the mixed case for half dtypes) += ``dY^T X`` over 64 tokens."""
     main_grad = _randn(gen, 24, 40)
@@ -514,6 +534,16 @@ OP_CASES: tuple[OpCase, ...] = (
         dtypes=(torch.float32,),
         kind="reduction",
     ),
+    *(
+        OpCase(
+            f"adam_flat_fp8_{mode}",
+            "adam_step_flat_fp8",
+            _adam_flat_fp8_make(mode),
+            dtypes=(torch.float32,),
+            kind="reduction",
+        )
+        for mode in ("masters", "remainders")
+    ),
     OpCase(
         "accumulate_weight_grad", "accumulate_weight_grad", _accumulate_weight_grad_make, kind="reduction"
     ),
@@ -668,6 +698,10 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         assert_close(ours[0], ref[0], dtype, case.kind, f"{what}: main_grad")
         return
 
+    if case.op == "adam_step_flat_fp8":  # the flat step's buffers, then the FP8 copies of ours
+        _check_adam_flat_fp8(fn, ref_fn, args, kwargs, device, dtype, case, what)
+        return
+
     if case.op == "adam_step_flat":  # in place over flat buffers: compare every updated buffer
         names = ("grads", "params", "masters", "remainders", "exp_avgs", "exp_avg_sqs")
         ours = [t.to(device) if isinstance(t, torch.Tensor) else t for t in args]
@@ -766,6 +800,43 @@ FP8_PRODUCERS = ("act_fp8_forward", "act_fp8_backward")
 """Ops that compute a value (an activation, its gradient) and return it quantized: ``(q, qT, scale_inv,
 *others)``. The backend may compute the value with other (correctly rounded) math than the reference,
 so its FP8 bytes are compared within one step of the FP8 grid, not byte for byte."""
+
+
+def _check_adam_flat_fp8(fn, ref_fn, args, kwargs, device, dtype, case, what) -> None:
+    """``adam_step_flat_fp8``: the flat step's buffers within the flat step's bounds of the reference;
+    the FP8 bytes of each piece exactly ``fp8_quantize`` of the parameters the backend wrote (its
+    rounding of the step may differ from the reference's within those bounds), the amax exactly their
+    ``max |p|`` (0 for a weight without a piece), and every other FP8 byte untouched."""
+    from mcore.ops.flat import FlatFp8Weights
+
+    fp8 = args[7]
+    ours_fp8 = FlatFp8Weights(fp8.data.to(device), fp8.ranges, fp8.scales.to(device), fp8.amax.to(device))
+    ref_fp8 = FlatFp8Weights(fp8.data.clone(), fp8.ranges, fp8.scales.clone(), fp8.amax.clone())
+    ours = [t.to(device) if isinstance(t, torch.Tensor) else t for t in args[:7]]
+    ref = [t.clone() if isinstance(t, torch.Tensor) else t for t in args[:7]]
+    fn(*ours, ours_fp8, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    ref_fn(*ref, ref_fp8, **kwargs)
+    for i, name in ((1, "params"), (2, "masters"), (4, "exp_avgs"), (5, "exp_avg_sqs")):
+        if ours[i] is None:
+            continue
+        bound_dtype = torch.bfloat16 if ref[i].dtype == torch.bfloat16 else dtype
+        assert_close(ours[i].float(), ref[i].float(), bound_dtype, case.kind, f"{what}: {name}")
+    params = ours[1].cpu()
+    want_data = fp8.data.view(torch.uint8).clone()
+    want_amax = torch.zeros_like(fp8.amax)
+    for start, end, index in fp8.ranges:
+        piece = params[start:end]
+        q = reference.fp8_quantize(piece, fp8.scales[index], fp8.data.dtype)
+        want_data[start:end] = q.view(torch.uint8)
+        want_amax[index] = torch.maximum(want_amax[index], reference.fp8_amax(piece))
+    got_data = ours_fp8.data.cpu().view(torch.uint8)
+    if not torch.equal(got_data, want_data):
+        bad = (got_data != want_data).nonzero().flatten()
+        raise ConformanceError(
+            f"{what}: FP8 bytes differ at {bad.numel()} buffer indices, first {bad[:8].tolist()}"
+        )
+    if not torch.equal(ours_fp8.amax.cpu(), want_amax):
+        raise ConformanceError(f"{what}: amax {ours_fp8.amax.cpu().tolist()}, expected {want_amax.tolist()}")
 
 
 def _fp8_grid_step(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -331,6 +331,7 @@ def test_every_op_has_cases():
         "scaled_linear_wgrad",
         "adam_step",
         "adam_step_flat",
+        "adam_step_flat_fp8",  # test_backend_adam_step_flat_fp8_matches_reference, tests/ops/test_adam_flat_fp8.py
         "cross_entropy_local_stats",
         "cross_entropy_grad_inplace_",
         "accumulate_weight_grad",
@@ -640,4 +641,15 @@ _FLAT_ADAM_CASES = [c for c in conformance.OP_CASES if c.op == "adam_step_flat"]
 def test_backend_adam_step_flat_matches_reference(backend, case):
     """fp32 state, fp32 masters beside bf16 parameters, and the precision-aware storage (bf16
     gradients and moments, int16 remainders), with a gap between segments and two groups."""
+    conformance.check_op(backend, case, torch.float32)
+
+
+_FLAT_ADAM_FP8_CASES = [c for c in conformance.OP_CASES if c.op == "adam_step_flat_fp8"]
+
+
+@pytest.mark.parametrize("case", _FLAT_ADAM_FP8_CASES, ids=[c.name for c in _FLAT_ADAM_FP8_CASES])
+def test_backend_adam_step_flat_fp8_matches_reference(backend, case):
+    """The flat step writing the FP8 weights' bytes and amax (fp32 masters, and the precision-aware
+    storage): the step as the flat step's cases check it, the bytes and the amax exactly those of the
+    parameters the backend wrote, every byte outside the FP8 pieces untouched."""
     conformance.check_op(backend, case, torch.float32)

@@ -48,6 +48,12 @@ FP8_DELAYED_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
 norm_backward, act_fp8_forward/backward; the QKV output gradient cast from the attention's dq, dk,
 dv with GPT-2's QKV bias, fp8_cast_packed)."""
 
+GPT2_BF16_FP8_PARAM_GATHER = [
+    *GPT2_FP16[: GPT2_FP16.index("--fp16")], "--bf16", "--use-distributed-optimizer", "--fp8-param-gather",
+]  # fmt: skip
+"""GPT-2 in bf16 with the distributed optimizer and ``--fp8-param-gather``: with the delayed recipe the
+flat optimizer step writes the FP8 weights (adam_step_flat_fp8)."""
+
 
 def test_training_calls_every_op_of_the_table():
     llama = run_distributed(
@@ -57,7 +63,10 @@ def test_training_calls_every_op_of_the_table():
         traced_training, 1, [*GPT2_FP16, *FP8_ROWWISE_FLAGS, "--device-backend", "cpu"], timeout=300
     )
     delayed = run_distributed(
-        traced_training, 1, [*GPT2_FP16, *FP8_DELAYED_FLAGS, "--device-backend", "cpu"], timeout=300
+        traced_training,
+        1,
+        [*GPT2_BF16_FP8_PARAM_GATHER, *FP8_DELAYED_FLAGS, "--device-backend", "cpu"],
+        timeout=300,
     )
     called = {name for rank in llama + gpt2 + delayed for name in rank}
     assert {"cross_entropy_local_stats", "cross_entropy_grad_inplace_"} <= set(llama[0])  # TP=2 loss
@@ -66,5 +75,6 @@ def test_training_calls_every_op_of_the_table():
     assert {"scaled_linear_forward", "scaled_linear_dgrad", "scaled_linear_wgrad"} <= set(llama[0])
     fused = {"norm_fp8_forward", "norm_backward", "act_fp8_forward", "act_fp8_backward", "fp8_cast_packed"}
     assert fused <= set(delayed[0])
+    assert "adam_step_flat_fp8" in delayed[0]
     never = [name for name in OP_NAMES if name not in called]
     assert not never, f"ops of the table no training path calls: {never}"

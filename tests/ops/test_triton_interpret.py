@@ -264,5 +264,105 @@ def _main() -> int:
     return 1 if failures else 0
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+def test_adam_step_flat_fp8_kernel_under_the_interpreter():
+    """``adam_step_flat_fp8``'s kernel (tiles of 64 elements) against the reference op: FP8 pieces that
+    start and end inside tiles and aligned blocks, non-FP8 parameters between them, a weight without
+    a piece, aligned and unaligned tables, three storages, skip false and true."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, "adam_fp8"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "adam_step_flat_fp8 checks: 12" in proc.stdout, proc.stdout
+
+
+def _adam_fp8_main() -> int:
+    """The FP8 bytes and amaxes bit for bit: with skip false, the bytes equal the reference op's
+    wherever the kernel's parameters equal the reference's (which they must within the flat step's
+    bounds: its arithmetic differs from torch's by an fp32 rounding, and the interpreter's bf16
+    conversion truncates), and always ``fp8_quantize`` of the parameters the kernel wrote; with skip
+    true every buffer equals the reference's bit for bit."""
+    import torch
+    from mcore.backends.cuda.triton_kernels import adam
+
+    from mcore.ops import reference
+    from mcore.ops.flat import FlatFp8Weights, FlatSegments, split_master
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    adam.BLOCK = 64  # tiny tiles: full tiles, ragged ones and pieces inside them on a few hundred elements
+    torch.manual_seed(0)
+    failures, checks = [], 0
+    n = 330
+    cases = [  # (segments as runs, pieces (start, end, weight), whether the table is aligned)
+        ([(5, 5, 140, 0), (145, 161, 150, 1)], ((20, 100, 0), (110, 145, 2), (170, 261, 1)), True),
+        ([(0, 3, 150, 0), (150, 170, 130, 1)], ((3, 67, 0), (80, 153, 2), (200, 300, 1)), False),
+    ]
+    for runs, ranges, want_aligned in cases:
+        for mode in ("fp32", "masters", "remainders"):
+            for skip in (False, True):
+                masters, grads = torch.randn(n) * 2, torch.randn(n)
+                m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+                params, rem = torch.randn(n).to(torch.bfloat16), torch.zeros(n, dtype=torch.int16)
+                for st, bu, length, _ in runs:
+                    hi, lo = split_master(masters[st : st + length])
+                    params[bu : bu + length], rem[st : st + length] = hi, lo
+                if mode == "fp32":
+                    state = [grads, masters, None, None, m0, v0]
+                elif mode == "masters":
+                    state = [grads, params, masters, None, m0, v0]
+                else:
+                    bf16 = torch.bfloat16
+                    state = [grads.to(bf16), params, None, rem, m0.to(bf16), v0.to(bf16)]
+                hyper = dict(
+                    step=torch.tensor(3) if mode == "masters" else 3, lrs=[1e-2, 2e-2],
+                    weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
+                    grad_scale=torch.tensor(0.5), skip=torch.tensor(skip),
+                )  # fmt: skip
+                data = torch.full((n,), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)
+                scales = torch.tensor([96.0, 200.0, 40.0, 0.5])  # weight 3: no piece; 200 saturates
+
+                def fp8(data=data, scales=scales, ranges=ranges):
+                    return FlatFp8Weights(data.clone(), ranges, scales.clone(), torch.full((4,), 7.0))
+
+                ours, gold = [[t.clone() if t is not None else None for t in state] for _ in range(2)]
+                ours_fp8, gold_fp8 = fp8(), fp8()
+                segments = FlatSegments.from_runs(runs)
+                adam.adam_step_flat_fp8(*ours, segments, ours_fp8, **hyper)
+                reference.adam_step_flat_fp8(*gold, FlatSegments.from_runs(runs), gold_fp8, **hyper)
+                tag = f"adam_step_flat_fp8 {mode} aligned={want_aligned} skip={skip}"
+                checks += 1
+                if adam._tiles(segments, grads.device, ranges)[-1] != want_aligned:
+                    failures.append(f"{tag}: tiles aligned != {want_aligned}")
+                got_bytes, gold_bytes = ours_fp8.data.view(torch.uint8), gold_fp8.data.view(torch.uint8)
+                # the kernel's own parameters, quantized and maxed by the reference: bit for bit
+                want = fp8()
+                want.amax.zero_()
+                for start, end, i in ranges:
+                    piece = ours[1][start:end]
+                    want.data[start:end] = reference.fp8_quantize(piece, scales[i], torch.float8_e4m3fn)
+                    want.amax[i] = torch.maximum(want.amax[i], reference.fp8_amax(piece))
+                if not torch.equal(got_bytes, want.data.view(torch.uint8)):
+                    failures.append(f"{tag}: bytes are not fp8_quantize of the kernel's parameters")
+                if not torch.equal(ours_fp8.amax, want.amax):
+                    failures.append(f"{tag}: amax {ours_fp8.amax.tolist()} != {want.amax.tolist()}")
+                same = ours[1] == gold[1]
+                if not torch.equal(got_bytes[same], gold_bytes[same]):
+                    failures.append(f"{tag}: bytes differ from the reference op's where the parameters agree")
+                err = _rel(ours[1].float(), gold[1].float())
+                if err > (1e-6 if mode == "fp32" else 2.4e-2):
+                    failures.append(f"{tag}: parameters {err:.1e} from the reference")
+                if skip:
+                    pairs = [(x, y) for x, y in zip(ours, gold) if x is not None]
+                    pairs += [(got_bytes, gold_bytes), (ours_fp8.amax, gold_fp8.amax), (ours[1], state[1])]
+                    if not all(torch.equal(x, y) for x, y in pairs):
+                        failures.append(f"{tag}: a skipped step is not the reference's bit for bit")
+                print(tag, f"params {err:.1e}", f"agree on {int(same.sum())}/{n}")
+    print("adam_step_flat_fp8 checks:", checks)
+    if failures:
+        print("FAILED:\n" + "\n".join(failures))
+    return 1 if failures else 0
+
+
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(_adam_fp8_main() if sys.argv[1:] == ["adam_fp8"] else _main())

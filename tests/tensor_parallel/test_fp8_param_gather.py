@@ -17,9 +17,15 @@
    the gathered FP8 weight is the cast of the (exactly gathered) bf16 weight with one scale.
    The same with ``--overlap-param-gather`` (the layers' forward pre-hooks wait for the FP8 gather),
    and at TP=2 (the weight's amax max-reduced over TP too).
-3. Save at iteration 2 and resume: the resumed losses are bit for bit the uninterrupted run's; the
-   saved model file equals the one a run without the flag saves; a weights-only load
-   (``--no-load-optim``) re-quantizes the FP8 copies from the loaded weights.
+   With the delayed recipe the flat optimizer step writes the FP8 copies (``adam_step_flat_fp8``)
+   and the separate quantization runs only when the weights are set otherwise (construction, a
+   checkpoint load); tensorwise keeps the quantization after the step. The same at DP=1 (one process:
+   the distributed optimizer owns every piece): the losses equal those without the flag.
+   Every weight's ``scale_inv`` is 16-byte aligned (cuBLASLt's FP8 GEMMs refuse other scale pointers).
+3. Save at iteration 2 and resume: the resumed losses are bit for bit the uninterrupted run's (the
+   resumed run's steps write the FP8 copies too); the saved model file equals the one a run without
+   the flag saves; a weights-only load (``--no-load-optim``) re-quantizes the FP8 copies from the
+   loaded weights.
 4. Bad combinations are refused with one message naming the flags.
 """
 
@@ -87,6 +93,7 @@ def train_recording(extra: list[str]) -> dict:
     afterwards, checking the FP8 copies against the exactly gathered bf16 weights."""
     import mcore.distributed.grad_buffer as grad_buffer
     from mcore.distributed.ddp import DistributedDataParallel
+    from mcore.distributed.fp8_param_gather import Fp8ParamGather
     from mcore.ops import reference
     from mcore.optimizer.optimizer import MegatronOptimizer
 
@@ -95,6 +102,12 @@ def train_recording(extra: list[str]) -> dict:
     reports: list[dict[str, int]] = []
     real_gather, real_init = grad_buffer.all_gather_into_tensor, DistributedDataParallel.__init__
     real_report = MegatronOptimizer.memory_report
+    real_quantize = Fp8ParamGather.quantize_shards
+    quantizations = []
+
+    def recording_quantize(self):
+        quantizations.append(1)
+        return real_quantize(self)
 
     def recording_gather(output, input, *args, **kwargs):
         gathers.append((str(output.dtype), output.numel() * output.element_size()))
@@ -111,14 +124,16 @@ def train_recording(extra: list[str]) -> dict:
     grad_buffer.all_gather_into_tensor = recording_gather
     DistributedDataParallel.__init__ = recording_init
     MegatronOptimizer.memory_report = recording_report
+    Fp8ParamGather.quantize_shards = recording_quantize
     try:
         result = train(extra)
     finally:
         grad_buffer.all_gather_into_tensor, DistributedDataParallel.__init__ = real_gather, real_init
         MegatronOptimizer.memory_report = real_report
+        Fp8ParamGather.quantize_shards = real_quantize
     per_step = gathers[-len(chunks[0].buckets) :]  # the last step's gathers, one per bucket
-    fp8_weights = fp8_buffer_bytes = 0
-    copies_exact = True
+    fp8_weights = fp8_buffer_bytes = fused_steps = fp8_buffers = 0
+    copies_exact = scales_aligned = True
     for chunk in chunks:
         chunk.gather_full_precision_params()
         for buffer in chunk.grad_buffers:
@@ -126,8 +141,11 @@ def train_recording(extra: list[str]) -> dict:
             if fp8 is None:
                 continue
             fp8_buffer_bytes += fp8.data.numel() * fp8.data.element_size()
+            fused_steps += fp8.fused_steps
+            fp8_buffers += 1
             for layer in fp8.layers:
                 gathered = layer.fp8_gathered_weight
+                scales_aligned &= gathered.scale_inv.data_ptr() % 16 == 0
                 fp8_weights += gathered.data.numel()
                 assert gathered.data.dtype == torch.float8_e4m3fn
                 q = reference.fp8_quantize(layer.weight, gathered.scale_inv.reciprocal(), torch.float8_e4m3fn)
@@ -143,13 +161,17 @@ def train_recording(extra: list[str]) -> dict:
         "fp8_weights": fp8_weights,
         "fp8_buffer_bytes": fp8_buffer_bytes,
         "copies_exact": bool(copies_exact),
+        "scales_aligned": bool(scales_aligned),
+        "fp8_buffers": fp8_buffers,
+        "fused_steps": fused_steps,  # summed over the FP8 buffers
+        "quantizations": len(quantizations),  # quantize_shards calls
         "params_bytes": reports[-1]["params"] if reports else None,
     }
 
 
-def _run(recipe: str, *extra: str) -> dict:
+def _run(recipe: str, *extra: str, nprocs: int = 2) -> dict:
     argv = [*COMMON, "--fp8-recipe", recipe, *extra]
-    return run_distributed(train_recording, 2, argv, timeout=300)[-1]
+    return run_distributed(train_recording, nprocs, argv, timeout=300)[-1]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +182,7 @@ def runs(tmp_path_factory):
     saving_ref = ["--save", str(save.parent / "ref"), "--save-interval", "2"]
     out["delayed"] = (_run("delayed", *NO_CLIP, *saving_ref), _run("delayed", *NO_CLIP, *GATHER, *saving))
     resume = [*COMMON, "--fp8-recipe", "delayed", *NO_CLIP, "--load", str(save), "--ckpt-step", "2"]
-    out["resumed"] = run_distributed(train, 2, [*resume, *GATHER], timeout=300)
+    out["resumed"] = run_distributed(train_recording, 2, [*resume, *GATHER], timeout=300)
     # the weights alone (fresh optimizer): the FP8 copies must be made from the loaded weights
     out["weights_only"] = [run_distributed(train, 2, [*resume, *flag, "--no-load-optim"], timeout=300)[-1]
                            for flag in ([], GATHER)]  # fmt: skip
@@ -169,6 +191,7 @@ def runs(tmp_path_factory):
     out["overlap"] = _run("tensorwise", *NO_CLIP, *GATHER, "--overlap-param-gather")
     tp2 = ["--tensor-model-parallel-size", "2", *NO_CLIP]
     out["tp2"] = (_run("tensorwise", *tp2), _run("tensorwise", *tp2, *GATHER))
+    out["dp1"] = (_run("delayed", *NO_CLIP, nprocs=1), _run("delayed", *NO_CLIP, *GATHER, nprocs=1))
     return out
 
 
@@ -177,6 +200,37 @@ def test_dp2_losses_with_fp8_param_gather_equal_without(runs, recipe):
     without, with_flag = runs[recipe]
     assert len(with_flag["losses"]) == ITERS
     assert with_flag["losses"] == without["losses"]  # exact: see the module docstring
+
+
+def test_delayed_recipe_writes_the_fp8_copies_in_the_optimizer_step(runs):
+    """Delayed: every step's FP8 copies come from ``adam_step_flat_fp8`` (fused_steps: one per step
+    and FP8 buffer); ``quantize_shards`` runs only for the initial weights (the construction's
+    refresh, once per buffer). Tensorwise (its scale needs the new weights' amax): quantize_shards
+    after every step, never the fused step. The losses of both equal those without the flag (above)."""
+    delayed, tensorwise = runs["delayed"][1], runs["tensorwise"][1]
+    assert delayed["fp8_buffers"] > 0 and tensorwise["fp8_buffers"] > 0
+    assert delayed["fused_steps"] == ITERS * delayed["fp8_buffers"]
+    assert delayed["quantizations"] == delayed["fp8_buffers"]
+    assert tensorwise["fused_steps"] == 0
+    assert tensorwise["quantizations"] == (ITERS + 1) * tensorwise["fp8_buffers"]
+
+
+def test_dp1_delayed_fp8_param_gather_losses_equal_without(runs):
+    """One process (the distributed optimizer owns every piece, no collective): the optimizer step
+    writes the FP8 copies and the losses are exactly those without the flag."""
+    without, with_flag = runs["dp1"]
+    assert with_flag["fused_steps"] == ITERS * with_flag["fp8_buffers"] > 0
+    assert len(with_flag["losses"]) == ITERS
+    assert with_flag["losses"] == without["losses"]
+    assert with_flag["copies_exact"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_gathered_scale_inv_is_16_byte_aligned(runs, recipe):
+    """cuBLASLt refuses FP8 GEMM scale pointers that are not 16-byte aligned: every weight's
+    ``scale_inv`` view lies on a 16-byte boundary."""
+    assert runs[recipe][1]["fp8_weights"] > 0
+    assert runs[recipe][1]["scales_aligned"]
 
 
 def test_overlapped_fp8_param_gather_gives_the_same_losses(runs):
@@ -220,6 +274,8 @@ def test_fp8_weights_are_gathered_as_fp8_bytes(runs, recipe):
 def test_fp8_param_gather_resume_is_bit_exact(runs):
     straight = runs["delayed"][1]["losses"]
     assert runs["resumed"][-1]["losses"] == straight[2:]
+    resumed = runs["resumed"][-1]  # its two steps wrote the FP8 copies in the optimizer step
+    assert resumed["fused_steps"] == (ITERS - 2) * resumed["fp8_buffers"] > 0
 
 
 def test_fp8_param_gather_checkpoint_holds_the_exact_weights(runs):
