@@ -2,7 +2,7 @@
 # FP8 on one GPU (the commands of benchmarks/README.md's FP8 section): the FP8 op/linear tests on
 # CUDA, then bf16 vs FP8 training throughput at 24L h2048 (the plain+compile reference in the FP8
 # run's process) and at a Llama-style 12L h4096. JSON lines under $OUT.
-# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|kernels|big|margin|rowwise|profile|llama|llama32|all]
+# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|kernels|big|pg|margin|rowwise|profile|llama|llama32|all]
 # (llama32: 32L h4096 s4096, ~7.4B parameters: needs the 141 GB of an H200)
 set -u
 OUT=${OUT:-/tmp/fp8_out}; mkdir -p "$OUT"
@@ -27,6 +27,14 @@ if [[ $what == big || $what == all ]]; then
   # the reference model's GeLU (tanh; Megatron's fused bias-GeLU and Transformer Engine compute it too)
   $TT $BIG $PA $G --openai-gelu --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-tanh
   $TT $BIG $PA $G --openai-gelu --iters 20 --out "$OUT/fp8.jsonl" --label bf16-tanh
+fi
+if [[ $what == pg || $what == all ]]; then
+  # --fp8-param-gather with the delayed recipe: the optimizer step writes the FP8 weights (no cast in
+  # the forward); the distributed optimizer it needs (one GPU: nothing to shard) on both sides
+  DO="--use-distributed-optimizer"
+  $TT $BIG $PA $G $DO --iters 20 --out "$OUT/fp8.jsonl" --label bf16-distopt
+  $TT $BIG $PA $G $DO --fp8-param-gather --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-param-gather
+  $TT $BIG $PA $G $DO --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-distopt
 fi
 if [[ $what == margin || $what == all ]]; then
   # the delayed recipe's output-gradient scales lag a fast-growing amax on the fixed batch: headroom
