@@ -497,6 +497,38 @@ def adam_step_flat_fp8(
     )  # fmt: skip
 
 
+def fp8_quantize_flat(params, fp8):
+    """The reference ``fp8_quantize_flat`` as one Triton launch over every piece (``--fp8-param-gather``,
+    tensorwise: instead of a quantize and a copy per weight)."""
+    if (
+        not _tracing()
+        and params.dtype in _FLOAT
+        and fp8.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        and _on_kernel_device(params, fp8.data, fp8.scales)
+    ):
+        from .triton_kernels import fp8_flat
+
+        fp8_flat.fp8_quantize_flat(params, fp8)
+    else:
+        reference.fp8_quantize_flat(params, fp8)
+
+
+def fp8_dequantize_flat(params, data, scale_inv, ranges):
+    """The reference ``fp8_dequantize_flat`` as one Triton launch over every run (``--fp8-param-gather``
+    after a bucket's gather: instead of a multiply and a copy per weight and run)."""
+    if (
+        not _tracing()
+        and params.dtype in (torch.float32, torch.bfloat16)  # fp16: the reference (fp8_flat)
+        and data.dtype == torch.float8_e4m3fn
+        and _on_kernel_device(params, data, scale_inv)
+    ):
+        from .triton_kernels import fp8_flat
+
+        fp8_flat.fp8_dequantize_flat(params, data, scale_inv, ranges)
+    else:
+        reference.fp8_dequantize_flat(params, data, scale_inv, ranges)
+
+
 # --- weight-gradient accumulation -----------------------------------------------------------------
 
 _MIXED_ADDMM: dict[torch.device, bool] = {}
@@ -549,6 +581,8 @@ _TRITON_OPS = {
     "cross_entropy_grad_inplace_": cross_entropy_grad_inplace_,
     "adam_step_flat": adam_step_flat,
     "adam_step_flat_fp8": adam_step_flat_fp8,
+    "fp8_quantize_flat": fp8_quantize_flat,
+    "fp8_dequantize_flat": fp8_dequantize_flat,
 }
 
 

@@ -126,9 +126,14 @@ class Fp8ParamGather:
         self._quantized = False  # the step's FP8 copies are written (start_param_sync skips quantize_shards)
         self.fused_steps = 0
         """Steps whose FP8 copies the optimizer step wrote (a count for tests and logs)."""
-        self._in_bucket: dict[int, list[int]] = {b.index: [] for b in buffer.buckets}
-        for i, param in enumerate(buffer.params):
-            self._in_bucket[buffer.bucket_of(param).index].append(i)
+        runs: dict[int, list[tuple[int, int, int]]] = {b.index: [] for b in buffer.buckets}
+        for i, (param, (start, end)) in enumerate(zip(buffer.params, self._ranges)):
+            lo, hi = self._owned[i] or (start, start)
+            runs[buffer.bucket_of(param).index] += [(a, b, i) for a, b in ((start, lo), (hi, end)) if b > a]
+        self._gathered_runs = {index: tuple(r) for index, r in runs.items()}
+        """Per bucket: the ``(start, end, i)`` runs of its weights outside this rank's pieces, which
+        :meth:`after_gather` dequantizes (``fp8_dequantize_flat``) from the gathered bytes."""
+        self._scale_inv_column = self.scale_inv[:, 0]  # [W], stride SCALE_STRIDE
         logger.debug(
             "--fp8-param-gather: %d weights, %d bytes all-gathered per step (%d in the parameter dtype)",
             len(self.layers),
@@ -149,9 +154,8 @@ class Fp8ParamGather:
             norms = torch._foreach_norm([pieces[i] for i in present], float("inf"))
             amax[present] = torch.stack(norms).float()
         scale = self._settle_scales(amax)
-        for i in present:
-            lo, hi = self._owned[i]
-            self.data[lo:hi].copy_(ops.fp8_quantize(pieces[i], scale[i], FP8_WEIGHT_DTYPE))
+        # every piece in one launch (a quantize and a copy per weight left the GPU idle, host-bound)
+        ops.fp8_quantize_flat(param_data, FlatFp8Weights(self.data, self._fp8_ranges, scale, amax))
 
     def fused_weights(self) -> FlatFp8Weights:
         """What ``adam_step_flat_fp8`` writes for this buffer (:attr:`quantizes_in_step` only): this
@@ -220,13 +224,9 @@ class Fp8ParamGather:
     def after_gather(self, bucket: Bucket) -> None:
         """Set the parameters of ``bucket`` outside this rank's pieces to ``W_q * scale_inv`` (rounded
         to the parameter dtype): the weight the forward computes with."""
-        param_data = self.buffer.param_data
-        for i in self._in_bucket[bucket.index]:
-            start, end = self._ranges[i]
-            lo, hi = self._owned[i] or (start, start)
-            for a, b in ((start, lo), (hi, end)):
-                if b > a:
-                    param_data[a:b].copy_(self.data[a:b].float() * self.scale_inv[i, 0])
+        runs = self._gathered_runs[bucket.index]
+        if runs:
+            get_ops().fp8_dequantize_flat(self.buffer.param_data, self.data, self._scale_inv_column, runs)
 
     @torch.no_grad()
     def gather_full_precision(self) -> None:

@@ -505,6 +505,50 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf")).float()
 
 
+def fp8_quantize_flat(params: torch.Tensor, fp8: FlatFp8Weights) -> None:
+    """The FP8 copies of this rank's pieces of the FP8 weights, in place (``--fp8-param-gather`` with
+    the tensorwise recipe: the quantization after the optimizer step, whose scales need the new
+    weights' amax first; :mod:`mcore.distributed.fp8_param_gather`).
+
+    ``params [N]`` (bf16, fp16 or fp32) is the flat parameter buffer, ``fp8`` a
+    :class:`mcore.ops.flat.FlatFp8Weights` over the same buffer space: ``data [N]`` float8,
+    ``scales [W]`` fp32 and ``ranges``, ``(start, end, i)`` per piece of FP8 weight ``i``::
+
+        data[start:end] = saturate(params[start:end] * scales[i])  in fp8, round to nearest even
+
+    exactly :func:`fp8_quantize` of each piece (its bytes). Empty pieces are skipped, every other byte
+    of ``data`` is left as it is, and ``fp8.amax`` is neither read nor written (the scales were formed
+    from it before). A backend writes every piece in one launch, without reading anything on the host.
+    """
+    for start, end, index in fp8.ranges:
+        if end > start:
+            fp8.data[start:end] = fp8_quantize(params[start:end], fp8.scales[index], fp8.data.dtype)
+
+
+def fp8_dequantize_flat(
+    params: torch.Tensor,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    ranges: Sequence[tuple[int, int, int]],
+) -> None:
+    """The inverse of :func:`fp8_quantize_flat` into the parameters, in place (``--fp8-param-gather``
+    after a bucket's FP8 all-gather: the weights other ranks quantized, as the forward computes with
+    them).
+
+    ``params [N]`` (bf16, fp16 or fp32) and ``data [N]`` float8 share the buffer space,
+    ``scale_inv [W]`` fp32 (any stride) holds weight ``i``'s ``1 / scale``, ``ranges`` lists
+    ``(start, end, i)`` runs of FP8 weight ``i``::
+
+        params[start:end] = (float(data[start:end]) * scale_inv[i])  rounded to params' dtype
+                            (fp32 product, round to nearest even)
+
+    Empty runs are skipped and every other element of ``params`` is left as it is.
+    """
+    for start, end, index in ranges:
+        if end > start:
+            params[start:end].copy_(data[start:end].float() * scale_inv[index])
+
+
 def fp8_scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> torch.Tensor:
     """Current scaling's ``scale = fp8_max / amax / 2^margin`` in fp32 (1 where ``amax`` is 0 or not
     finite), capped at fp32's largest value: the largest magnitude maps onto the format's largest."""
@@ -847,6 +891,8 @@ REFERENCE_OPS = {
     "adam_step_flat_fp8": adam_step_flat_fp8,
     "accumulate_weight_grad": accumulate_weight_grad,
     "fp8_quantize": fp8_quantize,
+    "fp8_quantize_flat": fp8_quantize_flat,
+    "fp8_dequantize_flat": fp8_dequantize_flat,
     "fp8_amax": fp8_amax,
     "fp8_cast": fp8_cast,
     "fp8_cast_dbias": fp8_cast_dbias,

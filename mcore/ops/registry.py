@@ -43,6 +43,8 @@ OP_NAMES: tuple[str, ...] = (
     "adam_step_flat_fp8",
     "accumulate_weight_grad",
     "fp8_quantize",
+    "fp8_quantize_flat",
+    "fp8_dequantize_flat",
     "fp8_amax",
     "fp8_cast",
     "fp8_cast_dbias",
