@@ -21,8 +21,9 @@ Bytes are those of the reference, bit for bit: the quantization is the FP8 cast 
 :func:`~.fp8_cast._quantize_bytes` (so also ``fp8_quantize``'s); the dequantization decodes the e4m3
 byte exactly (with NaN bytes set to NaN: Triton's interpreter decodes them as 480), multiplies in fp32
 and rounds to bf16 to nearest even with integer operations (the interpreter's bf16 conversion
-truncates; on the GPU the integer form costs nothing in a memory-bound kernel), NaN as PyTorch's
-0x7FC0. Bytes moved per element: quantize reads 2 (bf16) and writes 1; dequantize reads 1 and writes
+truncates; on the GPU the integer form costs nothing in a memory-bound kernel). A NaN stays a NaN
+(its bits are not PyTorch's on every device: bf16 0x7FFF here, as the GPU's conversion writes it;
+PyTorch's CPU conversion writes 0xFFFF). Bytes moved per element: quantize reads 2 (bf16) and writes 1; dequantize reads 1 and writes
 2. The block size and warps are not tuned on a GPU.
 """
 
@@ -101,14 +102,14 @@ def _quantize_flat_kernel(
 @triton.jit
 def _dequantized(b, scale_inv, OUT_BF16: tl.constexpr):
     """e4m3 bytes ``b`` (uint8) times ``scale_inv`` in fp32, then as the output's storage: fp32, or the
-    bf16 bit pattern (int16) rounded to nearest even (NaN as 0x7FC0, as PyTorch's CPU conversion)."""
+    bf16 bit pattern (int16) rounded to nearest even (NaN as 0x7FFF, the GPU conversion's NaN)."""
     x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact: every e4m3 value is an fp32
     x = tl.where((b & 0x7F) == 0x7F, float("nan"), x)  # e4m3fn's NaN bytes (the interpreter: 480)
     y = x * scale_inv
     if OUT_BF16:
         bits = y.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # arithmetic shift: the top half
-        return tl.where(y == y, rounded, 0x7FC0).to(tl.int16)
+        return tl.where(y == y, rounded, 0x7FFF).to(tl.int16)
     return y
 
 
