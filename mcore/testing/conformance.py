@@ -226,6 +226,33 @@ def _fp8_quantize_make(dtype, gen):
     return [x, torch.tensor(20.0), torch.float8_e4m3fn], {}
 
 
+_FP8_FLAT_RUNS = ((5, 37, 0), (37, 37, 2), (40, 203, 1), (203, 210, 2), (250, 1499, 4))
+"""``(start, end, weight)`` runs of a 1536-element buffer for the flat FP8 maps: starts and ends inside
+16-element blocks, an empty run, weight 3 without a run, a long run."""
+
+
+def _fp8_quantize_flat_make(dtype, gen):
+    """Flat parameters (``dtype``) quantized over :data:`_FP8_FLAT_RUNS` into a sentinel-filled e4m3
+    buffer; weight 2's scale saturates."""
+    from mcore.ops.flat import FlatFp8Weights
+
+    params = _randn(gen, 1536, scale=3.0, dtype=dtype)
+    data = torch.full((1536,), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.tensor([40.0, 96.0, 2000.0, 1.0, 0.5])
+    return [params, FlatFp8Weights(data, _FP8_FLAT_RUNS, scales, torch.zeros(5))], {}
+
+
+def _fp8_dequantize_flat_make(dtype, gen):
+    """Random e4m3 bytes (no NaN) dequantized over :data:`_FP8_FLAT_RUNS` into flat parameters
+    (``dtype``) with a strided ``scale_inv`` (``[W, 4][:, 0]``, as ``--fp8-param-gather`` keeps it)."""
+    params = _randn(gen, 1536, scale=7.0, dtype=dtype)
+    data = torch.randint(0, 256, (1536,), generator=gen, dtype=torch.uint8)
+    data[(data & 0x7F) == 0x7F] = 0x11
+    scale_inv = torch.ones(5, 4)
+    scale_inv[:, 0] = torch.tensor([0.5, 1 / 96, 3e-3, 1.0, 1.03125])
+    return [params, data.view(torch.float8_e4m3fn), scale_inv[:, 0], _FP8_FLAT_RUNS], {}
+
+
 def _fp8_amax_make(dtype, gen):
     return [_randn(gen, 40, 48, scale=3.0, dtype=dtype)], {}
 
@@ -554,6 +581,20 @@ OP_CASES: tuple[OpCase, ...] = (
         dtypes=(torch.float32, torch.bfloat16),
         capability="fp8",
     ),
+    OpCase(
+        "fp8_quantize_flat",
+        "fp8_quantize_flat",
+        _fp8_quantize_flat_make,
+        dtypes=(torch.float32, torch.bfloat16),
+        capability="fp8",
+    ),
+    OpCase(
+        "fp8_dequantize_flat",
+        "fp8_dequantize_flat",
+        _fp8_dequantize_flat_make,
+        dtypes=(torch.float32, torch.bfloat16),
+        capability="fp8",
+    ),
     OpCase("fp8_amax", "fp8_amax", _fp8_amax_make, dtypes=(torch.float32, torch.bfloat16), capability="fp8"),
     *(
         OpCase(
@@ -730,6 +771,10 @@ def check_op(backend: DeviceBackend, case: OpCase, dtype: torch.dtype, seed: int
         _check_fp8_producer(backend, case, dtype, args, kwargs, what)
         return
 
+    if case.op in ("fp8_quantize_flat", "fp8_dequantize_flat"):  # in place: exactly the reference's bits
+        _check_fp8_flat(fn, ref_fn, args, device, case, what)
+        return
+
     if case.op.startswith("fp8_"):  # the casts and the amax: exactly the reference's bytes
 
         def to_device(a):
@@ -837,6 +882,36 @@ def _check_adam_flat_fp8(fn, ref_fn, args, kwargs, device, dtype, case, what) ->
         )
     if not torch.equal(ours_fp8.amax.cpu(), want_amax):
         raise ConformanceError(f"{what}: amax {ours_fp8.amax.cpu().tolist()}, expected {want_amax.tolist()}")
+
+
+def _check_fp8_flat(fn, ref_fn, args, device, case, what) -> None:
+    """``fp8_quantize_flat``: every byte of the FP8 buffer the reference's (the runs' bytes, the
+    sentinel elsewhere); ``fp8_dequantize_flat``: every parameter the reference's, bit for bit."""
+    from mcore.ops.flat import FlatFp8Weights
+
+    if case.op == "fp8_quantize_flat":
+        params, fp8 = args
+        ours = FlatFp8Weights(
+            fp8.data.to(device, copy=True), fp8.ranges, fp8.scales.to(device), fp8.amax.to(device)
+        )
+        fn(params.to(device), ours)
+        ref = FlatFp8Weights(fp8.data.clone(), fp8.ranges, fp8.scales, fp8.amax)
+        ref_fn(params, ref)
+        got, want = ours.data.cpu().view(torch.uint8), ref.data.view(torch.uint8)
+    else:
+        params, data, scale_inv, runs = args
+        ours, ref = params.to(device, copy=True), params.clone()
+        strided = torch.empty_strided(scale_inv.shape, scale_inv.stride(), device=device)  # as given
+        strided.copy_(scale_inv)
+        fn(ours, data.to(device), strided, runs)
+        ref_fn(ref, data, scale_inv, runs)
+        bits = torch.int16 if params.element_size() == 2 else torch.int32
+        got, want = ours.cpu().view(bits), ref.view(bits)
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero().flatten()
+        raise ConformanceError(
+            f"{what}: {bad.numel()} elements differ from the reference's, first {bad[:8].tolist()}"
+        )
 
 
 def _fp8_grid_step(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,8 @@ empty, or are absent for a weight; a saturating scale; every FP8 byte value dequ
 too: the interpreter decodes them as 480; a NaN's bits are not compared, PyTorch's differ by
 device), products that are ties between two bf16 values (round to even) and products that need
 rounding, with a strided ``scale_inv`` (``[W, 4][:, 0]``, as the gatherer's); a list without runs (no
-launch); every byte and parameter outside the runs untouched.
+launch); every byte and parameter outside the runs untouched. Then the conformance suite's cases of
+both ops with the dispatchers as the backend's ops.
 The kernels run on CPU tensors with ``TRITON_INTERPRET=1``, which must be on before Triton defines
 them, so the checks run in a child process.
 
@@ -32,7 +33,7 @@ def test_fp8_flat_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fp8_flat checks: 8" in proc.stdout, proc.stdout
+    assert "fp8_flat checks: 12" in proc.stdout, proc.stdout
 
 
 def _old_quantize(params, data, scales, ranges) -> None:
@@ -52,11 +53,14 @@ def _old_dequantize(params, data, scale_inv, ranges) -> None:
 
 
 def _main() -> int:
+    import types
+
     import torch
     from mcore.backends.cuda import ops as cuda_ops
     from mcore.backends.cuda.triton_kernels import fp8_flat
 
     from mcore.ops.flat import FlatFp8Weights
+    from mcore.testing import conformance
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     fp8_flat.BLOCK = 64  # several tiles per run, full and partial, on a few hundred elements
@@ -118,7 +122,24 @@ def _main() -> int:
                 if not (want.isnan().any() and ties.sum() > 4):
                     failures.append(f"{tag}: the case lacks NaN bytes or ties ({int(ties.sum())})")
             print(tag, "ok" if same else "DIFFERS")
-    if launches != {"fp8_quantize_flat": 4, "fp8_dequantize_flat": 4}:
+
+    # the conformance suite's cases, with the CUDA dispatchers as the backend's ops (BLOCK 64)
+    class Ops(dict):
+        def provider(self, name):
+            return "cuda:triton"
+
+    table = {name: getattr(cuda_ops, name) for name in launches}
+    backend = types.SimpleNamespace(ops=Ops(table), device=lambda index=0: torch.device("cpu"))
+    for case in conformance.OP_CASES:
+        if case.op in table:
+            for dtype in case.dtypes:
+                checks += 1
+                try:
+                    conformance.check_op(backend, case, dtype)
+                    print(case.name, dtype, "ok")
+                except conformance.ConformanceError as err:
+                    failures.append(str(err))
+    if launches != {"fp8_quantize_flat": 6, "fp8_dequantize_flat": 6}:
         failures.append(f"kernel calls {launches}: a dispatcher fell back to the reference")
     print("fp8_flat checks:", checks)
     if failures:
