@@ -52,7 +52,8 @@ GPT2_BF16_FP8_PARAM_GATHER = [
     *GPT2_FP16[: GPT2_FP16.index("--fp16")], "--bf16", "--use-distributed-optimizer", "--fp8-param-gather",
 ]  # fmt: skip
 """GPT-2 in bf16 with the distributed optimizer and ``--fp8-param-gather``: with the delayed recipe the
-flat optimizer step writes the FP8 weights (adam_step_flat_fp8)."""
+flat optimizer step writes the FP8 weights (adam_step_flat_fp8); with tensorwise at DP=2 they are
+quantized after the step (fp8_quantize_flat) and the gathered ones dequantized (fp8_dequantize_flat)."""
 
 
 def test_training_calls_every_op_of_the_table():
@@ -68,7 +69,14 @@ def test_training_calls_every_op_of_the_table():
         [*GPT2_BF16_FP8_PARAM_GATHER, *FP8_DELAYED_FLAGS, "--device-backend", "cpu"],
         timeout=300,
     )
-    called = {name for rank in llama + gpt2 + delayed for name in rank}
+    tensorwise = run_distributed(
+        traced_training,
+        2,
+        [*GPT2_BF16_FP8_PARAM_GATHER, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+        + ["--device-backend", "cpu"],
+        timeout=300,
+    )
+    called = {name for rank in llama + gpt2 + delayed + tensorwise for name in rank}
     assert {"cross_entropy_local_stats", "cross_entropy_grad_inplace_"} <= set(llama[0])  # TP=2 loss
     assert {"cross_entropy", "adam_step"} <= set(gpt2[0])
     assert {"fp8_amax", "fp8_cast", "fp8_cast_dbias"} <= set(llama[0]) and "fp8_quantize" in gpt2[0]
@@ -76,5 +84,6 @@ def test_training_calls_every_op_of_the_table():
     fused = {"norm_fp8_forward", "norm_backward", "act_fp8_forward", "act_fp8_backward", "fp8_cast_packed"}
     assert fused <= set(delayed[0])
     assert "adam_step_flat_fp8" in delayed[0]
+    assert {"fp8_quantize_flat", "fp8_dequantize_flat"} <= set(tensorwise[0]) & set(tensorwise[1])
     never = [name for name in OP_NAMES if name not in called]
     assert not never, f"ops of the table no training path calls: {never}"
