@@ -23,8 +23,8 @@ byte exactly (with NaN bytes set to NaN: Triton's interpreter decodes them as 48
 and rounds to bf16 to nearest even with integer operations (the interpreter's bf16 conversion
 truncates; on the GPU the integer form costs nothing in a memory-bound kernel). A NaN stays a NaN
 (its bits are not PyTorch's on every device: bf16 0x7FFF here, as the GPU's conversion writes it;
-PyTorch's CPU conversion writes 0xFFFF). Bytes moved per element: quantize reads 2 (bf16) and writes 1; dequantize reads 1 and writes
-2. The block size and warps are not tuned on a GPU.
+PyTorch's CPU conversion writes 0xFFFF). Bytes moved per element: quantize reads 2 (bf16) and writes
+1; dequantize reads 1 and writes 2. The block size and warps are not tuned on a GPU.
 """
 
 from __future__ import annotations
