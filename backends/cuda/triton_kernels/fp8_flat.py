@@ -106,10 +106,11 @@ def _dequantized(b, scale_inv, OUT_BF16: tl.constexpr):
     x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact: every e4m3 value is an fp32
     x = tl.where((b & 0x7F) == 0x7F, float("nan"), x)  # e4m3fn's NaN bytes (the interpreter: 480)
     y = x * scale_inv
+    # one return: Triton 3.6 compiles both returns of a constexpr branch and refuses their two types
     if OUT_BF16:
         bits = y.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # arithmetic shift: the top half
-        return tl.where(y == y, rounded, 0x7FFF).to(tl.int16)
+        y = tl.where(y == y, rounded, 0x7FFF).to(tl.int16)
     return y
 
 
