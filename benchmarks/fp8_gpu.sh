@@ -35,6 +35,10 @@ if [[ $what == pg || $what == all ]]; then
   $TT $BIG $PA $G $DO --iters 20 --out "$OUT/fp8.jsonl" --label bf16-distopt
   $TT $BIG $PA $G $DO --fp8-param-gather --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-param-gather
   $TT $BIG $PA $G $DO --fp8-format hybrid --fp8-recipe delayed --iters 20 --out "$OUT/fp8.jsonl" --label fp8-delayed-distopt
+  # tensorwise: the scale needs the new weights' amax, so the quantization is a pass after the step
+  # (one _foreach_norm and one fp8_quantize_flat launch)
+  $TT $BIG $PA $G $DO --fp8-param-gather --fp8-format hybrid --fp8-recipe tensorwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise-param-gather
+  $TT $BIG $PA $G $DO --fp8-format hybrid --fp8-recipe tensorwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise-distopt
 fi
 if [[ $what == margin || $what == all ]]; then
   # the delayed recipe's output-gradient scales lag a fast-growing amax on the fixed batch: headroom
