@@ -14,21 +14,15 @@ By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_bda_bias_g
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 
-import pytest
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from mcore.testing.interpreter import needs_triton, run_under_interpreter
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+@needs_triton
 def test_bda_with_a_detached_bias_and_the_cast_dbias_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_under_interpreter(__file__)
 
 
 def _main() -> int:

@@ -19,7 +19,6 @@ By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_norm_fp8_i
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,16 +27,14 @@ import pytest
 import torch
 
 from mcore.testing import conformance
+from mcore.testing.interpreter import needs_triton, run_under_interpreter
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 BACKEND = os.environ.get("MCORE_TEST_BACKEND", "cpu")
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+@needs_triton
 def test_norm_fp8_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    run_under_interpreter(__file__)
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the GPU run of these checks (MCORE_TEST_BACKEND=cuda)")

@@ -12,21 +12,15 @@ By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_triton_int
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 
-import pytest
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from mcore.testing.interpreter import needs_triton, run_under_interpreter
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+@needs_triton
 def test_norm_and_dropout_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_under_interpreter(__file__)
 
 
 def _rel(a, b) -> float:
@@ -264,17 +258,13 @@ def _main() -> int:
     return 1 if failures else 0
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+@needs_triton
 def test_adam_step_flat_fp8_kernel_under_the_interpreter():
     """``adam_step_flat_fp8``'s kernel (tiles of 64 elements) against the reference op: FP8 pieces that
     start and end inside tiles and aligned blocks, non-FP8 parameters between them, a weight without
     a piece, aligned and unaligned tables, three storages, skip false and true."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "adam_fp8"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "adam_step_flat_fp8 checks: 12" in proc.stdout, proc.stdout
+    out = run_under_interpreter(__file__, "adam_fp8")
+    assert "adam_step_flat_fp8 checks: 12" in out, out
 
 
 def _adam_fp8_main() -> int:
