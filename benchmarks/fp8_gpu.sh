@@ -2,7 +2,8 @@
 # FP8 on one GPU (the commands of benchmarks/README.md's FP8 section): the FP8 op/linear tests on
 # CUDA, then bf16 vs FP8 training throughput at 24L h2048 (the plain+compile reference in the FP8
 # run's process) and at a Llama-style 12L h4096. JSON lines under $OUT.
-# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|kernels|big|pg|margin|rowwise|profile|llama|llama32|all]
+# Usage: OUT=dir bash benchmarks/fp8_gpu.sh [tests|kernels|big|pg|ratio|margin|rowwise|profile|llama|llama32|all]
+# (ratio: FP8 delayed / bf16 step-time pairs in the order bf16 FP8 FP8 bf16, PAIRS=2 times, ITERS=60 steps each)
 # (llama32: 32L h4096 s4096, ~7.4B parameters: needs the 141 GB of an H200)
 set -u
 OUT=${OUT:-/tmp/fp8_out}; mkdir -p "$OUT"
@@ -39,6 +40,26 @@ if [[ $what == pg || $what == all ]]; then
   # (one _foreach_norm and one fp8_quantize_flat launch)
   $TT $BIG $PA $G $DO --fp8-param-gather --fp8-format hybrid --fp8-recipe tensorwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise-param-gather
   $TT $BIG $PA $G $DO --fp8-format hybrid --fp8-recipe tensorwise --iters 20 --out "$OUT/fp8.jsonl" --label fp8-tensorwise-distopt
+fi
+if [[ $what == ratio ]]; then
+  # A 20-step run times ~2 s of work, and the GPU's state before it moves a pair by up to 2.5%: longer
+  # runs, each precision first in half of the pairs, and the ratio of the summed times
+  for ((p = 1; p <= ${PAIRS:-2}; p++)); do
+    for label in bf16 fp8 fp8 bf16; do
+      extra=""; [[ $label == fp8 ]] && extra="--fp8-format hybrid --fp8-recipe delayed"
+      $TT $BIG $PA $G $extra --iters "${ITERS:-60}" --out "$OUT/ratio.jsonl" --label "$label" > /dev/null
+    done
+  done
+  python - "$OUT/ratio.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+times = {"bf16": [], "fp8": []}
+for row in rows:
+    times[row["peer"]].append(row["step_s"] * 1000)
+for label, ms in times.items():
+    print(label, "ms per step:", " ".join(f"{t:.2f}" for t in ms))
+print(f"FP8 delayed over bf16: {sum(times['bf16']) / sum(times['fp8']):.4f}x ({len(times['fp8'])} runs each)")
+PY
 fi
 if [[ $what == margin || $what == all ]]; then
   # the delayed recipe's output-gradient scales lag a fast-growing amax on the fixed batch: headroom
