@@ -28,6 +28,40 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _flat_adam_case(n: int, runs, mode: str, skip: bool, master_std: float):
+    """A flat AdamW state of ``n`` elements over ``runs`` (segments as ``FlatSegments.from_runs``
+    takes them) and the step's hyperparameters. The state is consistent: each segment's master
+    (state space) rounds to its parameter (buffer space). ``mode`` picks the storage, as the op's
+    positional buffers ``[grads, params, masters, remainders, exp_avgs, exp_avg_sqs]``:
+    ``fp32`` (the parameters are the masters), ``masters`` (fp32 masters beside bf16 parameters,
+    and the optimizer's device step counter), ``remainders`` (bf16 parameters with int16
+    remainders, bf16 gradients and moments)."""
+    import torch
+
+    from mcore.ops.flat import split_master
+
+    masters, grads = torch.randn(n) * master_std, torch.randn(n)
+    m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    params, rem = torch.randn(n).to(torch.bfloat16), torch.zeros(n, dtype=torch.int16)
+    for st, bu, length, _ in runs:
+        hi, lo = split_master(masters[st : st + length])
+        params[bu : bu + length], rem[st : st + length] = hi, lo
+    if mode == "fp32":
+        state = [grads, masters, None, None, m0, v0]
+    elif mode == "masters":
+        state = [grads, params, masters, None, m0, v0]
+    else:
+        bf16 = torch.bfloat16
+        state = [grads.to(bf16), params, None, rem, m0.to(bf16), v0.to(bf16)]
+    hyper = dict(
+        # the optimizer's device step counter (bias corrections read by the kernel) or an int
+        step=torch.tensor(3) if mode == "masters" else 3, lrs=[1e-2, 2e-2],
+        weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
+        grad_scale=torch.tensor(0.5), skip=torch.tensor(skip),
+    )  # fmt: skip
+    return state, hyper
+
+
 def _main() -> int:
     import torch
     from mcore.backends.cuda.triton_kernels import activations, norms
@@ -201,7 +235,7 @@ def _main() -> int:
     # and last tiles) and unaligned tables (tiles start at the segment), three storages, and the skip flag.
     from mcore.backends.cuda.triton_kernels import adam
 
-    from mcore.ops.flat import FlatSegments, join_master, split_master
+    from mcore.ops.flat import FlatSegments, join_master
 
     n = 3 * adam.BLOCK + 500
     for runs, want_aligned in [
@@ -213,32 +247,13 @@ def _main() -> int:
     ]:
         for mode in ("fp32", "masters", "remainders"):
             for skip in (False, True):
-                # a consistent state: each segment's master (state space) rounds to its parameter (buffer space)
-                masters, grads = torch.randn(n), torch.randn(n)
-                m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
-                params, rem = torch.randn(n).to(torch.bfloat16), torch.zeros(n, dtype=torch.int16)
-                for st, bu, length, _ in runs:
-                    hi, lo = split_master(masters[st : st + length])
-                    params[bu : bu + length], rem[st : st + length] = hi, lo
-                if mode == "fp32":
-                    state = [grads, masters, None, None, m0, v0]
-                elif mode == "masters":
-                    state = [grads, params, masters, None, m0, v0]
-                else:
-                    bf16 = torch.bfloat16
-                    state = [grads.to(bf16), params, None, rem, m0.to(bf16), v0.to(bf16)]
-                hyper = dict(
-                    # the optimizer's device step counter (bias corrections read by the kernel) or an int
-                    step=torch.tensor(3) if mode == "masters" else 3, lrs=[1e-2, 2e-2],
-                    weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
-                    grad_scale=torch.tensor(0.5), skip=torch.tensor(skip),
-                )  # fmt: skip
+                state, hyper = _flat_adam_case(n, runs, mode, skip, master_std=1.0)
                 ours = [t.clone() if t is not None else None for t in state]
                 gold = [t.clone() if t is not None else None for t in state]
                 segments = FlatSegments.from_runs(runs)
                 adam.adam_step_flat(*ours, segments, **hyper)
                 reference.adam_step_flat(*gold, FlatSegments.from_runs(runs), **hyper)
-                if adam._tiles(segments, grads.device)[-1] != want_aligned:
+                if adam._tiles(segments, state[0].device)[-1] != want_aligned:
                     failures.append(f"adam tiles aligned != {want_aligned} for {runs}")
                 if mode == "remainders":  # the exact fp32 masters, then the bf16 moments
                     pairs = [(join_master(ours[1], ours[3]), join_master(gold[1], gold[3]), 1e-6)]
@@ -277,7 +292,7 @@ def _adam_fp8_main() -> int:
     from mcore.backends.cuda.triton_kernels import adam
 
     from mcore.ops import reference
-    from mcore.ops.flat import FlatFp8Weights, FlatSegments, split_master
+    from mcore.ops.flat import FlatFp8Weights, FlatSegments
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     adam.BLOCK = 64  # tiny tiles: full tiles, ragged ones and pieces inside them on a few hundred elements
@@ -291,24 +306,7 @@ def _adam_fp8_main() -> int:
     for runs, ranges, want_aligned in cases:
         for mode in ("fp32", "masters", "remainders"):
             for skip in (False, True):
-                masters, grads = torch.randn(n) * 2, torch.randn(n)
-                m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
-                params, rem = torch.randn(n).to(torch.bfloat16), torch.zeros(n, dtype=torch.int16)
-                for st, bu, length, _ in runs:
-                    hi, lo = split_master(masters[st : st + length])
-                    params[bu : bu + length], rem[st : st + length] = hi, lo
-                if mode == "fp32":
-                    state = [grads, masters, None, None, m0, v0]
-                elif mode == "masters":
-                    state = [grads, params, masters, None, m0, v0]
-                else:
-                    bf16 = torch.bfloat16
-                    state = [grads.to(bf16), params, None, rem, m0.to(bf16), v0.to(bf16)]
-                hyper = dict(
-                    step=torch.tensor(3) if mode == "masters" else 3, lrs=[1e-2, 2e-2],
-                    weight_decays=[0.1, 0.0], beta1=0.9, beta2=0.95, eps=1e-8,
-                    grad_scale=torch.tensor(0.5), skip=torch.tensor(skip),
-                )  # fmt: skip
+                state, hyper = _flat_adam_case(n, runs, mode, skip, master_std=2.0)
                 data = torch.full((n,), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)
                 scales = torch.tensor([96.0, 200.0, 40.0, 0.5])  # weight 3: no piece; 200 saturates
 
@@ -322,7 +320,7 @@ def _adam_fp8_main() -> int:
                 reference.adam_step_flat_fp8(*gold, FlatSegments.from_runs(runs), gold_fp8, **hyper)
                 tag = f"adam_step_flat_fp8 {mode} aligned={want_aligned} skip={skip}"
                 checks += 1
-                if adam._tiles(segments, grads.device, ranges)[-1] != want_aligned:
+                if adam._tiles(segments, state[0].device, ranges)[-1] != want_aligned:
                     failures.append(f"{tag}: tiles aligned != {want_aligned}")
                 got_bytes, gold_bytes = ours_fp8.data.view(torch.uint8), gold_fp8.data.view(torch.uint8)
                 # the kernel's own parameters, quantized and maxed by the reference: bit for bit
