@@ -55,12 +55,10 @@ def test_act_fp8_kernels_on_the_gpu():
 
 
 def _main(device) -> int:
-    """The checks below, with the kernel module's entry points and grid size restored afterwards."""
+    """The checks below, with the kernel module's entry points restored afterwards."""
     from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
 
-    saved = {
-        name: getattr(kernels, name) for name in ("act_fp8_forward", "act_fp8_backward", "PROGRAMS_PER_SM")
-    }
+    saved = {name: getattr(kernels, name) for name in ("act_fp8_forward", "act_fp8_backward")}
     try:
         return _checks(device)
     finally:
@@ -94,8 +92,6 @@ def _checks(device) -> int:
             return _original(*args, **kwargs, config=_cfg)
 
         setattr(kernels, name, counted)
-    # one program an SM (the interpreter counts 4 SMs): the forward's grid-strided loop takes several tiles
-    kernels.PROGRAMS_PER_SM = 1
 
     u8 = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
 
@@ -305,7 +301,7 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
 
     for cfg in kernels._FWD_CONFIGS:
         for case in cases:
-            for record in (True, False):  # grid-strided tiles; one tile a program
+            for record in (True, False):
                 check(f"forward tile {cfg} {case} amax recorded {record}", case, cfg, record=record)
 
     # the launch cache: one launch a shape and amax record; an explicit config is never cached
@@ -317,14 +313,14 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
         failures.append(f"forward launch without autotuning: {launch.configs}, not the default")
     if kernels._fwd_launch(tag, 37, 21, True, device, None) is launch:
         failures.append("forward launch: the width not in the cache key")
-    # the grid of every tile: one tile a program, or at most PROGRAMS_PER_SM an SM with the amax recorded
+    # the grid of every tile: one tile a program, the amax recorded or not
     big = [kernels._fwd_launch(tag, 1000, 1000, record, device, None) for record in (True, False)]
     if big[0] is big[1]:
         failures.append("forward launch: the amax record not in the cache key")
     for cfg in kernels._FWD_CONFIGS:
         tiles = -(-1000 // cfg["BLOCK_M"]) * -(-1000 // cfg["BLOCK_F"])
         grids = [launch.grid_of(cfg) for launch in big]
-        if grids != [(min(tiles, kernels.PROGRAMS_PER_SM * _common.sm_count(device)),), (tiles,)]:
+        if grids != [(tiles,), (tiles,)]:
             failures.append(f"forward grids of {cfg} on [1000, 1000], amax recorded or not: {grids}")
     for cfg in kernels._FWD_CONFIGS[1:]:
         explicit = kernels._fwd_launch(tag, 37, 20, True, device, cfg)
