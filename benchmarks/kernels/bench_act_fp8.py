@@ -165,8 +165,9 @@ def _bench_kind(kind, m, width, has_bias, sweep, record, identity=None) -> None:
             if what == "forward":
                 # the autotuned tiles, then ones that lost on an H100 (see act_fp8._FWD_CONFIGS)
                 cfgs = act_fp8._FWD_CONFIGS + [
-                    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": 8}
+                    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": 8, "PER_SM": per_sm}
                     for bm, bf in ((128, 128), (32, 256), (64, 256))
+                    for per_sm in (0, act_fp8.PROGRAMS_PER_SM)
                 ]
             else:
                 cfgs = act_fp8._BWD_CONFIGS + [{"BLOCK_M": 32, "BLOCK_F": 256, "num_warps": 8, "PER_SM": 8}]

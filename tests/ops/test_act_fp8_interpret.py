@@ -300,6 +300,8 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
             same(f"{what} amax record", slot, slot_unfused)
 
     for cfg in kernels._FWD_CONFIGS:
+        # grid-strided configs on one program an SM (the interpreter counts 4): several tiles a program
+        cfg = {**cfg, "PER_SM": min(cfg["PER_SM"], 1)}
         for case in cases:
             for record in (True, False):
                 check(f"forward tile {cfg} {case} amax recorded {record}", case, cfg, record=record)
@@ -313,14 +315,17 @@ def _check_forward_tiles(device, forward, unfused_forward, same, failures, gen) 
         failures.append(f"forward launch without autotuning: {launch.configs}, not the default")
     if kernels._fwd_launch(tag, 37, 21, True, device, None) is launch:
         failures.append("forward launch: the width not in the cache key")
-    # the grid of every tile: one tile a program, the amax recorded or not
+    # the grid of every config: one tile a program (PER_SM 0) or at most PER_SM programs an SM
     big = [kernels._fwd_launch(tag, 1000, 1000, record, device, None) for record in (True, False)]
     if big[0] is big[1]:
         failures.append("forward launch: the amax record not in the cache key")
+    if {cfg["PER_SM"] for cfg in kernels._FWD_CONFIGS} != {0, kernels.PROGRAMS_PER_SM}:
+        failures.append("forward configs: not both grids tuned over")
     for cfg in kernels._FWD_CONFIGS:
         tiles = -(-1000 // cfg["BLOCK_M"]) * -(-1000 // cfg["BLOCK_F"])
+        programs = min(tiles, cfg["PER_SM"] * _common.sm_count(device)) if cfg["PER_SM"] else tiles
         grids = [launch.grid_of(cfg) for launch in big]
-        if grids != [(tiles,), (tiles,)]:
+        if grids != [(programs,), (programs,)]:
             failures.append(f"forward grids of {cfg} on [1000, 1000], amax recorded or not: {grids}")
     for cfg in kernels._FWD_CONFIGS[1:]:
         explicit = kernels._fwd_launch(tag, 37, 20, True, device, cfg)

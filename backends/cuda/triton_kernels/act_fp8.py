@@ -26,13 +26,10 @@ order (the interpreter test: two row programs, same tiles) and within fp32 round
 unfused kernel's own tiling is autotuned per shape, so its additions have no fixed order either;
 on an H100 the test's fp16/bf16 cases came out bit-identical, the fp32 ones not).
 
-Grids: the forward runs one ``[BLOCK_M, BLOCK_F]`` tile a program, each ending with one ``relaxed``
-atomic on the amax word when it records one (:func:`.fp8_cast._record_amax`); its tile is autotuned
-per shape (``_FWD_CONFIGS``), every tile giving the same bytes. (Until 2026-11-25 a recording forward
-walked its tiles grid-strided on at most ``PROGRAMS_PER_SM`` programs an SM, to keep the atomics
-few while they were ``acq_rel``: on an H100, exact GeLU bf16 [8192, 8192] -> e4m3 ``q`` and ``q^T``,
-32 x 128 tiles, that took 112.7 us; one tile a program with the relaxed atomic 103.7 us, as fast as
-the same kernel without a record, 103.1 us.) The backward is persistent over ``[row programs, column
+Grids: the forward walks ``[BLOCK_M, BLOCK_F]`` tiles, one a program (``PER_SM`` 0) or grid-strided
+on at most ``PER_SM`` programs an SM, each program ending with one ``relaxed`` atomic on the amax word
+when it records one (:func:`.fp8_cast._record_amax`); tile and grid are autotuned per shape
+(``_FWD_CONFIGS``), every one giving the same bytes. The backward is persistent over ``[row programs, column
 blocks]``, so that each program accumulates the bias partial sums of one column block over its rows;
 again one atomic a program. Both store the transposed tile through ``tl.trans`` (coalesced along ``M``), as
 ``_cast_kernel`` does.
@@ -157,30 +154,36 @@ def _act_fp8_fwd_kernel(
     FP8_FORMAT: tl.constexpr,  # an Fp8Format
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    PER_SM: tl.constexpr,  # sets the grid only: 0 one tile a program, else at most PER_SM programs an SM
     EVEN: tl.constexpr,  # M % BLOCK_M == F % BLOCK_F == 0: no bounds masks
 ):
-    tile = tl.program_id(0)  # one tile a program (module docstring)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     scale = tl.load(SCALE)
-    if tile == 0:
+    if pid == 0:
         tl.store(SCALE_INV, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
     tiles_f = tl.cdiv(F, BLOCK_F)
-    rows = ((tile // tiles_f) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = ((tile % tiles_f) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
-    cmask = cols < F
-    mask = (rows < M)[:, None] & cmask[None, :]
-    ptr = H + rows[:, None] * stride_h + cols[None, :]
-    x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS, EVEN)
-    if SWIGLU:  # _swiglu_fwd_kernel: silu(gate) rounded to the dtype before the product
-        u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS, EVEN)
-        a = (x * tl.sigmoid(x)).to(H.dtype.element_ty).to(tl.float32)
-        y = a * u
-    else:  # _bias_gelu_fwd_kernel
-        y, _ = _gelu_and_grad(x, TANH, False)
-    y = y.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
-    q = _quantize(y, scale, FP8_FORMAT)
-    _store_tile_bytes(Q, QT, q, rows, cols, M, F, F, ROWWISE, COLUMNWISE, EVEN)
+    running_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M) * tiles_f, programs):  # one tile a program: PER_SM 0
+        rows = ((tile // tiles_f) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = ((tile % tiles_f) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
+        cmask = cols < F
+        mask = (rows < M)[:, None] & cmask[None, :]
+        ptr = H + rows[:, None] * stride_h + cols[None, :]
+        x = _load_biased(ptr, B, cols, cmask, mask, HAS_BIAS, EVEN)
+        if SWIGLU:  # _swiglu_fwd_kernel: silu(gate) rounded to the dtype before the product
+            u = _load_biased(ptr + F, B + F, cols, cmask, mask, HAS_BIAS, EVEN)
+            a = (x * tl.sigmoid(x)).to(H.dtype.element_ty).to(tl.float32)
+            y = a * u
+        else:  # _bias_gelu_fwd_kernel
+            y, _ = _gelu_and_grad(x, TANH, False)
+        y = y.to(H.dtype.element_ty).to(tl.float32)  # what the unfused kernel writes
+        if RECORD_AMAX:
+            running_amax = _abs_max_rows(running_amax, y, mask, EVEN)
+        q = _quantize(y, scale, FP8_FORMAT)
+        _store_tile_bytes(Q, QT, q, rows, cols, M, F, F, ROWWISE, COLUMNWISE, EVEN)
     if RECORD_AMAX:
-        _record_amax(AMAX_RECORD, _abs_max_rows(tl.zeros([BLOCK_M], dtype=tl.float32), y, mask, EVEN))
+        _record_amax(AMAX_RECORD, running_amax)
 
 
 @triton.heuristics({"EVEN": _even})
@@ -273,10 +276,16 @@ def _act_fp8_bwd_kernel(
 
 
 _FWD_CONFIGS = [
-    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w}
+    {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm}
     for bm, bf, w in ((64, 128, 4), (32, 128, 4), (64, 64, 4), (128, 64, 8), (64, 128, 8))
+    for per_sm in (0, PROGRAMS_PER_SM)
 ]
-"""The forward's tiles, autotuned at the first call of a shape with many rows (see ``GridLaunch``):
+"""The forward's tiles and grids, autotuned at the first call of a shape with many rows (see
+``GridLaunch``). Grids (2026-11-25, H100, the amax recorded with the relaxed atomic): exact GeLU bf16
+[8192, 8192] is fastest one tile a program (32x128 4 warps 103.7 us, against 111.3 grid-strided on 16
+programs an SM; the same tile and grid with the ``acq_rel`` atomic took 108.7 and 112.7); SwiGLU
+[8192, 2 x 4096] took 91.0 us one tile a program against 77.8 grid-strided (both autotuned over the
+tiles), so both grids are tuned over. The tiles (before the grid was tuned, all grid-strided):
 the four fastest of ``bench_act_fp8.py --sweep --kinds gelu`` on an H100 (exact GeLU, bf16 [8192,
 8192], amax recorded): 32x128 4 warps 113.1 us, 128x64 8 warps 113.3, 64x64 4 warps 113.6, 64x128 8
 warps 117.2; and the previous fixed tile, 64x128 4 warps, 126.9 (tuned before the GeLU math changed;
@@ -286,9 +295,9 @@ warps 111.3, 64x64 4 warps 112.5, 64x128 4 warps 126.5); SwiGLU [8192, 2 x 8192]
 [4096, 2 x 14336] 131.7 us (64x128 4 warps 131.6, 64x64 4 warps 131.9); 32x64 4 warps (140.5 us GeLU)
 and 16x128 4 warps (280.5 us) were slower everywhere and are not tuned over."""
 
-FWD_DEFAULT = _FWD_CONFIGS[0]
+FWD_DEFAULT = {"BLOCK_M": 64, "BLOCK_F": 128, "num_warps": 4, "PER_SM": 0}
 """The forward's tile without autotuning (few rows, the interpreter, MCORE_TRITON_AUTOTUNE=0): the
-previous fixed tile, the one SwiGLU was measured with."""
+previous fixed tile, the one SwiGLU was measured with, one a program."""
 
 _BWD_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_F": bf, "num_warps": w, "PER_SM": per_sm, "NUM_STAGES": stages}
@@ -341,8 +350,11 @@ def _fwd_launch(tag, m: int, f: int, record_amax: bool, device: torch.device, co
 
 
 def _build_fwd_launch(tag, m: int, f: int, record_amax: bool, device, config: dict | None) -> GridLaunch:
-    def grid(cfg):  # one tile a program (module docstring)
-        return (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(f, cfg["BLOCK_F"]),)
+    sms = sm_count(device)
+
+    def grid(cfg):  # one tile a program, or at most PER_SM programs an SM (module docstring)
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(f, cfg["BLOCK_F"])
+        return (min(tiles, cfg["PER_SM"] * sms) if cfg["PER_SM"] else tiles,)
 
     # Autotuning runs every config several times into the same outputs: harmless, as a run stores
     # the same bytes whatever its tile and only max-es the same values into the amax record.
