@@ -26,13 +26,13 @@ order (the interpreter test: two row programs, same tiles) and within fp32 round
 unfused kernel's own tiling is autotuned per shape, so its additions have no fixed order either;
 on an H100 the test's fp16/bf16 cases came out bit-identical, the fp32 ones not).
 
-Grids: the forward walks ``[BLOCK_M, BLOCK_F]`` tiles, one a program (``PER_SM`` 0) or grid-strided
-on at most ``PER_SM`` programs an SM, each program ending with one ``relaxed`` atomic on the amax word
-when it records one (:func:`.fp8_cast._record_amax`); tile and grid are autotuned per shape
-(``_FWD_CONFIGS``), every one giving the same bytes. The backward is persistent over ``[row programs, column
-blocks]``, so that each program accumulates the bias partial sums of one column block over its rows;
-again one atomic a program. Both store the transposed tile through ``tl.trans`` (coalesced along ``M``), as
-``_cast_kernel`` does.
+Grids: the forward walks ``[BLOCK_M, BLOCK_F]`` tiles, one a program (``PER_SM`` 0) or
+grid-strided on at most ``PER_SM`` programs an SM, each program ending with one ``relaxed`` atomic on
+the amax word when it records one (:func:`.fp8_cast._record_amax`); tile and grid are autotuned per
+shape (``_FWD_CONFIGS``), every one giving the same bytes. The backward is persistent over ``[row
+programs, column blocks]``, so that each program accumulates the bias partial sums of one column
+block over its rows; again one atomic a program. Both store the transposed tile through ``tl.trans``
+(coalesced along ``M``), as ``_cast_kernel`` does.
 """
 
 from __future__ import annotations
