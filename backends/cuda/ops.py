@@ -126,7 +126,8 @@ def _fp32_rows(t: torch.Tensor | None, m: int) -> bool:
 def norm_fp8_forward(
     x, weight, bias, eps, kind, fp8_dtype, scale, amax_record=None, rowwise=True, columnwise=True
 ):
-    """The reference ``norm_fp8_forward`` as one Triton kernel: the norm writes the FP8 operand."""
+    """The reference ``norm_fp8_forward`` in two Triton kernels: the norm's row statistics, then its
+    output formed tile by tile and written as the FP8 operand (never in the activations' dtype)."""
     if (
         _norm_kind_fits(kind, bias)
         and x.dim() == 2

@@ -1,8 +1,8 @@
 """The CUDA backend's ``norm_fp8_forward`` and ``norm_backward`` kernels, under Triton's CPU interpreter.
 
-``norm_fp8_forward`` (``backends/cuda/triton_kernels/norm_fp8.py``: the norm's output as FP8,
-transposed or not, the amax recorded) must give exactly the bytes of the unfused path of the same
-backend: the norm forward kernel (``norms.layer_norm_fwd`` / ``rms_norm_fwd``) then the cast
+``norm_fp8_forward`` (``backends/cuda/triton_kernels/norm_fp8.py``: the norm's statistics, then its
+output formed tile by tile and written as FP8, transposed or not, the amax recorded) must give
+exactly the bytes of the unfused path of the same backend: the norm forward kernel (``norms.layer_norm_fwd`` / ``rms_norm_fwd``) then the cast
 kernel (``fp8_cast.cast(..., scale=..., amax_record=...)``): q, q^T, the scale inverse, the recorded
 amax, mean and rstd. Both kinds, with and without a bias, bf16/fp32 (and RMSNorm's fp32 weight on
 bf16 rows: an fp32 output), e4m3 and e5m2, rowwise/columnwise subsets, rows not a multiple of the
@@ -85,12 +85,12 @@ def _main(device: str) -> int:
         return fused_bwd(*args, **kwargs)
 
     norm_fp8.norm_fp8_fwd, norm_fp8.norm_bwd = counted_fwd, counted_bwd
-    if interpret:  # the cast kernel's grid-strided loop (amax recorded) over several small tiles
+    if interpret:  # both cast kernels' grid-strided loops (amax recorded) over several small tiles
         fp8_cast.PROGRAMS_PER_SM = 1
+        small = {"BLOCK_M": 16, "BLOCK_K": 16, "num_warps": 4}
         real_cast = fp8_cast.cast
-        fp8_cast.cast = lambda *a, **k: real_cast(
-            *a, **k, config={"BLOCK_M": 16, "BLOCK_K": 16, "num_warps": 4}
-        )
+        fp8_cast.cast = lambda *a, **k: real_cast(*a, **k, config=small)
+        norm_fp8.CAST_CONFIG = small
 
     def same(what, got, want):
         if (got is None) != (want is None):

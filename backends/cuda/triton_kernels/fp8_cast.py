@@ -434,8 +434,8 @@ def _cast_outputs(x: torch.Tensor, m: int, k: int, fp8_dtype: torch.dtype, rowwi
     return q, qt, torch.empty((), dtype=torch.float32, device=x.device)
 
 
-def _cast_constexprs(x, fp8_dtype, margin, amax, amax_record, rowwise, columnwise) -> dict:
-    """The FP8 format and mode constexprs both cast kernels take."""
+def _cast_constexprs(x_dtype, fp8_dtype, margin, amax, amax_record, rowwise, columnwise) -> dict:
+    """The FP8 format and mode constexprs the cast kernels take (``x_dtype``: the tiles' dtype)."""
     fp8_max = float(torch.finfo(fp8_dtype).max)
     return dict(
         FP8_LIMIT=fp8_max / 2.0**margin,
@@ -443,7 +443,7 @@ def _cast_constexprs(x, fp8_dtype, margin, amax, amax_record, rowwise, columnwis
         FP8=_TL_FP8[fp8_dtype],
         MANTISSA_BITS=_MANTISSA_BITS[fp8_dtype],
         MIN_NORMAL_EXP=_MIN_NORMAL_EXP[fp8_dtype],
-        ENCODE_IN_INT=encode_in_int(x.dtype),
+        ENCODE_IN_INT=encode_in_int(x_dtype),
         FROM_AMAX=amax is not None,
         RECORD_AMAX=amax_record is not None,
         ROWWISE=rowwise,
@@ -482,7 +482,7 @@ def cast(
         k,
         x.stride(0),
         x.stride(1),
-        **_cast_constexprs(x, fp8_dtype, margin, amax, amax_record, rowwise, columnwise),
+        **_cast_constexprs(x.dtype, fp8_dtype, margin, amax, amax_record, rowwise, columnwise),
         **cfg,
     )
     return q, qt, scale_inv
@@ -580,7 +580,7 @@ def _cast_dbias_launch(
         w2,
         PACKED=packed,
         HAS_DBIAS=dbias,
-        **_cast_constexprs(x, fp8_dtype, margin, amax, amax_record, rowwise, columnwise),
+        **_cast_constexprs(x.dtype, fp8_dtype, margin, amax, amax_record, rowwise, columnwise),
     )
     dbias_out = sum_partials(part, parts, [x.dtype])[0] if dbias else None
     return q, qt, scale_inv, dbias_out

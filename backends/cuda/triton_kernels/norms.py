@@ -42,8 +42,38 @@ MAX_N = 16384
 
 
 @triton.jit
+def rms_normalize(x, rstd, w, X_DTYPE: tl.constexpr):
+    """RMSNorm's output in fp32 from fp32 rows ``x [R, C]``, their ``rstd [R]`` and the weight ``w [C]``
+    (fp32): the normalised value rounded to ``X_DTYPE`` (the rows' dtype), times the weight. The one
+    expression of the forward kernel and of :mod:`.norm_fp8`'s cast, so their outputs agree bit for bit."""
+    n = (x * rstd[:, None]).to(X_DTYPE).to(tl.float32)
+    return n * w[None, :]
+
+
+@triton.jit
+def ln_normalize(xc, rstd, w, b, HAS_BIAS: tl.constexpr):
+    """LayerNorm's output in fp32 from centred fp32 rows ``xc = x - mean`` ``[R, C]``, ``rstd [R]``, the
+    weight ``w`` and bias ``b`` ``[C]`` (fp32): ``xc * rstd * w (+ b)``, shared as :func:`rms_normalize`."""
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += b[None, :]
+    return y
+
+
+@triton.jit
 def _rms_fwd_kernel(
-    X, W, Y, RSTD, M, N, stride_x, stride_y, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    X,
+    W,
+    Y,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    stride_y,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STORE_Y: tl.constexpr = True,  # else the statistics only (:func:`rms_norm_stats`)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -52,11 +82,11 @@ def _rms_fwd_kernel(
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-    n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
-    y = n * w[None, :]
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if STORE_Y:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = rms_normalize(x, rstd, w, X.dtype.element_ty)
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=rmask)
 
 
@@ -167,6 +197,7 @@ def _ln_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STORE_Y: tl.constexpr = True,  # else the statistics only (:func:`layer_norm_stats`)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -178,12 +209,13 @@ def _ln_fwd_kernel(
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :]
-    if HAS_BIAS:
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-        y += b[None, :]
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if STORE_Y:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        b = w
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = ln_normalize(xc, rstd, w, b, HAS_BIAS)
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(MEAN + rows, mean, mask=rmask)
     tl.store(RSTD + rows, rstd, mask=rmask)
 
@@ -339,6 +371,16 @@ def rms_norm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
     return y, rstd
 
 
+def rms_norm_stats(x2: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rstd [M]`` of :func:`rms_norm_fwd`, the same bits (the same kernel and tile), without writing ``y``."""
+    m, n = x2.shape
+    rstd = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    cfg = _fwd_config(n, None)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
+    _rms_fwd_kernel[grid](x2, x2, x2, rstd, m, n, x2.stride(0), 0, eps, STORE_Y=False, **cfg)
+    return rstd
+
+
 def rms_norm_bwd(
     dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, config=None, dres2=None
 ):
@@ -384,6 +426,20 @@ def layer_norm_fwd(x2, weight, bias, eps: float, config=None):
         **cfg,
     )
     return y, mean, rstd
+
+
+def layer_norm_stats(x2: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, rstd)`` ``[M]`` of :func:`layer_norm_fwd`, the same bits (the same kernel and tile),
+    without writing ``y``."""
+    m, n = x2.shape
+    mean = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    cfg = _fwd_config(n, None)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
+    _ln_fwd_kernel[grid](
+        x2, x2, x2, x2, mean, rstd, m, n, x2.stride(0), 0, eps, HAS_BIAS=False, STORE_Y=False, **cfg
+    )
+    return mean, rstd
 
 
 def layer_norm_bwd(dy2, x2, weight, has_bias: bool, mean, rstd, config=None, bias_dtype=None, dres2=None):
