@@ -13,9 +13,9 @@ So the bytes are the unfused path's (norm kernel, then cast kernel; checked on a
 ``tests/ops/test_norm_fp8_interpret.py``), and the norm's output ``y`` in the activations' dtype is
 never written nor read back: per call the pair moves ``x`` twice and the FP8 bytes once (8192 x 2048
 bf16: 96 MB) instead of ``x``, ``y`` twice and the FP8 bytes (128 MB). On an H100
-(``do_bench_cudagraph``, bf16 -> e4m3 ``q`` and ``q^T``, amax recorded): LayerNorm [8192, 2048] 48.4 ->
-38.4 us (the statistics 8.7 of it), RMSNorm [4096, 4096] 48.1 -> 37.2 us. The normalising cast is
-~4.5 us slower than the plain cast of ``y`` (25.3 us) for the same bytes read and written.
+(``benchmarks/kernels/bench_norm_fp8.py``: bf16 -> e4m3 ``q`` and ``q^T``, amax recorded): LayerNorm
+[8192, 2048] 48.8 -> 38.3 us (the statistics 8.7 of it), RMSNorm [4096, 4096] 48.2 -> 37.1 us. The
+normalising cast is ~4.5 us slower than the plain cast of ``y`` (25.3 us) for the same bytes.
 
 Why not one kernel: the statistics need whole rows before any element is quantized, and ``q^T``
 needs many rows a program for coalesced stores (the cast's tiles are 128 rows). A kernel that owns
