@@ -14,8 +14,9 @@ So the bytes are the unfused path's (norm kernel, then cast kernel; checked on a
 never written nor read back: per call the pair moves ``x`` twice and the FP8 bytes once (8192 x 2048
 bf16: 96 MB) instead of ``x``, ``y`` twice and the FP8 bytes (128 MB). On an H100
 (``benchmarks/kernels/bench_norm_fp8.py``: bf16 -> e4m3 ``q`` and ``q^T``, amax recorded): LayerNorm
-[8192, 2048] 48.8 -> 38.3 us (the statistics 8.7 of it), RMSNorm [4096, 4096] 48.2 -> 37.1 us. The
-normalising cast is ~4.5 us slower than the plain cast of ``y`` (25.3 us) for the same bytes.
+[8192, 2048] 48.8 -> 38.3 us, RMSNorm [4096, 4096] 48.2 -> 37.1 us. Apart, with ``x`` in L2 as in
+those replays: the statistics 8.7 us, the normalising cast 26.5 us against 25.3 for the plain cast
+of ``y``; with L2 flushed the statistics take 21.2 us (8192 one-row programs).
 
 Why not one kernel: the statistics need whole rows before any element is quantized, and ``q^T``
 needs many rows a program for coalesced stores (the cast's tiles are 128 rows). A kernel that owns
@@ -118,6 +119,45 @@ def _norm_cast_kernel(
         _record_amax(amax_record_ptr, running_amax)
 
 
+def norm_cast(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scale: torch.Tensor,
+    amax_record: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    config: dict | None = None,
+):
+    """:func:`_norm_cast_kernel` on ``x2 [M, K]`` with its row statistics (``mean`` None for RMSNorm):
+    ``(q, qT, scale_inv)`` of the norm's output, as :func:`.fp8_cast.cast` gives them for the
+    output the norm kernel writes. ``config``: the tile (:data:`CAST_CONFIG`)."""
+    m, k = x2.shape
+    is_rms = kind == "RMSNorm"
+    out_dtype = torch.promote_types(x2.dtype, weight.dtype) if is_rms else x2.dtype
+    q, qt, scale_inv = fp8_cast._cast_outputs(x2, m, k, fp8_dtype, rowwise, columnwise)
+    cfg = {**CAST_CONFIG, **(config or {})}
+    per_sm = cfg.pop("PER_SM", fp8_cast.PROGRAMS_PER_SM)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(k, cfg["BLOCK_K"])
+    # as fp8_cast.cast: grid-strided when the amax is recorded (an atomic a program), else a tile each
+    programs = min(tiles, per_sm * sm_count(x2.device)) if amax_record is not None else tiles
+    constexprs = fp8_cast._cast_constexprs(out_dtype, fp8_dtype, 0, None, amax_record, rowwise, columnwise)
+    _norm_cast_kernel[(programs,)](
+        x2, weight, weight if bias is None else bias, rstd if mean is None else mean, rstd,
+        q.view(torch.uint8) if q is not None else scale_inv,  # unused pointers still need a tensor
+        qt.view(torch.uint8) if qt is not None else scale_inv,
+        scale, scale_inv, amax_record if amax_record is not None else scale_inv,
+        m, k, x2.stride(0),
+        IS_RMS=is_rms, HAS_BIAS=bias is not None, OUT_DTYPE=_TL_FLOAT[out_dtype],
+        **constexprs, **cfg,
+    )  # fmt: skip
+    return q, qt, scale_inv
+
+
 def norm_fp8_fwd(
     x2: torch.Tensor,
     weight: torch.Tensor,
@@ -135,30 +175,13 @@ def norm_fp8_fwd(
     ``mean`` None for RMSNorm. ``y`` is rounded to the norm's output dtype (``x``'s for LayerNorm,
     ``promote(x, weight)`` for RMSNorm) before it is scaled, as the unfused norm writes it.
     ``config``: the cast tile (:data:`CAST_CONFIG`)."""
-    m, k = x2.shape
-    is_rms = kind == "RMSNorm"
-    if is_rms:
-        out_dtype = torch.promote_types(x2.dtype, weight.dtype)
+    if kind == "RMSNorm":
         mean, rstd = None, norms.rms_norm_stats(x2, eps)
     else:
-        out_dtype = x2.dtype
         mean, rstd = norms.layer_norm_stats(x2, eps)
-    q, qt, scale_inv = fp8_cast._cast_outputs(x2, m, k, fp8_dtype, rowwise, columnwise)
-    cfg = {**CAST_CONFIG, **(config or {})}
-    per_sm = cfg.pop("PER_SM", fp8_cast.PROGRAMS_PER_SM)
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(k, cfg["BLOCK_K"])
-    # as fp8_cast.cast: grid-strided when the amax is recorded (an atomic a program), else a tile each
-    programs = min(tiles, per_sm * sm_count(x2.device)) if amax_record is not None else tiles
-    constexprs = fp8_cast._cast_constexprs(out_dtype, fp8_dtype, 0, None, amax_record, rowwise, columnwise)
-    _norm_cast_kernel[(programs,)](
-        x2, weight, weight if bias is None else bias, rstd if mean is None else mean, rstd,
-        q.view(torch.uint8) if q is not None else scale_inv,  # unused pointers still need a tensor
-        qt.view(torch.uint8) if qt is not None else scale_inv,
-        scale, scale_inv, amax_record if amax_record is not None else scale_inv,
-        m, k, x2.stride(0),
-        IS_RMS=is_rms, HAS_BIAS=bias is not None, OUT_DTYPE=_TL_FLOAT[out_dtype],
-        **constexprs, **cfg,
-    )  # fmt: skip
+    q, qt, scale_inv = norm_cast(
+        x2, weight, bias, kind, mean, rstd, fp8_dtype, scale, amax_record, rowwise, columnwise, config
+    )
     return q, qt, scale_inv, mean, rstd
 
 
