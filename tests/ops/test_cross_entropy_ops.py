@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore.ops import reference
+from mcore.ops.reference import loss as reference_loss
 from mcore.tensor_parallel import cross_entropy as ce
 
 HAS_CUDA = torch.cuda.is_available()
@@ -98,7 +99,7 @@ def test_reference_ops_give_torch_loss_and_gradient_in_place(dtype, smoothing, p
 
 
 def test_reference_ops_over_row_chunks_and_strided_rows(monkeypatch):
-    monkeypatch.setattr(reference, "_CE_CHUNK_ELEMENTS", 4 * 50)  # 4 rows a chunk
+    monkeypatch.setattr(reference_loss, "_CE_CHUNK_ELEMENTS", 4 * 50)  # 4 rows a chunk
     padded, labels, upstream = _inputs(19, 64, torch.bfloat16)
     logits = padded[:, :50]  # rows of stride 64, last dim contiguous
     keep = padded[:, 50:].clone()

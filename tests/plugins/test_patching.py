@@ -194,7 +194,7 @@ def test_targets_must_be_inside_mcore(target):
         Patch("torch.nn.functional.gelu", add_ten, Kind.REPLACE, reason="no")
     # A path that starts in mcore but walks into another package is refused too.
     with pytest.raises(PatchError, match="not in an mcore module"):
-        apply_patches((Patch("mcore.ops.reference.torch.matmul", add_ten, Kind.REPLACE, reason="no"),))
+        apply_patches((Patch("mcore.ops.reference.norms.torch.matmul", add_ten, Kind.REPLACE, reason="no"),))
 
 
 def test_kind_is_declared_and_rows_need_reasons():

@@ -19,7 +19,7 @@ from mcore.distributed.groups import ProcessGroups, initialize_parallel
 from mcore.models.config import ModelConfig
 from mcore.models.context import default_device
 from mcore.models.gpt import GPTModel
-from mcore.ops import reference
+from mcore.ops.reference import loss as reference_loss
 from mcore.tensor_parallel import cross_entropy as ce
 from mcore.tensor_parallel.mappings import group_rank, group_size
 from mcore.testing.distributed import run_distributed
@@ -62,7 +62,7 @@ def _fused(local_logits, labels, upstream, smoothing, group=None):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(reference, "_CE_CHUNK_ELEMENTS", 5 * VOCAB)  # 5 rows a chunk: 4 chunks of 18 rows
+    monkeypatch.setattr(reference_loss, "_CE_CHUNK_ELEMENTS", 5 * VOCAB)  # 5 rows a chunk: 4 chunks of 18 rows
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -83,7 +83,7 @@ def test_matches_torch_and_overwrites_the_logits(small_chunks, dtype, smoothing)
 def _tp2_case():
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
     group, rank, parts = groups.tp, group_rank(groups.tp), group_size(groups.tp)
-    reference._CE_CHUNK_ELEMENTS = 5 * VOCAB // parts
+    reference_loss._CE_CHUNK_ELEMENTS = 5 * VOCAB // parts
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         for smoothing in (0.0, 0.1):
