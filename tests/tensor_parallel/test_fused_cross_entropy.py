@@ -62,7 +62,8 @@ def _fused(local_logits, labels, upstream, smoothing, group=None):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(reference_loss, "_CE_CHUNK_ELEMENTS", 5 * VOCAB)  # 5 rows a chunk: 4 chunks of 18 rows
+    # 5 rows a chunk: 4 chunks of 18 rows
+    monkeypatch.setattr(reference_loss, "_CE_CHUNK_ELEMENTS", 5 * VOCAB)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
