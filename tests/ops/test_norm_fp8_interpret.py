@@ -108,7 +108,7 @@ def _main(device: str) -> int:
         # there outputs rounded through 16 bits differ from the reference's in more places (each by one step).
         fraction = 0.1 if interpret and x_dtype != torch.float32 else 0.01
         try:
-            conformance._fp8_step_close(got, want, what, max_fraction=fraction)
+            conformance.fp8_step_close(got, want, what, max_fraction=fraction)
         except AssertionError as err:
             failures.append(str(err))
 

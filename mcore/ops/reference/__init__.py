@@ -57,46 +57,6 @@ from mcore.ops.reference.norm_fp8 import norm_backward, norm_fp8_forward
 from mcore.ops.reference.norms import layer_norm, layer_norm_with_residual, rms_norm, rms_norm_with_residual
 from mcore.ops.reference.rotary import rotary_embedding
 
-__all__ = [
-    "ACTIVATIONS",
-    "REFERENCE_OPS",
-    "fp8_scale_from_amax",
-    "pack_columns",
-    "scaled_mm_nt",
-    # and every op of REFERENCE_OPS, by its name
-    "layer_norm",
-    "rms_norm",
-    "layer_norm_with_residual",
-    "rms_norm_with_residual",
-    "rotary_embedding",
-    "bias_gelu",
-    "swiglu",
-    "bias_dropout_add",
-    "attention",
-    "cross_entropy",
-    "cross_entropy_local_stats",
-    "cross_entropy_grad_inplace_",
-    "adam_step",
-    "adam_step_flat",
-    "adam_step_flat_fp8",
-    "accumulate_weight_grad",
-    "fp8_quantize",
-    "fp8_quantize_flat",
-    "fp8_dequantize_flat",
-    "fp8_amax",
-    "fp8_cast",
-    "fp8_cast_dbias",
-    "fp8_cast_packed",
-    "fp8_transpose",
-    "norm_fp8_forward",
-    "norm_backward",
-    "act_fp8_forward",
-    "act_fp8_backward",
-    "scaled_linear_forward",
-    "scaled_linear_dgrad",
-    "scaled_linear_wgrad",
-]
-
 REFERENCE_OPS = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
@@ -130,3 +90,13 @@ REFERENCE_OPS = {
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,
 }
+
+__all__ = [
+    "ACTIVATIONS",
+    "REFERENCE_OPS",
+    "fp8_scale_from_amax",
+    "pack_columns",
+    "scaled_mm_nt",
+    *REFERENCE_OPS,
+]
+"""The names above and every op of :data:`REFERENCE_OPS`, by its name."""

@@ -1,0 +1,297 @@
+"""The inputs of the op cases: seeded random tensors, RoPE angles, attention masks, and one maker per
+kind of case, ``make(dtype, generator) -> (args, kwargs)``."""
+
+from __future__ import annotations
+
+import torch
+
+from mcore.ops import reference
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def rotary_freqs(seq: int, rot_dim: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE angles ``[s, 1, 1, r]`` (or ``[s, b, 1, r]`` from ``positions [b, s]``), rotate-half layout."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    pos = torch.arange(seq, dtype=torch.float32)[:, None] if positions is None else positions.t().float()
+    angles = pos[..., None] * inv
+    return torch.cat((angles, angles), dim=-1)[:, :, None, :]
+
+
+def padding_mask(gen: torch.Generator, b: int, sk: int) -> torch.Tensor:
+    """``[b, 1, 1, sk]``: a few trailing keys masked per batch, never all of them."""
+    lengths = torch.randint(sk // 2, sk + 1, (b,), generator=gen)
+    return (torch.arange(sk)[None, :] >= lengths[:, None])[:, None, None, :]
+
+
+def document_mask(b: int, s: int) -> torch.Tensor:
+    """``[b, 1, s, s]`` causal masks that also block attention across two documents per sample."""
+    doc = (torch.arange(s) >= s // 3).long()
+    allowed = (torch.arange(s)[None, :] <= torch.arange(s)[:, None]) & (doc[None, :] == doc[:, None])
+    return (~allowed)[None, None].expand(b, 1, s, s).contiguous()
+
+
+def adam_make(dtype, gen):
+    params = [randn(gen, 8, 16), randn(gen, 16)]
+    grads = [randn(gen, *p.shape) for p in params]
+    exp_avgs = [randn(gen, *p.shape, scale=0.1) for p in params]
+    exp_avg_sqs = [randn(gen, *p.shape).abs() * 0.01 for p in params]
+    hyper = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    return [params, grads, exp_avgs, exp_avg_sqs], hyper
+
+
+def adam_l2_make(dtype, gen):
+    args, hyper = adam_make(dtype, gen)
+    return args, {**hyper, "step": 1, "decoupled_weight_decay": False}
+
+
+def adam_flat_make(mode: str, device_step: bool = False):
+    """Flat buffers of 1500 elements, three segments (two groups, one gap), in one of three storages;
+    ``device_step``: the step as a 0-d integer tensor on the device (the optimizer's counter)."""
+
+    def make(dtype, gen):
+        from mcore.ops.flat import FlatSegments, split_master
+
+        n_buffer, n_state = 1500, 1400
+        state_index = torch.cat([torch.arange(0, 900), torch.arange(1000, 1500)])
+        segments = FlatSegments.from_runs([(0, 0, 600, 0), (600, 600, 300, 1), (900, 1000, 500, 0)])
+        masters = randn(gen, n_buffer)
+        grads = randn(gen, n_buffer)
+        exp_avgs = randn(gen, n_state, scale=0.1)
+        exp_avg_sqs = randn(gen, n_state).abs() * 0.01
+        if mode == "fp32":
+            tensors = [grads, masters, None, None, exp_avgs, exp_avg_sqs]
+        elif mode == "masters":
+            tensors = [
+                grads,
+                masters.to(torch.bfloat16),
+                masters[state_index].clone(),
+                None,
+                exp_avgs,
+                exp_avg_sqs,
+            ]
+        else:  # precision-aware: bf16 grads and moments, remainders
+            params, remainders = split_master(masters)
+            tensors = [
+                grads.to(torch.bfloat16),
+                params,
+                None,
+                remainders[state_index].clone(),
+                exp_avgs.to(torch.bfloat16),
+                exp_avg_sqs.to(torch.bfloat16),
+            ]
+        hyper = dict(
+            step=torch.tensor(3) if device_step else 3, lrs=[1e-2, 2e-2], weight_decays=[0.1, 0.0],
+            beta1=0.9, beta2=0.95, eps=1e-8, grad_scale=torch.tensor(0.5), skip=torch.tensor(False),
+        )  # fmt: skip
+        return [*tensors, segments], hyper
+
+    return make
+
+
+def adam_flat_fp8_make(mode: str):
+    """:func:`adam_flat_make`'s buffers with the FP8 copies of three FP8 weights (W=4, weight 2 has no
+    piece here): pieces that start and end inside aligned blocks, non-FP8 parameters between them, one
+    piece across two segments (a group change), a scale that saturates."""
+    base = adam_flat_make(mode)
+
+    def make(dtype, gen):
+        from mcore.ops.flat import FlatFp8Weights
+
+        args, hyper = base(dtype, gen)
+        n_buffer = args[1].numel()
+        data = torch.full((n_buffer,), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)  # a sentinel
+        ranges = ((37, 410, 0), (560, 899, 3), (1003, 1497, 1))
+        scales = torch.tensor([96.0, 200.0, 5.0, 0.75])  # saturates for the larger |p| of weight 1
+        fp8 = FlatFp8Weights(data, ranges, scales, torch.full((4,), 7.0))
+        return [*args, fp8], hyper
+
+    return make
+
+
+def accumulate_weight_grad_make(dtype, gen):
+    """An fp32 gradient buffer ``[24, 40]`` (the mixed case for half dtypes) += ``dY^T X`` over 64 tokens."""
+    main_grad = randn(gen, 24, 40)
+    return [main_grad, randn(gen, 64, 24, dtype=dtype), randn(gen, 64, 40, dtype=dtype)], {}
+
+
+def fp8_quantize_make(dtype, gen):
+    """``[40, 48]`` with a few values past the e4m3 range after scaling (they saturate)."""
+    x = randn(gen, 40, 48, scale=3.0, dtype=dtype)
+    x[0, :2] = 1e4
+    return [x, torch.tensor(20.0), torch.float8_e4m3fn], {}
+
+
+FP8_FLAT_RUNS = ((5, 37, 0), (37, 37, 2), (40, 203, 1), (203, 210, 2), (250, 1499, 4))
+"""``(start, end, weight)`` runs of a 1536-element buffer for the flat FP8 maps: starts and ends inside
+16-element blocks, an empty run, weight 3 without a run, a long run."""
+
+
+def fp8_quantize_flat_make(dtype, gen):
+    """Flat parameters (``dtype``) quantized over :data:`FP8_FLAT_RUNS` into a sentinel-filled e4m3
+    buffer; weight 2's scale saturates."""
+    from mcore.ops.flat import FlatFp8Weights
+
+    params = randn(gen, 1536, scale=3.0, dtype=dtype)
+    data = torch.full((1536,), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.tensor([40.0, 96.0, 2000.0, 1.0, 0.5])
+    return [params, FlatFp8Weights(data, FP8_FLAT_RUNS, scales, torch.zeros(5))], {}
+
+
+def fp8_dequantize_flat_make(dtype, gen):
+    """Random e4m3 bytes (no NaN) dequantized over :data:`FP8_FLAT_RUNS` into flat parameters
+    (``dtype``) with a strided ``scale_inv`` (``[W, 4][:, 0]``, as ``--fp8-param-gather`` keeps it)."""
+    params = randn(gen, 1536, scale=7.0, dtype=dtype)
+    data = torch.randint(0, 256, (1536,), generator=gen, dtype=torch.uint8)
+    data[(data & 0x7F) == 0x7F] = 0x11
+    scale_inv = torch.ones(5, 4)
+    scale_inv[:, 0] = torch.tensor([0.5, 1 / 96, 3e-3, 1.0, 1.03125])
+    return [params, data.view(torch.float8_e4m3fn), scale_inv[:, 0], FP8_FLAT_RUNS], {}
+
+
+def fp8_amax_make(dtype, gen):
+    return [randn(gen, 40, 48, scale=3.0, dtype=dtype)], {}
+
+
+def fp8_cast_make(from_amax: bool):
+    """The cast and its transpose with the scale formed from an amax below the tensor's (the largest
+    values saturate), or with a given scale and the amax recorded in place (the delayed recipe)."""
+
+    def make(dtype, gen):
+        (x, scale, fp8_dtype), _ = fp8_quantize_make(dtype, gen)
+        if from_amax:
+            return [x, torch.float8_e5m2], {"amax": torch.tensor(300.0), "margin": 1, "columnwise": True}
+        return [x, fp8_dtype], {"scale": scale, "columnwise": True, "amax_record": torch.zeros(1)}
+
+    return make
+
+
+def fp8_cast_packed_make(dbias: bool):
+    """A fused QKV projection's output gradient as its three parts (2 groups of ``[q 128 | k 64 | v
+    64]`` columns, so that 64-wide column bands fit), a given scale, the amax recorded."""
+
+    def make(dtype, gen):
+        parts = [randn(gen, 40, 2 * w, scale=3.0, dtype=dtype) for w in (128, 64, 64)]
+        parts[1][0, :2] = 1e4  # saturates
+        return [parts, 2, torch.float8_e5m2], {
+            "dbias": dbias, "scale": torch.tensor(20.0), "columnwise": True, "amax_record": torch.zeros(1)
+        }  # fmt: skip
+
+    return make
+
+
+def fp8_operand(gen, rows: int, k: int, fp8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    return (torch.randn(rows, k, generator=gen) * 64).to(fp8_dtype)
+
+
+def fp8_transpose_make(dtype, gen):
+    """An FP8 ``[40, 72]`` (e4m3 for the fp32 pass, e5m2 for bf16): no side a multiple of a tile."""
+    fp8_dtype = torch.float8_e4m3fn if dtype == torch.float32 else torch.float8_e5m2
+    return [fp8_operand(gen, 40, 72, fp8_dtype)], {}
+
+
+def scaled_linear_make(which: str):
+    """FP8 NT operands (K = 32, outputs 48 x 64; the gradient operand e5m2 as in the hybrid format)
+    with per-tensor scale inverses; bf16/fp32 outputs."""
+
+    def make(dtype, gen):
+        sa, sb = torch.tensor(0.0123), torch.tensor(0.0071)
+        if which == "forward":
+            a, b = fp8_operand(gen, 48, 32), fp8_operand(gen, 64, 32)
+            return [a, b, sa, sb, randn(gen, 64, dtype=dtype), dtype], {}
+        a, b = fp8_operand(gen, 48, 32, torch.float8_e5m2), fp8_operand(gen, 64, 32)
+        if which == "dgrad":
+            return [a, b, sa, sb, dtype], {}
+        if which == "wgrad_overwrite":  # a step's first gradient: written over a stale main_grad
+            return [a, b, sa, sb, dtype, randn(gen, 48, 64)], {"accumulate": False}
+        return [a, b, sa, sb, dtype, randn(gen, 48, 64)], {}  # wgrad accumulated into a main_grad
+
+    return make
+
+
+def act_fp8_make(kind: str, backward: bool, bias: bool = True):
+    """fc1's output ``h [40, 48]`` (SwiGLU ``[40, 96]``) with a bias, a few values past the FP8 range
+    after scaling (they saturate); the activation or its backward (fc2's input gradient ``[40, 48]``)
+    quantized to e4m3 (forward) or e5m2 (backward) with a given scale, the amax recorded in place."""
+
+    def make(dtype, gen):
+        width = 96 if kind == "swiglu" else 48
+        h = randn(gen, 40, width, scale=2.0, dtype=dtype)
+        h[0, :2] = 300.0
+        b = randn(gen, width, dtype=dtype) if bias else None
+        kwargs = {"amax_record": torch.zeros(1)}
+        if not backward:
+            return [h, b, kind, torch.float8_e4m3fn, torch.tensor(40.0)], kwargs
+        dy = randn(gen, 40, 48, dtype=dtype)
+        return [dy, h, b, kind, torch.float8_e5m2, torch.tensor(3000.0)], kwargs
+
+    return make
+
+
+def ce_rows_make(smoothing: bool = False, grad: bool = False):
+    """Inputs of the in-place cross-entropy's two ops: 37 rows of one rank's 96-wide vocabulary
+    slice (of 4 * 96), every fourth label outside it."""
+
+    def make(dtype, gen):
+        rows, width = 37, 96
+        logits = randn(gen, rows, width, dtype=dtype, scale=3.0)
+        local_labels = torch.randint(0, width, (rows,), generator=gen)
+        outside = torch.arange(rows) % 4 == 1
+        local_labels = local_labels.masked_fill(outside, 0)
+        if not grad:
+            return [logits, local_labels, outside, smoothing], {}
+        # the global log-sum-exp: this slice's plus the other ranks' share
+        log_z = torch.logsumexp(logits.float(), dim=-1) + torch.rand(rows, generator=gen) * 2
+        dloss = torch.rand(rows, generator=gen) + 0.5
+        return [logits, local_labels, outside, log_z, dloss, 0.1 if smoothing else 0.0, 4 * width], {}
+
+    return make
+
+
+def layer_norm_make(dtype, gen):
+    """``x [3, 5, 64]``, weight and bias ``[64]``."""
+    x = randn(gen, 3, 5, 64, dtype=dtype)
+    return [x, randn(gen, 64, dtype=dtype), randn(gen, 64, dtype=dtype)], {"eps": 1e-5}
+
+
+def rms_norm_make(dtype, gen):
+    """``x [3, 5, 64]``, a weight near one ``[64]``."""
+    x = randn(gen, 3, 5, 64, dtype=dtype)
+    return [x, (1 + randn(gen, 64, scale=0.1)).to(dtype)], {"eps": 1e-6}
+
+
+def norm_fp8_make(kind: str, fp8_dtype: torch.dtype, rowwise: bool):
+    """``x [37, 64]`` (rows not a multiple of a kernel's row block) normalised into FP8 with a scale
+    at which the largest outputs saturate (e4m3), the amax recorded into a slot already holding 1."""
+
+    def make(dtype, gen):
+        args, _ = (layer_norm_make if kind == "LayerNorm" else rms_norm_make)(dtype, gen)
+        x, weight, bias = args[0].reshape(15, 64), args[1], (args[2] if kind == "LayerNorm" else None)
+        x = torch.cat([x, randn(gen, 22, 64, dtype=dtype, scale=3.0)])
+        scale = torch.tensor(96.0 if fp8_dtype == torch.float8_e4m3fn else 1000.0)
+        kwargs = {"amax_record": torch.ones(1), "rowwise": rowwise, "columnwise": True}
+        return [x, weight, bias, 1e-5, kind, fp8_dtype, scale], kwargs
+
+    return make
+
+
+def norm_backward_make(kind: str, residual: bool):
+    """The norm's backward on ``[37, 64]`` rows from the statistics :func:`reference.norm_fp8_forward`
+    saves, with the residual stream's gradient or without."""
+
+    def make(dtype, gen):
+        x, weight, bias, eps, kind_, fp8_dtype, scale = norm_fp8_make(kind, torch.float8_e4m3fn, True)(
+            dtype, gen
+        )[0]
+        *_, mean, rstd = reference.norm_fp8_forward(x, weight, bias, eps, kind_, fp8_dtype, scale)
+        dy = randn(
+            gen,
+            *x.shape,
+            dtype=x.dtype if kind == "LayerNorm" else torch.promote_types(x.dtype, weight.dtype),
+        )
+        kwargs = {"residual_grad": randn(gen, *x.shape, dtype=dtype)} if residual else {}
+        return [dy, x, weight, bias, eps, kind, mean, rstd], kwargs
+
+    return make
