@@ -115,186 +115,221 @@ def fusion_attention_mask(
     return m.contiguous()
 
 
+def _rms_norm_ops(torch_npu: ModuleType) -> dict[str, Callable]:
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Reference ``rms_norm`` through ``npu_rms_norm`` (mixed dtypes and 1-D go to the reference)."""
+        if (
+            x.dtype not in FLOAT_DTYPES
+            or weight.dtype != x.dtype
+            or weight.dim() != 1
+            or not 2 <= x.dim() <= 8
+        ):
+            return reference.rms_norm(x, weight, eps)
+        return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+    return {"rms_norm": rms_norm}
+
+
+def _rotary_serves(x: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether ``npu_rotary_mul`` takes ``x`` and the cos/sin of ``freqs`` as they are (rotate-half,
+    4-D SBND/BSND/BNSD, an even rotary dim under 896, a broadcast pattern the op accepts)."""
+    rot_dim = freqs.shape[-1]
+    if (
+        x.dim() != 4
+        or freqs.dim() != 4
+        or x.dtype not in FLOAT_DTYPES
+        or rot_dim % 2
+        or rot_dim >= 896
+        or rot_dim > x.shape[-1]
+        or any(f not in (1, s) for f, s in zip(freqs.shape[:3], x.shape[:3]))
+    ):
+        return False
+    pattern = tuple(int(f == s and s != 1) for f, s in zip(freqs.shape[:3], x.shape[:3]))
+    return not any(pattern) or pattern in _ROTARY_PATTERNS
+
+
+def _rotary_ops(torch_npu: ModuleType) -> dict[str, Callable]:
+    cache = _CosSinCache()
+
+    def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Reference ``rotary_embedding`` through ``npu_rotary_mul`` (rotate-half, 4-D SBND/BSND/BNSD)."""
+        if not _rotary_serves(x, freqs):
+            return reference.rotary_embedding(x, freqs)
+        rot_dim = freqs.shape[-1]
+        cos, sin = cache.get(freqs, x.dtype)
+        if rot_dim == x.shape[-1]:  # q/k arrive as views of the fused QKV output
+            return torch_npu.npu_rotary_mul(x.contiguous(), cos, sin, rotary_mode="half")
+        rotated = torch_npu.npu_rotary_mul(x[..., :rot_dim].contiguous(), cos, sin, rotary_mode="half")
+        return torch.cat((rotated, x[..., rot_dim:]), dim=-1)
+
+    return {"rotary_embedding": rotary_embedding}
+
+
+def _swiglu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
+    def swiglu(x: torch.Tensor) -> torch.Tensor:
+        """Reference ``swiglu`` (gate first) through ``npu_swiglu``."""
+        if x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2 or not 1 <= x.dim() <= 8:
+            return reference.swiglu(x)
+        return torch_npu.npu_swiglu(x, dim=-1)
+
+    return {"swiglu": swiglu}
+
+
+def _attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, causal: bool) -> bool:
+    """Whether ``npu_fusion_attention`` is documented for these inputs: no additive bias, 4-D, one
+    float dtype, equal head dims up to 768, whole query groups, and a key for every causal row (more
+    queries than keys leave rows with no visible key: implementation-defined on the NPU)."""
+    if (
+        bias is not None
+        or q.dim() != 4
+        or not (q.dtype == k.dtype == v.dtype)
+        or q.dtype not in FLOAT_DTYPES
+        or q.shape[-1] != k.shape[-1]
+        or q.shape[-1] > 768
+        or q.shape[1] % k.shape[1]
+    ):
+        return False
+    return not (causal and q.shape[2] > k.shape[2])
+
+
+def _fusion_attention_kwargs(
+    q: torch.Tensor, sk: int, causal: bool, mask: torch.Tensor | None, dropout_p: float, scale: float | None
+) -> dict | None:
+    """``npu_fusion_attention``'s keyword arguments for mcore's ``attention`` call on ``q [b, n, sq, d]``
+    and ``sk`` keys: the explicit scale, ``keep_prob``, and the mask as a sparse mode (none; the
+    compressed causal mask; or an explicit mask merged with the causal band). None when the mask's
+    shape cannot be expressed."""
+    b, n, sq, d = q.shape
+    kwargs = {
+        "scale": 1.0 / math.sqrt(d) if scale is None else scale,
+        "keep_prob": 1.0 - dropout_p,
+    }
+    if mask is None and not causal:
+        pass  # no atten_mask: the op attends to everything
+    elif mask is None:
+        kwargs["atten_mask"] = compressed_causal_mask(q.device)
+        kwargs["sparse_mode"] = 2 if sq == sk else 3
+    else:
+        full = fusion_attention_mask(mask, b, n, sq, sk, causal)
+        if full is None:
+            return None
+        kwargs.update(atten_mask=full, sparse_mode=0, pre_tockens=MAX_TOCKENS)
+        kwargs["next_tockens"] = sk - sq if causal else MAX_TOCKENS
+    return kwargs
+
+
+def _attention_ops(torch_npu: ModuleType) -> dict[str, Callable]:
+    def attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = True,
+        mask: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Reference ``attention`` ([b, n, s, d], GQA, True = masked) through ``npu_fusion_attention``."""
+        kwargs = None
+        if _attention_serves(q, k, v, bias, causal):
+            kwargs = _fusion_attention_kwargs(q, k.shape[2], causal, mask, dropout_p, scale)
+        if kwargs is None:
+            return reference.attention(
+                q, k, v, causal=causal, mask=mask, bias=bias, dropout_p=dropout_p, scale=scale
+            )
+        n, g = q.shape[1], k.shape[1]
+        if n != g and n > 256:  # the op's GQA limit: give it one K/V head per query head
+            k = k.repeat_interleave(n // g, dim=1)
+            v = v.repeat_interleave(n // g, dim=1)
+        return torch_npu.npu_fusion_attention(q, k, v, n, "BNSD", **kwargs)[0]
+
+    return {"attention": attention}
+
+
+def _adam_ops(torch_npu: ModuleType) -> dict[str, Callable]:
+    @torch.no_grad()
+    def adam_step(
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        exp_avgs: Sequence[torch.Tensor],
+        exp_avg_sqs: Sequence[torch.Tensor],
+        *,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        decoupled_weight_decay: bool = True,
+    ) -> None:
+        """Reference ``adam_step`` through ``npu_apply_adam_w`` (one call per parameter)."""
+        beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+            wd = weight_decay
+            if wd and not decoupled_weight_decay:
+                g, wd = g.add(p, alpha=wd), 0.0
+            torch_npu.npu_apply_adam_w(
+                beta1_power, beta2_power, lr, wd, beta1, beta2, eps, g, None, False, False, out=(p, m, v)
+            )
+
+    @torch.no_grad()
+    def adam_step_flat(
+        grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, *, step, lrs,
+        weight_decays, beta1, beta2, eps, grad_scale=None, skip=None,
+    ) -> None:  # fmt: skip
+        """Reference ``adam_step_flat`` through ``npu_apply_adam_w``, one call per segment.
+
+        Served for fp32 masters and moments (fp32 parameters, or fp32 masters beside bf16/fp16
+        ones); the precision-aware storage (remainders, bf16 moments) runs the reference. The
+        kernel has no device-side skip, so a ``skip`` flag (and a device ``step`` counter) is read
+        on the host here (one sync).
+        """
+        fp32_state = remainders is None and exp_avgs.dtype == exp_avg_sqs.dtype == torch.float32
+        if not fp32_state or (masters is None and params.dtype != torch.float32):
+            reference.adam_step_flat(
+                grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, step=step,
+                lrs=lrs, weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps,
+                grad_scale=grad_scale, skip=skip,
+            )  # fmt: skip
+            return
+        if skip is not None and bool(skip):
+            return
+        if isinstance(step, torch.Tensor):  # the optimizer's device counter (read with the skip)
+            step = int(step)
+        beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
+        for seg in segments.segments:
+            state = slice(seg.state_start, seg.state_start + seg.length)
+            buffer = slice(seg.buffer_start, seg.buffer_start + seg.length)
+            g = grads[buffer].float()
+            if grad_scale is not None:
+                g = g * grad_scale
+            p = masters[state] if masters is not None else params[buffer]
+            torch_npu.npu_apply_adam_w(
+                beta1_power, beta2_power, lrs[seg.group], weight_decays[seg.group], beta1, beta2,
+                eps, g, None, False, False, out=(p, exp_avgs[state], exp_avg_sqs[state]),
+            )  # fmt: skip
+            if masters is not None:
+                params[buffer].copy_(p)
+
+    return {"adam_step": adam_step, "adam_step_flat": adam_step_flat}
+
+
+_BUILDERS: tuple[tuple[str, Callable[[ModuleType], dict[str, Callable]]], ...] = (
+    ("npu_rms_norm", _rms_norm_ops),
+    ("npu_rotary_mul", _rotary_ops),
+    ("npu_swiglu", _swiglu_ops),
+    ("npu_fusion_attention", _attention_ops),
+    ("npu_apply_adam_w", _adam_ops),
+)
+"""The torch_npu kernel each group of adapters needs, and the function that binds them to it."""
+
+
 def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
-    """The op-table overrides torch_npu can serve, bound to ``torch_npu`` (real or simulated)."""
+    """The op-table overrides torch_npu can serve, bound to ``torch_npu`` (real or simulated): the
+    adapters of every kernel it has (:data:`_BUILDERS`)."""
     ops: dict[str, Callable] = {}
-
-    if hasattr(torch_npu, "npu_rms_norm"):
-
-        def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-            """Reference ``rms_norm`` through ``npu_rms_norm`` (mixed dtypes and 1-D go to the reference)."""
-            if (
-                x.dtype not in FLOAT_DTYPES
-                or weight.dtype != x.dtype
-                or weight.dim() != 1
-                or not 2 <= x.dim() <= 8
-            ):
-                return reference.rms_norm(x, weight, eps)
-            return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
-
-        ops["rms_norm"] = rms_norm
-
-    if hasattr(torch_npu, "npu_rotary_mul"):
-        cache = _CosSinCache()
-
-        def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-            """Reference ``rotary_embedding`` through ``npu_rotary_mul`` (rotate-half, 4-D SBND/BSND/BNSD)."""
-            rot_dim = freqs.shape[-1]
-            if (
-                x.dim() != 4
-                or freqs.dim() != 4
-                or x.dtype not in FLOAT_DTYPES
-                or rot_dim % 2
-                or rot_dim >= 896
-                or rot_dim > x.shape[-1]
-                or any(f not in (1, s) for f, s in zip(freqs.shape[:3], x.shape[:3]))
-            ):
-                return reference.rotary_embedding(x, freqs)
-            pattern = tuple(int(f == s and s != 1) for f, s in zip(freqs.shape[:3], x.shape[:3]))
-            if any(pattern) and pattern not in _ROTARY_PATTERNS:
-                return reference.rotary_embedding(x, freqs)
-            cos, sin = cache.get(freqs, x.dtype)
-            if rot_dim == x.shape[-1]:  # q/k arrive as views of the fused QKV output
-                return torch_npu.npu_rotary_mul(x.contiguous(), cos, sin, rotary_mode="half")
-            rotated = torch_npu.npu_rotary_mul(x[..., :rot_dim].contiguous(), cos, sin, rotary_mode="half")
-            return torch.cat((rotated, x[..., rot_dim:]), dim=-1)
-
-        ops["rotary_embedding"] = rotary_embedding
-
-    if hasattr(torch_npu, "npu_swiglu"):
-
-        def swiglu(x: torch.Tensor) -> torch.Tensor:
-            """Reference ``swiglu`` (gate first) through ``npu_swiglu``."""
-            if x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2 or not 1 <= x.dim() <= 8:
-                return reference.swiglu(x)
-            return torch_npu.npu_swiglu(x, dim=-1)
-
-        ops["swiglu"] = swiglu
-
-    if hasattr(torch_npu, "npu_fusion_attention"):
-
-        def attention(
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            *,
-            causal: bool = True,
-            mask: torch.Tensor | None = None,
-            bias: torch.Tensor | None = None,
-            dropout_p: float = 0.0,
-            scale: float | None = None,
-        ) -> torch.Tensor:
-            """Reference ``attention`` ([b, n, s, d], GQA, True = masked) through ``npu_fusion_attention``."""
-
-            def fallback() -> torch.Tensor:
-                return reference.attention(
-                    q, k, v, causal=causal, mask=mask, bias=bias, dropout_p=dropout_p, scale=scale
-                )
-
-            if (
-                bias is not None
-                or q.dim() != 4
-                or not (q.dtype == k.dtype == v.dtype)
-                or q.dtype not in FLOAT_DTYPES
-                or q.shape[-1] != k.shape[-1]
-                or q.shape[-1] > 768
-                or q.shape[1] % k.shape[1]
-            ):
-                return fallback()
-            b, n, sq, d = q.shape
-            g, sk = k.shape[1], k.shape[2]
-            if causal and sq > sk:  # rows with no visible key: implementation-defined on the NPU
-                return fallback()
-            if n != g and n > 256:  # the op's GQA limit: give it one K/V head per query head
-                k = k.repeat_interleave(n // g, dim=1)
-                v = v.repeat_interleave(n // g, dim=1)
-            kwargs = {
-                "scale": 1.0 / math.sqrt(d) if scale is None else scale,
-                "keep_prob": 1.0 - dropout_p,
-            }
-            if mask is None and not causal:
-                pass  # no atten_mask: the op attends to everything
-            elif mask is None:
-                kwargs["atten_mask"] = compressed_causal_mask(q.device)
-                kwargs["sparse_mode"] = 2 if sq == sk else 3
-            else:
-                full = fusion_attention_mask(mask, b, n, sq, sk, causal)
-                if full is None:
-                    return fallback()
-                kwargs.update(atten_mask=full, sparse_mode=0, pre_tockens=MAX_TOCKENS)
-                kwargs["next_tockens"] = sk - sq if causal else MAX_TOCKENS
-            return torch_npu.npu_fusion_attention(q, k, v, n, "BNSD", **kwargs)[0]
-
-        ops["attention"] = attention
-
-    if hasattr(torch_npu, "npu_apply_adam_w"):
-
-        @torch.no_grad()
-        def adam_step(
-            params: Sequence[torch.Tensor],
-            grads: Sequence[torch.Tensor],
-            exp_avgs: Sequence[torch.Tensor],
-            exp_avg_sqs: Sequence[torch.Tensor],
-            *,
-            step: int,
-            lr: float,
-            beta1: float,
-            beta2: float,
-            eps: float,
-            weight_decay: float,
-            decoupled_weight_decay: bool = True,
-        ) -> None:
-            """Reference ``adam_step`` through ``npu_apply_adam_w`` (one call per parameter)."""
-            beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
-            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-                wd = weight_decay
-                if wd and not decoupled_weight_decay:
-                    g, wd = g.add(p, alpha=wd), 0.0
-                torch_npu.npu_apply_adam_w(
-                    beta1_power, beta2_power, lr, wd, beta1, beta2, eps, g, None, False, False, out=(p, m, v)
-                )
-
-        ops["adam_step"] = adam_step
-
-        @torch.no_grad()
-        def adam_step_flat(
-            grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, *, step, lrs,
-            weight_decays, beta1, beta2, eps, grad_scale=None, skip=None,
-        ) -> None:  # fmt: skip
-            """Reference ``adam_step_flat`` through ``npu_apply_adam_w``, one call per segment.
-
-            Served for fp32 masters and moments (fp32 parameters, or fp32 masters beside bf16/fp16
-            ones); the precision-aware storage (remainders, bf16 moments) runs the reference. The
-            kernel has no device-side skip, so a ``skip`` flag (and a device ``step`` counter) is read
-            on the host here (one sync).
-            """
-            fp32_state = remainders is None and exp_avgs.dtype == exp_avg_sqs.dtype == torch.float32
-            if not fp32_state or (masters is None and params.dtype != torch.float32):
-                reference.adam_step_flat(
-                    grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, step=step,
-                    lrs=lrs, weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps,
-                    grad_scale=grad_scale, skip=skip,
-                )  # fmt: skip
-                return
-            if skip is not None and bool(skip):
-                return
-            if isinstance(step, torch.Tensor):  # the optimizer's device counter (read with the skip)
-                step = int(step)
-            beta1_power, beta2_power = beta1 ** (step - 1), beta2 ** (step - 1)
-            for seg in segments.segments:
-                state = slice(seg.state_start, seg.state_start + seg.length)
-                buffer = slice(seg.buffer_start, seg.buffer_start + seg.length)
-                g = grads[buffer].float()
-                if grad_scale is not None:
-                    g = g * grad_scale
-                p = masters[state] if masters is not None else params[buffer]
-                torch_npu.npu_apply_adam_w(
-                    beta1_power, beta2_power, lrs[seg.group], weight_decays[seg.group], beta1, beta2,
-                    eps, g, None, False, False, out=(p, exp_avgs[state], exp_avg_sqs[state]),
-                )  # fmt: skip
-                if masters is not None:
-                    params[buffer].copy_(p)
-
-        ops["adam_step_flat"] = adam_step_flat
-
+    for kernel, build in _BUILDERS:
+        if hasattr(torch_npu, kernel):
+            ops.update(build(torch_npu))
     return ops

@@ -11,7 +11,9 @@ return the CUDA-style statistics with zero bytes (the CPU allocator keeps none).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -125,9 +127,13 @@ class Event:
         return (end_event._time - self._time) * 1000.0
 
 
-def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
-    """A fresh ``torch_npu.npu`` module bound to ``state``."""
-    npu = types.ModuleType("torch_npu.npu", "SIMULATED torch.npu device module (CPU test double).")
+def _functions(namespace: dict) -> dict[str, Callable]:
+    """The functions defined in a builder below (its ``locals()``), by name: each becomes ``torch.npu.<name>``."""
+    return {name: fn for name, fn in namespace.items() if inspect.isfunction(fn)}
+
+
+def _device_functions(state: SimulatedNPUState) -> dict[str, Callable]:
+    """Availability, the current device (and its context manager), synchronisation, device properties."""
 
     def is_available() -> bool:
         return state.device_count > 0
@@ -146,8 +152,35 @@ def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
     def current_device() -> int:
         return state.current_device
 
+    @contextlib.contextmanager
+    def device(index):
+        previous = state.current_device
+        set_device(index)
+        try:
+            yield
+        finally:
+            state.current_device = previous
+
     def synchronize(device=None) -> None:
         state.synchronize_calls += 1
+
+    def get_device_name(device=None) -> str:
+        return state.chip
+
+    def get_device_properties(device=None):
+        return types.SimpleNamespace(name=state.chip, total_memory=64 * 2**30)
+
+    def is_bf16_supported(including_emulation: bool = False) -> bool:
+        return state.bf16
+
+    def _lazy_init() -> None:
+        pass
+
+    return _functions(locals())
+
+
+def _rng_functions(state: SimulatedNPUState) -> dict[str, Callable]:
+    """The device RNG: CPU's default generator stands in for every simulated device's."""
 
     def get_rng_state(device="npu") -> torch.Tensor:
         _index(state, device)
@@ -168,6 +201,12 @@ def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
 
     def initial_seed() -> int:
         return torch.default_generator.initial_seed()
+
+    return _functions(locals())
+
+
+def _memory_functions(state: SimulatedNPUState) -> dict[str, Callable]:
+    """Allocator statistics (all zero: the tensors live in host memory) and a 64 GiB device."""
 
     def memory_stats(device=None) -> dict[str, int]:
         _index(state, device)
@@ -198,14 +237,11 @@ def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
     def empty_cache() -> None:
         pass
 
-    def get_device_name(device=None) -> str:
-        return state.chip
+    return _functions(locals())
 
-    def get_device_properties(device=None):
-        return types.SimpleNamespace(name=state.chip, total_memory=64 * 2**30)
 
-    def is_bf16_supported(including_emulation: bool = False) -> bool:
-        return state.bf16
+def _option_functions(state: SimulatedNPUState) -> dict[str, Callable]:
+    """The compile mode and the CANN options, recorded in ``state``."""
 
     def set_compile_mode(jit_compile: bool = False) -> None:
         state.jit_compile = bool(jit_compile)
@@ -217,14 +253,11 @@ def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
     def set_option(options: dict) -> None:
         state.options.update(options)
 
-    @contextlib.contextmanager
-    def device(index):
-        previous = state.current_device
-        set_device(index)
-        try:
-            yield
-        finally:
-            state.current_device = previous
+    return _functions(locals())
+
+
+def _stream_functions(state: SimulatedNPUState) -> dict[str, Callable]:
+    """Streams: every one is the host's single in-order stream."""
 
     def current_stream(device=None) -> Stream:
         return Stream(device)
@@ -239,14 +272,16 @@ def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
     def set_stream(s) -> None:
         pass
 
-    def _lazy_init() -> None:
-        pass
+    return _functions(locals())
 
-    # Every function defined above becomes a module attribute under its own name (torch.npu.X).
-    for fn in list(locals().values()):
-        if callable(fn) and getattr(fn, "__module__", None) == __name__ and fn is not build_device_module:
-            setattr(npu, fn.__name__, fn)
-    npu.manual_seed_all = manual_seed
+
+def build_device_module(state: SimulatedNPUState) -> types.ModuleType:
+    """A fresh ``torch_npu.npu`` module bound to ``state``."""
+    npu = types.ModuleType("torch_npu.npu", "SIMULATED torch.npu device module (CPU test double).")
+    for group in (_device_functions, _rng_functions, _memory_functions, _option_functions, _stream_functions):
+        for name, fn in group(state).items():
+            setattr(npu, name, fn)
+    npu.manual_seed_all = npu.manual_seed
     npu.seed = lambda: torch.default_generator.seed()
     npu.seed_all = npu.seed
     npu.default_generators = (torch.default_generator,)

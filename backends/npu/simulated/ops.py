@@ -293,6 +293,37 @@ def npu_fusion_attention(
     ``atten_mask`` is bool/uint8 with True = masked; ``scale`` multiplies QK^T (default 1.0, so the
     caller passes 1/sqrt(d)). softmax_max/sum are ``[B, N, Sq, 8]`` fp32 (``[T, N, 8]`` for TND).
     """
+    _check_fusion_arguments(
+        query, key, value, input_layout, pse, padding_mask, atten_mask, keep_prob, prefix, sparse_mode,
+        softmax_layout, sink, dropout_mask,
+    )  # fmt: skip
+    nq, group = _fusion_heads(query, key, value, head_num, input_layout)
+    if input_layout == "TND":
+        return _fusion_attention_tnd(
+            query, key, value, nq, group, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
+            actual_seq_qlen, actual_seq_kvlen, sparse_mode, seed, offset,
+        )  # fmt: skip
+    q = _to_bnsd(query, input_layout, nq)
+    k = _to_bnsd(key, input_layout, nq // group).repeat_interleave(group, dim=1)
+    v = _to_bnsd(value, input_layout, nq // group).repeat_interleave(group, dim=1)
+    b, _, sq, _ = q.shape
+    sk = k.shape[2]
+    if atten_mask is not None and sparse_mode in (0, 1):
+        _check_mask_shape(atten_mask, b, nq, sq, sk)
+    mask = _block_mask(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens)
+    out, m, row_sum = _attend(q, k, v, mask, scale, keep_prob)
+    out = _from_bnsd(out.to(query.dtype), input_layout)
+    softmax_max = m.unsqueeze(-1).expand(*m.shape, 8).contiguous().detach()
+    softmax_sum = row_sum.unsqueeze(-1).expand(*row_sum.shape, 8).contiguous().detach()
+    return out, softmax_max, softmax_sum, torch.empty(0, dtype=query.dtype), seed, offset, 0
+
+
+def _check_fusion_arguments(
+    query, key, value, input_layout, pse, padding_mask, atten_mask, keep_prob, prefix, sparse_mode,
+    softmax_layout, sink, dropout_mask,
+) -> None:  # fmt: skip
+    """:func:`npu_fusion_attention`'s checks of everything but the shapes: layout, dtypes, the
+    unsupported and unsimulated arguments, ``keep_prob``, ``sparse_mode`` and its mask."""
     op = "npu_fusion_attention"
     if input_layout not in FA_LAYOUTS:
         raise RuntimeError(f"{op}: input_layout must be one of {FA_LAYOUTS}, got {input_layout!r}")
@@ -315,6 +346,11 @@ def npu_fusion_attention(
     if sparse_mode in (2, 3, 4, 7, 8):
         _check_compressed(atten_mask, sparse_mode)
 
+
+def _fusion_heads(query, key, value, head_num: int, input_layout: str) -> tuple[int, int]:
+    """``(query heads, query heads per key/value head)`` of :func:`npu_fusion_attention`'s inputs, after
+    the op's checks of their ranks, head dims (``Dq == Dk >= Dv``, at most 768) and GQA grouping."""
+    op = "npu_fusion_attention"
     if input_layout in ("BSH", "SBH"):
         if query.dim() != 3 or query.shape[-1] % head_num:
             raise RuntimeError(f"{op}: {input_layout} query {tuple(query.shape)} with head_num={head_num}")
@@ -335,34 +371,20 @@ def npu_fusion_attention(
         raise RuntimeError(f"{op}: query heads {nq} must be a multiple of key/value heads {nk} (GQA)")
     if nq != nk and nq > 256:
         raise RuntimeError(f"{op}: GQA needs head_num <= 256, got {nq}")
-    group = nq // nk
+    return nq, nq // nk
 
-    if input_layout == "TND":
-        return _fusion_attention_tnd(
-            query, key, value, nq, group, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
-            actual_seq_qlen, actual_seq_kvlen, sparse_mode, seed, offset,
-        )  # fmt: skip
 
-    q = _to_bnsd(query, input_layout, nq)
-    k = _to_bnsd(key, input_layout, nk).repeat_interleave(group, dim=1)
-    v = _to_bnsd(value, input_layout, nk).repeat_interleave(group, dim=1)
-    b, _, sq, _ = q.shape
-    sk = k.shape[2]
-    if atten_mask is not None and sparse_mode in (0, 1):
-        shape = tuple(atten_mask.shape)
-        ok = shape == (sq, sk) or (
-            len(shape) == 4 and shape[2:] == (sq, sk) and shape[0] in (1, b) and shape[1] in (1, nq)
+def _check_mask_shape(atten_mask: torch.Tensor, b: int, nq: int, sq: int, sk: int) -> None:
+    """An explicit (sparse mode 0/1) ``atten_mask`` is BNSS, B1SS, 11SS or SS."""
+    shape = tuple(atten_mask.shape)
+    ok = shape == (sq, sk) or (
+        len(shape) == 4 and shape[2:] == (sq, sk) and shape[0] in (1, b) and shape[1] in (1, nq)
+    )
+    if not ok:
+        raise RuntimeError(
+            f"npu_fusion_attention: atten_mask {shape} must be BNSS, B1SS, 11SS or SS for B={b}, N={nq}, "
+            f"Sq={sq}, Skv={sk}"
         )
-        if not ok:
-            raise RuntimeError(
-                f"{op}: atten_mask {shape} must be BNSS, B1SS, 11SS or SS for B={b}, N={nq}, Sq={sq}, Skv={sk}"
-            )
-    mask = _block_mask(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens)
-    out, m, row_sum = _attend(q, k, v, mask, scale, keep_prob)
-    out = _from_bnsd(out.to(query.dtype), input_layout)
-    softmax_max = m.unsqueeze(-1).expand(*m.shape, 8).contiguous().detach()
-    softmax_sum = row_sum.unsqueeze(-1).expand(*row_sum.shape, 8).contiguous().detach()
-    return out, softmax_max, softmax_sum, torch.empty(0, dtype=query.dtype), seed, offset, 0
 
 
 def _fusion_attention_tnd(
