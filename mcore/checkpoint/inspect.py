@@ -52,7 +52,7 @@ def _size(n: float) -> str:
 
 
 def _verify(iter_dir: Path, meta: dict) -> list[str]:
-    from mcore.checkpoint.load import ShardReader
+    from mcore.checkpoint.reader import ShardReader
 
     reader = ShardReader(iter_dir, meta, verify=True)
     problems, bad_files = [], set()

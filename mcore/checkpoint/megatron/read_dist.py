@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from mcore.checkpoint.format import CheckpointError
-from mcore.checkpoint.load import ShardReader
 from mcore.checkpoint.megatron.args import check_supported
 from mcore.checkpoint.megatron.names import REPLICATED, UnsupportedTensor, map_layer_param, map_name
 from mcore.checkpoint.megatron.read_dist_optim import (
@@ -39,6 +38,7 @@ from mcore.checkpoint.megatron.read_dist_optim import (
 from mcore.checkpoint.megatron.read_optim import map_grad_scaler, map_scheduler
 from mcore.checkpoint.megatron.read_torch import megatron_metadata, placement_json
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
+from mcore.checkpoint.reader import ShardReader
 
 FORMAT_TORCH_DIST = "megatron-torch_dist"
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

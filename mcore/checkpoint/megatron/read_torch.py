@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from mcore.checkpoint.format import CheckpointError
-from mcore.checkpoint.load import ShardReader
 from mcore.checkpoint.megatron.args import check_supported, model_flags_from_args
 from mcore.checkpoint.megatron.names import (
     QKV,
@@ -42,6 +41,7 @@ from mcore.checkpoint.megatron.read_optim import (
     torch_optimizer_records,
 )
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
+from mcore.checkpoint.reader import ShardReader
 
 FORMAT_TORCH = "megatron-torch"
 FILE_NAMES = ("model_optim_rng.pt", "model_rng.pt")
