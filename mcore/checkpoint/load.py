@@ -9,6 +9,11 @@ Padded vocabulary (``embedding.word_embeddings.weight``, ``output_layer.weight``
 ``Vp`` can change with the TP size. Rows present in both layouts are copied; rows ``>= Vp_saved``
 are zero-filled (weights, fp32 masters and Adam moments alike); saved rows ``>= Vp_now`` are dropped.
 Rows ``>= V`` (the tokenizer's size) are padding either way.
+
+:func:`load_checkpoint` runs in stages: :func:`locate` (the iteration directory and its metadata),
+:func:`check` (whether this run can load it; the reader of its format), :func:`read` (the tensors)
+and :func:`restore` (optimizer, scheduler, RNG states). The reading itself is
+:class:`~mcore.checkpoint.reader.ShardReader`'s.
 """
 
 from __future__ import annotations
@@ -140,6 +145,10 @@ def load_checkpoint(
     ``run_config`` (this run's ``RunConfig``) and ``tokenizer_vocab_size``: the checkpoint's model and
     vocabulary are compared with them first (:mod:`mcore.checkpoint.compat`; ``--allow-vocab-resize``).
 
+    In stages: :func:`locate` (which iteration directory, its metadata), :func:`check` (what is
+    loaded, and whether this run can load it), :func:`read` (the tensors, into the model and host
+    buffers), :func:`restore` (optimizer, scheduler and RNG states), then the training state.
+
     Returns:
         ``state_cls(**saved_train_state)`` (a dict when ``state_cls`` is None); a fresh
         ``state_cls()`` when the load directory has no tracker yet (nothing saved: a new run).
@@ -149,10 +158,60 @@ def load_checkpoint(
             mismatches, truncated or corrupted files, a tracker naming a missing directory).
     """
     root = Path(config.load)
+    found = locate(root, config.ckpt_step)
+    if found is None:
+        log0(f"WARNING: no {TRACKER} in {root}; nothing to load, starting from the initialized model")
+        return state_cls() if state_cls is not None else {}
+    path, meta = found
+    log0(
+        f"loading checkpoint from {root} at iteration {meta['iteration']} "
+        f"(saved at {_describe(meta['layout'])})"
+    )
+    plan = LoadPlan.of(config, optimizer, meta, parallel_layout(model, groups))
+    reader = check(config, path, meta, plan, run_config=run_config, tokenizer_vocab_size=tokenizer_vocab_size)
+    optim_state, rng_states = read(reader, path, meta, model, optimizer, groups, plan, strict=strict)
+    restore(optimizer, scheduler, meta, plan, optim_state, rng_states, groups, seed=seed)
+    reader.close()
+    return _train_state(root, meta, plan, state_cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What a load takes from the checkpoint (from the flags, the optimizer and the layouts)."""
+
+    finetune: bool
+    load_optim: bool
+    load_rng: bool
+    now: dict
+    """This run's parallel layout (:func:`~mcore.checkpoint.save.parallel_layout`)."""
+    same_layout: bool
+
+    @classmethod
+    def of(cls, config, optimizer, meta: dict, now: dict) -> LoadPlan:
+        finetune = bool(config.finetune)
+        return cls(
+            finetune=finetune,
+            load_optim=optimizer is not None and not (config.no_load_optim or finetune),
+            load_rng=not (config.no_load_rng or finetune),
+            now=now,
+            same_layout=all(meta["layout"].get(k) == v for k, v in now.items()),
+        )
+
+
+# -- the stages ------------------------------------------------------------------------------------
+
+
+def locate(root: Path, ckpt_step: int | str | None) -> tuple[Path, dict] | None:
+    """The iteration directory to load and its metadata (mcore's or a Megatron-LM checkpoint's), found
+    on rank 0 and broadcast (collective); None when ``root`` has no tracker yet.
+
+    Raises:
+        CheckpointError: on every rank, rank 0's error (see :func:`resolve_iteration_dir`).
+    """
     outcome: tuple[str | None, Any] = (None, None)
     if _rank() == 0:
         try:
-            path = resolve_iteration_dir(root, config.ckpt_step)
+            path = resolve_iteration_dir(root, ckpt_step)
             outcome = (None, None if path is None else (str(path), read_any_metadata(path)))
         except CheckpointError as err:
             outcome = (str(err), None)
@@ -160,24 +219,29 @@ def load_checkpoint(
     if error is not None:
         raise CheckpointError(error)
     if found is None:
-        log0(f"WARNING: no {TRACKER} in {root}; nothing to load, starting from the initialized model")
-        return state_cls() if state_cls is not None else {}
-    path, meta = Path(found[0]), found[1]
-    iteration = meta["iteration"]
-    log0(f"loading checkpoint from {root} at iteration {iteration} (saved at {_describe(meta['layout'])})")
+        return None
+    return Path(found[0]), found[1]
 
-    finetune = bool(config.finetune)
-    load_optim = optimizer is not None and not (config.no_load_optim or finetune)
-    load_rng = not (config.no_load_rng or finetune)
-    now = parallel_layout(model, groups)
-    same_layout = all(meta["layout"].get(k) == v for k, v in now.items())
 
-    megatron_note = check_megatron_load(path, meta, load_optim=load_optim)  # None for mcore's format
+def check(
+    config,
+    path: Path,
+    meta: dict,
+    plan: LoadPlan,
+    *,
+    run_config=None,
+    tokenizer_vocab_size: int | None = None,
+) -> ShardReader:
+    """Whether this run can load the checkpoint (a Megatron-LM checkpoint's note, or the model and
+    vocabulary compared with ``run_config``; every rank has the same metadata, so all raise alike with
+    no collective), and the reader of its format (told which vocabulary rows start at zero after an
+    allowed vocabulary resize)."""
+    megatron_note = check_megatron_load(path, meta, load_optim=plan.load_optim)  # None for mcore's format
     if megatron_note:
         log0(megatron_note)
     resized = []
-    if run_config is not None and megatron_note is None:  # every rank has the same metadata: all
-        resized = check_compatible(  # raise alike, no collective (Megatron's: checked by its reader)
+    if run_config is not None and megatron_note is None:  # (Megatron's: checked by its reader)
+        resized = check_compatible(
             path,
             meta,
             run_config,
@@ -193,14 +257,31 @@ def load_checkpoint(
             + "; ".join(resized)
             + ("" if kept is None else f"; vocabulary rows >= {kept} start at zero")
         )
+    return reader
+
+
+def read(
+    reader: ShardReader,
+    path: Path,
+    meta: dict,
+    model: list,
+    optimizer,
+    groups,
+    plan: LoadPlan,
+    *,
+    strict: bool,
+) -> tuple[dict | None, Any]:
+    """Read the weights into ``model`` and, as ``plan`` says, the optimizer's state and this rank's RNG
+    states (returned, for :func:`restore`) (collective: a failure on any rank raises on every rank;
+    then the checkpoint tensors no rank used are an error with ``strict``, else a warning)."""
     error = None
     optim_state = rng_states = None
     try:
         with torch.no_grad():
             used = _load_model(reader, model)
-        if load_optim:
+        if plan.load_optim:
             optim_state = _read_optimizer(reader, model, optimizer, meta)
-        if load_rng and meta.get("rng_saved") and same_layout:
+        if plan.load_rng and meta.get("rng_saved") and plan.same_layout:
             name = rng_file(groups.tp_rank, groups.pp_rank, groups.dp_rank)
             rng_states = rng_state_from_file(reader.file(name))
     except CheckpointError as err:
@@ -217,34 +298,45 @@ def load_checkpoint(
         if strict:
             raise CheckpointError(message + " (a different model configuration?)")
         log0(f"WARNING: {message}")
+    return optim_state, rng_states
 
+
+def restore(
+    optimizer, scheduler, meta: dict, plan: LoadPlan, optim_state, rng_states, groups, *, seed: int | None
+) -> None:
+    """The optimizer (fp32 masters from the loaded weights, then its read state), the scheduler's state
+    and the RNG states (restored at the saved layout, else reseeded with ``seed + iteration``)."""
     if optimizer is not None:
         optimizer.reload_model_params()  # fp32 masters from the loaded weights
         if optim_state is not None:
             optimizer.load_state_dict(optim_state)
-    if load_optim and scheduler is not None and meta.get("scheduler") is not None:
+    if plan.load_optim and scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
+    if not plan.load_rng:
+        return
+    iteration = meta["iteration"]
+    if rng_states is not None:
+        set_all_rng_states(rng_states)
+    elif not meta.get("rng_saved"):
+        log0(
+            "WARNING: the checkpoint has no RNG states (saved with --no-save-rng); keeping the current seeds"
+        )
+    elif seed is not None:
+        log0(
+            f"  the layout changed ({_describe(meta['layout'])} -> {_describe(plan.now)}): RNG states are not "
+            f"restored; every RNG is reseeded with seed {seed} + iteration {iteration}"
+        )
+        model_parallel_seed(seed + int(iteration), groups.tp_rank, groups.pp_rank)
+    else:
+        log0(
+            f"  the layout changed ({_describe(meta['layout'])} -> {_describe(plan.now)}): RNG states not restored"
+        )
 
-    if load_rng:
-        if rng_states is not None:
-            set_all_rng_states(rng_states)
-        elif not meta.get("rng_saved"):
-            log0(
-                "WARNING: the checkpoint has no RNG states (saved with --no-save-rng); keeping the current seeds"
-            )
-        elif seed is not None:
-            log0(
-                f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states are not "
-                f"restored; every RNG is reseeded with seed {seed} + iteration {iteration}"
-            )
-            model_parallel_seed(seed + int(iteration), groups.tp_rank, groups.pp_rank)
-        else:
-            log0(
-                f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states not restored"
-            )
-    reader.close()
 
-    if finetune:
+def _train_state(root: Path, meta: dict, plan: LoadPlan, state_cls: type | None):
+    """The saved training state (a fresh one with ``--finetune``), as ``state_cls`` (or a dict)."""
+    iteration = meta["iteration"]
+    if plan.finetune:
         state = {}
         log0(
             f"  loaded the weights of iteration {iteration} from {root} for fine-tuning (starting at iteration 0)"
