@@ -395,7 +395,7 @@ def _load_fp8_state(reader: ShardReader, module) -> None:
 def _read_optimizer(reader: ShardReader, model: list, optimizer, meta: dict) -> dict:
     """The optimizer's ``state_dict`` for this rank's pieces, in the layout
     :meth:`MegatronOptimizer.load_state_dict` takes, assembled from the checkpoint."""
-    from mcore.optimizer.optimizer import STATE_FORMAT
+    from mcore.optimizer.state_dict import STATE_FORMAT
 
     info = meta.get("optimizer") or {}
     if not info.get("saved"):
