@@ -455,7 +455,7 @@ def test_raising_train_iters_on_resume_is_refused_unless_told(tmp_path, capsys):
 
 
 def test_cyclic_sampler_shuffles_each_epoch_and_resumes_exactly():
-    from mcore.data.cyclic_sampler import CyclicPretrainingSampler
+    from mcore.data.samplers import CyclicPretrainingSampler
 
     def take(sampler, n):
         out = []

@@ -56,7 +56,7 @@ _EXPORTS = {
     "list_iterations": "mcore.checkpoint.format",
     "read_metadata": "mcore.checkpoint.format",
     "read_tracker": "mcore.checkpoint.format",
-    "ShardReader": "mcore.checkpoint.load",
+    "ShardReader": "mcore.checkpoint.reader",
     "load_checkpoint": "mcore.checkpoint.load",
     "resolve_iteration_dir": "mcore.checkpoint.load",
     "load_logical_model_state": "mcore.checkpoint.logical",

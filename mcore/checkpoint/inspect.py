@@ -52,7 +52,7 @@ def _size(n: float) -> str:
 
 
 def _verify(iter_dir: Path, meta: dict) -> list[str]:
-    from mcore.checkpoint.load import ShardReader
+    from mcore.checkpoint.reader import ShardReader
 
     reader = ShardReader(iter_dir, meta, verify=True)
     problems, bad_files = [], set()
@@ -83,32 +83,52 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
         iter_dir = root
         say(f"checkpoint directory: {root}")
     else:
-        tracker = read_tracker(root)
-        iterations = list_iterations(root)
-        say(f"checkpoint root: {root}")
-        say(f"tracker ({TRACKER}): {tracker if tracker is not None else 'missing'}")
-        say(f"complete iterations: {', '.join(map(str, iterations)) or 'none'}")
-        for tmp in list_tmp_dirs(root):
-            say(f"incomplete save (not loadable): {tmp.name}")
-        if tracker is not None and not (root / iter_dir_name(tracker)).is_dir():
-            old = list_old_dirs(root, tracker)
-            if old:
-                say(
-                    f"interrupted re-save: the tracker names iteration {tracker}, {iter_dir_name(tracker)} is "
-                    f"missing, and its complete copy is {old[0].name} (loading renames it back into place)"
-                )
-            else:
-                say(f"the tracker names iteration {tracker}, but {iter_dir_name(tracker)} is missing")
-        chosen = iteration if iteration is not None else tracker
-        if chosen is None:
-            chosen = iterations[-1] if iterations else None
-        if chosen is None:
-            say("no checkpoint to describe")
+        iter_dir = _describe_root(root, iteration, say)
+        if iter_dir is None:
             return 1
-        iter_dir = root / iter_dir_name(chosen)
-        if not iter_dir.is_dir() and list_old_dirs(root, chosen):
-            iter_dir = list_old_dirs(root, chosen)[0]
     meta = read_metadata(iter_dir)
+    _describe_iteration(iter_dir, meta, say)
+    _describe_tensors(meta, say)
+    if verify:
+        return _describe_verification(iter_dir, meta, say)
+    return 0
+
+
+def _describe_root(root: Path, iteration: int | str | None, say) -> Path | None:
+    """Say what the checkpoint root holds (tracker, iterations, incomplete or interrupted saves) and
+    return the iteration directory to describe: ``iteration``, else the tracker's, else the last
+    (None, said, when there is none)."""
+    tracker = read_tracker(root)
+    iterations = list_iterations(root)
+    say(f"checkpoint root: {root}")
+    say(f"tracker ({TRACKER}): {tracker if tracker is not None else 'missing'}")
+    say(f"complete iterations: {', '.join(map(str, iterations)) or 'none'}")
+    for tmp in list_tmp_dirs(root):
+        say(f"incomplete save (not loadable): {tmp.name}")
+    if tracker is not None and not (root / iter_dir_name(tracker)).is_dir():
+        old = list_old_dirs(root, tracker)
+        if old:
+            say(
+                f"interrupted re-save: the tracker names iteration {tracker}, {iter_dir_name(tracker)} is "
+                f"missing, and its complete copy is {old[0].name} (loading renames it back into place)"
+            )
+        else:
+            say(f"the tracker names iteration {tracker}, but {iter_dir_name(tracker)} is missing")
+    chosen = iteration if iteration is not None else tracker
+    if chosen is None:
+        chosen = iterations[-1] if iterations else None
+    if chosen is None:
+        say("no checkpoint to describe")
+        return None
+    iter_dir = root / iter_dir_name(chosen)
+    if not iter_dir.is_dir() and list_old_dirs(root, chosen):
+        iter_dir = list_old_dirs(root, chosen)[0]
+    return iter_dir
+
+
+def _describe_iteration(iter_dir: Path, meta: dict, say) -> None:
+    """The iteration's summary: when and at which layout it was saved, its train state, optimizer,
+    RNG and scheduler state, model, extras and files."""
     layout = meta["layout"]
     say()
     say(
@@ -139,6 +159,9 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
     files = meta.get("files", {})
     say(f"files: {len(files)} + {METADATA}, {_size(sum(f['size'] for f in files.values()))}")
 
+
+def _describe_tensors(meta: dict, say) -> None:
+    """One line per logical tensor: name, global shape, dtype and its records by kind."""
     tensors: dict[str, dict] = {}
     shards: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for rec in meta.get("records", []):
@@ -154,17 +177,21 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
             f"{k} x{n}" for k, n in sorted(shards[name].items(), key=lambda kv: kv[0] != "param")
         )
         say(f"  {name:<{width}}  {shape:<14} {rec['dtype']:<9} {kinds}")
-    if verify:
-        problems = _verify(iter_dir, meta)
-        say()
-        if problems:
-            say(f"verification FAILED ({len(problems)} problem(s)):")
-            for problem in problems:
-                say(f"  {problem}")
-            return 1
-        say(
-            f"verification OK: {len(files)} files, {len(meta.get('records', []))} tensors, sizes and checksums match"
-        )
+
+
+def _describe_verification(iter_dir: Path, meta: dict, say) -> int:
+    """``--verify``: every file's size and checksum; 1 (problems said) or 0."""
+    files = meta.get("files", {})
+    problems = _verify(iter_dir, meta)
+    say()
+    if problems:
+        say(f"verification FAILED ({len(problems)} problem(s)):")
+        for problem in problems:
+            say(f"  {problem}")
+        return 1
+    say(
+        f"verification OK: {len(files)} files, {len(meta.get('records', []))} tensors, sizes and checksums match"
+    )
     return 0
 
 

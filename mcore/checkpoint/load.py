@@ -9,6 +9,11 @@ Padded vocabulary (``embedding.word_embeddings.weight``, ``output_layer.weight``
 ``Vp`` can change with the TP size. Rows present in both layouts are copied; rows ``>= Vp_saved``
 are zero-filled (weights, fp32 masters and Adam moments alike); saved rows ``>= Vp_now`` are dropped.
 Rows ``>= V`` (the tokenizer's size) are padding either way.
+
+:func:`load_checkpoint` runs in stages: :func:`locate` (the iteration directory and its metadata),
+:func:`check` (whether this run can load it; the reader of its format), :func:`read` (the tensors)
+and :func:`restore` (optimizer, scheduler, RNG states). The reading itself is
+:class:`~mcore.checkpoint.reader.ShardReader`'s.
 """
 
 from __future__ import annotations
@@ -20,28 +25,20 @@ from typing import Any
 
 import torch
 
-from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, vocab_rows_kept, zero_rows_from
+from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, vocab_rows_kept
 from mcore.checkpoint.format import (
     TRACKER,
     CheckpointError,
-    file_crc32,
     fsync_dir,
     iter_dir_name,
     list_iterations,
     list_old_dirs,
-    load_torch_file,
     read_tracker,
     rng_file,
-    tensor_crc32,
 )
-from mcore.checkpoint.geometry import (
-    Placement,
-    copy_into,
-    full_placement,
-    overlaps,
-    placement_from_spec,
-    required_elements,
-)
+from mcore.checkpoint.geometry import full_placement, placement_from_spec
+from mcore.checkpoint.megatron.detect import check_megatron_load, open_reader, read_any_metadata
+from mcore.checkpoint.reader import ShardReader
 from mcore.checkpoint.save import (
     _all_gather_object,
     _broadcast_object,
@@ -54,122 +51,6 @@ from mcore.checkpoint.save import (
 from mcore.distributed.ddp import unwrap_model
 from mcore.tensor_parallel.fp8 import FP8_STATE, fp8_extra_state
 from mcore.tensor_parallel.random import model_parallel_seed, set_all_rng_states
-
-
-class ShardReader:
-    """Reads pieces of logical tensors from one iteration directory (see the module docstring)."""
-
-    def __init__(self, iter_dir: str | Path, meta: dict[str, Any], *, verify: bool = True):
-        self.dir = Path(iter_dir)
-        self.meta = meta
-        self.verify = verify
-        self.files: dict[str, dict] = meta.get("files", {})
-        self.index: dict[tuple[str, str], list[tuple[dict, Placement]]] = {}
-        for rec in meta.get("records", []):
-            self.index.setdefault((rec["name"], rec["kind"]), []).append((rec, Placement.from_json(rec)))
-        self._open: dict[str, dict] = {}
-        self._verified: set[tuple[str, str]] = set()
-        self.vocab_rows_kept: int | None = None
-        """With ``--allow-vocab-resize`` across a vocabulary change: vocabulary rows from this one on
-        start at zero (:mod:`mcore.checkpoint.compat`)."""
-
-    # -- what is there ------------------------------------------------------------------------------
-
-    def names(self, kind: str = "param") -> list[str]:
-        return sorted({name for name, k in self.index if k == kind})
-
-    def has(self, name: str, kind: str) -> bool:
-        return (name, kind) in self.index
-
-    def global_shape(self, name: str, kind: str = "param") -> tuple[int, ...]:
-        return tuple(self.index[(name, kind)][0][1].global_shape)
-
-    def dtype(self, name: str, kind: str = "param") -> str:
-        return self.index[(name, kind)][0][0]["dtype"]
-
-    def scalar(self, name: str, field: str) -> Any:
-        """A per-tensor scalar saved with the optimizer records (``step``)."""
-        for (n, _), recs in self.index.items():
-            if n == name:
-                for rec, _ in recs:
-                    if field in rec:
-                        return rec[field]
-        raise CheckpointError(f"{self.dir}: the optimizer state of {name} has no {field!r}")
-
-    # -- reading ------------------------------------------------------------------------------------
-
-    def file(self, name: str) -> dict:
-        if name not in self._open:
-            info = self.files.get(name)
-            if info is None:
-                raise CheckpointError(f"{self.dir / name} is not listed in {self.dir / 'metadata.json'}")
-            path = self.dir / name
-            data = load_torch_file(path, info.get("size"))
-            if self.verify and "crc32" in info and file_crc32(path) != info["crc32"]:
-                raise CheckpointError(f"shard file {path} fails its checksum (corrupted)")
-            self._open[name] = data
-        return self._open[name]
-
-    def tensor(self, rec: dict) -> torch.Tensor:
-        """The stored data of one record, flat, checked against its size and CRC."""
-        path = self.dir / rec["file"]
-        data = self.file(rec["file"])
-        t = data.get(rec["key"]) if isinstance(data, dict) else None
-        if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"shard file {path} has no tensor {rec['key']!r} (the metadata lists it)")
-        if t.numel() != rec["numel"] or str(t.dtype).removeprefix("torch.") != rec["dtype"]:
-            raise CheckpointError(
-                f"shard file {path}: tensor {rec['key']!r} has {t.numel()} {t.dtype} elements, the metadata "
-                f"records {rec['numel']} {rec['dtype']}"
-            )
-        ident = (rec["file"], rec["key"])
-        if self.verify and ident not in self._verified and "crc32" in rec:
-            if tensor_crc32(t) != rec["crc32"]:
-                raise CheckpointError(
-                    f"shard file {path}: tensor {rec['key']!r} fails its checksum (corrupted)"
-                )
-            self._verified.add(ident)
-        return t.reshape(-1)
-
-    def fill(
-        self, name: str, kind: str, wanted: Placement, dest: torch.Tensor, *, vocab_padded: bool = False
-    ) -> None:
-        """Write the saved values of ``wanted`` (a piece of logical tensor ``name``) into ``dest``, the
-        piece's flat data (a 1-D view; any dtype).
-
-        Raises:
-            CheckpointError: no such tensor, a shape mismatch, or shards that do not cover the piece.
-        """
-        entries = self.index.get((name, kind))
-        what = name if kind == "param" else f"{name} ({kind})"
-        if not entries:
-            raise CheckpointError(f"{self.dir}: the checkpoint has no tensor {what}")
-        saved_shape = entries[0][1].global_shape
-        shape = tuple(wanted.global_shape)
-        same = saved_shape[1:] == shape[1:] if vocab_padded else saved_shape == shape
-        if not same or len(saved_shape) != len(shape):
-            raise CheckpointError(
-                f"{self.dir}: shape mismatch for {what}: the checkpoint has {list(saved_shape)}, "
-                f"this model has {list(shape)}"
-                + (" (only the padded vocabulary dim may differ)" if vocab_padded else "")
-            )
-        required = required_elements(wanted, saved_shape)
-        if required < wanted.numel:
-            dest.zero_()  # padded-vocabulary rows the saved layout did not have
-        sources = [(p, rec) for rec, p in entries if overlaps(p, wanted)]
-        written = copy_into(dest, wanted, [(p, self.tensor(rec)) for p, rec in sources])
-        if written != required:
-            files = sorted({rec["file"] for _, rec in sources})
-            raise CheckpointError(
-                f"{self.dir}: the shards of {what} cover {written} of the {required} elements this rank needs "
-                f"(read from {', '.join(files) or 'no file'}): shards are missing or overlap"
-            )
-        if vocab_padded and self.vocab_rows_kept is not None:
-            zero_rows_from(dest, wanted, self.vocab_rows_kept)
-
-    def close(self) -> None:
-        self._open.clear()
-
 
 # -- resolving which checkpoint ---------------------------------------------------------------------
 
@@ -264,6 +145,10 @@ def load_checkpoint(
     ``run_config`` (this run's ``RunConfig``) and ``tokenizer_vocab_size``: the checkpoint's model and
     vocabulary are compared with them first (:mod:`mcore.checkpoint.compat`; ``--allow-vocab-resize``).
 
+    In stages: :func:`locate` (which iteration directory, its metadata), :func:`check` (what is
+    loaded, and whether this run can load it), :func:`read` (the tensors, into the model and host
+    buffers), :func:`restore` (optimizer, scheduler and RNG states), then the training state.
+
     Returns:
         ``state_cls(**saved_train_state)`` (a dict when ``state_cls`` is None); a fresh
         ``state_cls()`` when the load directory has no tracker yet (nothing saved: a new run).
@@ -273,42 +158,97 @@ def load_checkpoint(
             mismatches, truncated or corrupted files, a tracker naming a missing directory).
     """
     root = Path(config.load)
+    found = locate(root, config.ckpt_step)
+    if found is None:
+        log0(f"WARNING: no {TRACKER} in {root}; nothing to load, starting from the initialized model")
+        return state_cls() if state_cls is not None else {}
+    path, meta = found
+    log0(
+        f"loading checkpoint from {root} at iteration {meta['iteration']} "
+        f"(saved at {_describe(meta['layout'])})"
+    )
+    plan = LoadPlan.of(config, optimizer, meta, parallel_layout(model, groups))
+    reader = check(config, path, meta, plan, run_config=run_config, tokenizer_vocab_size=tokenizer_vocab_size)
+    optim_state, rng_states = read(reader, path, meta, model, optimizer, groups, plan, strict=strict)
+    restore(optimizer, scheduler, meta, plan, optim_state, rng_states, groups, seed=seed)
+    reader.close()
+    return _train_state(root, meta, plan, state_cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What a load takes from the checkpoint (from the flags, the optimizer and the layouts)."""
+
+    finetune: bool
+    load_optim: bool
+    load_rng: bool
+    now: dict
+    """This run's parallel layout (:func:`~mcore.checkpoint.save.parallel_layout`)."""
+    same_layout: bool
+
+    @classmethod
+    def of(cls, config, optimizer, meta: dict, now: dict) -> LoadPlan:
+        finetune = bool(config.finetune)
+        return cls(
+            finetune=finetune,
+            load_optim=optimizer is not None and not (config.no_load_optim or finetune),
+            load_rng=not (config.no_load_rng or finetune),
+            now=now,
+            same_layout=all(meta["layout"].get(k) == v for k, v in now.items()),
+        )
+
+
+# -- the stages ------------------------------------------------------------------------------------
+
+
+def locate(root: Path, ckpt_step: int | str | None) -> tuple[Path, dict] | None:
+    """The iteration directory to load and its metadata (mcore's or a Megatron-LM checkpoint's), found
+    on rank 0 and broadcast (collective); None when ``root`` has no tracker yet.
+
+    Raises:
+        CheckpointError: on every rank, rank 0's error (see :func:`resolve_iteration_dir`).
+    """
     outcome: tuple[str | None, Any] = (None, None)
     if _rank() == 0:
         try:
-            path = resolve_iteration_dir(root, config.ckpt_step)
-            outcome = (None, None if path is None else (str(path), _read_any_metadata(path)))
+            path = resolve_iteration_dir(root, ckpt_step)
+            outcome = (None, None if path is None else (str(path), read_any_metadata(path)))
         except CheckpointError as err:
             outcome = (str(err), None)
     error, found = _broadcast_object(outcome)
     if error is not None:
         raise CheckpointError(error)
     if found is None:
-        log0(f"WARNING: no {TRACKER} in {root}; nothing to load, starting from the initialized model")
-        return state_cls() if state_cls is not None else {}
-    path, meta = Path(found[0]), found[1]
-    iteration = meta["iteration"]
-    log0(f"loading checkpoint from {root} at iteration {iteration} (saved at {_describe(meta['layout'])})")
+        return None
+    return Path(found[0]), found[1]
 
-    finetune = bool(config.finetune)
-    load_optim = optimizer is not None and not (config.no_load_optim or finetune)
-    load_rng = not (config.no_load_rng or finetune)
-    now = parallel_layout(model, groups)
-    same_layout = all(meta["layout"].get(k) == v for k, v in now.items())
 
-    megatron_note = _check_megatron_load(path, meta, load_optim=load_optim)  # None for mcore's format
+def check(
+    config,
+    path: Path,
+    meta: dict,
+    plan: LoadPlan,
+    *,
+    run_config=None,
+    tokenizer_vocab_size: int | None = None,
+) -> ShardReader:
+    """Whether this run can load the checkpoint (a Megatron-LM checkpoint's note, or the model and
+    vocabulary compared with ``run_config``; every rank has the same metadata, so all raise alike with
+    no collective), and the reader of its format (told which vocabulary rows start at zero after an
+    allowed vocabulary resize)."""
+    megatron_note = check_megatron_load(path, meta, load_optim=plan.load_optim)  # None for mcore's format
     if megatron_note:
         log0(megatron_note)
     resized = []
-    if run_config is not None and megatron_note is None:  # every rank has the same metadata: all
-        resized = check_compatible(  # raise alike, no collective (Megatron's: checked by its reader)
+    if run_config is not None and megatron_note is None:  # (Megatron's: checked by its reader)
+        resized = check_compatible(
             path,
             meta,
             run_config,
             tokenizer_vocab_size=tokenizer_vocab_size,
             allow_vocab_resize=bool(getattr(config, "allow_vocab_resize", False)),
         )
-    reader = _open_reader(path, meta)
+    reader = open_reader(path, meta)
     if resized:
         reader.vocab_rows_kept = vocab_rows_kept(meta, tokenizer_vocab_size)
         kept = reader.vocab_rows_kept
@@ -317,14 +257,31 @@ def load_checkpoint(
             + "; ".join(resized)
             + ("" if kept is None else f"; vocabulary rows >= {kept} start at zero")
         )
+    return reader
+
+
+def read(
+    reader: ShardReader,
+    path: Path,
+    meta: dict,
+    model: list,
+    optimizer,
+    groups,
+    plan: LoadPlan,
+    *,
+    strict: bool,
+) -> tuple[dict | None, Any]:
+    """Read the weights into ``model`` and, as ``plan`` says, the optimizer's state and this rank's RNG
+    states (returned, for :func:`restore`) (collective: a failure on any rank raises on every rank;
+    then the checkpoint tensors no rank used are an error with ``strict``, else a warning)."""
     error = None
     optim_state = rng_states = None
     try:
         with torch.no_grad():
             used = _load_model(reader, model)
-        if load_optim:
+        if plan.load_optim:
             optim_state = _read_optimizer(reader, model, optimizer, meta)
-        if load_rng and meta.get("rng_saved") and same_layout:
+        if plan.load_rng and meta.get("rng_saved") and plan.same_layout:
             name = rng_file(groups.tp_rank, groups.pp_rank, groups.dp_rank)
             rng_states = rng_state_from_file(reader.file(name))
     except CheckpointError as err:
@@ -341,34 +298,45 @@ def load_checkpoint(
         if strict:
             raise CheckpointError(message + " (a different model configuration?)")
         log0(f"WARNING: {message}")
+    return optim_state, rng_states
 
+
+def restore(
+    optimizer, scheduler, meta: dict, plan: LoadPlan, optim_state, rng_states, groups, *, seed: int | None
+) -> None:
+    """The optimizer (fp32 masters from the loaded weights, then its read state), the scheduler's state
+    and the RNG states (restored at the saved layout, else reseeded with ``seed + iteration``)."""
     if optimizer is not None:
         optimizer.reload_model_params()  # fp32 masters from the loaded weights
         if optim_state is not None:
             optimizer.load_state_dict(optim_state)
-    if load_optim and scheduler is not None and meta.get("scheduler") is not None:
+    if plan.load_optim and scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
+    if not plan.load_rng:
+        return
+    iteration = meta["iteration"]
+    if rng_states is not None:
+        set_all_rng_states(rng_states)
+    elif not meta.get("rng_saved"):
+        log0(
+            "WARNING: the checkpoint has no RNG states (saved with --no-save-rng); keeping the current seeds"
+        )
+    elif seed is not None:
+        log0(
+            f"  the layout changed ({_describe(meta['layout'])} -> {_describe(plan.now)}): RNG states are not "
+            f"restored; every RNG is reseeded with seed {seed} + iteration {iteration}"
+        )
+        model_parallel_seed(seed + int(iteration), groups.tp_rank, groups.pp_rank)
+    else:
+        log0(
+            f"  the layout changed ({_describe(meta['layout'])} -> {_describe(plan.now)}): RNG states not restored"
+        )
 
-    if load_rng:
-        if rng_states is not None:
-            set_all_rng_states(rng_states)
-        elif not meta.get("rng_saved"):
-            log0(
-                "WARNING: the checkpoint has no RNG states (saved with --no-save-rng); keeping the current seeds"
-            )
-        elif seed is not None:
-            log0(
-                f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states are not "
-                f"restored; every RNG is reseeded with seed {seed} + iteration {iteration}"
-            )
-            model_parallel_seed(seed + int(iteration), groups.tp_rank, groups.pp_rank)
-        else:
-            log0(
-                f"  the layout changed ({_describe(meta['layout'])} -> {_describe(now)}): RNG states not restored"
-            )
-    reader.close()
 
-    if finetune:
+def _train_state(root: Path, meta: dict, plan: LoadPlan, state_cls: type | None):
+    """The saved training state (a fresh one with ``--finetune``), as ``state_cls`` (or a dict)."""
+    iteration = meta["iteration"]
+    if plan.finetune:
         state = {}
         log0(
             f"  loaded the weights of iteration {iteration} from {root} for fine-tuning (starting at iteration 0)"
@@ -383,25 +351,6 @@ def load_checkpoint(
         names = {f.name for f in dataclasses.fields(state_cls)}
         return state_cls(**{k: v for k, v in state.items() if k in names})
     return state_cls(**state)
-
-
-def _read_any_metadata(path: Path) -> dict:
-    """mcore's ``metadata.json``, or the same view of a Megatron-LM checkpoint (``torch``/``torch_dist``)."""
-    from mcore.checkpoint.megatron.detect import read_any_metadata
-
-    return read_any_metadata(path)
-
-
-def _open_reader(path: Path, meta: dict) -> ShardReader:
-    from mcore.checkpoint.megatron.detect import open_reader
-
-    return open_reader(path, meta)
-
-
-def _check_megatron_load(path: Path, meta: dict, *, load_optim: bool) -> str | None:
-    from mcore.checkpoint.megatron.detect import check_megatron_load
-
-    return check_megatron_load(path, meta, load_optim=load_optim)
 
 
 def _load_model(reader: ShardReader, model: list) -> set[str]:
@@ -446,7 +395,7 @@ def _load_fp8_state(reader: ShardReader, module) -> None:
 def _read_optimizer(reader: ShardReader, model: list, optimizer, meta: dict) -> dict:
     """The optimizer's ``state_dict`` for this rank's pieces, in the layout
     :meth:`MegatronOptimizer.load_state_dict` takes, assembled from the checkpoint."""
-    from mcore.optimizer.optimizer import STATE_FORMAT
+    from mcore.optimizer.state_dict import STATE_FORMAT
 
     info = meta.get("optimizer") or {}
     if not info.get("saved"):

@@ -523,35 +523,10 @@ def save_checkpoint(
     root = Path(config.save)
     iteration = int(state.iteration)
     log0(f"saving checkpoint at iteration {iteration:7d} to {root}")
-    token = None
-    if _rank() == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            _remove_stale_tmp_dirs(root)
-            token = new_tmp_token()
-        except OSError as err:
-            token = f"error: cannot create {root}: {err}"
-    token = _broadcast_object(token)
-    if token.startswith("error:"):
-        raise CheckpointError(token.removeprefix("error: "))
-    tmp = root / tmp_dir_name(iteration, token)
-    error = None
-    payloads: list[_FilePayload] = []
-    common = None
-    try:
-        try:
-            tmp.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise CheckpointError(f"cannot create {tmp}: {err.strerror or err}") from None
-        payloads = _snapshot(config, model, optimizer, groups)
-        if _rank() == 0:
-            common = _common_metadata(
-                config, state, model, optimizer, scheduler, groups, run_config, metadata
-            )
-    except CheckpointError as err:
-        error = str(err)
-    except Exception as err:  # noqa: BLE001 - reported to every rank by the commit
-        error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
+    tmp = root / tmp_dir_name(iteration, _save_token(root))
+    payloads, common, error = _snapshot_or_error(
+        tmp, config, state, model, optimizer, scheduler, groups, run_config, metadata
+    )
     device = next((p.device for chunk in model for p in chunk.parameters()), torch.device("cpu"))
     job = _SaveJob(
         root=root,
@@ -577,3 +552,49 @@ def save_checkpoint(
     job.blocked_s = time.perf_counter() - started
     _commit(job)
     return time.perf_counter() - started
+
+
+def _save_token(root: Path) -> str:
+    """The token of this save's temporary directory, made on rank 0 (after creating ``root`` and
+    removing stale temporary directories) and broadcast (collective).
+
+    Raises:
+        CheckpointError: on every rank, when rank 0 cannot create ``root``.
+    """
+    token = None
+    if _rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_tmp_dirs(root)
+            token = new_tmp_token()
+        except OSError as err:
+            token = f"error: cannot create {root}: {err}"
+    token = _broadcast_object(token)
+    if token.startswith("error:"):
+        raise CheckpointError(token.removeprefix("error: "))
+    return token
+
+
+def _snapshot_or_error(
+    tmp: Path, config, state, model: list, optimizer, scheduler, groups, run_config, metadata
+) -> tuple[list[_FilePayload], dict | None, str | None]:
+    """Create ``tmp`` and take this rank's host copy of what it saves (rank 0: with the common
+    metadata); ``(payloads, common, error)``, the error reported to every rank by the commit."""
+    error = None
+    payloads: list[_FilePayload] = []
+    common = None
+    try:
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CheckpointError(f"cannot create {tmp}: {err.strerror or err}") from None
+        payloads = _snapshot(config, model, optimizer, groups)
+        if _rank() == 0:
+            common = _common_metadata(
+                config, state, model, optimizer, scheduler, groups, run_config, metadata
+            )
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001 - reported to every rank by the commit
+        error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
+    return payloads, common, error

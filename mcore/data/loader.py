@@ -1,4 +1,4 @@
-"""Pretraining data loader: Megatron's 'single' sampler, background workers, optional pinned memory.
+"""Pretraining data loader: a sampler, background workers, optional pinned memory.
 
 Batch contract (what the training loop's forward step receives)
 ----------------------------------------------------------------
@@ -21,12 +21,7 @@ key                 shape / dtype       meaning
 BERT batches carry Megatron's BERT keys instead (``text``, ``types``, ``labels``, ``is_random``,
 ``padding_mask``, ``loss_mask``, ``truncated``; documented in :mod:`mcore.data.bert_dataset`).
 
-Sampling (Megatron's ``MegatronPretrainingSampler``): sample ids ``consumed_samples,
-consumed_samples + 1, ...`` are grouped into global micro-batches of ``micro_batch_size *
-data_parallel_size``; data-parallel rank ``r`` takes the slice ``[r * mbs, (r + 1) * mbs)`` of each, and
-an incomplete last group is dropped. Resuming with the checkpoint's ``consumed_samples`` continues with
-exactly the samples an uninterrupted run would have seen next. The datasets are already shuffled, so
-the sampler does not shuffle.
+Sampling: the samplers of :mod:`mcore.data.samplers` (``--dataloader-type single`` and ``cyclic``).
 
 Which ranks load: only ranks whose model chunk consumes the data need a loader (in Megatron, tensor-
 parallel rank 0 of the first and last pipeline stages, which then broadcast within their TP group);
@@ -55,9 +50,11 @@ import os
 import signal
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
+
+from mcore.data.samplers import CyclicPretrainingSampler, PretrainingSampler
 
 BATCH_KEYS = (
     "tokens",
@@ -77,67 +74,6 @@ BATCH_KEYS = (
     "enc_mask",
     "dec_mask",
 )
-
-
-def check_sampler_layout(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:
-    """Raise ``ValueError`` unless the sizes are positive and the rank is in ``[0, data_parallel_size)``."""
-    if micro_batch_size <= 0 or data_parallel_size <= 0:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} must be positive"
-        )
-    if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data_parallel_rank={data_parallel_rank} outside [0, {data_parallel_size})")
-
-
-class PretrainingSampler:
-    """Batch sampler yielding this data-parallel rank's sample ids of each global micro-batch.
-
-    Raises:
-        ValueError: non-positive sizes, a rank outside ``[0, data_parallel_size)``, or no samples left.
-    """
-
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-        drop_last: bool = True,
-    ) -> None:
-        if total_samples <= 0:
-            raise ValueError(f"the dataset has no samples (total_samples={total_samples})")
-        if not 0 <= consumed_samples < total_samples:
-            raise ValueError(
-                f"consumed_samples={consumed_samples} leaves no samples in a dataset of {total_samples}; "
-                "the run has used all the data it was built for (ask for more samples)"
-            )
-        check_sampler_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
-        self.global_micro_batch = micro_batch_size * data_parallel_size
-        self.drop_last = drop_last
-
-    def __len__(self) -> int:
-        """Micro-batches this rank will yield."""
-        left = self.total_samples - self.consumed_samples
-        full, rest = divmod(left, self.global_micro_batch)
-        return full + (1 if rest and not self.drop_last else 0)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        start = self.data_parallel_rank * self.micro_batch_size
-        stop = start + self.micro_batch_size
-        step = self.global_micro_batch
-        first = self.consumed_samples
-        full_end = first + (self.total_samples - first) // step * step
-        for base in range(first, full_end, step):
-            yield list(range(base + start, base + stop))
-        if not self.drop_last and full_end < self.total_samples:
-            tail = list(range(full_end, self.total_samples))[start:stop]
-            if tail:
-                yield tail
 
 
 def collate_batch(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -207,15 +143,13 @@ def build_pretraining_data_loader(
         num_workers: background worker processes (0: load in the training process).
         pin_memory: page-lock batches for faster host-to-device copies (pass the backend's answer).
         dataloader_type: ``single`` (:class:`PretrainingSampler`) or ``cyclic``
-            (:class:`~mcore.data.cyclic_sampler.CyclicPretrainingSampler`, shuffled per epoch by ``seed``).
+            (:class:`~mcore.data.samplers.CyclicPretrainingSampler`, shuffled per epoch by ``seed``).
         seed, split: with ``consumed_samples`` and the rank, the seed of the loader's own generator
             (see the module docstring: no draw from the global generators).
     """
     if dataset is None:
         return None
     if dataloader_type == "cyclic":
-        from mcore.data.cyclic_sampler import CyclicPretrainingSampler
-
         sampler = CyclicPretrainingSampler(
             len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed
         )

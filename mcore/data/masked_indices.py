@@ -188,24 +188,12 @@ def build_sentence_sample_index(
     Raises:
         ValueError: bad arguments, or ``num_samples`` asked of documents that yield no sample.
     """
-    if max_length < 2:
-        raise ValueError(f"max_length={max_length} must be > 1")
-    if not 0.0 <= short_seq_prob <= 1.0:
-        raise ValueError(f"short_seq_prob={short_seq_prob} must be in [0, 1]")
-    if seed <= 0:
-        raise ValueError(f"seed={seed} must be > 0 (Megatron's build_mapping asserts it)")
+    _check_index_args(max_length, short_seq_prob, seed)
     docs = np.asarray(docs, dtype=np.int64)
     sizes = np.asarray(sizes)
     short_seq_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
-    starts, ends = docs[:-1], docs[1:]
-    counts = ends - starts
-    # Documents that take part: enough sentences, and no over-long sentence unless there is only one.
-    long_sentence = sizes > LONG_SENTENCE_LEN
-    long_before = np.concatenate(([0], np.cumsum(long_sentence, dtype=np.int64)))
-    has_long = (long_before[ends] - long_before[starts]) > 0
-    eligible = np.flatnonzero((counts >= min_sentences) & ~((counts > 1) & has_long))
+    doc_bounds = _eligible_documents(docs, sizes, min_sentences)
     cumulative = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
-    doc_bounds = [(int(starts[d]), int(ends[d])) for d in eligible]
     targets = _TargetLengths(seed, max_length, short_seq_ratio)
     first, end, length = [], [], []
     epochs = num_epochs if num_epochs is not None else np.iinfo(np.int32).max - 1
@@ -214,21 +202,7 @@ def build_sentence_sample_index(
             break
         before = len(first)
         for lo, hi in doc_bounds:
-            last_allowed = hi - 3  # a run may end early only if two sentences remain after it
-            begin, target = lo, targets.next()
-            while True:
-                # First sentence at which the run from `begin` has reached `target` tokens ...
-                reach = bisect.bisect_left(cumulative, cumulative[begin] + target, begin + 1) - 1
-                stop = max(reach, begin + min_sentences - 1)
-                if stop > last_allowed:  # ... unless that leaves fewer than two: take the rest
-                    stop = hi - 1
-                first.append(begin)
-                end.append(stop + 1)
-                length.append(target)
-                begin = stop + 1
-                target = targets.next()
-                if begin == hi:
-                    break
+            _add_document_samples(lo, hi, cumulative, targets, min_sentences, (first, end, length))
         if len(first) == before:
             if num_samples:
                 raise ValueError(
@@ -241,3 +215,48 @@ def build_sentence_sample_index(
         [np.asarray(first, np.int64), np.asarray(end, np.int64), np.asarray(length, np.int64)], axis=1
     ).reshape(-1, 3)
     return rows[fisher_yates_permutation(len(rows), seed + 1)].astype(dtype)
+
+
+def _check_index_args(max_length: int, short_seq_prob: float, seed: int) -> None:
+    """Raise ``ValueError`` for a target length below 2, a probability outside [0, 1] or a seed <= 0."""
+    if max_length < 2:
+        raise ValueError(f"max_length={max_length} must be > 1")
+    if not 0.0 <= short_seq_prob <= 1.0:
+        raise ValueError(f"short_seq_prob={short_seq_prob} must be in [0, 1]")
+    if seed <= 0:
+        raise ValueError(f"seed={seed} must be > 0 (Megatron's build_mapping asserts it)")
+
+
+def _eligible_documents(docs: np.ndarray, sizes: np.ndarray, min_sentences: int) -> list[tuple[int, int]]:
+    """``(first sentence, end sentence)`` of the documents that take part: enough sentences, and no
+    over-long sentence unless there is only one."""
+    starts, ends = docs[:-1], docs[1:]
+    counts = ends - starts
+    long_sentence = sizes > LONG_SENTENCE_LEN
+    long_before = np.concatenate(([0], np.cumsum(long_sentence, dtype=np.int64)))
+    has_long = (long_before[ends] - long_before[starts]) > 0
+    eligible = np.flatnonzero((counts >= min_sentences) & ~((counts > 1) & has_long))
+    return [(int(starts[d]), int(ends[d])) for d in eligible]
+
+
+def _add_document_samples(
+    lo: int, hi: int, cumulative: list[int], targets, min_sentences: int, rows: tuple[list, list, list]
+) -> None:
+    """Append the samples of document ``[lo, hi)`` (one epoch's pass) to ``rows`` = ``(first, end,
+    length)``: runs of sentences reaching a random target length each."""
+    first, end, length = rows
+    last_allowed = hi - 3  # a run may end early only if two sentences remain after it
+    begin, target = lo, targets.next()
+    while True:
+        # First sentence at which the run from `begin` has reached `target` tokens ...
+        reach = bisect.bisect_left(cumulative, cumulative[begin] + target, begin + 1) - 1
+        stop = max(reach, begin + min_sentences - 1)
+        if stop > last_allowed:  # ... unless that leaves fewer than two: take the rest
+            stop = hi - 1
+        first.append(begin)
+        end.append(stop + 1)
+        length.append(target)
+        begin = stop + 1
+        target = targets.next()
+        if begin == hi:
+            break

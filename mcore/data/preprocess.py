@@ -405,64 +405,16 @@ def preprocess(
     dtype = optimal_dtype(tokenizer.vocab_size)
     level = "sentence" if config.split_sentences else "document"
     prefixes = {key: output_prefix(config.output_prefix, key, level) for key in config.json_keys}
-    builders: dict[str, IndexedDatasetBuilder] = {}
-    try:
-        out_dir = os.path.dirname(config.output_prefix)
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-        for key, p in prefixes.items():
-            builders[key] = IndexedDatasetBuilder(bin_path(p), dtype=dtype)
-    except OSError as err:
-        for builder in builders.values():
-            builder.abort()
-        raise _output_error(config, err) from None
+    builders = _open_builders(config, prefixes, dtype)
     progress = _Progress(config.log_interval, sys.stderr if stream is None else stream)
-    skipped: list[tuple[str, int, str]] = []
-    empty_count = 0
-
-    def consume(chunk_path: str, encoded: _Encoded) -> None:
-        nonlocal empty_count
-        for line_no, reason in encoded.bad:
-            if config.bad_lines == "error":
-                raise DataError(
-                    f"{chunk_path}:{line_no}: {reason} (pass --bad-lines skip to skip such lines)"
-                )
-            skipped.append((chunk_path, line_no, reason))
-        if encoded.empty and config.empty_documents == "error":
-            raise DataError(
-                f"{chunk_path}:{encoded.empty[0]}: the document is empty after tokenization "
-                "(--empty-documents keep writes it as Megatron does; skip leaves it out)"
-            )
-        empty_count += len(encoded.empty)
-        for key, builder in builders.items():
-            builder.add_documents(encoded.tokens[key], encoded.lengths[key], encoded.per_doc[key])
-        progress.add(encoded)
-
+    consume = _Consumer(config, builders, progress)
     try:
-        worker_args = (tokenizer_config, config, dtype.str)
-        if config.workers == 1:
-            _init_worker(*worker_args)
-            for chunk in _read_chunks(files, config.chunk_size, config.json_keys):
-                consume(chunk.path, encode_chunk(chunk))
-        else:
-            # fork keeps start-up cheap; the parent has not run the tokenizer's thread pool yet.
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-            context = multiprocessing.get_context(method)
-            with context.Pool(config.workers, initializer=_init_worker, initargs=worker_args) as pool:
-                pending: deque = deque()
-                for chunk in _read_chunks(files, config.chunk_size, config.json_keys):
-                    pending.append((chunk.path, pool.apply_async(encode_chunk, (chunk,))))
-                    if len(pending) >= 4 * config.workers:
-                        path, result = pending.popleft()
-                        consume(path, result.get())
-                while pending:
-                    path, result = pending.popleft()
-                    consume(path, result.get())
-        if progress.documents == 0 and skipped:
-            path, line_no, reason = skipped[0]
+        _encode_inputs(files, config, tokenizer_config, dtype, consume)
+        if progress.documents == 0 and consume.skipped:
+            path, line_no, reason = consume.skipped[0]
             raise DataError(
-                f"--input {config.input}: --bad-lines skip skipped every line ({len(skipped)}; the first, "
-                f"{path}:{line_no}: {reason}): no document to write, so no dataset is written"
+                f"--input {config.input}: --bad-lines skip skipped every line ({len(consume.skipped)}; the "
+                f"first, {path}:{line_no}: {reason}): no document to write, so no dataset is written"
             )
         for key, builder in builders.items():
             builder.finalize(idx_path(prefixes[key]))
@@ -481,9 +433,86 @@ def preprocess(
         tokens=progress.tokens,
         nbytes=progress.nbytes,
         seconds=seconds,
-        skipped_lines=skipped,
-        empty_documents=empty_count,
+        skipped_lines=consume.skipped,
+        empty_documents=consume.empty_count,
     )
+
+
+def _open_builders(
+    config: PreprocessConfig, prefixes: dict[str, str], dtype
+) -> dict[str, IndexedDatasetBuilder]:
+    """One ``.bin`` builder per JSON key (the output directory created first); on an error the ones
+    opened are aborted.
+
+    Raises:
+        DataError: an output cannot be written (:func:`_output_error`).
+    """
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    try:
+        out_dir = os.path.dirname(config.output_prefix)
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+        for key, p in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(bin_path(p), dtype=dtype)
+    except OSError as err:
+        for builder in builders.values():
+            builder.abort()
+        raise _output_error(config, err) from None
+    return builders
+
+
+class _Consumer:
+    """Writes each encoded chunk to the builders, in input order: its bad lines raise or are skipped
+    (``--bad-lines``), empty documents raise or are counted (``--empty-documents``)."""
+
+    def __init__(self, config: PreprocessConfig, builders: dict[str, IndexedDatasetBuilder], progress):
+        self.config, self.builders, self.progress = config, builders, progress
+        self.skipped: list[tuple[str, int, str]] = []
+        self.empty_count = 0
+
+    def __call__(self, chunk_path: str, encoded: _Encoded) -> None:
+        config = self.config
+        for line_no, reason in encoded.bad:
+            if config.bad_lines == "error":
+                raise DataError(
+                    f"{chunk_path}:{line_no}: {reason} (pass --bad-lines skip to skip such lines)"
+                )
+            self.skipped.append((chunk_path, line_no, reason))
+        if encoded.empty and config.empty_documents == "error":
+            raise DataError(
+                f"{chunk_path}:{encoded.empty[0]}: the document is empty after tokenization "
+                "(--empty-documents keep writes it as Megatron does; skip leaves it out)"
+            )
+        self.empty_count += len(encoded.empty)
+        for key, builder in self.builders.items():
+            builder.add_documents(encoded.tokens[key], encoded.lengths[key], encoded.per_doc[key])
+        self.progress.add(encoded)
+
+
+def _encode_inputs(
+    files: list[str], config: PreprocessConfig, tokenizer_config: TokenizerConfig, dtype, consume: _Consumer
+) -> None:
+    """Encode the inputs chunk by chunk (``--workers`` processes, at most ``4 * workers`` chunks in
+    flight) and hand each encoded chunk to ``consume`` in input order."""
+    worker_args = (tokenizer_config, config, dtype.str)
+    if config.workers == 1:
+        _init_worker(*worker_args)
+        for chunk in _read_chunks(files, config.chunk_size, config.json_keys):
+            consume(chunk.path, encode_chunk(chunk))
+        return
+    # fork keeps start-up cheap; the parent has not run the tokenizer's thread pool yet.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    context = multiprocessing.get_context(method)
+    with context.Pool(config.workers, initializer=_init_worker, initargs=worker_args) as pool:
+        pending: deque = deque()
+        for chunk in _read_chunks(files, config.chunk_size, config.json_keys):
+            pending.append((chunk.path, pool.apply_async(encode_chunk, (chunk,))))
+            if len(pending) >= 4 * config.workers:
+                path, result = pending.popleft()
+                consume(path, result.get())
+        while pending:
+            path, result = pending.popleft()
+            consume(path, result.get())
 
 
 def _output_error(config: PreprocessConfig, err: OSError) -> DataError:

@@ -194,6 +194,20 @@ def initialize_parallel(
     def options(axis: str):
         return pm.hook.mcore_process_group_options(backend=backend, axis=axis)
 
+    _init_process_group(backend, launch, init_method, rank, world_size, timeout, options)
+    return _build_groups(topology, config.pipeline_model_parallel_split_rank, rank, timeout, options, device)
+
+
+def _init_process_group(
+    backend: DeviceBackend, launch: LaunchEnv, init_method: str, rank: int, world_size: int, timeout, options
+) -> None:
+    """``torch.distributed.init_process_group`` with the backend's ``dist_backend`` (checked against
+    an already initialized one instead).
+
+    Raises:
+        ConfigError: Slurm without ``MASTER_ADDR``, or torch.distributed initialized with another
+            backend.
+    """
     if not dist.is_initialized():
         if launch.launcher == "slurm" and "MASTER_ADDR" not in os.environ:
             raise ConfigError(
@@ -214,10 +228,15 @@ def initialize_parallel(
             f"backend {backend.name!r} needs {backend.dist_backend!r}"
         )
 
+
+def _build_groups(
+    topology: Topology, split_rank: int | None, rank: int, timeout, options, device
+) -> ProcessGroups:
+    """Every process group of ``topology`` (collective: each rank creates every group, in order)."""
+
     def build(axes: str, axis_name: str):
         return _new_groups(topology.groups(axes), rank, timeout, options(axis_name))
 
-    split_rank = config.pipeline_model_parallel_split_rank
     embedding_lists = topology.embedding_groups(split_rank)
     return ProcessGroups(
         topology=topology,

@@ -43,6 +43,7 @@ import torch
 
 from mcore.config.fields import check
 from mcore.config.fp8 import Fp8Config
+from mcore.data.token_ids import TokenIdRange
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.config import ModelConfig
@@ -54,7 +55,7 @@ from mcore.models.positions import RotaryEmbedding
 from mcore.models.spec import ModuleSpec
 from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TokenIdRange
+from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
 
 

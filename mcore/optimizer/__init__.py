@@ -28,11 +28,8 @@ from mcore.optimizer.grad_scaler import (
     LossScaleUnderflowError,
     build_grad_scaler,
 )
-from mcore.optimizer.optimizer import (
-    MegatronOptimizer,
-    default_no_weight_decay,
-    format_memory_report,
-)
+from mcore.optimizer.main_params import default_no_weight_decay
+from mcore.optimizer.optimizer import MegatronOptimizer, format_memory_report
 
 __all__ = [
     "ConstantGradScaler",

@@ -9,7 +9,7 @@ For every :class:`~mcore.distributed.grad_buffer.GradBuffer` the optimizer keeps
 
 where ``n`` is this rank's share of the buffer: all of it, or with the distributed optimizer its
 shard of every bucket, packed bucket after bucket. The per-parameter state the checkpoint and
-:class:`~mcore.optimizer.optimizer.MainParam` see are views into these tensors.
+:class:`~mcore.optimizer.main_params.MainParam` see are views into these tensors.
 """
 
 from __future__ import annotations

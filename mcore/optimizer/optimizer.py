@@ -28,29 +28,17 @@ gradient norm reduced over  ``groups.mp`` (tp x pp)           all ranks
    all-gathered (asynchronously with ``--overlap-param-gather``: each module's forward pre-hook waits
    for the buckets of its own parameters).
 
-State dict layout (per-parameter, so the checkpoint can reshard it)::
+State dict layout (per-parameter, so the checkpoint can reshard it): :mod:`mcore.optimizer.state_dict`.
 
-    {"format": "mcore.optimizer/1", "optimizer": "adam" | "sgd", "distributed": bool,
-     "param_groups": [{"lr", "weight_decay", "wd_mult", "lr_mult", "params": [key, ...]}, ...],
-     "state": {key: {"range": (start, end),     # flattened piece of the (tp-local) parameter held here
-                     "shape": (...),            # the (tp-local) parameter's shape
-                     "step": int,                               # adam
-                     "exp_avg": fp32[end-start], "exp_avg_sq": fp32[end-start],   # adam
-                     "momentum_buffer": fp32[end-start],        # sgd
-                     "main_param": fp32[end-start]}},           # bf16/fp16 parameters only
-     "grad_scaler": {...} | None}
-
-``key`` is the parameter's name in its (unwrapped) model chunk, prefixed with ``model{i}.`` when a
-rank has several chunks (virtual pipeline). With the distributed optimizer, parameters whose piece
-on this rank is empty have no entry. :meth:`MegatronOptimizer.load_state_dict` accepts, for each key,
-any saved range that contains this rank's range (a replicated or gathered state loads into any
-data-parallel size).
+The other parts: :mod:`mcore.optimizer.main_params` (each parameter's piece on this rank, the
+parameter groups), :mod:`mcore.optimizer.updates` (the per-parameter Adam/SGD update),
+:mod:`mcore.optimizer.flat_state` (the flat path's buffers), :mod:`mcore.optimizer.clip_grads` and
+:mod:`mcore.optimizer.grad_scaler`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,44 +47,20 @@ import torch.distributed as dist
 from mcore.backend import get_ops
 from mcore.config.fields import ConfigError
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
-from mcore.distributed.grad_buffer import GradBuffer, all_gather_into_tensor
 from mcore.distributed.groups import ProcessGroups
-from mcore.optimizer.clip_grads import clip_grads_, counts_in_grad_norm, global_grad_norm, unscale_and_check_
+from mcore.optimizer.clip_grads import clip_grads_, global_grad_norm, unscale_and_check_
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 from mcore.optimizer.flat_state import FlatBufferState
 from mcore.optimizer.grad_scaler import build_grad_scaler, underflow_error
-
-STATE_FORMAT = "mcore.optimizer/1"
-
-
-@dataclass
-class MainParam:
-    """The piece ``[start, end)`` of one (flattened) model parameter that this rank updates."""
-
-    key: str
-    model_param: torch.nn.Parameter
-    start: int
-    end: int
-    main: torch.Tensor | None
-    """fp32, 1-D: a view of the model parameter (fp32 params) or an fp32 copy (bf16/fp16); None when
-    the master is held as the bf16 parameter plus a 16-bit remainder (read it with
-    :meth:`MegatronOptimizer.master_of`)."""
-    grad_view: Callable[[], torch.Tensor | None]
-    """The piece's gradient in the buffer's dtype (a 1-D view), or None when there is none."""
-    owns_copy: bool
-    counts_in_norm: bool
-    group: int
-    state: dict[str, Any] = field(default_factory=dict)
-    buffer: GradBuffer | None = None
-    """The DDP buffer of the parameter (None for a plain module)."""
-
-    def model_view(self) -> torch.Tensor:
-        return self.model_param.data.view(-1)[self.start : self.end]
-
-
-def default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's rule: biases and every 1-D parameter (norm weights) get no weight decay."""
-    return name.endswith(".bias") or param.dim() == 1
+from mcore.optimizer.main_params import (
+    MainParam,
+    build_param_groups,
+    default_no_weight_decay,
+    make_main_param,
+    trainable_parameters,
+)
+from mcore.optimizer.state_dict import gathered_state_dict, load_state_dict, state_dict
+from mcore.optimizer.updates import adam_update, copy_main_to_model, sgd_update
 
 
 class MegatronOptimizer:
@@ -126,31 +90,8 @@ class MegatronOptimizer:
         self._check_chunks()
 
         tp_rank = groups.tp_rank
-        named = []
-        for i, chunk in enumerate(self.model_chunks):
-            prefix = f"model{i}." if len(self.model_chunks) > 1 else ""
-            for name, param in unwrap_model(chunk).named_parameters():
-                if param.requires_grad:
-                    named.append((prefix + name, name, param, chunk))
-
-        decay = [(k, p) for k, n, p, _ in named if not no_weight_decay(n, p)]
-        no_decay = [(k, p) for k, n, p, _ in named if no_weight_decay(n, p)]
-        self.param_groups: list[dict[str, Any]] = []
-        group_of: dict[int, int] = {}
-        for members, wd_mult in ((decay, 1.0), (no_decay, 0.0)):
-            if not members:
-                continue
-            for _, p in members:
-                group_of[id(p)] = len(self.param_groups)
-            self.param_groups.append(
-                {
-                    "params": [p for _, p in members],
-                    "lr": lr,
-                    "weight_decay": config.weight_decay * wd_mult,
-                    "wd_mult": wd_mult,
-                    "lr_mult": 1.0,
-                }
-            )
+        named = trainable_parameters(self.model_chunks)
+        self.param_groups, group_of = build_param_groups(named, no_weight_decay, config.weight_decay, lr)
 
         self.flat = config.uses_flat_adam(precision) and all(
             isinstance(chunk, DistributedDataParallel)
@@ -164,7 +105,7 @@ class MegatronOptimizer:
         self._zero_norm_seen: torch.Tensor | None = None  # see check_deferred_underflow
         self.main_params: list[MainParam] = []
         for key, _, param, chunk in named:
-            entry = self._make_main_param(key, param, chunk, group_of[id(param)], tp_rank)
+            entry = make_main_param(key, param, chunk, group_of[id(param)], tp_rank, flat=self.flat)
             if entry is not None:
                 self.main_params.append(entry)
         self.flat_states: list[FlatBufferState] = []
@@ -174,8 +115,9 @@ class MegatronOptimizer:
         else:
             self._init_state()
         device = next((p.model_param.device for p in self.main_params), None)
-        self._device = device or torch.device("cpu")
-        self._applied_steps = torch.zeros((), dtype=torch.int64, device=self._device)
+        self.device = device or torch.device("cpu")
+        """Where the optimizer's own scalars live (the parameters' device)."""
+        self.applied_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         """Flat path: Adam's step ``t``, the number of updates applied, counted on the device (a step
         skipped there does not advance it); the entries' ``state["step"]`` mirror it in state dicts."""
 
@@ -192,47 +134,6 @@ class MegatronOptimizer:
                     f"has use_distributed_optimizer={self.distributed}: wrap chunks with "
                     "DistributedDataParallel(module, ddp_config.with_training(optimizer_config, precision_config), groups)"
                 )
-
-    def _make_main_param(
-        self, key: str, param: torch.nn.Parameter, chunk: torch.nn.Module, group: int, tp_rank: int
-    ) -> MainParam | None:
-        buffer = chunk.buffer_of(param) if isinstance(chunk, DistributedDataParallel) else None
-        if buffer is not None:
-            local = buffer.local_range(param)
-            if local is None:
-                return None
-            start, end = local
-            offset = buffer.buffer_range(param)[0]
-            # The buffer is allocated once and zeroed in place, so one view serves every step (a new
-            # slice per parameter per step was host time spent right after backward's last sync).
-            piece = buffer.grad_data[offset + start : offset + end]
-
-            def grad_view(piece=piece):
-                return piece
-        else:
-            start, end = 0, param.numel()
-
-            def grad_view(p=param):
-                return None if p.grad is None else p.grad.view(-1)
-
-        view = param.data.view(-1)[start:end]
-        owns_copy = param.dtype != torch.float32
-        if self.flat:
-            main = None  # set by _init_flat_state: a view into the flat masters (or the remainders)
-        else:
-            main = view.detach().float().clone() if owns_copy else view
-        return MainParam(
-            key=key,
-            model_param=param,
-            start=start,
-            end=end,
-            main=main,
-            grad_view=grad_view,
-            owns_copy=owns_copy,
-            counts_in_norm=counts_in_grad_norm(param, tp_rank),
-            group=group,
-            buffer=buffer,
-        )
 
     def _init_state(self) -> None:
         for entry in self.main_params:
@@ -277,7 +178,7 @@ class MegatronOptimizer:
         flat = self._flat_of[id(entry.model_param)]
         return flat.read_master(flat.piece(entry.model_param))
 
-    def _set_master(self, entry: MainParam, value: torch.Tensor) -> None:
+    def set_master(self, entry: MainParam, value: torch.Tensor) -> None:
         """Set ``entry``'s fp32 master (and, on the flat path, the model parameter's rounding of it)."""
         if self.flat:
             flat = self._flat_of[id(entry.model_param)]
@@ -331,7 +232,7 @@ class MegatronOptimizer:
 
         if self.grad_scaler is not None:
             found_inf = unscale_and_check_(
-                grad_list, self.grad_scaler.inv_scale, self.groups.world, self._device
+                grad_list, self.grad_scaler.inv_scale, self.groups.world, self.device
             )
             self.grad_scaler.update(found_inf)
             if found_inf:
@@ -340,17 +241,17 @@ class MegatronOptimizer:
         grad_norm = None
         if self.config.clip_grad > 0.0:
             counted = [g for e, g in present if e.counts_in_norm]
-            grad_norm = global_grad_norm(counted, self._norm_group(), self._device)
+            grad_norm = global_grad_norm(counted, self._norm_group(), self.device)
             clip_grads_(grad_list, self.config.clip_grad, grad_norm)
         if self.grad_scaler is not None:
             self._refuse_underflowed_gradients(grad_norm, present)
 
         if self.config.optimizer == "adam":
-            self._adam(present)
+            adam_update(self.config, self.param_groups, present)
         else:
-            self._sgd(present)
+            sgd_update(self.config, self.param_groups, present)
 
-        self._copy_main_to_model([entry for entry, _ in present if entry.owns_copy])
+        copy_main_to_model([entry for entry, _ in present if entry.owns_copy])
         if self.distributed:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
@@ -371,7 +272,7 @@ class MegatronOptimizer:
             if self._underflow_checked:
                 return
             counted = [g for e, g in present if e.counts_in_norm]
-            grad_norm = global_grad_norm(counted, self._norm_group(), self._device)
+            grad_norm = global_grad_norm(counted, self._norm_group(), self.device)
         self._underflow_checked = True
         if grad_norm == 0.0:
             raise underflow_error(self.grad_scaler)
@@ -403,7 +304,7 @@ class MegatronOptimizer:
         single_rank = self.groups.world_size == 1
         partial = [flat.grad_norm_squared(reuse_bucket_norms=single_rank) for flat in self.flat_states]
         partial = [s for s in partial if s is not None]
-        norm_sq = torch.stack(partial).sum() if partial else torch.zeros((), device=self._device)
+        norm_sq = torch.stack(partial).sum() if partial else torch.zeros((), device=self.device)
         norm_sq = norm_sq.reshape(1)
         group = self._norm_group()
         if group is not None and dist.is_available() and dist.is_initialized():
@@ -428,8 +329,8 @@ class MegatronOptimizer:
         # Adam's t counts applied updates only: advanced on the device by the skip decision, so a
         # skipped step leaves the bias correction where it was (as the per-parameter path, which
         # returns before its update, does) and the host never waits for the decision.
-        self._applied_steps.add_((~skip).to(torch.int64))
-        step = self._applied_steps
+        self.applied_steps.add_((~skip).to(torch.int64))
+        step = self.applied_steps
         lrs = [group["lr"] for group in self.param_groups]
         wds = [group["weight_decay"] for group in self.param_groups]
         ops = get_ops()
@@ -453,53 +354,6 @@ class MegatronOptimizer:
             if not cfg.overlap_param_gather:
                 self.finish_param_sync()
         return True, (grad_norm if cfg.clip_grad > 0.0 else None), None
-
-    @staticmethod
-    def _copy_main_to_model(entries: list[MainParam]) -> None:
-        """Round the fp32 masters into the bf16/fp16 model parameters: one multi-tensor copy instead of
-        a kernel launch per parameter (the same ``copy_`` conversion, element for element)."""
-        if entries:
-            torch._foreach_copy_([e.model_view() for e in entries], [e.main for e in entries])
-
-    def _adam(self, present: list[tuple[MainParam, torch.Tensor]]) -> None:
-        cfg = self.config
-        batches: dict[tuple[int, int], list[tuple[MainParam, torch.Tensor]]] = {}
-        for entry, grad in present:
-            entry.state["step"] += 1
-            batches.setdefault((entry.group, entry.state["step"]), []).append((entry, grad))
-        for (group_index, step), members in batches.items():
-            group = self.param_groups[group_index]
-            get_ops().adam_step(
-                [e.main for e, _ in members],
-                [g for _, g in members],
-                [e.state["exp_avg"] for e, _ in members],
-                [e.state["exp_avg_sq"] for e, _ in members],
-                step=step,
-                lr=group["lr"],
-                beta1=cfg.adam_beta1,
-                beta2=cfg.adam_beta2,
-                eps=cfg.adam_eps,
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=cfg.decoupled_weight_decay,
-            )
-
-    def _sgd(self, present: list[tuple[MainParam, torch.Tensor]]) -> None:
-        """torch.optim.SGD's update (coupled weight decay, no dampening, no Nesterov)."""
-        momentum = self.config.sgd_momentum
-        for group_index, group in enumerate(self.param_groups):
-            members = [(e, g) for e, g in present if e.group == group_index]
-            if not members:
-                continue
-            params = [e.main for e, _ in members]
-            grads = [g for _, g in members]
-            if group["weight_decay"] != 0.0:
-                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
-            if momentum != 0.0:
-                bufs = [e.state["momentum_buffer"] for e, _ in members]
-                torch._foreach_mul_(bufs, momentum)
-                torch._foreach_add_(bufs, grads)
-                grads = bufs
-            torch._foreach_add_(params, grads, alpha=-group["lr"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients of every model chunk (DDP buffers included)."""
@@ -536,163 +390,30 @@ class MegatronOptimizer:
         """Flat path: copy the device step counter into the entries' ``state["step"]`` (waits for the
         device). Call before reading ``main_params[i].state`` directly (a checkpoint save does)."""
         if self.flat:
-            step = int(self._applied_steps.item())
+            step = int(self.applied_steps.item())
             for entry in self.main_params:
                 entry.state["step"] = step
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-parameter state (layout in the module docstring); tensors are this rank's pieces."""
-        self.finish_param_sync()
-        self.sync_step_counters()
-        names = self._all_keys()
-        state = {}
-        for entry in self.main_params:
-            item: dict[str, Any] = {
-                "range": (entry.start, entry.end),
-                "shape": tuple(entry.model_param.shape),
-            }
-            for name, value in entry.state.items():
-                item[name] = value.clone() if isinstance(value, torch.Tensor) else value
-            if entry.owns_copy:
-                item["main_param"] = self.master_of(entry).clone()
-            state[entry.key] = item
-        return {
-            "format": STATE_FORMAT,
-            "optimizer": self.config.optimizer,
-            "distributed": self.distributed,
-            "param_groups": [
-                {
-                    **{k: v for k, v in group.items() if k != "params"},
-                    "params": [names[id(p)] for p in group["params"]],
-                }
-                for group in self.param_groups
-            ],
-            "state": state,
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-        }
+        """Per-parameter state (layout in :mod:`mcore.optimizer.state_dict`); tensors are this rank's
+        pieces."""
+        return state_dict(self)
 
     def gathered_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` with every parameter's whole state on every data-parallel rank.
-
-        Without the distributed optimizer this is :meth:`state_dict`. With it, each state tensor is
-        assembled in the buffer layout and all-gathered bucket by bucket over the data-parallel
-        group (one collective per bucket and state field), so every entry covers ``(0, numel)`` and
-        loads at any data-parallel size. It holds the full optimizer state in memory for a moment;
-        a checkpoint that saves each rank's pieces with their ranges (:meth:`state_dict`) does not.
-        Every rank of the data-parallel group must call it.
-        """
-        state_dict = self.state_dict()
-        if not self.distributed:
-            return state_dict
-        by_buffer: dict[int, list[MainParam]] = {}
-        for entry in self.main_params:
-            by_buffer.setdefault(id(entry.buffer), []).append(entry)
-        fields = ["exp_avg", "exp_avg_sq"] if self.config.optimizer == "adam" else ["momentum_buffer"]
-        step = torch.tensor([max((e.state.get("step", 0) for e in self.main_params), default=0)])
-        step = step.to(self._device)
-        names = self._all_keys()
-        comm = None
-        full_state: dict[str, dict[str, Any]] = {}
-        for chunk in self.model_chunks:
-            for buffer in chunk.grad_buffers:
-                comm = buffer.comm
-                entries = by_buffer.get(id(buffer), [])
-                copies = any(p.dtype != torch.float32 for p in buffer.params)
-                gathered = {}
-                for name in fields + (["main_param"] if copies else []):
-                    flat = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.grad_data.device)
-                    for entry in entries:
-                        offset = buffer.buffer_range(entry.model_param)[0]
-                        value = self.master_of(entry) if name == "main_param" else entry.state[name]
-                        flat[offset + entry.start : offset + entry.end].copy_(value)
-                    if comm.active:
-                        for bucket in buffer.buckets:
-                            lo, hi = bucket.shard_range(comm.rank)
-                            all_gather_into_tensor(
-                                flat[bucket.start : bucket.end], flat[lo:hi], group=comm.group
-                            )
-                    gathered[name] = flat
-                for param in buffer.params:
-                    lo, hi = buffer.buffer_range(param)
-                    item: dict[str, Any] = {"range": (0, hi - lo), "shape": tuple(param.shape)}
-                    for name, flat in gathered.items():
-                        if name == "main_param" and param.dtype == torch.float32:
-                            continue
-                        item[name] = flat[lo:hi].clone()
-                    full_state[names[id(param)]] = item
-        if comm is not None and comm.active:
-            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=comm.group)
-        if self.config.optimizer == "adam":
-            for item in full_state.values():
-                item["step"] = int(step.item())
-        state_dict["state"] = full_state
-        return state_dict
-
-    def _all_keys(self) -> dict[int, str]:
-        names = {}
-        for i, chunk in enumerate(self.model_chunks):
-            prefix = f"model{i}." if len(self.model_chunks) > 1 else ""
-            for name, param in unwrap_model(chunk).named_parameters():
-                names[id(param)] = prefix + name
-        return names
+        """:meth:`state_dict` with every parameter's whole state on every data-parallel rank
+        (:func:`mcore.optimizer.state_dict.gathered_state_dict`; every rank of the data-parallel group
+        must call it)."""
+        return gathered_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by :meth:`state_dict` at this or another data-parallel layout.
+        """Load a state saved by :meth:`state_dict` at this or another data-parallel layout
+        (:func:`mcore.optimizer.state_dict.load_state_dict`).
 
         Raises:
             ValueError: the state is of another format or optimizer, or misses a parameter, or holds
                 a piece of a parameter that does not cover the piece this rank updates.
         """
-        if state_dict.get("format") != STATE_FORMAT:
-            raise ValueError(f"optimizer state format {state_dict.get('format')!r} is not {STATE_FORMAT!r}")
-        if state_dict["optimizer"] != self.config.optimizer:
-            raise ValueError(
-                f"optimizer state is for --optimizer {state_dict['optimizer']}, "
-                f"this run uses --optimizer {self.config.optimizer}"
-            )
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"optimizer state has {len(saved_groups)} parameter groups, this model has {len(self.param_groups)}"
-            )
-        for group, saved in zip(self.param_groups, saved_groups):
-            for name in ("lr", "weight_decay", "wd_mult", "lr_mult"):
-                group[name] = saved[name]
-        saved_state = state_dict["state"]
-        for entry in self.main_params:
-            if entry.key not in saved_state:
-                raise ValueError(f"optimizer state has no entry for parameter {entry.key}")
-            item = saved_state[entry.key]
-            lo, hi = item["range"]
-            if tuple(item["shape"]) != tuple(entry.model_param.shape) or not (
-                lo <= entry.start and entry.end <= hi
-            ):
-                raise ValueError(
-                    f"optimizer state for {entry.key} holds [{lo}, {hi}) of shape {tuple(item['shape'])}, "
-                    f"but this rank updates [{entry.start}, {entry.end}) of shape "
-                    f"{tuple(entry.model_param.shape)}: gather the data-parallel shards first"
-                )
-            piece = slice(entry.start - lo, entry.end - lo)
-            for name, value in entry.state.items():
-                if isinstance(value, torch.Tensor):
-                    value.copy_(item[name][piece])
-                else:
-                    entry.state[name] = item[name]
-            if "main_param" in item:  # for fp32 params: the model param itself
-                self._set_master(entry, item["main_param"][piece])
-        if self.flat:
-            self._applied_steps.fill_(max((e.state.get("step", 0) for e in self.main_params), default=0))
-        self.finish_param_sync()
-        if self.distributed:  # parameters whose masters changed must reach every data-parallel rank
-            if not self.flat:  # (the flat path's _set_master rounded them into the parameters already)
-                for entry in self.main_params:
-                    if entry.owns_copy:
-                        entry.model_view().copy_(entry.main)
-            for chunk in self.model_chunks:
-                chunk.start_param_sync()
-                chunk.finish_param_sync()
-        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        load_state_dict(self, state_dict)
 
     # ----------------------------------------------------------------------------------------------
     # memory

@@ -283,29 +283,11 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
     """Execute this rank's part of :func:`~mcore.pipeline.tables.pipeline_timeline`."""
     chunks = _as_chunks(a.model)
     check_model_chunks(len(chunks), vp_size)
-    groups, seq_length = a.groups, a.seq_length
+    groups = a.groups
     p, r, m = groups.pp_size, groups.pp_rank, a.num_microbatches
     # Computing the plan checks the sizes (ConfigError) before anything is exchanged.
     program = pipeline_timeline(p, vp_size, m, a.forward_only)[r]
-    tp = groups.tp_size
-    if a.sequence_parallel:
-        check(
-            seq_length % tp == 0,
-            f"seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp} "
-            "(sequence parallelism shards activations along the sequence)",
-        )
-    shape = (seq_length // tp if a.sequence_parallel else seq_length, a.micro_batch_size, a.hidden_size)
-    if a.tensor_shapes is not None:
-        check(
-            vp_size == 1 and len(a.tensor_shapes) == p,
-            f"an encoder-decoder pipeline needs one entry of tensor_shapes per stage ({len(a.tensor_shapes)} "
-            f"for pipeline_model_parallel_size={p}) and no virtual stages (got {vp_size} chunks)",
-        )
-    if vp_size > 1 and a.data_iterator is not None and not isinstance(a.data_iterator, (list, tuple)):
-        raise TypeError(
-            f"with {vp_size} model chunks, data_iterator must be a list of {vp_size} iterators "
-            "(one per chunk), or None"
-        )
+    shape = _activation_shape(a, vp_size)
     backend = current_backend()
     device = groups.device
     if a.stats is not None:
@@ -338,19 +320,7 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
                     tick.op, r, p, m, last_stage, chunks, a.data_iterator, a.forward_step_func,
                     a.grad_scale_func, received, saved, logs, sync, last_backward, a.forward_only,
                 )  # fmt: skip
-                parts = list(result) if isinstance(result, (list, tuple)) else [result]
-                if tick.sends and any(part is None for part in parts):
-                    raise RuntimeError(
-                        f"{tick.op} on pipeline stage {r}: the chunk's input received no gradient; "
-                        "its output must depend on the tensor given through set_input_tensor()"
-                    )
-                outgoing = [
-                    (
-                        transfer,
-                        [t.detach() for t in parts] if isinstance(result, (list, tuple)) else result.detach(),
-                    )
-                    for transfer in tick.sends
-                ]
+                outgoing = _outgoing(tick, result, r)
             tensors = comm.exchange(outgoing, tick.recvs)
             for transfer, tensor in zip(tick.recvs, tensors):
                 received[(transfer.kind, transfer.chunk, transfer.microbatch)] = tensor
@@ -362,6 +332,59 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
         backend.synchronize()
         a.stats.total_s += time.perf_counter() - start
     return logs
+
+
+def _activation_shape(a: ForwardBackwardArgs, vp_size: int) -> tuple[int, int, int]:
+    """The ``[s, b, h]`` shape of the tensors exchanged between stages (``s/tp`` with sequence
+    parallelism), after checking the sizes, ``tensor_shapes`` and the per-chunk data iterators.
+
+    Raises:
+        ConfigError: a sequence not divisible by TP under sequence parallelism, or ``tensor_shapes``
+            that do not give one entry per stage (or with virtual stages).
+        TypeError: several chunks but not one data iterator per chunk.
+    """
+    groups, seq_length = a.groups, a.seq_length
+    p, tp = groups.pp_size, groups.tp_size
+    if a.sequence_parallel:
+        check(
+            seq_length % tp == 0,
+            f"seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp} "
+            "(sequence parallelism shards activations along the sequence)",
+        )
+    shape = (seq_length // tp if a.sequence_parallel else seq_length, a.micro_batch_size, a.hidden_size)
+    if a.tensor_shapes is not None:
+        check(
+            vp_size == 1 and len(a.tensor_shapes) == p,
+            f"an encoder-decoder pipeline needs one entry of tensor_shapes per stage ({len(a.tensor_shapes)} "
+            f"for pipeline_model_parallel_size={p}) and no virtual stages (got {vp_size} chunks)",
+        )
+    if vp_size > 1 and a.data_iterator is not None and not isinstance(a.data_iterator, (list, tuple)):
+        raise TypeError(
+            f"with {vp_size} model chunks, data_iterator must be a list of {vp_size} iterators "
+            "(one per chunk), or None"
+        )
+    return shape
+
+
+def _outgoing(tick, result, r: int) -> list[tuple[Any, Any]]:
+    """What ``tick`` sends: the op's result (detached; a list for several tensors) once per transfer.
+
+    Raises:
+        RuntimeError: a backward op that sends but whose chunk input received no gradient.
+    """
+    parts = list(result) if isinstance(result, (list, tuple)) else [result]
+    if tick.sends and any(part is None for part in parts):
+        raise RuntimeError(
+            f"{tick.op} on pipeline stage {r}: the chunk's input received no gradient; "
+            "its output must depend on the tensor given through set_input_tensor()"
+        )
+    return [
+        (
+            transfer,
+            [t.detach() for t in parts] if isinstance(result, (list, tuple)) else result.detach(),
+        )
+        for transfer in tick.sends
+    ]
 
 
 def _run_op(

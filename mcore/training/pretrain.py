@@ -382,14 +382,7 @@ def build_training(
     ``data_on_every_stage``: see :func:`pretrain`.
     """
     t = cfg.training
-    if (
-        cfg.parallel.pipeline_model_parallel_split_rank is not None
-        and model_type != ModelType.encoder_and_decoder
-    ):
-        raise ConfigError(
-            "--pipeline-model-parallel-split-rank / --encoder-pipeline-model-parallel-size split an "
-            "encoder-decoder model (T5, examples/pretrain_t5.py) over the pipeline; this model has one stack"
-        )
+    _check_model_type(cfg, model_type)
     say = functools.partial(print_rank_0, groups) if verbose else (lambda message: None)
     say(format_arguments_block(cfg.as_dict(), {"world_size": groups.world_size}))
     model_parallel_seed(t.seed, groups.tp_rank, groups.pp_rank)
@@ -406,6 +399,43 @@ def build_training(
         count = sum(p.nelement() for chunk in model for p in unwrap_model(chunk).parameters())
         logger.info(format_parameter_count(groups.tp_rank, groups.pp_rank, count))
     optimizer = build_optimizer(cfg.optimizer, cfg.precision, model, groups, lr=cfg.scheduler.lr or 0.0)
+    batches, scheduler = _batches_and_schedule(cfg, groups, optimizer)
+    state = load_train_state(cfg, model, optimizer, scheduler, groups, TrainState, tokenizer.vocab_size)
+    batches.update(state.consumed_train_samples)
+    ctx = TrainContext(
+        cfg=cfg, groups=groups, backend=backend, tokenizer=tokenizer, padded_vocab_size=vocab,
+        tokenizer_vocab_size=tokenizer.vocab_size, model=model, optimizer=optimizer, scheduler=scheduler,
+        batches=batches, state=state, tensor_shapes=pipeline_tensor_shapes(cfg, groups, model_type),
+    )  # fmt: skip
+    if datasets_provider is not None:
+        every_stage = data_on_every_stage or model_type == ModelType.encoder_and_decoder
+        _attach_data(ctx, datasets_provider, every_stage, say)
+    if verbose and t.log_memory:
+        log_memory_per_rank(groups, optimizer.memory_report())
+    return ctx
+
+
+def _check_model_type(cfg: RunConfig, model_type: ModelType) -> None:
+    """A pipeline split rank (the encoder's stages) only with an encoder-decoder model.
+
+    Raises:
+        ConfigError: ``--pipeline-model-parallel-split-rank`` for a model of one stack.
+    """
+    if (
+        cfg.parallel.pipeline_model_parallel_split_rank is not None
+        and model_type != ModelType.encoder_and_decoder
+    ):
+        raise ConfigError(
+            "--pipeline-model-parallel-split-rank / --encoder-pipeline-model-parallel-size split an "
+            "encoder-decoder model (T5, examples/pretrain_t5.py) over the pipeline; this model has one stack"
+        )
+
+
+def _batches_and_schedule(
+    cfg: RunConfig, groups: ProcessGroups, optimizer
+) -> tuple[MicroBatchCalculator, LRScheduler]:
+    """The micro-batch calculator (with ``--rampup-batch-size``) and the LR schedule of ``optimizer``."""
+    t = cfg.training
     batches = MicroBatchCalculator(
         global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size,
@@ -419,31 +449,25 @@ def build_training(
         train_iters=t.train_iters,
         train_samples=t.train_samples,
     )
-    state = load_train_state(cfg, model, optimizer, scheduler, groups, TrainState, tokenizer.vocab_size)
-    batches.update(state.consumed_train_samples)
-    ctx = TrainContext(
-        cfg=cfg, groups=groups, backend=backend, tokenizer=tokenizer, padded_vocab_size=vocab,
-        tokenizer_vocab_size=tokenizer.vocab_size, model=model, optimizer=optimizer, scheduler=scheduler,
-        batches=batches, state=state, tensor_shapes=pipeline_tensor_shapes(cfg, groups, model_type),
+    return batches, scheduler
+
+
+def _attach_data(ctx: TrainContext, datasets_provider: Callable, every_stage: bool, say: Callable) -> None:
+    """The data iterators (train, validation, test) of ``ctx``'s run, resuming at its state; says so
+    when ``--eval-iters`` asks for validation the data has none of."""
+    cfg = ctx.cfg
+    (_, ctx.has_valid, ctx.has_test), (ctx.train_iter, ctx.valid_iter, ctx.test_iter) = build_data_iterators(
+        cfg,
+        ctx.groups,
+        ctx.tokenizer,
+        datasets_provider,
+        ctx.state,
+        ctx.backend,
+        len(ctx.model),
+        every_stage=every_stage,
     )  # fmt: skip
-    if datasets_provider is not None:
-        (_, ctx.has_valid, ctx.has_test), (ctx.train_iter, ctx.valid_iter, ctx.test_iter) = (
-            build_data_iterators(
-                cfg,
-                groups,
-                tokenizer,
-                datasets_provider,
-                state,
-                backend,
-                len(model),
-                every_stage=data_on_every_stage or model_type == ModelType.encoder_and_decoder,
-            )  # fmt: skip
-        )
-        if t.eval_iters > 0 and not ctx.has_valid:
-            say(no_validation_warning(cfg))
-    if verbose and t.log_memory:
-        log_memory_per_rank(groups, optimizer.memory_report())
-    return ctx
+    if cfg.training.eval_iters > 0 and not ctx.has_valid:
+        say(no_validation_warning(cfg))
 
 
 def log_memory_per_rank(groups: ProcessGroups, report: dict[str, int]) -> None:

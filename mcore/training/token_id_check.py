@@ -1,6 +1,6 @@
 """The per-batch vocabulary check of the token ids, read where the trainer reads the losses.
 
-The model's :class:`~mcore.tensor_parallel.layers.TokenIdRange` s (the embedding's input ids, the
+The model's :class:`~mcore.data.token_ids.TokenIdRange` s (the embedding's input ids, the
 last stage's labels) record each micro-batch's ``(min, max)`` id on the device. :meth:`TokenIdCheck.stage`
 queues the step's ranges to the host (:func:`~mcore.utils.async_host.stage_to_host`: no wait), and
 :meth:`TokenIdCheck.check` reads them when the host has them or waits anyway (the log interval's
@@ -21,8 +21,8 @@ import torch
 from mcore.data.config import DataConfig
 from mcore.data.errors import DataError
 from mcore.data.indexed_dataset import IndexedDataset, bin_path
+from mcore.data.token_ids import TokenIdRange
 from mcore.distributed.ddp import unwrap_model
-from mcore.tensor_parallel.layers import TokenIdRange
 from mcore.utils.async_host import HostValue, stage_to_host
 
 LOCATE_BUDGET_BYTES = 1 << 30

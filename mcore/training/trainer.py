@@ -3,14 +3,15 @@ chunks, and :meth:`Trainer.train` the loop (step, log, evaluate, save, exit) of 
 :func:`mcore.training.pretrain.build_training` built.
 
 Its parts: :class:`~mcore.training.step_stats.StepStats` (the steps' results, read at log
-intervals), :class:`~mcore.training.metrics.MetricsWriter` (the log line, TensorBoard, JSON),
+intervals), :mod:`mcore.training.step_logs` (the logs' averages over micro-batches and data-parallel
+ranks), :class:`~mcore.training.nan_check.DeferredNanCheck` (the deferred NaN check),
+:class:`~mcore.training.metrics.MetricsWriter` (the log line, TensorBoard, JSON),
 :class:`~mcore.training.checkpointer.Checkpointer` (when to save), :mod:`mcore.training.signals`
 (when to stop) and :mod:`mcore.models.layer_graphs` (when to capture device graphs).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -20,7 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from mcore.backend import DeviceBackend
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
@@ -37,13 +37,14 @@ from mcore.training.flops import gpt_flops_per_sample
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.metrics import MetricsWriter, Timer, eval_tensorboard_scalars
 from mcore.training.microbatches import MicroBatchCalculator
+from mcore.training.nan_check import DeferredNanCheck
 from mcore.training.params_norm import params_l2_norm
 from mcore.training.run_config import RunConfig
 from mcore.training.signals import ExitFlags, SignalHandler, exit_message, exit_reason
+from mcore.training.step_logs import average_logs, reduce_logs
 from mcore.training.step_stats import StepStats
 from mcore.training.timers import Timers
 from mcore.training.token_id_check import TokenIdCheck
-from mcore.utils.async_host import HostValue, stage_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +88,8 @@ class Trainer:
         self.steps_run = 0
         """Training steps this trainer ran (the device graphs are captured after the warm-up ones)."""
         self._layer_graphs = layer_graphs_of([unwrap_model(chunk) for chunk in model])
-        self._pending_nan: collections.deque[tuple[int, HostValue, list[int], int | None]] = (
-            collections.deque()
-        )
+        self.nan_check = DeferredNanCheck(self._ddp_chunks, groups.rank, self.device)
+        """The deferred NaN check's staged flags (:mod:`mcore.training.nan_check`)."""
         self.fp8_scales = DelayedScaleUpdate(model)
         """The delayed FP8 recipe's step boundary (amax reduction, histories, scales); a no-op without it."""
         self.token_ids = TokenIdCheck(model, getattr(cfg, "data", None))
@@ -149,37 +149,16 @@ class Trainer:
         )
 
     def _average_logs(self, logs: list[dict]) -> dict[str, torch.Tensor]:
-        """Mean of each logged value over this rank's micro-batches (on the last stage), as 0-d device
-        tensors: nothing is read on the host, and the data-parallel average is :meth:`reduce_logs`'s."""
-        if not logs:
-            return {}
-        keys = sorted(logs[0])
-        values = torch.stack(
-            [torch.stack([log[k].detach().float().reshape(()) for k in keys]) for log in logs]
-        )
-        mean = values.mean(0).to(self.device)
-        return dict(zip(keys, mean.unbind()))
+        """This rank's micro-batch means of the logged values, on the device
+        (:func:`~mcore.training.step_logs.average_logs`)."""
+        return average_logs(logs, self.device)
 
     def reduce_logs(self, steps: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
         """The floats of the logs of several steps (from :meth:`train_step`), each averaged over the
-        data-parallel ranks: one collective and one wait for the device for all of them.
-
-        A collective over ``groups.dp`` on the last pipeline stage: every data-parallel rank there calls
-        it with the same steps (elsewhere the logs are empty and nothing is communicated).
-        """
-        out: list[dict[str, float]] = [{} for _ in steps]
-        by_keys: dict[tuple[str, ...], list[int]] = {}
-        for i, logs in enumerate(steps):
-            if logs:
-                by_keys.setdefault(tuple(logs), []).append(i)
-        for keys, indices in by_keys.items():
-            values = torch.stack([torch.stack([steps[i][k] for k in keys]) for i in indices])
-            if self.groups.dp is not None and self.groups.dp_size > 1:
-                dist.all_reduce(values, group=self.groups.dp)
-                values /= self.groups.dp_size
-            for i, row in zip(indices, values.tolist()):
-                out[i] = {k: float(v) for k, v in zip(keys, row)}
-        return out
+        data-parallel ranks: one collective and one wait for the device for all of them
+        (:func:`~mcore.training.step_logs.reduce_logs`, a collective over ``groups.dp`` on the last
+        pipeline stage)."""
+        return reduce_logs(steps, self.groups)
 
     def defers_nan_check(self) -> bool:
         """Whether the NaN check of the gradients is deferred (see the class docstring)."""
@@ -228,52 +207,16 @@ class Trainer:
         if self.cfg.training.empty_unused_memory_level >= 2:
             release_unused_device_memory(self.backend.device_type)
         if deferred:
-            self._stage_nan_check(grad_norm)
+            self.nan_check.stage(self.iteration, grad_norm)
         if ok:
             self.scheduler.step(self.batches.current_global_batch_size)
         return self._average_logs(logs), ok, grad_norm
 
-    def _stage_nan_check(self, grad_norm) -> None:
-        """Stage this step's NaN flags (and a tensor gradient norm) for :meth:`check_nan`."""
-        parts, counts = [], []
-        for chunk in self._ddp_chunks:
-            flags = chunk.nan_flags()
-            counts.append(0 if flags is None else flags.numel())
-            if flags is not None:
-                parts.append(flags.float())
-        norm_at = None
-        if isinstance(grad_norm, torch.Tensor):
-            norm_at = sum(counts)
-            parts.append(grad_norm.detach().float().reshape(1).to(self.device))
-        if parts:
-            staged = stage_to_host(torch.cat(parts))
-            self._pending_nan.append((self.iteration, staged, counts, norm_at))
-
     def check_nan(self, wait: bool = True) -> None:
         """Raise the NaN error of an earlier step whose deferred NaN check found one (a no-op when
-        nothing is deferred). ``wait=False`` checks only the steps whose flags reached the host.
-
-        Raises:
-            RuntimeError: the DDP message (rank, parameters) naming the iteration; or, when only the
-                global gradient norm is NaN (a NaN on another rank, or made by the reduction), a
-                message naming the iteration and the rank.
-        """
-        while self._pending_nan:
-            iteration, staged, counts, norm_at = self._pending_nan[0]
-            if not wait and not staged.ready():
-                return
-            self._pending_nan.popleft()
-            values = staged.tolist()
-            offset = 0
-            for chunk, count in zip(self._ddp_chunks, counts):
-                if count:
-                    chunk.raise_if_nan(values[offset : offset + count], iteration=iteration)
-                offset += count
-            if norm_at is not None and math.isnan(values[norm_at]):
-                raise RuntimeError(
-                    f"NaN in the gradients of iteration {iteration} on rank {self.groups.rank}: the "
-                    "global gradient norm is NaN (the update was skipped)"
-                )
+        nothing is deferred; :meth:`~mcore.training.nan_check.DeferredNanCheck.check`). ``wait=False``
+        checks only the steps whose flags reached the host."""
+        self.nan_check.check(wait)
 
     @torch.no_grad()
     def evaluate(self, data_iterator, iters: int) -> dict[str, float]:
@@ -315,7 +258,9 @@ class Trainer:
         train_losses: list[float] = []
         handler = SignalHandler() if t.exit_signal_handler else contextlib.nullcontext()
         exit_flags = ExitFlags(t, handler, self.device, time.time())
-        stats = StepStats(self, state, self.scheduler, train_losses)
+        stats = StepStats(
+            state, self.scheduler, train_losses, reduce_logs=self.reduce_logs, checks=self._deferred_checks()
+        )
         checkpointer = Checkpointer(
             self.cfg, self.model, self.optimizer, self.scheduler, self.groups,
             metadata={"tokenizer_vocab_size": ctx.tokenizer_vocab_size, "padded_vocab_size": ctx.padded_vocab_size},
@@ -349,6 +294,17 @@ class Trainer:
                 test_loss = self.evaluate_and_log(ctx.test_iter, state, writer, "test", final=True)
         writer.close()
         return TrainResult(state, train_losses, valid_loss, test_loss, exit_reason=stop or "finished")
+
+    def _deferred_checks(self) -> list[Callable[[], None]]:
+        """The deferred errors :class:`StepStats` raises before it reads the steps, in order: NaN
+        (:meth:`check_nan`), a token id outside the vocabulary
+        (:class:`~mcore.training.token_id_check.TokenIdCheck`), all-zero gradients under a static
+        loss scale on the flat optimizer path (``MegatronOptimizer.check_deferred_underflow``)."""
+        checks = [self.check_nan, self.token_ids.check]
+        check_underflow = getattr(self.optimizer, "check_deferred_underflow", None)
+        if check_underflow is not None:  # the flat optimizer's all-zero-gradient check
+            checks.append(check_underflow)
+        return checks
 
     def _train_iteration(self, train_iter, state: TrainState, stats: StepStats) -> None:
         """One step, and the state's counters after it; its results stay on the device (``stats``

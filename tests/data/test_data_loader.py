@@ -7,7 +7,8 @@ import torch
 
 from mcore.data.builder import build_train_valid_test_datasets
 from mcore.data.config import DataConfig
-from mcore.data.loader import PretrainingSampler, build_pretraining_data_loader
+from mcore.data.loader import build_pretraining_data_loader
+from mcore.data.samplers import PretrainingSampler
 
 
 def _ids(sampler):

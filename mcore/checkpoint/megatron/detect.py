@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from mcore.checkpoint.format import CheckpointError, read_metadata
-from mcore.checkpoint.load import ShardReader
 from mcore.checkpoint.megatron.read_dist import (
     FORMAT_TORCH_DIST,
     MegatronDistReader,
@@ -21,6 +20,7 @@ from mcore.checkpoint.megatron.read_dist import (
     read_dist_metadata,
 )
 from mcore.checkpoint.megatron.read_torch import FORMAT_TORCH, MegatronTorchReader, read_torch_metadata
+from mcore.checkpoint.reader import ShardReader
 
 MEGATRON_FORMATS = (FORMAT_TORCH, FORMAT_TORCH_DIST)
 

@@ -19,6 +19,7 @@ deprecated ``dp_zero_gather_scatter`` is refused when a run asks for the optimiz
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 
 from mcore.checkpoint.format import CheckpointError
-from mcore.checkpoint.load import ShardReader
 from mcore.checkpoint.megatron.args import check_supported
 from mcore.checkpoint.megatron.names import REPLICATED, UnsupportedTensor, map_layer_param, map_name
 from mcore.checkpoint.megatron.read_dist_optim import (
@@ -39,6 +39,7 @@ from mcore.checkpoint.megatron.read_dist_optim import (
 from mcore.checkpoint.megatron.read_optim import map_grad_scaler, map_scheduler
 from mcore.checkpoint.megatron.read_torch import megatron_metadata, placement_json
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
+from mcore.checkpoint.reader import ShardReader
 
 FORMAT_TORCH_DIST = "megatron-torch_dist"
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -78,8 +79,19 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: another sharded backend (zarr), no ``common.pt``, an unsupported architecture.
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    common_path, common, args = _read_common(iter_dir)
+    scan = _scan_keys(iter_dir, args)
+    iteration = common.get("iteration", 0)
+    version = float(common.get("checkpoint_version", 0) or 0)
+    has_optimizer = scan.has_optimizer or "optimizer" in common
+    meta = megatron_metadata(FORMAT_TORCH_DIST, args, iteration, version, has_optimizer, scan.records, {})
+    if has_optimizer:
+        _add_optimizer_state(meta, iter_dir, common_path, common, args, scan)
+    return meta
 
+
+def _read_common(iter_dir: Path) -> tuple[Path, dict, Any]:
+    """``common.pt`` (its path, its dict, the ``args`` in it, checked for what mcore implements)."""
     backend = json.loads((iter_dir / "metadata.json").read_text()).get("sharded_backend")
     if backend != "torch_dist":
         raise CheckpointError(
@@ -96,47 +108,51 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
     if args is None:
         raise CheckpointError(f"{common_path}: no 'args': the model configuration is unknown")
     check_supported(args, str(common_path))
+    return common_path, common, args
+
+
+@dataclasses.dataclass
+class _KeyScan:
+    """What the DCP keys of a ``torch_dist`` directory hold (:func:`_scan_keys`)."""
+
+    dcp_meta: Any
+    records: list[dict] = dataclasses.field(default_factory=list)
+    optim_records: list[dict] = dataclasses.field(default_factory=list)
+    has_optimizer: bool = False
+    bucket_space: str | None = None
+    """A distributed-optimizer key of a bucket-space layout."""
+    model: dict[str, tuple[tuple[int, ...], str]] = dataclasses.field(default_factory=dict)
+    """Stored model key -> (global shape, dtype)."""
+
+
+def _scan_keys(iter_dir: Path, args: Any) -> _KeyScan:
+    """The loader's records of every stored model tensor and optimizer state (mapped to mcore's
+    names; a stacked layer tensor gives one record per layer)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     swiglu = bool(getattr(args, "swiglu", False))
     tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
     num_layers = int(args.num_layers)
-
-    records, optim_records = [], []
-    has_optimizer = False
-    bucket_space = None  # a distributed-optimizer key of a bucket-space layout
-    model: dict[str, tuple[tuple[int, ...], str]] = {}  # stored model key -> (global shape, dtype)
-    dcp_meta = _dcp_metadata(iter_dir)
-    for key, info in dcp_meta.state_dict_metadata.items():
+    scan = _KeyScan(_dcp_metadata(iter_dir))
+    for key, info in scan.dcp_meta.state_dict_metadata.items():
         kind, model_key = "param", key
         state_match = _OPTIM_STATE.match(key)
         if state_match:
             kind, model_key = _OPTIM_KINDS[state_match.group(1)], state_match.group(2)
         elif key.startswith(_NOT_MODEL) or "/shard_" in key:
-            has_optimizer |= key.startswith("optimizer.")
+            scan.has_optimizer |= key.startswith("optimizer.")
             if key.startswith("optimizer.distributed."):
-                bucket_space = bucket_space or key
+                scan.bucket_space = scan.bucket_space or key
             continue
         if not isinstance(info, TensorStorageMetadata):
             continue
-        has_optimizer |= kind != "param"
+        scan.has_optimizer |= kind != "param"
         shape = tuple(info.size)
         dtype = str(info.properties.dtype).removeprefix("torch.")
         if kind == "param":
-            model[key] = (shape, dtype)
-        try:
-            if model_key.startswith("decoder.layers.") and not _PER_LAYER.match(model_key):
-                if shape[0] != num_layers:
-                    raise CheckpointError(
-                        f"{iter_dir}: {key} stacks {shape[0]} layers, args.num_layers={num_layers}"
-                    )
-                suffix, _ = map_layer_param(model_key.removeprefix("decoder.layers."), swiglu)
-                entries = [(f"decoder.layers.{i}.{suffix}", i, shape[1:]) for i in range(num_layers)]
-            else:
-                target = map_name(model_key, 0, swiglu=swiglu, tied=tied)
-                entries = [] if target is None else [(target.name, None, shape)]
-        except UnsupportedTensor as err:
-            raise CheckpointError(f"{iter_dir}: {err}") from None
-        for name, index, tshape in entries:
-            (records if kind == "param" else optim_records).append(
+            scan.model[key] = (shape, dtype)
+        for name, index, tshape in _key_entries(iter_dir, key, model_key, shape, num_layers, swiglu, tied):
+            (scan.records if kind == "param" else scan.optim_records).append(
                 {
                     "name": name,
                     "kind": kind,
@@ -147,31 +163,58 @@ def read_dist_metadata(iter_dir: Path) -> dict[str, Any]:
                     **placement_json(tshape, REPLICATED, 0, 1),
                 }
             )
-    iteration = common.get("iteration", 0)
-    version = float(common.get("checkpoint_version", 0) or 0)
-    has_optimizer = has_optimizer or "optimizer" in common
-    meta = megatron_metadata(FORMAT_TORCH_DIST, args, iteration, version, has_optimizer, records, {})
-    if has_optimizer:
-        saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
-        try:
-            if saved.get("param_state_sharding_type") == SHARDING:
-                saved, optim_records = _bucket_space_state(iter_dir, args, dcp_meta, model)
-            else:
-                step = _optimizer_step(common_path, common, args, bucket_space, optim_records)
-                for rec in optim_records:
-                    rec["step"] = step
-        except CheckpointError as err:
-            meta["megatron"]["optimizer_error"] = str(err)
-            return meta
-        meta["records"] += optim_records
-        meta["optimizer"] = {
-            "saved": True,
-            "type": "adam",
-            "grad_scaler": map_grad_scaler(saved.get("grad_scaler")),
-            "param_groups": [],
-        }
-        meta["scheduler"] = map_scheduler(common.get("opt_param_scheduler"))
-    return meta
+    return scan
+
+
+def _key_entries(
+    iter_dir: Path,
+    key: str,
+    model_key: str,
+    shape: tuple[int, ...],
+    num_layers: int,
+    swiglu: bool,
+    tied: bool,
+) -> list[tuple[str, int | None, tuple[int, ...]]]:
+    """``(mcore name, layer index in the stacked tensor or None, shape)`` of one stored key."""
+    try:
+        if model_key.startswith("decoder.layers.") and not _PER_LAYER.match(model_key):
+            if shape[0] != num_layers:
+                raise CheckpointError(
+                    f"{iter_dir}: {key} stacks {shape[0]} layers, args.num_layers={num_layers}"
+                )
+            suffix, _ = map_layer_param(model_key.removeprefix("decoder.layers."), swiglu)
+            return [(f"decoder.layers.{i}.{suffix}", i, shape[1:]) for i in range(num_layers)]
+        target = map_name(model_key, 0, swiglu=swiglu, tied=tied)
+        return [] if target is None else [(target.name, None, shape)]
+    except UnsupportedTensor as err:
+        raise CheckpointError(f"{iter_dir}: {err}") from None
+
+
+def _add_optimizer_state(
+    meta: dict, iter_dir: Path, common_path: Path, common: dict, args: Any, scan: _KeyScan
+) -> None:
+    """The optimizer's records (with Adam's step), grad scaler and scheduler into ``meta``; a state
+    that cannot be read is noted (``meta["megatron"]["optimizer_error"]``) instead."""
+    optim_records = scan.optim_records
+    saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    try:
+        if saved.get("param_state_sharding_type") == SHARDING:
+            saved, optim_records = _bucket_space_state(iter_dir, args, scan.dcp_meta, scan.model)
+        else:
+            step = _optimizer_step(common_path, common, args, scan.bucket_space, optim_records)
+            for rec in optim_records:
+                rec["step"] = step
+    except CheckpointError as err:
+        meta["megatron"]["optimizer_error"] = str(err)
+        return
+    meta["records"] += optim_records
+    meta["optimizer"] = {
+        "saved": True,
+        "type": "adam",
+        "grad_scaler": map_grad_scaler(saved.get("grad_scaler")),
+        "param_groups": [],
+    }
+    meta["scheduler"] = map_scheduler(common.get("opt_param_scheduler"))
 
 
 def _bucket_space_state(iter_dir: Path, args: Any, dcp_meta: Any, model: dict) -> tuple[dict, list[dict]]:

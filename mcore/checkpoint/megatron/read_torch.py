@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from mcore.checkpoint.format import CheckpointError
-from mcore.checkpoint.load import ShardReader
 from mcore.checkpoint.megatron.args import check_supported, model_flags_from_args
 from mcore.checkpoint.megatron.names import (
     QKV,
@@ -42,6 +41,7 @@ from mcore.checkpoint.megatron.read_optim import (
     torch_optimizer_records,
 )
 from mcore.checkpoint.megatron.unpickle import load_megatron_file
+from mcore.checkpoint.reader import ShardReader
 
 FORMAT_TORCH = "megatron-torch"
 FILE_NAMES = ("model_optim_rng.pt", "model_rng.pt")
@@ -126,6 +126,30 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
         CheckpointError: missing rank files, an unsupported architecture (naming the arg or tensor),
             args that disagree with the tensors.
     """
+    subs = _rank_dirs(iter_dir)
+    first = _rank_file(iter_dir, subs[0])
+    head = load_megatron_file(first)
+    args = _checked_args(head, first)
+    wanted, tp = _expected_rank_dirs(iter_dir, subs, args)
+    version = float(head.get("checkpoint_version", 0) or 0)
+    heads = int(args.num_attention_heads)
+    if version < 2.0 and bool(getattr(args, "group_query_attention", False)):
+        raise CheckpointError(
+            f"{first}: checkpoint_version={version} with grouped-query attention is undefined"
+        )
+    states, loaded = _model_states(iter_dir, wanted, first, head)
+    offsets = _stage_layer_offsets(iter_dir, states, args)
+    records, files, rank_params = _param_records(iter_dir, states, offsets, args, tp, heads, version)
+    iteration = head.get("iteration", head.get("total_iters", 0))
+    has_optimizer = "optimizer" in head or any((iter_dir / s / DISTRIB_OPTIM).is_file() for s in subs)
+    meta = megatron_metadata(FORMAT_TORCH, args, iteration, version, has_optimizer, records, files)
+    if has_optimizer:
+        _add_optimizer_state(meta, iter_dir, head, args, rank_params, loaded)
+    return meta
+
+
+def _rank_dirs(iter_dir: Path) -> list[str]:
+    """The ``mp_rank_*`` directories (sorted); none, or expert-parallel ones, are an error."""
     subs = sorted(p.name for p in iter_dir.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
     if not subs:
         raise CheckpointError(f"{iter_dir}: no mp_rank_* directories (not a Megatron torch checkpoint)")
@@ -135,8 +159,11 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
                 f"{iter_dir / sub}: expert-parallel rank directories: mixture-of-experts models are not "
                 "implemented in mcore"
             )
-    first = _rank_file(iter_dir, subs[0])
-    head = load_megatron_file(first)
+    return subs
+
+
+def _checked_args(head: dict, first: Path) -> Any:
+    """The ``args`` of the first rank file, checked for what mcore implements."""
     args = head.get("args")
     if args is None:
         raise CheckpointError(
@@ -144,6 +171,12 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
             "checkpoints saved by Megatron-LM's training loop carry it)"
         )
     check_supported(args, str(first))
+    return args
+
+
+def _expected_rank_dirs(iter_dir: Path, subs: list[str], args: Any) -> tuple[dict[str, tuple[int, int]], int]:
+    """``{rank directory: (tp rank, pp rank)}`` the args' sizes call for, and the TP size; a missing
+    rank file or a directory too many is an error."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1))
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
     wanted = {rank_dir_name(t, p, pp): (t, p) for t in range(tp) for p in range(pp)}
@@ -160,15 +193,14 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
             f"{iter_dir}: rank directories {', '.join(extra)} do not fit the args' "
             f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}"
         )
-    version = float(head.get("checkpoint_version", 0) or 0)
-    swiglu = bool(getattr(args, "swiglu", False))
-    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
-    heads = int(args.num_attention_heads)
-    if version < 2.0 and bool(getattr(args, "group_query_attention", False)):
-        raise CheckpointError(
-            f"{first}: checkpoint_version={version} with grouped-query attention is undefined"
-        )
+    return wanted, tp
 
+
+def _model_states(
+    iter_dir: Path, wanted: dict[str, tuple[int, int]], first: Path, head: dict
+) -> tuple[dict[tuple[int, int], tuple[str, dict]], dict[str, dict]]:
+    """``{(t, p): (rank file, its model state)}`` and ``{rank file: its whole dict}`` (the optimizer
+    state is read from it)."""
     states: dict[tuple[int, int], tuple[str, dict]] = {}
     loaded: dict[str, dict] = {}  # rank file -> its whole dict (the optimizer state is read from it)
     for sub, (t, p) in wanted.items():
@@ -176,14 +208,29 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
         data = head if path == first else load_megatron_file(path)
         states[(t, p)] = (str(path.relative_to(iter_dir)), _model_state(data, path))
         loaded[states[(t, p)][0]] = data
+    return states, loaded
+
+
+def _stage_layer_offsets(iter_dir: Path, states: dict, args: Any) -> list[int]:
+    """The global index of each pipeline stage's first layer (the stages' layers must add up to
+    ``args.num_layers``)."""
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
     counts = [local_layer_count(states[(0, p)][1]) for p in range(pp)]
     if sum(counts) != int(args.num_layers):
         raise CheckpointError(
             f"{iter_dir}: the stages hold {counts} layers ({sum(counts)} in all), "
             f"args.num_layers={args.num_layers}"
         )
-    offsets = [sum(counts[:p]) for p in range(pp)]
+    return [sum(counts[:p]) for p in range(pp)]
 
+
+def _param_records(
+    iter_dir: Path, states: dict, offsets: list[int], args: Any, tp: int, heads: int, version: float
+) -> tuple[list[dict], dict[str, dict], dict[tuple[int, int], list[RankParam]]]:
+    """The loader's records of the model tensors (mapped to mcore's names and placements), the rank
+    files with their sizes, and each rank's parameters in order (for its optimizer state)."""
+    swiglu = bool(getattr(args, "swiglu", False))
+    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
     records, files = [], {}
     rank_params: dict[tuple[int, int], list[RankParam]] = {}
     for (t, p), (fname, state) in sorted(states.items()):
@@ -216,12 +263,7 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
                 record["qkv_heads"] = local_heads
             records.append(record)
             params.append(RankParam(key, tuple(value.shape), record))
-    iteration = head.get("iteration", head.get("total_iters", 0))
-    has_optimizer = "optimizer" in head or any((iter_dir / s / DISTRIB_OPTIM).is_file() for s in subs)
-    meta = megatron_metadata(FORMAT_TORCH, args, iteration, version, has_optimizer, records, files)
-    if has_optimizer:
-        _add_optimizer_state(meta, iter_dir, head, args, rank_params, loaded)
-    return meta
+    return records, files, rank_params
 
 
 def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank_params: dict, loaded: dict):
