@@ -52,7 +52,7 @@ import torch
 
 from mcore.hf.errors import ConversionError
 from mcore.hf.mapping import _Source, _vocab_rows, merge_qkv, pad_vocab_rows, split_qkv
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 MODEL_TYPE = "megatron-bert"
 PRETRAINING = "MegatronBertForPreTraining"

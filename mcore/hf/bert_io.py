@@ -47,7 +47,7 @@ from mcore.hf.bert import (
 )
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, load_hf_model, parity_tokens
-from mcore.models.config import ModelConfig, padded_vocab_size
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def mcore_bert_logits(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(MLM logits [b, s, V], binary logits [b, 2] or None)`` of the mcore BERT (TP=1, CPU)."""
     from mcore.inference.loading import load_logical_state
-    from mcore.models.bert import BertModel
+    from mcore.models.bert.bert_model import BertModel
 
     padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, 1)
     model = BertModel(

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from mcore.hf.errors import ConversionError
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 GPT2 = "gpt2"
 LLAMA = "llama"

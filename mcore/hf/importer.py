@@ -54,7 +54,7 @@ from mcore.hf.t5 import (
     t5_model_config_from_hf,
 )
 from mcore.hf.tokenizer import check_tokenizer_matches, import_hf_tokenizer, load_tokenizer
-from mcore.models.config import ModelConfig, check_tensor_parallel, padded_vocab_size
+from mcore.models.transformer.model_config import ModelConfig, check_tensor_parallel, padded_vocab_size
 from mcore.pipeline.layout import stage_layer_counts
 from mcore.utils.console import configure_console
 

@@ -1,7 +1,7 @@
 """Tensor mapping between mcore *logical* state dicts and Hugging Face GPT-2 / Llama state dicts.
 
 A logical state dict maps mcore's logical parameter names (global layer numbers, see
-:meth:`mcore.models.gpt.GPTModel.sharded_parameters`) to whole, unsharded tensors; the word embedding
+:meth:`mcore.models.gpt.gpt_model.GPTModel.sharded_parameters`) to whole, unsharded tensors; the word embedding
 (and an untied ``output_layer.weight``) has the padded vocabulary ``Vp`` rows of the layout it came
 from, and a tied model has no ``output_layer.weight``. Working on these dicts keeps the converters
 independent of the checkpoint file format and of the TP/PP layout.
@@ -22,7 +22,7 @@ import torch
 
 from mcore.hf.config import GPT2, LLAMA, check_exportable
 from mcore.hf.errors import ConversionError
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 WORD = "embedding.word_embeddings.weight"
 POSITION = "embedding.position_embeddings.weight"

@@ -14,7 +14,7 @@ from mcore.distributed.groups import ProcessGroups
 from mcore.hf import ConversionError, ParityError, export_to_hf, import_from_hf, merge_qkv, split_qkv
 from mcore.hf.config import megatron_model_flags, model_config_from_hf
 from mcore.inference.loading import build_model_chunk, gather_logical_state
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 V = 100  # real vocabulary (NullTokenizer with --vocab-size 99: ids 0..98 and EOD 99)
 BASE = dict(num_layers=2, hidden_size=64, seq_length=32, max_position_embeddings=32)

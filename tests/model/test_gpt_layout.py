@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.random import model_parallel_seed
 
 S, B, H = 8, 2, 32

@@ -118,7 +118,7 @@ class ModelConfig:
         "output-layer GEMM); 0: off",
     )
 
-    # T5 (encoder-decoder; :mod:`mcore.models.t5`)
+    # T5 (encoder-decoder; :mod:`mcore.models.t5.t5_model`)
     encoder_num_layers: int | None = flag(
         None, "T5: encoder layers (default --num-layers; gives --num-layers when that is absent)."
     )
