@@ -46,11 +46,13 @@ from typing import Any
 import torch
 
 from mcore.hf.errors import ConversionError, ParityError
-from mcore.hf.mapping import merge_qkv, split_qkv
+from mcore.hf.family import HfFamily
+from mcore.hf.tensors import merge_qkv, split_qkv
 from mcore.models.transformer.model_config import ModelConfig
 
 T5 = "t5"
 T5_ARCHITECTURE = "T5ForConditionalGeneration"
+HF_WORD_KEY = "shared.weight"
 WORD = "embedding.word_embeddings.weight"
 OUTPUT = "lm_head.output_layer.weight"
 DEFAULT_TOLERANCE = 1e-4
@@ -438,7 +440,24 @@ def check_t5_parity(
     return report
 
 
+FAMILY = HfFamily(
+    name=T5,
+    architecture=T5_ARCHITECTURE,
+    hf_word_key=HF_WORD_KEY,
+    is_state=is_t5_state,
+    is_hf_config=is_t5_hf_config,
+    check_exportable=check_t5_exportable,
+    hf_config_dict=t5_hf_config_dict,
+    mcore_to_hf=t5_mcore_to_hf,
+    model_config_from_hf=t5_model_config_from_hf,
+    hf_to_mcore=t5_hf_to_mcore,
+    check_parity=check_t5_parity,
+)
+"""T5 in the table of :mod:`mcore.hf.families`."""
+
+
 __all__ = [
+    "FAMILY",
     "T5_ARCHITECTURE",
     "T5ParityReport",
     "check_t5_exportable",

@@ -1,6 +1,6 @@
 """The parameter layouts the checkpoint and Hugging Face work rely on, checked against plain math.
 
-``linear_qkv`` is Megatron's per-group packed ``[ng, r+2, d, h]`` (see :mod:`mcore.hf.mapping`), RoPE is
+``linear_qkv`` is Megatron's per-group packed ``[ng, r+2, d, h]`` (see :mod:`mcore.hf.tensors`), RoPE is
 "rotate half" on the first ``rotary_dim`` channels, ``linear_fc1`` of SwiGLU is ``[gate; up]``.
 A model built at TP=1 is run beside a hand-written forward that splits the weights the way an
 exporter would (Q/K/V per that table, GQA head ``j`` serving query heads ``j*r .. j*r+r-1``).
