@@ -4,7 +4,7 @@ An adaptor (``mcore.adaptors.npu``) carries what a backend hook cannot express a
 :class:`Patch` rows in one file. Each row names
 
 * ``target``: a dotted path inside ``mcore.*`` (``"mcore.distributed.groups.initialize_parallel"``,
-  or a class attribute, ``"mcore.models.attention.CoreAttention.forward"``);
+  or a class attribute, ``"mcore.models.transformer.attention.CoreAttention.forward"``);
 * ``replacement``: a dotted path or the object itself;
 * ``kind``: :attr:`Kind.REPLACE` (the replacement *is* the new attribute) or :attr:`Kind.WRAP` (the
   replacement is a factory, ``wrapper(original) -> new``); declared per row, never guessed from a

@@ -33,8 +33,8 @@ import time
 import torch
 
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.plugins.manager import select_backend
 from mcore.testing.memory import SavedActivations
 

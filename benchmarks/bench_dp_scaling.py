@@ -26,8 +26,8 @@ from mcore.config.parallel import ParallelConfig
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import initialize_parallel
-from mcore.models.config import ModelConfig
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.optimizer import OptimizerConfig, PrecisionConfig, build_optimizer, format_memory_report
 from mcore.plugins.manager import select_backend
 

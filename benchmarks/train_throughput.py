@@ -47,7 +47,7 @@ import torch.distributed as dist
 from plain_reference import ReferenceShape, time_reference  # benchmarks/, next to this file
 
 from mcore.distributed.groups import LaunchEnv, initialize_parallel
-from mcore.models.config import padded_vocab_size
+from mcore.models.transformer.model_config import padded_vocab_size
 from mcore.training.flops import gpt_flops_per_sample
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import Trainer, build_training, check_run_config, setup_backend

@@ -95,7 +95,7 @@ class LayerCompiler(Protocol):
 @runtime_checkable
 class DeviceGraphs(Protocol):
     """Optional, behind capability ``device_graphs`` (``--cuda-graph-impl local``,
-    :mod:`mcore.models.layer_graphs`)."""
+    :mod:`mcore.models.transformer.layer_graphs`)."""
 
     def graph(self) -> Any:
         """A new graph: ``with g.capture(pool): ...`` records the device work, ``g.replay()`` launches

@@ -35,7 +35,7 @@ def _has_fusion_attention() -> bool:
 PATCHES: tuple[Patch, ...] = (
     # CANN fused attention's layout: cannot be an op override, the permutes happen outside the op.
     Patch(
-        target="mcore.models.attention.CoreAttention.forward",
+        target="mcore.models.transformer.attention.CoreAttention.forward",
         replacement="mcore.adaptors.npu.impl.attention.fused_sbh_core_attention",
         kind=Kind.WRAP,
         when=_has_fusion_attention,

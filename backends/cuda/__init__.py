@@ -97,7 +97,7 @@ class CUDABackend(BackendBase):
 
         return compile_layer(module, **kwargs)
 
-    # --- device graphs (capability ``device_graphs``, used by mcore.models.layer_graphs) -----------
+    # --- device graphs (capability ``device_graphs``, used by mcore.models.transformer.layer_graphs) -----------
 
     def graph(self) -> _CUDAGraph:
         """A CUDA graph: ``with g.capture(pool): ...`` records, ``g.replay()`` launches it again."""

@@ -110,7 +110,7 @@ def save_logical_model_checkpoint(
         ckpt_dir: the checkpoint root; ``iter_XXXXXXX/`` and the tracker file are written in it
             (atomically, as the training loop does).
         logical_state: logical name -> whole tensor, with the names and shapes of
-            :meth:`mcore.models.gpt.GPTModel.sharded_parameters` (global layer numbers; QKV in
+            :meth:`mcore.models.gpt.gpt_model.GPTModel.sharded_parameters` (global layer numbers; QKV in
             mcore's per-group packed layout; SwiGLU fc1 as ``[gate; up]``; a word embedding with
             ``V`` or padded rows: the loader zero-fills or cuts rows to its padded vocabulary).
             A tied model has no ``output_layer.weight``.

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mcore.data.config import TokenizerConfig
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 RunConfigLike = Any
 """A :class:`mcore.training.run_config.RunConfig`, or a mapping group name -> config object or field dict."""

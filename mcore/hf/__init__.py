@@ -12,33 +12,39 @@ Library (all on logical, unsharded state dicts, so independent of the checkpoint
   :func:`model_config_from_hf` (configs), :func:`check_logit_parity`.
 
 Every export and import runs the same token batch through both models and fails (writing nothing)
-when the largest logit difference exceeds the tolerance (fp32: 1e-4). :mod:`mcore.hf.mapping` states
-the mapping (names, shapes, QKV and gate/up packing, RoPE conventions); :mod:`mcore.hf.bert` and
-:mod:`mcore.hf.bert_io` do the same for Megatron's BERT (``MegatronBertForPreTraining``);
-:mod:`mcore.hf.t5` the T5
-one (``T5ForConditionalGeneration``; encoder output, decoder logits and greedy ``generate`` checked).
+when the largest logit difference exceeds the tolerance (fp32: 1e-4).
+
+Modules: the command lines :mod:`mcore.hf.export` and :mod:`mcore.hf.importer` look the family up
+in the table of :mod:`mcore.hf.families` (:class:`~mcore.hf.family.HfFamily`) and run it on the shared
+helpers: :mod:`mcore.hf.staging` (dtypes, directory files, staging), :mod:`mcore.hf.reports`,
+:mod:`mcore.hf.parity`, :mod:`mcore.hf.tokenizer`, :mod:`mcore.hf.tensors` (QKV packing, vocabulary
+rows), :mod:`mcore.hf.megatron_flags`. One mapping module per family states its mapping (names,
+shapes, QKV and gate/up packing, RoPE conventions): :mod:`mcore.hf.gpt2` and :mod:`mcore.hf.llama`
+(``GPT2LMHeadModel``, ``LlamaForCausalLM``, on :mod:`mcore.hf.gpt_state`), :mod:`mcore.hf.bert` with
+:mod:`mcore.hf.bert_io` (Megatron's BERT, ``MegatronBertForPreTraining``), :mod:`mcore.hf.t5`
+(``T5ForConditionalGeneration``; encoder output, decoder logits and greedy ``generate`` checked).
 """
 
 import importlib
 
 _EXPORTS = {
-    "GPT2": "mcore.hf.config",
-    "LLAMA": "mcore.hf.config",
-    "check_exportable": "mcore.hf.config",
-    "hf_config_dict": "mcore.hf.config",
-    "megatron_model_flags": "mcore.hf.config",
-    "model_config_from_hf": "mcore.hf.config",
+    "GPT2": "mcore.hf.gpt_state",
+    "LLAMA": "mcore.hf.gpt_state",
+    "check_exportable": "mcore.hf.families",
+    "hf_config_dict": "mcore.hf.families",
+    "megatron_model_flags": "mcore.hf.megatron_flags",
+    "model_config_from_hf": "mcore.hf.families",
     "ConversionError": "mcore.hf.errors",
     "ParityError": "mcore.hf.errors",
-    "ExportReport": "mcore.hf.export",
+    "ExportReport": "mcore.hf.reports",
     "export_checkpoint": "mcore.hf.export",
     "export_to_hf": "mcore.hf.export",
-    "ImportReport": "mcore.hf.importer",
+    "ImportReport": "mcore.hf.reports",
     "import_from_hf": "mcore.hf.importer",
-    "hf_to_mcore": "mcore.hf.mapping",
-    "mcore_to_hf": "mcore.hf.mapping",
-    "merge_qkv": "mcore.hf.mapping",
-    "split_qkv": "mcore.hf.mapping",
+    "hf_to_mcore": "mcore.hf.families",
+    "mcore_to_hf": "mcore.hf.families",
+    "merge_qkv": "mcore.hf.tensors",
+    "split_qkv": "mcore.hf.tensors",
     "ParityReport": "mcore.hf.parity",
     "check_logit_parity": "mcore.hf.parity",
 }

@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from mcore.hf.errors import ConversionError
-from mcore.hf.mapping import _Source, _vocab_rows, merge_qkv, pad_vocab_rows, split_qkv
-from mcore.models.config import ModelConfig
+from mcore.hf.tensors import TensorSource, merge_qkv, pad_vocab_rows, split_qkv, vocab_rows
+from mcore.models.transformer.model_config import ModelConfig
 
 MODEL_TYPE = "megatron-bert"
 PRETRAINING = "MegatronBertForPreTraining"
@@ -296,9 +296,9 @@ def bert_mcore_to_hf(
         raise ConversionError(f"the mcore checkpoint has no {WORD}")
     heads = bert_heads_of_state(state)
     check_bert_state(state, cfg, heads, state[WORD].shape[0], "the mcore checkpoint")
-    src = _Source(state, "the mcore checkpoint")
+    src = TensorSource(state, "the mcore checkpoint")
     h, n, d = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels
-    word = _vocab_rows(src.get(WORD), vocab_size, WORD)
+    word = vocab_rows(src.get(WORD), vocab_size, WORD)
     out = {
         "bert.embeddings.word_embeddings.weight": word,
         "bert.embeddings.position_embeddings.weight": src.get(POSITION),
@@ -326,9 +326,9 @@ def bert_mcore_to_hf(
     pairs = _HEADS + (_BINARY if heads.add_binary_head else ())
     for ours, theirs in pairs:
         out[f"{theirs}.weight"], out[f"{theirs}.bias"] = src.get(f"{ours}.weight"), src.get(f"{ours}.bias")
-    out["cls.predictions.bias"] = _vocab_rows(src.get(OUTPUT_BIAS), vocab_size, OUTPUT_BIAS)
+    out["cls.predictions.bias"] = vocab_rows(src.get(OUTPUT_BIAS), vocab_size, OUTPUT_BIAS)
     if not cfg.share_embeddings_and_output_weights:
-        out["cls.predictions.decoder.weight"] = _vocab_rows(src.get(OUTPUT), vocab_size, OUTPUT)
+        out["cls.predictions.decoder.weight"] = vocab_rows(src.get(OUTPUT), vocab_size, OUTPUT)
     leftovers = src.leftovers()
     if leftovers:
         raise ConversionError(
@@ -345,7 +345,7 @@ def bert_hf_to_mcore(
     Without the binary head the token-type row 0 is folded into the positions (module docstring).
     A missing or unknown key, or a non-zero bias the mcore model has no place for, is an error.
     """
-    src = _Source(hf_state, "the Hugging Face model")
+    src = TensorSource(hf_state, "the Hugging Face model")
     n, d = cfg.num_attention_heads, cfg.kv_channels
     out: dict[str, torch.Tensor] = {}
     word_key = "bert.embeddings.word_embeddings.weight"

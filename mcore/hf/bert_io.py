@@ -2,8 +2,9 @@
 
 :func:`mcore.hf.export.export_to_hf` hands a BERT checkpoint (recognized by its tensors,
 :func:`mcore.hf.bert.is_bert_state`) to :func:`export_bert_to_hf`, and
-:func:`mcore.hf.importer.import_from_hf` a BERT ``config.json`` to :func:`import_bert_from_hf`; both
-keep the GPT path's guarantees (staging directory renamed into place only after the parity check,
+:func:`mcore.hf.importer.import_from_hf` a BERT ``config.json`` to :func:`import_bert_from_hf`, as
+:data:`FAMILY` in the table of :mod:`mcore.hf.families` says; both use the shared staging
+(:mod:`mcore.hf.staging`) and keep the GPT path's guarantees (staging directory renamed into place only after the parity check,
 one :class:`~mcore.hf.errors.ConversionError` naming what cannot be converted).
 
 Parity (:func:`check_bert_parity`): both sides in fp32, eval mode, on a fixed ``2 x 24`` batch whose
@@ -35,6 +36,13 @@ from typing import Any
 
 import torch
 
+from mcore.checkpoint.run_configs import (
+    model_config_from_run_config,
+    run_config_groups,
+    tokenizer_config_from_run_config,
+)
+from mcore.config.fields import ConfigError
+from mcore.data.tokenizers import Tokenizer
 from mcore.distributed.groups import ProcessGroups
 from mcore.hf.bert import (
     MASKED_LM,
@@ -44,10 +52,31 @@ from mcore.hf.bert import (
     bert_hf_to_mcore,
     bert_mcore_to_hf,
     check_bert_exportable,
+    is_bert_hf_config,
+    is_bert_state,
 )
 from mcore.hf.errors import ConversionError, ParityError
+from mcore.hf.family import HfFamily
+from mcore.hf.megatron_flags import megatron_model_flags
 from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, load_hf_model, parity_tokens
-from mcore.models.config import ModelConfig, padded_vocab_size
+from mcore.hf.reports import ExportReport, ImportReport
+from mcore.hf.staging import (
+    DEFAULT_MAX_SHARD_BYTES,
+    check_import_target,
+    check_word_rows,
+    dtype_name,
+    export_dtype,
+    import_dtype,
+    move_tokenizer_files,
+    prepare_output,
+    read_hf_weights,
+    staged_output_dir,
+    tokenizer_staging_dir,
+    write_json,
+    write_safetensors,
+)
+from mcore.hf.tokenizer import load_tokenizer, tokenizer_info, write_hf_tokenizer
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +163,7 @@ def write_wordpiece_tokenizer(files: WordPieceFiles, out_dir: str, model_max_len
     config["bos_token"], config["eos_token"] = "[BOS]", "[EOS]"
     if files.vocab_extra_ids:
         config["additional_special_tokens"] = [f"<extra_id_{i}>" for i in range(files.vocab_extra_ids)]
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
     return ["vocab.txt", "tokenizer_config.json"]
 
 
@@ -155,12 +184,6 @@ def import_wordpiece_tokenizer(hf_dir: str, dest_dir: str) -> WordPieceFiles | N
     shutil.copyfile(source, os.path.join(dest_dir, "vocab.txt"))
     kind = "BertWordPieceLowerCase" if lower else "BertWordPieceCase"
     return WordPieceFiles(kind, os.path.join(dest_dir, "vocab.txt"))
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 # -- parity ---------------------------------------------------------------------------------------------
@@ -185,7 +208,7 @@ def mcore_bert_logits(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``(MLM logits [b, s, V], binary logits [b, 2] or None)`` of the mcore BERT (TP=1, CPU)."""
     from mcore.inference.loading import load_logical_state
-    from mcore.models.bert import BertModel
+    from mcore.models.bert.bert_model import BertModel
 
     padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, 1)
     model = BertModel(
@@ -271,44 +294,14 @@ def export_bert_to_hf(
     tolerance: float = DEFAULT_TOLERANCE,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
-):
+) -> ExportReport:
     """:func:`mcore.hf.export.export_to_hf` for a BERT checkpoint (same arguments and report)."""
-    from mcore.checkpoint.run_configs import model_config_from_run_config, run_config_groups
-    from mcore.hf.export import (
-        DEFAULT_MAX_SHARD_BYTES,
-        DTYPES,
-        ExportReport,
-        _dtype_name,
-        _prepare_output,
-        staged_output_dir,
-        write_safetensors,
-    )
-
     cfg = model_config_from_run_config(run_config)
     check_bert_exportable(cfg)
-    _prepare_output(output_dir, overwrite)
-    files = wordpiece_files(tokenizer_config or run_config_groups(run_config).get("tokenizer"))
-    generic_tokenizer = None
-    if files is not None:
-        try:
-            size = len(files.tokens())
-        except ConversionError as err:
-            if vocab_size is None and fallback_vocab_size is None:
-                raise
-            logger.warning(f"warning: {err}; exporting without tokenizer files")
-            files, size = None, None
-    else:  # another tokenizer type (HuggingFaceTokenizer, NullTokenizer, none): the GPT path's files
-        from mcore.hf.export import tokenizer_config_from_run_config
-        from mcore.hf.tokenizer import load_tokenizer, tokenizer_info
-
-        try:
-            generic_tokenizer = load_tokenizer(
-                tokenizer_config or tokenizer_config_from_run_config(run_config)
-            )
-        except ConversionError:
-            if vocab_size is None and fallback_vocab_size is None:
-                raise
-        size = tokenizer_info(generic_tokenizer, vocab_size or fallback_vocab_size).vocab_size
+    prepare_output(output_dir, overwrite)
+    files, generic_tokenizer, size = _export_tokenizer(
+        run_config, tokenizer_config, vocab_size, fallback_vocab_size
+    )
     vocab_size = vocab_size or size or fallback_vocab_size
     if vocab_size is None:
         raise ConversionError("the real vocabulary size is unknown: give --vocab-size")
@@ -319,31 +312,51 @@ def export_bert_to_hf(
     pad_id = None
     if files is not None:
         pad_id = files.tokens().index(SPECIAL_TOKENS["pad_token"]) if "[PAD]" in files.tokens() else None
-    if isinstance(dtype, str):
-        dtype = None if dtype == "auto" else DTYPES[dtype]
-    if dtype is None:
-        dtype = next(iter(state.values())).dtype if state else torch.float32
-        dtype = dtype if dtype in DTYPES.values() else torch.float32
+    dtype = export_dtype(dtype, state)
     hf_state, heads = bert_mcore_to_hf(state, cfg, vocab_size)
     tensors = {k: v.to(dtype) for k, v in hf_state.items()}
-    config = bert_hf_config_dict(cfg, vocab_size, heads, pad_token_id=pad_id, dtype=_dtype_name(dtype))
+    config = bert_hf_config_dict(cfg, vocab_size, heads, pad_token_id=pad_id, dtype=dtype_name(dtype))
 
     output_dir = os.path.abspath(output_dir)
     with staged_output_dir(output_dir) as staging:
-        _write_json(os.path.join(staging, "config.json"), config)
+        write_json(os.path.join(staging, "config.json"), config)
         written = ["config.json"]
         written += write_safetensors(tensors, staging, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
         if files is not None:
             written += write_wordpiece_tokenizer(files, staging, cfg.max_position_embeddings)
         elif generic_tokenizer is not None:
-            from mcore.hf.tokenizer import write_hf_tokenizer
-
             written += write_hf_tokenizer(generic_tokenizer, staging, cfg.max_position_embeddings)
-        report = ExportReport(output_dir, heads.architecture, vocab_size, _dtype_name(dtype), written)
+        report = ExportReport(output_dir, heads.architecture, vocab_size, dtype_name(dtype), written)
         if check_parity:
             rounded = {k: v.to(dtype) for k, v in state.items()}
             report.parity = check_bert_parity(cfg, heads, rounded, vocab_size, staging, tolerance=tolerance)
     return report
+
+
+def _export_tokenizer(
+    run_config, tokenizer_config, vocab_size: int | None, fallback_vocab_size: int | None
+) -> tuple[WordPieceFiles | None, Tokenizer | None, int | None]:
+    """``(WordPiece files, another tokenizer, its vocabulary size)`` of the run (or of
+    ``tokenizer_config``): the WordPiece files for Megatron's BERT tokenizers, else the GPT path's
+    tokenizer (HuggingFaceTokenizer, NullTokenizer, none). Unreadable files are an error unless a
+    vocabulary size is given (the export then has no tokenizer files)."""
+    files = wordpiece_files(tokenizer_config or run_config_groups(run_config).get("tokenizer"))
+    if files is not None:
+        try:
+            return files, None, len(files.tokens())
+        except ConversionError as err:
+            if vocab_size is None and fallback_vocab_size is None:
+                raise
+            logger.warning(f"warning: {err}; exporting without tokenizer files")
+            return None, None, None
+    generic_tokenizer = None
+    try:
+        generic_tokenizer = load_tokenizer(tokenizer_config or tokenizer_config_from_run_config(run_config))
+    except ConversionError:
+        if vocab_size is None and fallback_vocab_size is None:
+            raise
+    size = tokenizer_info(generic_tokenizer, vocab_size or fallback_vocab_size).vocab_size
+    return None, generic_tokenizer, size
 
 
 # -- import ----------------------------------------------------------------------------------------------
@@ -360,20 +373,8 @@ def import_bert_from_hf(
     check_parity: bool = True,
     tolerance: float = DEFAULT_TOLERANCE,
     check_layout=None,
-):
+) -> ImportReport:
     """:func:`mcore.hf.importer.import_from_hf` for a ``MegatronBert*`` directory (same report)."""
-    from mcore import checkpoint
-    from mcore.config.fields import ConfigError
-    from mcore.hf.config import megatron_model_flags
-    from mcore.hf.importer import (
-        DTYPES,
-        TOKENIZER_SUBDIR,
-        ImportReport,
-        check_import_target,
-        read_hf_weights,
-        tokenizer_staging_dir,
-    )
-
     where = os.path.join(hf_dir, "config.json")
     try:
         cfg, heads = bert_config_from_hf(hf, where, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -384,22 +385,10 @@ def import_bert_from_hf(
     vocab_size = check_import_target(hf, where, save_dir)
     staging = tokenizer_staging_dir(save_dir)
     try:
-        files = import_wordpiece_tokenizer(hf_dir, staging) if use_tokenizer else None
-        if use_tokenizer and files is None:
-            logger.warning(f"warning: {hf_dir} has no vocab.txt; the checkpoint records no tokenizer")
-        if files is not None and len(files.vocab_lines()) > vocab_size:
-            raise ConversionError(
-                f"{hf_dir}: vocab.txt has {len(files.vocab_lines())} tokens but config.json says vocab_size="
-                f"{vocab_size}; the tokenizer does not belong to this model (use --no-tokenizer)"
-            )
+        files = _stage_wordpiece(hf_dir, staging, vocab_size) if use_tokenizer else None
         hf_state = read_hf_weights(hf_dir)
-        word_key = "bert.embeddings.word_embeddings.weight"
-        if word_key in hf_state and hf_state[word_key].shape[0] != vocab_size:
-            raise ConversionError(
-                f"{hf_dir}: {word_key} has {hf_state[word_key].shape[0]} rows but vocab_size={vocab_size}"
-            )
-        if isinstance(dtype, str):
-            dtype = None if dtype == "auto" else DTYPES[dtype]
+        check_word_rows(hf_state, "bert.embeddings.word_embeddings.weight", vocab_size, hf_dir)
+        dtype = import_dtype(dtype)
         padded = padded_vocab_size(vocab_size, make_vocab_size_divisible_by, 1)
         state = bert_hf_to_mcore(hf_state, cfg, heads, padded)
         if dtype is not None:
@@ -410,32 +399,68 @@ def import_bert_from_hf(
             report.parity = check_bert_parity(
                 cfg, heads, state, vocab_size, hf_dir, tolerance=tolerance, round_to=rounded
             )
-
-        os.makedirs(save_dir, exist_ok=True)
-        tokenizer_group: dict[str, Any] = {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1}
-        if files is not None:
-            final = os.path.join(os.path.abspath(save_dir), TOKENIZER_SUBDIR)
-            shutil.move(staging, final)
-            files = dataclasses.replace(files, vocab_file=os.path.join(final, "vocab.txt"))
-            tokenizer_group = {"tokenizer_type": files.tokenizer_type, "vocab_file": files.vocab_file}
+        files = _save_bert_checkpoint(save_dir, staging, state, cfg, heads, files, vocab_size, hf_dir)
         report.tokenizer_config = files
-        run_config = {
-            "model": dataclasses.asdict(cfg),
-            "tokenizer": tokenizer_group,
-            "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
-        }
-        checkpoint.save_logical_model_checkpoint(
-            save_dir,
-            state,
-            run_config,
-            metadata={
-                "tokenizer_vocab_size": len(files.tokens()) if files is not None else vocab_size,
-                "bert_binary_head": heads.add_binary_head,
-                "imported_from": os.path.abspath(hf_dir),
-            },
-        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    report.flags = _import_flags(cfg, heads, files, vocab_size, report.save_dir)
+    return report
+
+
+def _stage_wordpiece(hf_dir: str, staging: str, vocab_size: int) -> WordPieceFiles | None:
+    """``hf_dir``'s ``vocab.txt`` copied into ``staging`` (None: it has none), checked against the model."""
+    files = import_wordpiece_tokenizer(hf_dir, staging)
+    if files is None:
+        logger.warning(f"warning: {hf_dir} has no vocab.txt; the checkpoint records no tokenizer")
+    elif len(files.vocab_lines()) > vocab_size:
+        raise ConversionError(
+            f"{hf_dir}: vocab.txt has {len(files.vocab_lines())} tokens but config.json says vocab_size="
+            f"{vocab_size}; the tokenizer does not belong to this model (use --no-tokenizer)"
+        )
+    return files
+
+
+def _save_bert_checkpoint(
+    save_dir: str,
+    staging: str,
+    state: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    heads: BertHeads,
+    files: WordPieceFiles | None,
+    vocab_size: int,
+    hf_dir: str,
+) -> WordPieceFiles | None:
+    """Commit: the ``vocab.txt`` next to the checkpoint, then the checkpoint; return the moved files."""
+    from mcore import checkpoint
+
+    os.makedirs(save_dir, exist_ok=True)
+    tokenizer_group: dict[str, Any] = {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1}
+    if files is not None:
+        final = move_tokenizer_files(staging, save_dir)
+        files = dataclasses.replace(files, vocab_file=os.path.join(final, "vocab.txt"))
+        tokenizer_group = {"tokenizer_type": files.tokenizer_type, "vocab_file": files.vocab_file}
+    run_config = {
+        "model": dataclasses.asdict(cfg),
+        "tokenizer": tokenizer_group,
+        "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
+    }
+    checkpoint.save_logical_model_checkpoint(
+        save_dir,
+        state,
+        run_config,
+        metadata={
+            "tokenizer_vocab_size": len(files.tokens()) if files is not None else vocab_size,
+            "bert_binary_head": heads.add_binary_head,
+            "imported_from": os.path.abspath(hf_dir),
+        },
+    )
+    return files
+
+
+def _import_flags(
+    cfg: ModelConfig, heads: BertHeads, files: WordPieceFiles | None, vocab_size: int, save_dir: str
+) -> list[str]:
+    """Megatron flags for training the imported BERT: model, heads, tokenizer, ``--load ... --finetune``."""
     flags = megatron_model_flags(cfg)
     if heads.architecture == MASKED_LM and "--bert-no-binary-head" not in flags:
         flags.append("--bert-no-binary-head")
@@ -443,5 +468,14 @@ def import_bert_from_hf(
         flags += ["--tokenizer-type", files.tokenizer_type, "--vocab-file", files.vocab_file]
     else:
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size - 1)]
-    report.flags = [*flags, "--load", report.save_dir, "--finetune"]
-    return report
+    return [*flags, "--load", save_dir, "--finetune"]
+
+
+FAMILY = HfFamily(
+    name="bert",
+    is_state=is_bert_state,
+    is_hf_config=is_bert_hf_config,
+    export_to_hf=export_bert_to_hf,
+    import_from_hf=import_bert_from_hf,
+)
+"""Megatron's BERT in the table of :mod:`mcore.hf.families`: its own export and import."""

@@ -8,149 +8,57 @@ Command::
 
 The directory gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards with
 ``model.safetensors.index.json``) and the tokenizer files of the run's tokenizer
-(:mod:`mcore.hf.tokenizer`). GPT-2-style models become ``GPT2LMHeadModel``, Llama-style models
-``LlamaForCausalLM`` (:mod:`mcore.hf.config` lists what is refused), BERT models
-``MegatronBertForPreTraining`` (``MegatronBertForMaskedLM`` without the binary head; :mod:`mcore.hf.bert`,
-:mod:`mcore.hf.bert_io`). The padded vocabulary is cut to the tokenizer's size.
+(:mod:`mcore.hf.tokenizer`). The family comes from the table of :mod:`mcore.hf.families`: GPT-2-style
+models become ``GPT2LMHeadModel`` (:mod:`mcore.hf.gpt2`), Llama-style models ``LlamaForCausalLM``
+(:mod:`mcore.hf.llama`; each module lists what is refused), T5 models ``T5ForConditionalGeneration``
+(:mod:`mcore.hf.t5`), BERT models ``MegatronBertForPreTraining`` (``MegatronBertForMaskedLM`` without
+the binary head; :mod:`mcore.hf.bert`, :mod:`mcore.hf.bert_io`). The padded vocabulary is cut to the
+tokenizer's size.
 
-Everything is written to a temporary sibling directory; the logit-parity check
-(:mod:`mcore.hf.parity`) loads it with ``transformers`` and compares with the mcore model, and only
-a passing export is renamed into place. Exit status: 0 on success, 1 when parity fails, 2 for input
-that cannot be converted.
+Everything is written to a temporary sibling directory (:mod:`mcore.hf.staging`); the logit-parity
+check (:mod:`mcore.hf.parity`) loads it with ``transformers`` and compares with the mcore model, and
+only a passing export is renamed into place. Exit status: 0 on success, 1 when parity fails, 2 for
+input that cannot be converted.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import os
-import secrets
-import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mcore.data.config import TokenizerConfig
-from mcore.hf.bert import is_bert_state
-from mcore.hf.config import ARCHITECTURES, check_exportable, hf_config_dict
+from mcore.data.tokenizers import Tokenizer
 from mcore.hf.errors import ConversionError, ParityError
-from mcore.hf.mapping import mcore_to_hf
-from mcore.hf.parity import DEFAULT_TOLERANCE, ParityReport, check_logit_parity
-from mcore.hf.t5 import (
-    T5_ARCHITECTURE,
-    check_t5_exportable,
-    check_t5_parity,
-    is_t5_state,
-    t5_hf_config_dict,
-    t5_mcore_to_hf,
+from mcore.hf.families import FAMILIES, family_of_state
+from mcore.hf.gpt_state import hf_family
+from mcore.hf.parity import DEFAULT_TOLERANCE
+from mcore.hf.reports import ExportReport
+from mcore.hf.staging import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DTYPES,
+    dtype_name,
+    export_dtype,
+    prepare_output,
+    staged_output_dir,
+    write_json,
+    write_safetensors,
 )
-from mcore.hf.tokenizer import load_tokenizer, tokenizer_info, write_hf_tokenizer
+from mcore.hf.tokenizer import TokenizerInfo, load_tokenizer, tokenizer_info, write_hf_tokenizer
 from mcore.inference.loading import (
     RunConfigLike,
     model_config_from_run_config,
     tokenizer_config_from_run_config,
 )
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.utils.console import configure_console
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-
-
-@dataclass
-class ExportReport:
-    """What :func:`export_to_hf` wrote and measured."""
-
-    output_dir: str
-    architecture: str
-    vocab_size: int
-    dtype: str
-    files: list[str] = field(default_factory=list)
-    parity: ParityReport | None = None
-
-    def describe(self) -> str:
-        lines = [
-            f"exported {self.architecture} ({self.dtype}, vocab {self.vocab_size}) to {self.output_dir}",
-            f"  files: {', '.join(self.files)}",
-        ]
-        lines.append(
-            "  " + (self.parity.describe() if self.parity else "parity check skipped (--no-parity-check)")
-        )
-        return "\n".join(lines)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}.get(dtype, "float32")
-
-
-def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-) -> list[str]:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus their index."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.detach().cpu().contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        files.append(name)
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return [*files, "model.safetensors.index.json"]
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
-@contextlib.contextmanager
-def staged_output_dir(output_dir: str):
-    """A fresh directory beside ``output_dir`` (absolute) to write the export into: when the block
-    ends without an error it replaces ``output_dir``; on any error it is removed and ``output_dir``
-    is left as it was."""
-    parent = os.path.dirname(output_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{secrets.token_hex(4)}")
-    os.makedirs(staging)
-    try:
-        yield staging
-        if os.path.isdir(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(staging, output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def _prepare_output(output_dir: str, overwrite: bool) -> None:
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ConversionError(f"--save {output_dir}: exists and is not a directory")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise ConversionError(
-            f"--save {output_dir}: the directory is not empty (give --overwrite to replace it)"
-        )
 
 
 def export_to_hf(
@@ -182,10 +90,9 @@ def export_to_hf(
         check_parity: run the logit-parity check before the directory is put in place.
         tolerance: the largest allowed fp32 logit difference.
     """
-    if is_bert_state(state):  # Megatron's BERT -> MegatronBertForPreTraining / ForMaskedLM
-        from mcore.hf.bert_io import export_bert_to_hf
-
-        return export_bert_to_hf(
+    family = family_of_state(state)  # BERT or T5 by their tensors; else GPT-2 / Llama by the config
+    if family is not None and family.export_to_hf is not None:  # BERT: its heads and WordPiece files
+        return family.export_to_hf(
             state,
             run_config,
             output_dir,
@@ -199,9 +106,43 @@ def export_to_hf(
             overwrite=overwrite,
         )
     cfg = model_config_from_run_config(run_config)
-    t5 = is_t5_state(state)  # T5 (T5ForConditionalGeneration, mcore.hf.t5) or a GPT family
-    family = check_t5_exportable(cfg) if t5 else check_exportable(cfg)
-    _prepare_output(output_dir, overwrite)
+    family = family or FAMILIES[hf_family(cfg)]
+    family.check_exportable(cfg)
+    prepare_output(output_dir, overwrite)
+    tokenizer, info = _export_tokenizer(run_config, tokenizer_config, vocab_size, fallback_vocab_size)
+    dtype = export_dtype(dtype, state)
+    tensors = {k: v.to(dtype) for k, v in family.mcore_to_hf(state, cfg, info.vocab_size).items()}
+    config = family.hf_config_dict(
+        cfg,
+        info.vocab_size,
+        bos_token_id=info.bos_token_id,
+        eos_token_id=info.eos_token_id,
+        pad_token_id=info.pad_token_id,
+        dtype=dtype_name(dtype),
+    )
+    output_dir = os.path.abspath(output_dir)
+    with staged_output_dir(output_dir) as staging:
+        write_json(os.path.join(staging, "config.json"), config)
+        write_json(os.path.join(staging, "generation_config.json"), generation_config(config, cfg))
+        files = ["config.json", "generation_config.json"]
+        files += write_safetensors(tensors, staging, max_shard_bytes)
+        files += write_hf_tokenizer(tokenizer, staging, cfg.max_position_embeddings)
+        report = ExportReport(output_dir, family.architecture, info.vocab_size, dtype_name(dtype), files)
+        if check_parity:
+            # The same (possibly rounded) weights on both sides, computed in fp32.
+            rounded = {k: v.to(dtype) for k, v in state.items()}
+            report.parity = family.check_parity(cfg, rounded, info.vocab_size, staging, tolerance=tolerance)
+    return report
+
+
+def _export_tokenizer(
+    run_config: RunConfigLike,
+    tokenizer_config: TokenizerConfig | None,
+    vocab_size: int | None,
+    fallback_vocab_size: int | None,
+) -> tuple[Tokenizer | None, TokenizerInfo]:
+    """The run's tokenizer (or ``tokenizer_config``'s) and its vocabulary and special ids; None when it
+    cannot be loaded and a vocabulary size is given (the export then has no tokenizer files)."""
     try:
         tokenizer = load_tokenizer(tokenizer_config or tokenizer_config_from_run_config(run_config))
     except ConversionError as err:
@@ -209,45 +150,19 @@ def export_to_hf(
             raise
         logger.warning(f"warning: {err}; exporting without tokenizer files")
         tokenizer, vocab_size = None, vocab_size or fallback_vocab_size
-    info = tokenizer_info(tokenizer, vocab_size)
-    if isinstance(dtype, str):
-        dtype = None if dtype == "auto" else DTYPES[dtype]
-    if dtype is None:
-        dtype = next(iter(state.values())).dtype if state else torch.float32
-        dtype = dtype if dtype in DTYPES.values() else torch.float32
-    to_hf, config_dict = (t5_mcore_to_hf, t5_hf_config_dict) if t5 else (mcore_to_hf, hf_config_dict)
-    tensors = {k: v.to(dtype) for k, v in to_hf(state, cfg, info.vocab_size).items()}
-    config = config_dict(
-        cfg,
-        info.vocab_size,
-        bos_token_id=info.bos_token_id,
-        eos_token_id=info.eos_token_id,
-        pad_token_id=info.pad_token_id,
-        dtype=_dtype_name(dtype),
-    )
+    return tokenizer, tokenizer_info(tokenizer, vocab_size)
+
+
+def generation_config(config: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """``generation_config.json``: the config's special token ids and a generation length the model can
+    hold (without one, transformers' text-generation pipeline asks for 256 new tokens and a learned
+    position table shorter than that fails with an IndexError)."""
     token_keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
     generation = {k: config[k] for k in token_keys if config.get(k) is not None}
-    # A generation length the model can hold: without one, transformers' text-generation pipeline asks
-    # for 256 new tokens and a learned position table shorter than that fails with an IndexError.
     max_length = cfg.max_position_embeddings or cfg.seq_length
     if max_length is not None:
         generation["max_length"] = max_length
-
-    output_dir = os.path.abspath(output_dir)
-    with staged_output_dir(output_dir) as staging:
-        _write_json(os.path.join(staging, "config.json"), config)
-        _write_json(os.path.join(staging, "generation_config.json"), generation)
-        files = ["config.json", "generation_config.json"]
-        files += write_safetensors(tensors, staging, max_shard_bytes)
-        files += write_hf_tokenizer(tokenizer, staging, cfg.max_position_embeddings)
-        architecture = T5_ARCHITECTURE if t5 else ARCHITECTURES[family]
-        report = ExportReport(output_dir, architecture, info.vocab_size, _dtype_name(dtype), files)
-        if check_parity:
-            # The same (possibly rounded) weights on both sides, computed in fp32.
-            rounded = {k: v.to(dtype) for k, v in state.items()}
-            check = check_t5_parity if t5 else check_logit_parity
-            report.parity = check(cfg, rounded, info.vocab_size, staging, tolerance=tolerance)
-    return report
+    return generation
 
 
 def export_checkpoint(
@@ -271,15 +186,6 @@ def export_checkpoint(
         # The run's tokenizer decides; the recorded size lets the export go on if its files moved.
         kwargs["fallback_vocab_size"] = int(saved_vocab)
     return export_to_hf(state, run_config, output_dir, **kwargs)
-
-
-def checkpoint_errors() -> tuple[type[BaseException], ...]:
-    """The checkpoint reader's error class (missing files, bad metadata), when it is installed."""
-    try:
-        from mcore.checkpoint.format import CheckpointError
-    except ImportError:
-        return ()
-    return (CheckpointError,)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,6 +244,15 @@ def tokenizer_config_from_args(args: argparse.Namespace) -> TokenizerConfig | No
         )
     except ConfigError as err:
         raise ConversionError(str(err)) from None
+
+
+def checkpoint_errors() -> tuple[type[BaseException], ...]:
+    """The checkpoint reader's error class (missing files, bad metadata), when it is installed."""
+    try:
+        from mcore.checkpoint.format import CheckpointError
+    except ImportError:
+        return ()
+    return (CheckpointError,)
 
 
 def run_conversion(convert: Callable[[], Any]) -> int:

@@ -23,7 +23,7 @@ import torch
 from mcore.distributed.groups import ProcessGroups
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.inference.loading import build_model_chunk
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 DEFAULT_TOLERANCE = 1e-4
 """Largest allowed ``|logit difference|`` in fp32 (toy models differ by 2e-6 .. 6e-6)."""

@@ -1,4 +1,4 @@
-"""Hugging Face ``T5ForConditionalGeneration`` (T5 v1.1 / mT5) <-> mcore :class:`~mcore.models.t5.T5Model`.
+"""Hugging Face ``T5ForConditionalGeneration`` (T5 v1.1 / mT5) <-> mcore :class:`~mcore.models.t5.t5_model.T5Model`.
 
 Only the Hugging Face T5 v1.1 variant converts: relative position buckets
 (``--position-embedding-type relative``), RMSNorm, no biases (``--disable-bias-linear``), gated GeLU
@@ -30,7 +30,7 @@ Weights (``i`` a layer; HF's ``layer.k`` index: encoder 0 = self-attention, 1 = 
     {enc,dec}oder.final_layernorm.weight            {enc,dec}oder.final_layer_norm.weight
 
 Attention: HF T5 does not scale the scores by ``1/sqrt(d)``; mcore's relative-position T5 does not
-either (:class:`~mcore.models.t5.T5CoreAttention`), so the weights map unchanged.
+either (:class:`~mcore.models.t5.t5_layers.T5CoreAttention`), so the weights map unchanged.
 
 Parity (:func:`check_t5_parity`): both models in fp32 on a fixed batch with encoder padding; the
 largest difference of the encoder output and of the decoder logits must be within the tolerance
@@ -46,11 +46,13 @@ from typing import Any
 import torch
 
 from mcore.hf.errors import ConversionError, ParityError
-from mcore.hf.mapping import merge_qkv, split_qkv
-from mcore.models.config import ModelConfig
+from mcore.hf.family import HfFamily
+from mcore.hf.tensors import merge_qkv, split_qkv
+from mcore.models.transformer.model_config import ModelConfig
 
 T5 = "t5"
 T5_ARCHITECTURE = "T5ForConditionalGeneration"
+HF_WORD_KEY = "shared.weight"
 WORD = "embedding.word_embeddings.weight"
 OUTPUT = "lm_head.output_layer.weight"
 DEFAULT_TOLERANCE = 1e-4
@@ -391,8 +393,8 @@ def check_t5_parity(
     from mcore.distributed.groups import ProcessGroups
     from mcore.inference.loading import load_logical_state
     from mcore.inference.t5_generation import T5TextGenerator
-    from mcore.models.config import padded_vocab_size
-    from mcore.models.t5 import T5Model
+    from mcore.models.t5.t5_model import T5Model
+    from mcore.models.transformer.model_config import padded_vocab_size
 
     theirs = _load_hf_t5(hf_dir, round_to)
     padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, 1)
@@ -438,7 +440,24 @@ def check_t5_parity(
     return report
 
 
+FAMILY = HfFamily(
+    name=T5,
+    architecture=T5_ARCHITECTURE,
+    hf_word_key=HF_WORD_KEY,
+    is_state=is_t5_state,
+    is_hf_config=is_t5_hf_config,
+    check_exportable=check_t5_exportable,
+    hf_config_dict=t5_hf_config_dict,
+    mcore_to_hf=t5_mcore_to_hf,
+    model_config_from_hf=t5_model_config_from_hf,
+    hf_to_mcore=t5_hf_to_mcore,
+    check_parity=check_t5_parity,
+)
+"""T5 in the table of :mod:`mcore.hf.families`."""
+
+
 __all__ = [
+    "FAMILY",
     "T5_ARCHITECTURE",
     "T5ParityReport",
     "check_t5_exportable",

@@ -25,6 +25,7 @@ from mcore.data.config import TokenizerConfig
 from mcore.data.errors import DataError
 from mcore.data.tokenizers import EOD_TOKEN, Tokenizer, build_tokenizer
 from mcore.hf.errors import ConversionError
+from mcore.hf.staging import write_json
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 GPT2_FILES = ("vocab.json", "merges.txt")
@@ -92,7 +93,7 @@ def write_hf_tokenizer(tokenizer: Tokenizer | None, out_dir: str, model_max_leng
             "add_bos_token": False,
             "model_max_length": model_max_length or 1024,
         }
-        _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+        write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
         written += [*GPT2_FILES, "tokenizer.json", "tokenizer_config.json"]
     elif isinstance(tokenizer, HuggingFaceTokenizer):
         folder = os.path.dirname(tokenizer.tokenizer_file)
@@ -109,15 +110,9 @@ def write_hf_tokenizer(tokenizer: Tokenizer | None, out_dir: str, model_max_leng
                     config[key] = tokenizer._tok.id_to_token(token_id)
             if model_max_length:
                 config["model_max_length"] = model_max_length
-            _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+            write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
             written.append("tokenizer_config.json")
     return written
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def import_hf_tokenizer(hf_dir: str, dest_dir: str, family: str) -> TokenizerConfig | None:

@@ -216,9 +216,9 @@ def load_generator(
 
 
 def build_t5_model(cfg, groups, vocab_size: int, *, device=None, params_dtype=torch.float32):
-    """The whole :class:`~mcore.models.t5.T5Model` for generation (TP any size; PP 1)."""
-    from mcore.models.config import padded_vocab_size
-    from mcore.models.t5 import T5Model
+    """The whole :class:`~mcore.models.t5.t5_model.T5Model` for generation (TP any size; PP 1)."""
+    from mcore.models.t5.t5_model import T5Model
+    from mcore.models.transformer.model_config import padded_vocab_size
 
     check(
         groups.pp_size == 1,

@@ -142,7 +142,7 @@ class TextGenerator:
     """Generation with one rank's model chunk (see the module docstring).
 
     Args:
-        model: this rank's pipeline stage (a :class:`~mcore.models.gpt.GPTModel` chunk), eval mode.
+        model: this rank's pipeline stage (a :class:`~mcore.models.gpt.gpt_model.GPTModel` chunk), eval mode.
         groups: the process groups the model was built with.
         vocab_size: the tokenizer's vocabulary size ``V`` (logit columns ``>= V`` are padding).
         eod: the end-of-document id (a stop token with ``stop_at_eod``), or None.

@@ -1,7 +1,7 @@
 """The key/value cache that makes each generated token cost one forward step over one position.
 
-:class:`KVCache` is the ``inference_context`` that :meth:`mcore.models.gpt.GPTModel.forward` threads
-down to every :class:`~mcore.models.attention.SelfAttention`: a layer hands it the keys and values of
+:class:`KVCache` is the ``inference_context`` that :meth:`mcore.models.gpt.gpt_model.GPTModel.forward` threads
+down to every :class:`~mcore.models.transformer.attention.SelfAttention`: a layer hands it the keys and values of
 the positions it just computed and attends over everything cached so far. Buffers are per layer
 (global layer number, so one cache serves one pipeline stage), ``[capacity, b, g_p, d]`` in Megatron's
 ``[s, b, ...]`` layout, allocated on first use with the keys' dtype and device, and grown by doubling
@@ -73,7 +73,7 @@ class EncoderDecoderCache(KVCache):
 
     The cross-attention keys and values depend only on the encoder output, so each layer computes
     them on the first decoding step (``cross_kv(layer_number, compute)`` calls ``compute()``) and
-    reads them back afterwards (:class:`mcore.models.cross_attention.CrossAttention`).
+    reads them back afterwards (:class:`mcore.models.transformer.cross_attention.CrossAttention`).
     """
 
     def __init__(self, capacity: int = 0):

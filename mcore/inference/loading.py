@@ -27,8 +27,8 @@ from mcore.checkpoint.run_configs import (  # noqa: F401 (re-exported: the publi
     tokenizer_config_from_run_config,
 )
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.pipeline.layout import stage_layer_ranges
 from mcore.tensor_parallel.sharding import ShardSpec
 

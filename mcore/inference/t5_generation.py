@@ -27,12 +27,12 @@ import torch
 from mcore.distributed.groups import ProcessGroups
 from mcore.inference.generation import TextGenerator
 from mcore.inference.kv_cache import EncoderDecoderCache
-from mcore.models.t5 import T5Model
+from mcore.models.t5.t5_model import T5Model
 from mcore.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 
 class T5TextGenerator(TextGenerator):
-    """Generation with a whole :class:`~mcore.models.t5.T5Model` (eval mode) on each TP rank.
+    """Generation with a whole :class:`~mcore.models.t5.t5_model.T5Model` (eval mode) on each TP rank.
 
     Args:
         model: the T5 model (encoder and decoder, ``pre_process`` and ``post_process``).

@@ -9,8 +9,8 @@ another (the norm writes fc1's FP8 input, the activation fc2's). A layer takes t
   ``--no-fp8-fused-producers`` is not given (:func:`~mcore.tensor_parallel.fp8_fused.fusable_call`);
 * pre-norm (no ``--apply-residual-connection-post-layernorm``), no ``--fp32-residual-connection``,
   no ``--sequence-parallel``;
-* the layer's parts are the stock classes: :class:`~mcore.models.norms.Norm` (LayerNorm or RMSNorm),
-  :class:`~mcore.models.attention.SelfAttention` / :class:`~mcore.models.mlp.MLP` with
+* the layer's parts are the stock classes: :class:`~mcore.models.transformer.norms.Norm` (LayerNorm or RMSNorm),
+  :class:`~mcore.models.transformer.attention.SelfAttention` / :class:`~mcore.models.transformer.mlp.MLP` with
   :class:`~mcore.tensor_parallel.layers.ColumnParallelLinear` / ``RowParallelLinear`` projections
   (a spec that swaps one in keeps its own forward), and a GeLU, tanh-GeLU or SwiGLU MLP;
 * not under ``torch.compile`` (the compiled layer fuses its own producers);
@@ -30,9 +30,9 @@ import logging
 import torch
 
 from mcore.backend import get_ops
-from mcore.models.attention import SelfAttention
-from mcore.models.mlp import MLP
-from mcore.models.norms import Norm
+from mcore.models.transformer.attention import SelfAttention
+from mcore.models.transformer.mlp import MLP
+from mcore.models.transformer.norms import Norm
 from mcore.ops.registry import REFERENCE
 from mcore.tensor_parallel.fp8_fused import (
     NORM_KINDS,
@@ -146,7 +146,7 @@ def mlp_ops_ready(norm: Norm, mlp: MLP) -> bool:
 
 def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(query, key, value, x)``: ``linear_qkv(norm(x))`` split as
-    :meth:`~mcore.models.attention.SelfAttention.forward_from_qkv` splits it (``[s, b, g_p, r d]``,
+    :meth:`~mcore.models.transformer.attention.SelfAttention.forward_from_qkv` splits it (``[s, b, g_p, r d]``,
     ``[s, b, g_p, d]`` twice), through :func:`~mcore.tensor_parallel.fp8_fused.fp8_norm_linear` with
     an :class:`~mcore.tensor_parallel.fp8_fused.OutputSplit` (the three gradients are cast to FP8
     where they lie), and the residual stream."""

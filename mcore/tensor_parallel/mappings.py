@@ -346,7 +346,7 @@ def all_reduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], gro
     With ``--sequence-parallel`` each TP rank applies the replicated norm weights and row-parallel
     biases to its own part of the sequence, so each rank's gradient covers only that part. The
     training step calls this (with the parameters whose ``shard_layout.sequence_parallel`` is set,
-    see :meth:`mcore.models.gpt.GPTModel.sequence_parallel_parameters`) after backward and before
+    see :meth:`mcore.models.gpt.gpt_model.GPTModel.sequence_parallel_parameters`) after backward and before
     the data-parallel reduction, as Megatron's ``finalize_model_grads`` does. One coalesced all-reduce
     (:func:`all_reduce_coalesced`). Gradients are read from ``param.main_grad`` when present (a DDP
     grad buffer), else ``param.grad``.

@@ -23,7 +23,7 @@ How a local shard is cut (``p`` = TP size, ``t`` = TP rank, ``d`` = ``partition_
   ``linear_fc1`` is ``k=2``: logical ``[gate; up]`` (``[2F, h]``), local ``[gate_t; up_t]``
   (``[2F/p, h]``). Naive ``cat`` of such shards is wrong; use :meth:`ShardSpec.merge`.
 * ``vocab_padded=True``: dim 0 is the padded vocabulary ``Vp`` (see
-  :func:`mcore.models.config.padded_vocab_size`). ``Vp`` is a multiple of
+  :func:`mcore.models.transformer.model_config.padded_vocab_size`). ``Vp`` is a multiple of
   ``make_vocab_size_divisible_by * p``, so it can change with the TP size; rows ``>= V`` (the
   tokenizer's size) are padding that a resharding loader re-pads and an exporter drops.
 

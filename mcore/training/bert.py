@@ -44,7 +44,7 @@ def model_provider(
 
     As Megatron's pretrain_bert.py: the binary (sentence-order) head and two token types, or, with
     ``--bert-no-binary-head``, neither."""
-    from mcore.models.bert import BertModel
+    from mcore.models.bert.bert_model import BertModel
 
     return BertModel(
         cfg.model,

@@ -47,7 +47,7 @@ def gpt_flops(
 
 def gpt_flops_per_sample(model, vocab_size: int) -> float:
     """:func:`gpt_flops` of one sample (``seq_length`` tokens) for a model config
-    (:class:`mcore.models.config.ModelConfig`) and padded vocabulary."""
+    (:class:`mcore.models.transformer.model_config.ModelConfig`) and padded vocabulary."""
     return gpt_flops(
         batch_size=1,
         seq_length=model.seq_length,

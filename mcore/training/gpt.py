@@ -11,7 +11,7 @@ import functools
 import torch
 
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
 from mcore.training.run_config import RunConfig
 
 

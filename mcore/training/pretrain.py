@@ -35,12 +35,12 @@ from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
 from mcore.distributed.watchdog import watch_job
-from mcore.models.config import padded_vocab_size, validate_model_parallel
-from mcore.models.layer_graphs import (
+from mcore.models.transformer.layer_graphs import (
     GRAPH_SAFE_RECOMPUTE_MODULES,
     attach_layer_graphs,
     check_layer_graphs,
 )
+from mcore.models.transformer.model_config import padded_vocab_size, validate_model_parallel
 from mcore.optimizer import build_optimizer, format_memory_report
 from mcore.pipeline.encoder_decoder import (
     ModelType,

@@ -19,7 +19,7 @@ from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.data.config import DataConfig, TokenizerConfig
 from mcore.distributed.ddp import DDPConfig
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 from mcore.training.config import TrainingConfig
 from mcore.training.lr_scheduler import SchedulerConfig

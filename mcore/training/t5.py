@@ -4,7 +4,7 @@ and a datasets provider; ``examples/pretrain_t5.py`` passes them to
 
 Pipeline parallelism (:mod:`mcore.pipeline.encoder_decoder`): stages before
 ``--pipeline-model-parallel-split-rank`` hold the encoder, the others the decoder. Each stage is a
-:class:`T5Stage`: a :class:`~mcore.models.t5.T5Model` chunk that returns the tensors its stage sends on
+:class:`T5Stage`: a :class:`~mcore.models.t5.t5_model.T5Model` chunk that returns the tensors its stage sends on
 (``[encoder hidden]`` on encoder stages; ``[decoder hidden, encoder output]`` on decoder stages, so every
 decoder stage's cross-attention reads the encoder output), and declares the parameters that several
 stages hold:
@@ -34,7 +34,7 @@ import torch
 from mcore.config.fields import ConfigError
 from mcore.data.t5_dataset import build_t5_datasets
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.t5 import T5Model
+from mcore.models.t5.t5_model import T5Model
 from mcore.training.gpt import loss_func
 from mcore.training.run_config import RunConfig
 

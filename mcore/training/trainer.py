@@ -7,7 +7,7 @@ intervals), :mod:`mcore.training.step_logs` (the logs' averages over micro-batch
 ranks), :class:`~mcore.training.nan_check.DeferredNanCheck` (the deferred NaN check),
 :class:`~mcore.training.metrics.MetricsWriter` (the log line, TensorBoard, JSON),
 :class:`~mcore.training.checkpointer.Checkpointer` (when to save), :mod:`mcore.training.signals`
-(when to stop) and :mod:`mcore.models.layer_graphs` (when to capture device graphs).
+(when to stop) and :mod:`mcore.models.transformer.layer_graphs` (when to capture device graphs).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.watchdog import note_step
-from mcore.models.layer_graphs import arm_after_warmup, layer_graphs_of
+from mcore.models.transformer.layer_graphs import arm_after_warmup, layer_graphs_of
 from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
 from mcore.tensor_parallel.fp8 import DelayedScaleUpdate
 from mcore.training.checkpointer import Checkpointer

@@ -30,8 +30,8 @@ from mcore.hf import importer as hf_importer
 from mcore.hf.bert import BertHeads
 from mcore.hf.bert_io import check_bert_parity
 from mcore.hf.errors import ParityError
-from mcore.models.bert import BertModel
-from mcore.models.config import ModelConfig, padded_vocab_size
+from mcore.models.bert.bert_model import BertModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from mcore.config.fields import ConfigError
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.bert import BertModel
-from mcore.models.config import ModelConfig
+from mcore.models.bert.bert_model import BertModel
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.testing.distributed import run_distributed
 
 SEQ, VOCAB = 16, 128

@@ -28,8 +28,8 @@ from mcore.backend import current_backend
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.bert import BertModel
-from mcore.models.config import ModelConfig
+from mcore.models.bert.bert_model import BertModel
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.pipeline import get_forward_backward_func
 from mcore.pipeline.layout import build_model_chunks
 from mcore.testing.distributed import run_distributed

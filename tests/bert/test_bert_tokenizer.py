@@ -11,7 +11,7 @@ from mcore.config.fields import ConfigError
 from mcore.data.config import TokenizerConfig
 from mcore.data.errors import DataError
 from mcore.data.tokenizers import BertWordPieceTokenizer, build_tokenizer, train_wordpiece_vocab
-from mcore.models.config import padded_vocab_size
+from mcore.models.transformer.model_config import padded_vocab_size
 
 pytest.importorskip("tokenizers", reason="the 'tokenizers' package is needed for WordPiece")
 

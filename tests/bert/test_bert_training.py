@@ -131,7 +131,7 @@ def test_no_binary_head_trains_the_masked_lm_alone(tmp_path):
 
 
 def test_bert_flops_add_the_lm_head_transform_and_the_pooler_to_gpts():
-    from mcore.models.config import ModelConfig
+    from mcore.models.transformer.model_config import ModelConfig
     from mcore.training.flops import bert_flops_per_sample, gpt_flops_per_sample
 
     h, s, vocab = 64, 32, 1024

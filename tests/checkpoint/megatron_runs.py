@@ -399,7 +399,7 @@ def mcore_logits_and_training(load: str, save: str, family: str, tp: int, pp: in
     from mcore.config.parallel import ParallelConfig
     from mcore.distributed.groups import initialize_parallel
     from mcore.inference.loading import build_model_chunk
-    from mcore.models.config import ModelConfig
+    from mcore.models.transformer.model_config import ModelConfig
     from mcore.training.gpt import forward_step, model_provider
     from mcore.training.pretrain import pretrain
 

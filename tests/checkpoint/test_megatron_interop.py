@@ -252,7 +252,7 @@ def test_bad_megatron_checkpoints_get_one_clear_error(megatron_dir, tmp_path):
 
 def test_mismatched_model_and_optimizer_request_are_refused(megatron_dir):
     from mcore.checkpoint import CheckpointConfig, load_checkpoint
-    from mcore.models.config import ModelConfig
+    from mcore.models.transformer.model_config import ModelConfig
 
     load = str(megatron_dir / "gpt" / "torch")
     _, meta = load_logical_model_state(load)

@@ -86,7 +86,7 @@ def load_into_per_param_optimizer(load: str, bf16: bool = False):
     """mcore's model and per-parameter optimizer at TP=1, loaded from ``load``."""
     from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
     from mcore.inference.loading import build_model_chunk
-    from mcore.models.config import ModelConfig
+    from mcore.models.transformer.model_config import ModelConfig
     from mcore.optimizer import build_optimizer
     from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 

@@ -71,8 +71,8 @@ class _SmallTokenizer(ToyTokenizer):
 
 
 def _tiny_gpt(groups, vocab=128):
-    from mcore.models.config import ModelConfig
-    from mcore.models.gpt import GPTModel
+    from mcore.models.gpt.gpt_model import GPTModel
+    from mcore.models.transformer.model_config import ModelConfig
 
     cfg = ModelConfig(
         num_layers=1,

@@ -16,7 +16,7 @@ from torch import nn
 
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
-from mcore.models.context import default_device
+from mcore.models.transformer.build_context import default_device
 from mcore.optimizer import OptimizerConfig, PrecisionConfig, build_optimizer
 
 IN, OUT = 6, 4

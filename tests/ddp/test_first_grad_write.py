@@ -27,8 +27,8 @@ import torch
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.ops import reference
 from mcore.tensor_parallel import fp8 as fp8_module
 from mcore.tensor_parallel.first_grad import is_unwritten, opts_in

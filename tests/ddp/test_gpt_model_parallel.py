@@ -18,9 +18,9 @@ from mcore.config.parallel import ParallelConfig
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import initialize_parallel
-from mcore.models.config import ModelConfig
-from mcore.models.context import default_device
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.build_context import default_device
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.optimizer import OptimizerConfig, PrecisionConfig, build_optimizer
 from mcore.pipeline import get_forward_backward_func
 from mcore.pipeline.layout import build_model_chunks

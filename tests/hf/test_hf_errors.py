@@ -17,7 +17,7 @@ from mcore.hf import ConversionError, export_to_hf, import_from_hf
 from mcore.hf.export import main as export_main
 from mcore.hf.importer import main as import_main
 from mcore.inference.loading import build_model_chunk, gather_logical_state
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 sys.path.insert(0, str(Path(__file__).parent))  # hf_runs (importlib mode)
 from hf_runs import make_gpt2_tokenizer  # noqa: E402

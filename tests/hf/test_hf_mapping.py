@@ -12,9 +12,10 @@ import torch
 
 from mcore.distributed.groups import ProcessGroups
 from mcore.hf import ConversionError, ParityError, export_to_hf, import_from_hf, merge_qkv, split_qkv
-from mcore.hf.config import megatron_model_flags, model_config_from_hf
+from mcore.hf.families import model_config_from_hf
+from mcore.hf.megatron_flags import megatron_model_flags
 from mcore.inference.loading import build_model_chunk, gather_logical_state
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 V = 100  # real vocabulary (NullTokenizer with --vocab-size 99: ids 0..98 and EOD 99)
 BASE = dict(num_layers=2, hidden_size=64, seq_length=32, max_position_embeddings=32)
@@ -128,16 +129,16 @@ def test_export_parity_and_import_roundtrip(variant, tmp_path):
 
 
 def test_a_wrong_mapping_fails_the_parity_check_and_writes_nothing(tmp_path, monkeypatch):
-    import mcore.hf.export as export
+    from mcore.hf.families import FAMILIES
 
     # Larger weights than at init, as after training, so that the two GeLUs differ visibly.
     cfg = ModelConfig(**BASE, **VARIANTS["gpt2"], init_method_std=0.2)
-    real = export.hf_config_dict
+    real = FAMILIES["gpt2"].hf_config_dict
 
     def wrong_gelu(*args, **kwargs):  # the tanh GeLU for a model trained with the exact one
         return {**real(*args, **kwargs), "activation_function": "gelu_new"}
 
-    monkeypatch.setattr(export, "hf_config_dict", wrong_gelu)
+    monkeypatch.setitem(FAMILIES, "gpt2", dataclasses.replace(FAMILIES["gpt2"], hf_config_dict=wrong_gelu))
     with pytest.raises(ParityError, match="parity check FAILED") as failure:
         export_to_hf(random_state(cfg), run_config(cfg), str(tmp_path / "hf"))
     print(failure.value)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mcore.models.config import ModelConfig
+from mcore.models.transformer.model_config import ModelConfig
 
 VOCAB, EOD = 100, 99
 CONFIGS = {

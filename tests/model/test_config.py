@@ -9,9 +9,9 @@ from mcore.config.fields import ConfigError
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.topology import Topology
-from mcore.models.config import ModelConfig, padded_vocab_size, validate_model_parallel
-from mcore.models.gpt import GPTModel
-from mcore.models.positions import alibi_slopes
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size, validate_model_parallel
+from mcore.models.transformer.positions import alibi_slopes
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16)
 

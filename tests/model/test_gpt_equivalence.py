@@ -27,8 +27,8 @@ import torch
 from mcore.backend import current_backend
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.tensor_parallel.random import model_parallel_seed
 from mcore.testing.distributed import run_distributed
 

@@ -1,6 +1,6 @@
 """The parameter layouts the checkpoint and Hugging Face work rely on, checked against plain math.
 
-``linear_qkv`` is Megatron's per-group packed ``[ng, r+2, d, h]`` (see :mod:`mcore.hf.mapping`), RoPE is
+``linear_qkv`` is Megatron's per-group packed ``[ng, r+2, d, h]`` (see :mod:`mcore.hf.tensors`), RoPE is
 "rotate half" on the first ``rotary_dim`` channels, ``linear_fc1`` of SwiGLU is ``[gate; up]``.
 A model built at TP=1 is run beside a hand-written forward that splits the weights the way an
 exporter would (Q/K/V per that table, GQA head ``j`` serving query heads ``j*r .. j*r+r-1``).
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.random import model_parallel_seed
 
 S, B, H = 8, 2, 32

@@ -242,7 +242,7 @@ class _FormGraph:
 def test_backward_form_not_captured_is_emulated(captured_forms, flags, expect_replayed):
     """``_replay_backward``: whatever forms were captured, ``main_grad`` ends as the zero+add behaviour
     gives it (an unwritten weight's stale memory counts as zero), and every flag is cleared."""
-    from mcore.models.layer_graphs import _CapturedLayer, _replay_backward
+    from mcore.models.transformer.layer_graphs import _CapturedLayer, _replay_backward
     from mcore.tensor_parallel.first_grad import UNWRITTEN
 
     gen = torch.Generator().manual_seed(0)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig
 
 SEQ, BATCH, VOCAB = 8, 2, 64
 CONFIGS = {

@@ -22,9 +22,9 @@ from mcore.config.cli import parse_config
 from mcore.config.fields import ConfigError
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.context import default_device
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.build_context import default_device
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.tensor_parallel.random import model_parallel_seed
 from mcore.testing.distributed import run_distributed
 from mcore.testing.distributed import test_backend_name as selected_backend_name

@@ -31,7 +31,7 @@ def _activation_logs(caplog) -> list[logging.LogRecord]:
 
 
 def test_simulated_import_activates_once(simulated_npu, caplog, monkeypatch):
-    from mcore.models.attention import CoreAttention
+    from mcore.models.transformer.attention import CoreAttention
 
     core_forward = CoreAttention.forward
     monkeypatch.setattr(sys, "argv", ["train.py", "--not-an-mcore-flag", "--device-backend", "cpu"])
@@ -42,7 +42,7 @@ def test_simulated_import_activates_once(simulated_npu, caplog, monkeypatch):
     assert CoreAttention.forward is not core_forward
     patches = adaptor.applied_patches()
     assert [row.target for row in patches.applied] == [
-        "mcore.models.attention.CoreAttention.forward",
+        "mcore.models.transformer.attention.CoreAttention.forward",
         "mcore.inference.generation.TextGenerator._from_last_stage",
     ]
 
@@ -111,7 +111,7 @@ def test_simulated_sbh_attention_path_matches_the_core_path(simulated_npu):
     gives the core forward's output and gradients, and really calls the fused op in SBH."""
     from mcore.adaptors.npu import deactivate
 
-    from mcore.models.attention import CoreAttention
+    from mcore.models.transformer.attention import CoreAttention
 
     config = type("Config", (), {"attention_dropout": 0.0, "kv_channels": 16})()
     module = CoreAttention(config, ctx=None)
@@ -153,7 +153,7 @@ def test_simulated_sbh_attention_path_matches_the_core_path(simulated_npu):
 
 
 def test_simulated_sbh_path_steps_aside_for_alibi_and_other_backends(simulated_npu):
-    from mcore.models.attention import CoreAttention
+    from mcore.models.transformer.attention import CoreAttention
 
     config = type("Config", (), {"attention_dropout": 0.0, "kv_channels": 8})()
     module = CoreAttention(config, ctx=None)

@@ -411,8 +411,8 @@ def test_the_simulated_npu_backend_refuses_fp8():
 
     from mcore.backend import set_current_backend
     from mcore.distributed.groups import ProcessGroups
-    from mcore.models.config import ModelConfig
-    from mcore.models.gpt import GPTModel
+    from mcore.models.gpt.gpt_model import GPTModel
+    from mcore.models.transformer.model_config import ModelConfig
 
     with simulated.simulated_torch_npu():
         npu = NPUBackend()

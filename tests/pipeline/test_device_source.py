@@ -20,8 +20,8 @@ from torch import nn
 import mcore.pipeline.schedules as schedules
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.testing.distributed import run_distributed
 from mcore.training.pretrain import Trainer
 

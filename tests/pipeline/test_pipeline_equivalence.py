@@ -16,8 +16,8 @@ import torch
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.pipeline import PipelineStats, get_forward_backward_func
 from mcore.pipeline.layout import build_model_chunks
 from mcore.testing.distributed import run_distributed

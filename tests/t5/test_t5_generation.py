@@ -11,8 +11,8 @@ from mcore.distributed.groups import ProcessGroups
 from mcore.inference.generation import SamplingParams
 from mcore.inference.kv_cache import EncoderDecoderCache
 from mcore.inference.t5_generation import T5TextGenerator
-from mcore.models.config import ModelConfig
-from mcore.models.t5 import T5Model
+from mcore.models.t5.t5_model import T5Model
+from mcore.models.transformer.model_config import ModelConfig
 
 VOCAB = 64
 BASE = dict(

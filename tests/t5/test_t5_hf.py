@@ -27,8 +27,8 @@ from mcore.hf.export import export_to_hf
 from mcore.hf.export import main as export_main
 from mcore.hf.importer import import_from_hf
 from mcore.hf.t5 import check_t5_parity, t5_hf_to_mcore, t5_model_config_from_hf
-from mcore.models.config import ModelConfig
-from mcore.models.t5 import T5Model
+from mcore.models.t5.t5_model import T5Model
+from mcore.models.transformer.model_config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402

@@ -7,9 +7,9 @@ import torch
 
 from mcore.config.fields import ConfigError
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig
-from mcore.models.gpt import GPTModel
-from mcore.models.t5 import T5Model, relative_position_bucket
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.t5.t5_model import T5Model, relative_position_bucket
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.random import model_parallel_seed
 
 VOCAB = 128

@@ -18,8 +18,8 @@ from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
 from mcore.inference.generation import SamplingParams
 from mcore.inference.t5_generation import T5TextGenerator
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.t5 import T5Model
+from mcore.models.t5.t5_model import T5Model
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.testing.distributed import run_distributed
 
 SEED = 1234

@@ -40,8 +40,8 @@ from mcore.backend import CPUBackend
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.plugins import hookimpl
 from mcore.plugins.hookspecs import PLUGIN_API_VERSION
 from mcore.plugins.manager import plugin_manager, register_plugin

@@ -22,9 +22,9 @@ from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
 from mcore.models import fp8_producers
-from mcore.models.bert import BertModel
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.gpt import GPTModel
+from mcore.models.bert.bert_model import BertModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.tensor_parallel.fp8 import delayed_states, update_fp8_scales
 from mcore.testing.distributed import run_distributed
 from mcore.training.run_config import parse_run_config

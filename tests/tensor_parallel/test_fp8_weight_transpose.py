@@ -39,8 +39,8 @@ from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig, padded_vocab_size
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.tensor_parallel import fp8 as fp8_module
 from mcore.tensor_parallel import fp8_fused
 from mcore.tensor_parallel.fp8 import delayed_states

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig
-from mcore.models.context import default_device
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.build_context import default_device
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.ops.reference import loss as reference_loss
 from mcore.tensor_parallel import cross_entropy as ce
 from mcore.tensor_parallel.mappings import group_rank, group_size

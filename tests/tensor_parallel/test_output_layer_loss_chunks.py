@@ -24,9 +24,9 @@ from mcore.config.parallel import ParallelConfig
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models.config import ModelConfig
-from mcore.models.context import default_device
-from mcore.models.gpt import GPTModel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.build_context import default_device
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.output_loss import linear_cross_entropy
 from mcore.testing.distributed import run_distributed

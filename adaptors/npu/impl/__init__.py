@@ -1,3 +1,3 @@
 """Replacement implementations for the NPU patch table, one module per core module they patch
-(``impl/attention.py`` patches ``mcore.models.attention``, ``impl/generation.py``
+(``impl/attention.py`` patches ``mcore.models.transformer.attention``, ``impl/generation.py``
 ``mcore.inference.generation``)."""

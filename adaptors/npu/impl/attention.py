@@ -1,4 +1,4 @@
-"""NPU variant of :meth:`mcore.models.attention.CoreAttention.forward`: fused attention in SBH layout.
+"""NPU variant of :meth:`mcore.models.transformer.attention.CoreAttention.forward`: fused attention in SBH layout.
 
 The core hands the op table ``[b, n, s, d]`` tensors: it permutes the ``[s, b, n, d]`` heads it has,
 and permutes and copies the ``[b, n, s, d]`` result back to ``[s, b, n*d]``. ``npu_fusion_attention``

@@ -237,7 +237,7 @@ def export_to_megatron(
     from mcore.checkpoint.logical import load_logical_model_state
     from mcore.checkpoint.run_configs import model_config_from_run_config
     from mcore.config.fields import ConfigError
-    from mcore.models.config import padded_vocab_size
+    from mcore.models.transformer.model_config import padded_vocab_size
 
     if ckpt_format not in ("torch", "torch_dist"):
         raise CheckpointError(f"--ckpt-format {ckpt_format!r}: choose torch or torch_dist")

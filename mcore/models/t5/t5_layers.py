@@ -1,8 +1,8 @@
 """The T5 transformer layer (self-attention, optional cross-attention, MLP), its specs, and the block.
 
 Parameter names inside a layer (megatron-core's): ``input_layernorm``, ``self_attention.*``
-(:mod:`mcore.models.attention`), for the decoder ``pre_cross_attn_layernorm`` and
-``cross_attention.*`` (:mod:`mcore.models.cross_attention`), ``pre_mlp_layernorm``, ``mlp.*``. In a
+(:mod:`mcore.models.transformer.attention`), for the decoder ``pre_cross_attn_layernorm`` and
+``cross_attention.*`` (:mod:`mcore.models.transformer.cross_attention`), ``pre_mlp_layernorm``, ``mlp.*``. In a
 block: ``layers.{i}.*`` (``i`` local to the chunk) and ``final_layernorm`` on the stack's last chunk.
 """
 
@@ -13,19 +13,19 @@ from typing import Any
 
 import torch
 
-from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
-from mcore.models.cross_attention import CrossAttention, CrossAttentionSubmodules
-from mcore.models.mlp import MLP, MLPSubmodules
-from mcore.models.norms import Norm
-from mcore.models.spec import ModuleSpec, build_module
-from mcore.models.transformer_layer import (
-    TransformerBlock,
+from mcore.models.transformer.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
+from mcore.models.transformer.block import TransformerBlock
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.cross_attention import CrossAttention, CrossAttentionSubmodules
+from mcore.models.transformer.layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
     mark_bias_added_by_caller,
 )
+from mcore.models.transformer.mlp import MLP, MLPSubmodules
+from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.norms import Norm
+from mcore.models.transformer.spec import ModuleSpec, build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.recompute import checkpoint
 
@@ -115,7 +115,7 @@ def t5_decoder_layer_spec(config: ModelConfig) -> ModuleSpec:
 class T5Layer(TransformerLayer):
     """Pre-norm layer: self-attention, [cross-attention,] MLP, each ``x = x + dropout(part(norm(x)))``.
 
-    Recomputation options act as in :class:`~mcore.models.transformer_layer.TransformerLayer`
+    Recomputation options act as in :class:`~mcore.models.transformer.layer.TransformerLayer`
     (``layernorm`` also covers the cross-attention's norm; ``core_attn`` its core attention).
     """
 
@@ -174,7 +174,7 @@ class T5Block(TransformerBlock):
 
     ``--recompute-granularity full`` checkpoints chunks of ``--recompute-num-layers`` layers
     (``uniform``) or the first that many layers (``block``), as
-    :class:`~mcore.models.transformer_layer.TransformerBlock`.
+    :class:`~mcore.models.transformer.block.TransformerBlock`.
     """
 
     def __init__(

@@ -6,7 +6,7 @@ A subclass builds its own modules between :meth:`LanguageModule.__init__` and
 * ``__init__`` checks what every model checks (FP8 support, the TP split, a padded vocabulary that
   divides over TP), keeps the chunk's settings (``config``, ``groups``, ``vocab_size``,
   ``pre_process``/``post_process``, ``sequence_parallel``, ``share_embeddings_and_output_weights``)
-  and makes the :class:`~mcore.models.context.BuildContext` ``self.ctx`` the layers are built with;
+  and makes the :class:`~mcore.models.transformer.build_context.BuildContext` ``self.ctx`` the layers are built with;
 * ``_finish_build(seed)`` marks the tied word embedding, records every parameter's
   :class:`~mcore.tensor_parallel.sharding.ShardSpec` (logical names with global layer numbers,
   :meth:`LanguageModule._layer_offsets`) and initializes the weights from ``seed`` alone.
@@ -28,8 +28,8 @@ from mcore.backend import current_backend
 from mcore.config.fields import ConfigError, check
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig, check_tensor_parallel
-from mcore.models.context import BuildContext
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.model_config import ModelConfig, check_tensor_parallel
 from mcore.tensor_parallel.layers import ColumnParallelLinear
 from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
 from mcore.tensor_parallel.sharding import (
@@ -100,12 +100,12 @@ def chunk_layer_count(offset: int, count: int | None, total: int, stack: str = "
 
 
 class LanguageModule(torch.nn.Module):
-    """The base of :class:`~mcore.models.gpt.GPTModel`, :class:`~mcore.models.bert.BertModel` and
-    :class:`~mcore.models.t5.T5Model` (module docstring).
+    """The base of :class:`~mcore.models.gpt.gpt_model.GPTModel`, :class:`~mcore.models.bert.bert_model.BertModel` and
+    :class:`~mcore.models.t5.t5_model.T5Model` (module docstring).
 
     Args:
         config, groups, vocab_size, pre_process, post_process, sequence_parallel, params_dtype,
-            device, fp8: as :class:`mcore.models.gpt.GPTModel`.
+            device, fp8: as :class:`mcore.models.gpt.gpt_model.GPTModel`.
 
     Raises:
         ConfigError: the model does not split over TP, or FP8 is asked where the backend has none.

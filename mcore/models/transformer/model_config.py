@@ -1,4 +1,9 @@
-"""The GPT model family's configuration (Megatron-LM's model flags) and its checks against the layout.
+"""The models' configuration (Megatron-LM's model flags) and its checks against the layout.
+
+One flag namespace, as Megatron's: the transformer's fields, and beside them the few that only one
+family reads (T5's encoder/decoder sizes and relative positions, BERT's binary head), each group
+marked. The ``--recompute-*`` names and their checks are in
+:mod:`mcore.models.transformer.recompute_options`.
 
 ``ModelConfig`` resolves Megatron's derived defaults in ``__post_init__`` (``ffn_hidden_size``,
 ``kv_channels``, ``num_query_groups``, ``max_position_embeddings``), so a constructed config holds
@@ -16,30 +21,14 @@ from dataclasses import dataclass
 
 from mcore.config.fields import ConfigError, check, flag
 from mcore.config.parallel import ParallelConfig
+from mcore.models.transformer.recompute_options import (
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    check_recompute,
+)
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none", "relative")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp")
-"""``--recompute-modules`` names (with ``--recompute-granularity selective``; default ``core_attn``).
-
-Megatron-core's meanings: ``core_attn`` and ``mlp`` recompute the core attention / the whole dense
-MLP with a normal checkpoint; ``layernorm`` recomputes the input and pre-MLP norm outputs with the
-output-discarding checkpoint. ``mlp_act`` (not a Megatron name: Megatron's ``moe_act`` does this for
-MoE experts only) recomputes the dense MLP's activation (GeLU / SwiGLU) output, fc2's input, the
-same way.
-"""
-MEGATRON_ONLY_RECOMPUTE_MODULES = {
-    "moe_act": "mcore has no MoE layers; the dense MLP's activation is 'mlp_act'",
-    "moe": "mcore has no MoE layers",
-    "shared_experts": "mcore has no MoE layers",
-    "mla_up_proj": "mcore has no multi-latent attention",
-    "gdn_norm_out": "mcore has no gated-delta-net layers",
-    "gdp_in_proj": "mcore has no gated-delta-product layers",
-    "gdp_qkv": "mcore has no gated-delta-product layers",
-    "mhc": "mcore has no hyper-connections",
-}
 
 
 def padded_vocab_size(
@@ -118,7 +107,7 @@ class ModelConfig:
         "output-layer GEMM); 0: off",
     )
 
-    # T5 (encoder-decoder; :mod:`mcore.models.t5`)
+    # T5 (encoder-decoder; :mod:`mcore.models.t5.t5_model`)
     encoder_num_layers: int | None = flag(
         None, "T5: encoder layers (default --num-layers; gives --num-layers when that is absent)."
     )
@@ -264,7 +253,7 @@ class ModelConfig:
             f"output_layer_loss_chunks={chunks!r} (--output-layer-loss-chunks) must be an integer >= 0 "
             "(0: off, N: the output layer and loss over N chunks of tokens)",
         )
-        self._check_recompute()
+        check_recompute(self)
 
     def _resolve_encoder_decoder(self) -> None:
         """T5's layer counts and lengths, as Megatron's ``validate_args``: ``--num-layers`` and
@@ -304,69 +293,6 @@ class ModelConfig:
                 f"decoder_seq_length={self.decoder_seq_length} exceeds "
                 f"max_position_embeddings={self.max_position_embeddings}",
             )
-
-    def _check_recompute(self) -> None:
-        gran, method, num = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        check(
-            gran in (None, *RECOMPUTE_GRANULARITIES),
-            f"recompute_granularity={gran!r} is unknown; choose full or selective",
-        )
-        check(
-            method in (None, *RECOMPUTE_METHODS),
-            f"recompute_method={method!r} is unknown; choose uniform or block",
-        )
-        if gran == "full":
-            check(
-                method is not None,
-                "recompute_granularity='full' needs --recompute-method uniform or block",
-            )
-            check(
-                num is not None and num >= 1,
-                f"recompute_granularity='full' needs --recompute-num-layers >= 1 (got {num})",
-            )
-        else:
-            check(
-                method is None,
-                f"recompute_method={method!r} applies only to recompute_granularity='full' (got {gran!r})",
-            )
-            check(
-                num is None,
-                f"recompute_num_layers={num} applies only to recompute_granularity='full' (got {gran!r})",
-            )
-        self._check_recompute_modules()
-
-    def _check_recompute_modules(self) -> None:
-        modules, gran = self.recompute_modules, self.recompute_granularity
-        if modules is None:
-            return
-        check(
-            not isinstance(modules, str) and all(isinstance(m, str) for m in modules),
-            f"recompute_modules={modules!r} (--recompute-modules) must be a list of module names",
-        )
-        shown = list(modules)
-        check(
-            gran == "selective",
-            f"recompute_modules={shown} (--recompute-modules) applies only to "
-            f"recompute_granularity='selective' (got {gran!r}); add --recompute-granularity selective",
-        )
-        for name in modules:
-            if name in MEGATRON_ONLY_RECOMPUTE_MODULES:
-                check(
-                    False,
-                    f"recompute_modules={shown} (--recompute-modules): {name!r} is a Megatron-LM module "
-                    f"mcore does not have ({MEGATRON_ONLY_RECOMPUTE_MODULES[name]}); "
-                    f"choose from {', '.join(RECOMPUTE_MODULES)}",
-                )
-            check(
-                name in RECOMPUTE_MODULES,
-                f"recompute_modules={shown} (--recompute-modules): {name!r} is unknown; "
-                f"choose from {', '.join(RECOMPUTE_MODULES)}",
-            )
-        check(
-            not {"mlp", "mlp_act"} <= set(modules),
-            f"recompute_modules={shown} (--recompute-modules): 'mlp' already recomputes the whole MLP, "
-            "activation included; give 'mlp' or 'mlp_act', not both",
-        )
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -431,7 +357,6 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
 
 
 __all__ = [
-    "RECOMPUTE_MODULES",
     "ConfigError",
     "ModelConfig",
     "check_tensor_parallel",

@@ -7,7 +7,7 @@ Buildable as a whole or as one pipeline-stage chunk, on the same transformer lay
     embedding.word_embeddings.weight                [Vp/p, h]   vocab rows (first stage)
     embedding.position_embeddings.weight            [max_pos, h] replicated (learned_absolute)
     embedding.tokentype_embeddings.weight           [T, h]      replicated (T = num_tokentypes > 0)
-    encoder.layers.{i}.*                            GPT's decoder.layers.{i}.* (see mcore.models.gpt)
+    encoder.layers.{i}.*                            GPT's decoder.layers.{i}.* (see mcore.models.gpt.gpt_model)
     encoder.final_layernorm.weight / .bias          [h]         replicated (last stage)
     lm_head.dense.weight / .bias                    [h, h] / [h] replicated
     lm_head.layer_norm.weight / .bias               [h]         replicated
@@ -40,29 +40,24 @@ Token types follow Megatron's ``pretrain_bert.py``: 2 with the binary head, none
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
-import torch.nn.functional as F
 
-from mcore.backend import get_ops
 from mcore.config.fields import check
 from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
-from mcore.models.embeddings import LanguageModelEmbedding
-from mcore.models.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
-from mcore.models.mlp import MLP, MLPSubmodules
-from mcore.models.norms import Norm
-from mcore.models.positions import RotaryEmbedding
-from mcore.models.spec import ModuleSpec
-from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
+from mcore.models.bert.bert_heads import BertLMHead, Pooler, ReplicatedLinear
+from mcore.models.transformer.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
+from mcore.models.transformer.block import TransformerBlock
+from mcore.models.transformer.embeddings import LanguageModelEmbedding
+from mcore.models.transformer.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
+from mcore.models.transformer.layer import TransformerLayer, TransformerLayerSubmodules
+from mcore.models.transformer.mlp import MLP, MLPSubmodules
+from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.norms import Norm
+from mcore.models.transformer.positions import RotaryEmbedding
+from mcore.models.transformer.spec import ModuleSpec
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mcore.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from mcore.tensor_parallel.sharding import ZEROS, NormalInit, ParamLayout, make_parameter
 
 BERT_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
@@ -89,76 +84,6 @@ def bert_layer_spec() -> ModuleSpec:
     )
 
 
-class ReplicatedLinear(torch.nn.Module):
-    """``y = x W^T + b`` with ``W [out, in]`` and ``b [out]`` whole on every TP rank (Megatron's
-    ``get_linear_layer``: weight ``N(0, std^2)``, bias 0).
-
-    ``sequence_parallel``: the layer is applied to sequence shards, so its gradients need a TP sum.
-    """
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        ctx: BuildContext,
-        *,
-        init_std: float,
-        sequence_parallel: bool = False,
-    ):
-        super().__init__()
-        weight = ParamLayout(
-            (output_size, input_size), init=NormalInit(init_std), sequence_parallel=sequence_parallel
-        )
-        bias = ParamLayout((output_size,), init=ZEROS, sequence_parallel=sequence_parallel)
-        self.weight = make_parameter(weight, ctx.tp_size, dtype=ctx.params_dtype, device=ctx.device)
-        self.bias = make_parameter(bias, ctx.tp_size, dtype=ctx.params_dtype, device=ctx.device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class BertLMHead(torch.nn.Module):
-    """The masked-LM transform before the output layer: ``layer_norm(gelu(dense(y)))``, ``[.., h] -> [.., h]``.
-
-    The GeLU is the exact (erf) one, as megatron-core's ``BertLMHead`` and Hugging Face's ``"gelu"``.
-    """
-
-    def __init__(self, config: ModelConfig, ctx: BuildContext):
-        super().__init__()
-        h = config.hidden_size
-        self.dense = ReplicatedLinear(
-            h, h, ctx, init_std=config.init_method_std, sequence_parallel=ctx.sequence_parallel
-        )
-        # Always a LayerNorm (megatron-core's LNImpl), whatever --normalization the layers use.
-        self.layer_norm = Norm(replace(config, normalization="LayerNorm"), ctx)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dense = self.dense
-        return self.layer_norm(get_ops().bias_gelu(F.linear(hidden_states, dense.weight), dense.bias))
-
-
-class Pooler(torch.nn.Module):
-    """``tanh(dense(y[0]))``: the first token's final hidden state, ``[s, b, h] -> [b, h]``.
-
-    With sequence parallelism the sequence is all-gathered first; every TP rank then runs the pooler
-    whole, so the gradient of the gather keeps this rank's chunk (no sum over TP).
-    """
-
-    def __init__(self, config: ModelConfig, ctx: BuildContext):
-        super().__init__()
-        self.ctx = ctx
-        self.dense = ReplicatedLinear(
-            config.hidden_size, config.hidden_size, ctx, init_std=config.init_method_std
-        )
-
-    def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
-        if self.ctx.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, self.ctx.tp_group, tensor_parallel_output_grad=False
-            )
-        return torch.tanh(self.dense(hidden_states[sequence_index]))
-
-
 class BertModel(LanguageModule):
     """Megatron's BERT (pre-LN encoder, MLM head, optional binary head), or one pipeline chunk of it.
 
@@ -166,9 +91,9 @@ class BertModel(LanguageModule):
         config: the model flags (``--apply-residual-connection-post-layernorm`` takes each layer's
             residual after its norm, as Megatron does).
         groups: process groups; the model uses ``groups.tp``.
-        vocab_size: the *padded* vocabulary size (:func:`mcore.models.config.padded_vocab_size`).
+        vocab_size: the *padded* vocabulary size (:func:`mcore.models.transformer.model_config.padded_vocab_size`).
         pre_process, post_process, layer_offset, num_layers, sequence_parallel, params_dtype,
-            device, seed: as :class:`mcore.models.gpt.GPTModel`.
+            device, seed: as :class:`mcore.models.gpt.gpt_model.GPTModel`.
         add_binary_head: the pooler and the NSP/SOP head (``--bert-no-binary-head`` removes them).
         num_tokentypes: rows of the token-type table; ``None``: 2 with the binary head, 0 without
             (Megatron's ``pretrain_bert.py``).
@@ -177,7 +102,7 @@ class BertModel(LanguageModule):
             and binary head stay in the parameter dtype (megatron-core's are plain linears too).
 
     The sharding, sequence-parallel and tied-embedding methods and :meth:`set_input_tensor` come from
-    :class:`~mcore.models.language_module.LanguageModule`, as GPT's.
+    :class:`~mcore.models.transformer.language_module.LanguageModule`, as GPT's.
 
     Raises:
         ConfigError: the model does not split over TP, or a setting BERT does not support.

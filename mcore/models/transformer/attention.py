@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
-from mcore.models.positions import alibi_bias, alibi_slopes
-from mcore.models.spec import build_module
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.positions import alibi_bias, alibi_slopes
+from mcore.models.transformer.spec import build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.random import get_rng_tracker
 from mcore.tensor_parallel.recompute import checkpoint

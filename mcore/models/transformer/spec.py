@@ -5,7 +5,7 @@ A :class:`ModuleSpec` names a module class (or a dotted import path) plus keywor
 instantiates it, so a backend or an experiment can swap one block (say, the core attention) by
 editing a spec, without touching the model (Megatron's ``spec_utils``).
 
-Example: the GPT layer spec (see :func:`mcore.models.gpt.gpt_layer_spec`)::
+Example: the GPT layer spec (see :func:`mcore.models.gpt.gpt_model.gpt_layer_spec`)::
 
     ModuleSpec(TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=ModuleSpec(Norm),

@@ -13,8 +13,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.layers import VocabParallelEmbedding
 from mcore.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from mcore.tensor_parallel.random import get_rng_tracker

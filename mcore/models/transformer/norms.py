@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from mcore.backend import get_ops
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.sharding import ONES, ZEROS, ParamLayout, make_parameter
 
 

@@ -144,7 +144,7 @@ def _replay_backward(captured: _CapturedLayer) -> None:
 
 
 class LayerGraphs:
-    """Captures and replays the layers of one :class:`~mcore.models.transformer_layer.TransformerBlock`.
+    """Captures and replays the layers of one :class:`~mcore.models.transformer.block.TransformerBlock`.
 
     Args:
         layers: the block's layers, in forward order.

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from mcore.config.fields import check
-from mcore.models.attention import CoreAttention
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
-from mcore.models.spec import ModuleSpec, build_module
+from mcore.models.transformer.attention import CoreAttention
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.spec import ModuleSpec, build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.recompute import checkpoint
 from mcore.tensor_parallel.sharding import init_method_normal, scaled_init_method_normal

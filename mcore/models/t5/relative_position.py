@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 from mcore.tensor_parallel.sharding import NormalInit, ParamLayout, make_parameter
 

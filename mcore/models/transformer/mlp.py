@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
-from mcore.models.spec import build_module
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.spec import build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved, compiled_recompute_region
 from mcore.tensor_parallel.sharding import init_method_normal, scaled_init_method_normal

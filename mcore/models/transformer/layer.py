@@ -1,4 +1,5 @@
-"""A pre-norm transformer layer and the block (stack of layers + final norm) with recomputation.
+"""A pre-norm transformer layer with selective recomputation (the block stacking the layers:
+:mod:`mcore.models.transformer.block`).
 
 Hidden states are ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism). Each layer::
 
@@ -8,11 +9,11 @@ Hidden states are ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism). Eac
 (``--apply-residual-connection-post-layernorm`` takes the residual after each norm instead.)
 
 Selective recomputation (``--recompute-granularity selective --recompute-modules ...``, Megatron's
-names): ``core_attn`` (the default) checkpoints the core attention (:mod:`mcore.models.attention`);
+names): ``core_attn`` (the default) checkpoints the core attention (:mod:`mcore.models.transformer.attention`);
 ``layernorm`` keeps neither norm output: the QKV projection and fc1 save a recipe for it
 (:class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`), and it is recomputed from ``x``
 (kept anyway: the norm's own backward needs it) when that projection's backward reads it;
-``mlp_act`` does the same for the MLP activation (:mod:`mcore.models.mlp`); ``mlp`` checkpoints the
+``mlp_act`` does the same for the MLP activation (:mod:`mcore.models.transformer.mlp`); ``mlp`` checkpoints the
 whole MLP. ``layernorm`` and ``mlp_act`` run no backward pass of their own, so they also work with
 device graphs (``--cuda-graph-impl local``) and keep the fused norm-and-residual op.
 
@@ -27,9 +28,8 @@ keeps a recipe (all-gather this rank's norm output again) whose argument, the lo
 becomes the norm's own recipe: the layer keeps neither.
 
 Parameter names inside a layer: ``input_layernorm.{weight,bias}``, ``self_attention.*``
-(:mod:`mcore.models.attention`), ``pre_mlp_layernorm.{weight,bias}``, ``mlp.*``
-(:mod:`mcore.models.mlp`). In the block: ``layers.{i}.*`` with ``i`` local to this chunk, and
-``final_layernorm.*`` on the last chunk.
+(:mod:`mcore.models.transformer.attention`), ``pre_mlp_layernorm.{weight,bias}``, ``mlp.*``
+(:mod:`mcore.models.transformer.mlp`).
 """
 
 from __future__ import annotations
@@ -42,14 +42,13 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.models import fp8_producers
-from mcore.models.attention import SelfAttention
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
-from mcore.models.cross_attention import CrossAttention
-from mcore.models.layer_graphs import LayerGraphs
-from mcore.models.mlp import MLP
-from mcore.models.norms import Norm
-from mcore.models.spec import ModuleSpec, build_module
+from mcore.models.transformer.attention import SelfAttention
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.cross_attention import CrossAttention
+from mcore.models.transformer.mlp import MLP
+from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.norms import Norm
+from mcore.models.transformer.spec import ModuleSpec, build_module
 from mcore.tensor_parallel.layers import RowParallelLinear
 from mcore.tensor_parallel.random import get_rng_tracker
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved, checkpoint, compiled_recompute_region
@@ -67,7 +66,7 @@ class TransformerLayerSubmodules:
 
 def mark_bias_added_by_caller(*parts: torch.nn.Module | None) -> None:
     """Tell the row-parallel output projections of a layer's stock parts (:class:`SelfAttention`,
-    :class:`~mcore.models.cross_attention.CrossAttention`, :class:`MLP`), whose forward returns the
+    :class:`~mcore.models.transformer.cross_attention.CrossAttention`, :class:`MLP`), whose forward returns the
     projection's ``(output, bias)`` unchanged, that the layer's ``bias_dropout_add`` adds that bias to
     the output as is: an FP8 projection then gives the bias its gradient from its own backward
     (:attr:`~mcore.tensor_parallel.layers.RowParallelLinear.bias_added_by_caller`). A part of another
@@ -246,89 +245,3 @@ class TransformerLayer(torch.nn.Module):
         rng = get_rng_tracker().fork() if self.sequence_parallel and p > 0.0 else contextlib.nullcontext()
         with rng:
             return get_ops().bias_dropout_add(x, bias, residual, p, self.training)
-
-
-class TransformerBlock(torch.nn.Module):
-    """``num_layers`` consecutive layers (global numbers ``layer_offset+1 ..``) and the final norm.
-
-    Activation recomputation (``--recompute-granularity full``):
-
-    * ``uniform``: the layers are cut into chunks of ``recompute_num_layers``; only each chunk's
-      input is kept and the chunk is recomputed in backward;
-    * ``block``: the first ``recompute_num_layers`` layers of this chunk are recomputed one by one,
-      the rest keep their activations.
-
-    ``selective`` recomputes parts of every layer, see ``--recompute-modules`` (module docstring).
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        ctx: BuildContext,
-        layer_spec: ModuleSpec,
-        *,
-        num_layers: int,
-        layer_offset: int = 0,
-        post_process: bool = True,
-    ):
-        super().__init__()
-        self.recompute_method = config.recompute_method if config.recompute_granularity == "full" else None
-        self.recompute_num_layers = config.recompute_num_layers
-        self.fp32_residual = config.fp32_residual_connection
-        self.params_dtype = ctx.params_dtype
-        self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config, ctx, layer_number=layer_offset + i + 1)
-            for i in range(num_layers)
-        )
-        self.final_layernorm = Norm(config, ctx) if post_process else None
-        self.layer_graphs: LayerGraphs | None = None
-        """Device graphs of the layers (``--cuda-graph-impl local``), attached by the training setup."""
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        rotary_freqs: torch.Tensor | None = None,
-        inference_context=None,
-    ) -> torch.Tensor:
-        if inference_context is not None:  # generation with a key/value cache (no recomputation)
-            for layer in self.layers:
-                hidden_states = layer(
-                    hidden_states, attention_mask, rotary_freqs, inference_context=inference_context
-                )
-        elif self.recompute_method is not None and self.training and torch.is_grad_enabled():
-            hidden_states = self._recomputed_forward(hidden_states, attention_mask, rotary_freqs)
-        elif self.layer_graphs is not None and self.layer_graphs.applies(
-            hidden_states, (attention_mask, rotary_freqs)
-        ):
-            hidden_states = self.layer_graphs(hidden_states, (attention_mask, rotary_freqs))
-        else:
-            for layer in self.layers:
-                hidden_states = layer(hidden_states, attention_mask, rotary_freqs)
-        if self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states)
-            if self.fp32_residual:
-                hidden_states = hidden_states.to(self.params_dtype)
-        return hidden_states
-
-    def _recomputed_forward(self, hidden_states, attention_mask, rotary_freqs) -> torch.Tensor:
-        n, k = len(self.layers), self.recompute_num_layers
-        if self.recompute_method == "uniform":
-            for start in range(0, n, k):
-                run = self._run_layers(start, min(start + k, n))
-                hidden_states = checkpoint(run, hidden_states, attention_mask, rotary_freqs)
-            return hidden_states
-        for i, layer in enumerate(self.layers):  # block
-            if i < k:
-                hidden_states = checkpoint(layer, hidden_states, attention_mask, rotary_freqs)
-            else:
-                hidden_states = layer(hidden_states, attention_mask, rotary_freqs)
-        return hidden_states
-
-    def _run_layers(self, start: int, end: int):
-        def run(hidden_states, attention_mask, rotary_freqs):
-            for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask, rotary_freqs)
-            return hidden_states
-
-        return run

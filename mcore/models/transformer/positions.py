@@ -1,7 +1,7 @@
 """Position encodings computed on the fly: rotary (RoPE) angles and ALiBi biases. No parameters.
 
 Learned absolute positions are a table and live with the word embeddings
-(:mod:`mcore.models.embeddings`).
+(:mod:`mcore.models.transformer.embeddings`).
 """
 
 from __future__ import annotations

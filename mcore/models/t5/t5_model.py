@@ -60,18 +60,18 @@ import torch
 
 from mcore.config.fields import check
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.config import ModelConfig
-from mcore.models.context import BuildContext
-from mcore.models.embeddings import LanguageModelEmbedding
-from mcore.models.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
-from mcore.models.relative_position import RelativePositionEmbedding, relative_position_bucket
-from mcore.models.t5_layers import (
+from mcore.models.t5.relative_position import RelativePositionEmbedding, relative_position_bucket
+from mcore.models.t5.t5_layers import (
     T5Block,
     T5CoreAttention,
     T5Layer,
     t5_decoder_layer_spec,
     t5_encoder_layer_spec,
 )
+from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.embeddings import LanguageModelEmbedding
+from mcore.models.transformer.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
+from mcore.models.transformer.model_config import ModelConfig
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 # -- the model --------------------------------------------------------------------------------------
@@ -83,16 +83,16 @@ class T5Model(LanguageModule):
     Args:
         config: the model flags (``--encoder-num-layers``, ``--decoder-num-layers``, ...).
         groups: process groups; the model uses ``groups.tp``.
-        vocab_size: the padded vocabulary size (:func:`mcore.models.config.padded_vocab_size`).
+        vocab_size: the padded vocabulary size (:func:`mcore.models.transformer.model_config.padded_vocab_size`).
         pre_process: this chunk embeds tokens.
         post_process: this chunk has the output layer (and the loss).
         add_encoder, add_decoder: this chunk holds (part of) the encoder / decoder.
         encoder_layer_offset, encoder_num_layers: the encoder layers of this chunk (default: from
             the offset to ``config.encoder_num_layers``); the decoder's likewise.
-        sequence_parallel, params_dtype, device, seed: as :class:`mcore.models.gpt.GPTModel`.
+        sequence_parallel, params_dtype, device, seed: as :class:`mcore.models.gpt.gpt_model.GPTModel`.
 
     The sharding, sequence-parallel and tied-embedding methods come from
-    :class:`~mcore.models.language_module.LanguageModule`; :meth:`set_input_tensor` is T5's own
+    :class:`~mcore.models.transformer.language_module.LanguageModule`; :meth:`set_input_tensor` is T5's own
     (a decoder chunk takes two tensors).
 
     Raises:

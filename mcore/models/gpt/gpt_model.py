@@ -45,15 +45,16 @@ from mcore.config.fields import check
 from mcore.config.fp8 import Fp8Config
 from mcore.data.token_ids import TokenIdRange
 from mcore.distributed.groups import ProcessGroups
-from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
-from mcore.models.config import ModelConfig
-from mcore.models.embeddings import LanguageModelEmbedding
-from mcore.models.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
-from mcore.models.mlp import MLP, MLPSubmodules
-from mcore.models.norms import Norm
-from mcore.models.positions import RotaryEmbedding
-from mcore.models.spec import ModuleSpec
-from mcore.models.transformer_layer import TransformerBlock, TransformerLayer, TransformerLayerSubmodules
+from mcore.models.transformer.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
+from mcore.models.transformer.block import TransformerBlock
+from mcore.models.transformer.embeddings import LanguageModelEmbedding
+from mcore.models.transformer.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
+from mcore.models.transformer.layer import TransformerLayer, TransformerLayerSubmodules
+from mcore.models.transformer.mlp import MLP, MLPSubmodules
+from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.norms import Norm
+from mcore.models.transformer.positions import RotaryEmbedding
+from mcore.models.transformer.spec import ModuleSpec
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
@@ -87,13 +88,13 @@ class GPTModel(LanguageModule):
     The sharding, sequence-parallel and tied-embedding methods (:meth:`sharded_parameters`,
     :meth:`sequence_parallel_parameters`, :meth:`all_reduce_sequence_parallel_grads`,
     :meth:`shared_embedding_or_output_weight`, :meth:`set_input_tensor`) come from
-    :class:`~mcore.models.language_module.LanguageModule`.
+    :class:`~mcore.models.transformer.language_module.LanguageModule`.
 
     Args:
         config: the model flags.
         groups: process groups; the model uses ``groups.tp`` (and the TP size and rank).
         vocab_size: the *padded* vocabulary size, from
-            :func:`mcore.models.config.padded_vocab_size` (a multiple of the TP size).
+            :func:`mcore.models.transformer.model_config.padded_vocab_size` (a multiple of the TP size).
         pre_process: this chunk embeds tokens (the first pipeline stage).
         post_process: this chunk has the final norm and output layer (the last stage).
         layer_offset: global index of this chunk's first layer.

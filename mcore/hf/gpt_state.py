@@ -1,0 +1,261 @@
+"""mcore's GPT model as the GPT-2 and Llama mappings (:mod:`mcore.hf.gpt2`, :mod:`mcore.hf.llama`) see
+it: the logical names, the shapes a config gives them, and the steps both mappings share.
+
+A logical state dict maps mcore's logical parameter names (global layer numbers, see
+:meth:`mcore.models.gpt.gpt_model.GPTModel.sharded_parameters`) to whole, unsharded tensors; the word
+embedding (and an untied ``output_layer.weight``) has the padded vocabulary ``Vp`` rows of the layout
+it came from, and a tied model has no ``output_layer.weight``. Working on these dicts keeps the
+converters independent of the checkpoint file format and of the TP/PP layout.
+
+The family follows from the mcore model (:func:`hf_family`: learned positions -> gpt2, RoPE ->
+llama) or from ``config.json`` (:func:`family_of_hf_config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mcore.hf.errors import ConversionError
+from mcore.hf.tensors import TensorSource, pad_vocab_rows, split_qkv, vocab_rows
+from mcore.models.transformer.model_config import ModelConfig
+
+GPT2 = "gpt2"
+LLAMA = "llama"
+ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
+
+WORD = "embedding.word_embeddings.weight"
+POSITION = "embedding.position_embeddings.weight"
+OUTPUT = "output_layer.weight"
+IGNORED_HF_KEYS = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")
+"""HF keys that are buffers, not weights (older savers wrote them); skipped on import."""
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """``"gpt2"`` or ``"llama"`` for an mcore model, or :class:`ConversionError` naming what does not fit."""
+    kind = cfg.position_embedding_type
+    if kind == "learned_absolute":
+        return GPT2
+    if kind == "rope":
+        return LLAMA
+    raise ConversionError(
+        f"position_embedding_type={kind!r} has no Hugging Face equivalent here: GPT2LMHeadModel needs "
+        "learned_absolute positions and LlamaForCausalLM needs rope"
+    )
+
+
+def family_of_hf_config(hf: Mapping[str, Any], where: str = "config.json") -> str:
+    """``"gpt2"`` or ``"llama"`` from ``architectures`` / ``model_type``, else :class:`ConversionError`."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    for arch in archs:
+        if arch in FAMILY_OF_ARCHITECTURE:
+            family = FAMILY_OF_ARCHITECTURE[arch]
+            if model_type not in (None, family):
+                raise ConversionError(f"{where}: architectures={archs} but model_type={model_type!r}")
+            return family
+    if not archs and model_type in ARCHITECTURES:
+        return model_type
+    supported = ", ".join(f"{a} (model_type {f!r})" for f, a in ARCHITECTURES.items())
+    raise ConversionError(
+        f"{where}: unsupported architecture {archs or None} (model_type {model_type!r}); "
+        f"supported: {supported}"
+    )
+
+
+def check_family_exportable(cfg: ModelConfig, family: str, problems: list[str]) -> str:
+    """Raise one :class:`ConversionError` naming every setting of ``cfg`` that ``family``'s class cannot
+    represent (``problems``: the family's own; the residual after the norm, which neither class has,
+    comes first); return ``family``."""
+    if cfg.apply_residual_connection_post_layernorm:
+        problems = [
+            "apply_residual_connection_post_layernorm=True (both HF classes take the residual before the norm)",
+            *problems,
+        ]
+    if problems:
+        raise ConversionError(f"cannot export to {ARCHITECTURES[family]} exactly: " + "; ".join(problems))
+    return family
+
+
+def common_config_fields(
+    cfg: ModelConfig,
+    family: str,
+    vocab_size: int,
+    *,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+    dtype: str,
+) -> dict[str, Any]:
+    """The ``config.json`` fields GPT-2 and Llama share (the token ids checked against the vocabulary)."""
+    for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+        if value is not None and not 0 <= value < vocab_size:
+            raise ConversionError(f"{name}={value} is outside the vocabulary [0, {vocab_size})")
+    return {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": vocab_size,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "tie_word_embeddings": cfg.share_embeddings_and_output_weights,
+        "initializer_range": cfg.init_method_std,
+        "use_cache": True,
+        "dtype": dtype,
+    }
+
+
+# -- mcore -> Hugging Face ---------------------------------------------------------------------------
+
+
+def open_export(
+    state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int
+) -> tuple[TensorSource, torch.Tensor, torch.Tensor | None]:
+    """The checked logical state as a :class:`TensorSource`, the word embedding and the untied output
+    layer (None when tied), both cut to the real vocabulary ``vocab_size``."""
+    if WORD not in state:
+        raise ConversionError(f"the mcore checkpoint has no {WORD}")
+    check_logical_state(state, cfg, state[WORD].shape[0], "the mcore checkpoint")
+    src = TensorSource(state, "the mcore checkpoint")
+    word = vocab_rows(src.get(WORD), vocab_size, WORD)
+    head = (
+        None if cfg.share_embeddings_and_output_weights else vocab_rows(src.get(OUTPUT), vocab_size, OUTPUT)
+    )
+    return src, word, head
+
+
+def read_layer(src: TensorSource, cfg: ModelConfig, i: int) -> dict[str, torch.Tensor | None]:
+    """The tensors of mcore layer ``i`` (``q``, ``k``, ``v`` split from ``linear_qkv``; an absent bias
+    is None) under short names: ``qkv_w``, ``qkv_b``, ``proj_w``, ``proj_b``, ``fc1_w``, ``fc1_b``,
+    ``fc2_w``, ``fc2_b``, ``ln1_w``, ``ln2_w``."""
+    p = f"decoder.layers.{i}."
+    t = {
+        "qkv_w": src.get(p + "self_attention.linear_qkv.weight"),
+        "qkv_b": src.optional(p + "self_attention.linear_qkv.bias"),
+    }
+    t["q"], t["k"], t["v"] = split_qkv(
+        t["qkv_w"], cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    )
+    t["proj_w"] = src.get(p + "self_attention.linear_proj.weight")
+    t["proj_b"] = src.optional(p + "self_attention.linear_proj.bias")
+    t["fc1_w"] = src.get(p + "mlp.linear_fc1.weight")
+    t["fc1_b"] = src.optional(p + "mlp.linear_fc1.bias")
+    t["fc2_w"] = src.get(p + "mlp.linear_fc2.weight")
+    t["fc2_b"] = src.optional(p + "mlp.linear_fc2.bias")
+    t["ln1_w"], t["ln2_w"] = src.get(p + "input_layernorm.weight"), src.get(p + "pre_mlp_layernorm.weight")
+    return t
+
+
+def finish_export(
+    src: TensorSource, out: dict[str, torch.Tensor], head: torch.Tensor | None, family: str
+) -> dict[str, torch.Tensor]:
+    """``out`` with the untied ``lm_head.weight``, contiguous, after refusing tensors no HF key took."""
+    if head is not None:
+        out["lm_head.weight"] = head
+    leftovers = src.leftovers()
+    if leftovers:
+        raise ConversionError(
+            f"the mcore checkpoint has tensors that {family} cannot hold: {', '.join(leftovers[:8])}"
+            + (" ..." if len(leftovers) > 8 else "")
+        )
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# -- Hugging Face -> mcore ---------------------------------------------------------------------------
+
+
+def finish_import(
+    src: TensorSource,
+    out: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    padded_vocab_size: int,
+    word_key: str,
+    family: str,
+) -> dict[str, torch.Tensor]:
+    """``out`` with the untied output layer (the vocabulary zero-padded to ``padded_vocab_size``), after
+    refusing Hugging Face tensors no mcore name took and checking every shape."""
+    word = src.get(word_key)
+    if cfg.share_embeddings_and_output_weights:
+        src.optional("lm_head.weight")  # a tied model may still carry it: it is the embedding
+    else:
+        head = src.get("lm_head.weight")
+        if head.shape != word.shape:
+            raise ConversionError(
+                f"lm_head.weight has shape {tuple(head.shape)}, {word_key} {tuple(word.shape)}"
+            )
+        out[OUTPUT] = pad_vocab_rows(head, padded_vocab_size)
+    leftovers = src.leftovers(ignore=IGNORED_HF_KEYS)
+    if leftovers:
+        raise ConversionError(
+            f"the Hugging Face model has tensors with no place in the mcore {family} model: "
+            f"{', '.join(leftovers[:8])}" + (" ..." if len(leftovers) > 8 else "")
+        )
+    check_logical_state(out, cfg, padded_vocab_size, "the converted Hugging Face model")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# -- shapes -----------------------------------------------------------------------------------------
+
+
+def expected_logical_shapes(cfg: ModelConfig, padded_vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Logical name -> shape of every tensor of an mcore GPT model with ``cfg`` (padded vocabulary)."""
+    h, n, g, d, f = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_query_groups,
+        cfg.kv_channels,
+        cfg.ffn_hidden_size,
+    )
+    layer_norm = cfg.normalization == "LayerNorm"
+    shapes: dict[str, tuple[int, ...]] = {WORD: (padded_vocab_size, h)}
+    if cfg.position_embedding_type == "learned_absolute":
+        shapes[POSITION] = (cfg.max_position_embeddings, h)
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        for norm in ("input_layernorm", "pre_mlp_layernorm"):
+            shapes[p + norm + ".weight"] = (h,)
+            if layer_norm:
+                shapes[p + norm + ".bias"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = ((n + 2 * g) * d, h)
+        if cfg.add_bias_linear or cfg.add_qkv_bias:
+            shapes[p + "self_attention.linear_qkv.bias"] = ((n + 2 * g) * d,)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, n * d)
+        fc1 = 2 * f if cfg.swiglu else f
+        shapes[p + "mlp.linear_fc1.weight"] = (fc1, h)
+        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+        if cfg.add_bias_linear:
+            shapes[p + "self_attention.linear_proj.bias"] = (h,)
+            shapes[p + "mlp.linear_fc1.bias"] = (fc1,)
+            shapes[p + "mlp.linear_fc2.bias"] = (h,)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if layer_norm:
+        shapes["decoder.final_layernorm.bias"] = (h,)
+    if not cfg.share_embeddings_and_output_weights:
+        shapes[OUTPUT] = (padded_vocab_size, h)
+    return shapes
+
+
+def check_logical_state(
+    state: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab_size: int, what: str
+) -> None:
+    """Raise :class:`ConversionError` unless ``state`` has exactly the tensors and shapes of ``cfg``."""
+    expected = expected_logical_shapes(cfg, padded_vocab_size)
+    problems = [
+        f"{k}: {tuple(state[k].shape)} (expected {shape})"
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != shape
+    ]
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if problems or missing or extra:
+        parts = []
+        if problems:
+            parts.append("shape mismatch " + "; ".join(problems[:6]))
+        if missing:
+            parts.append("missing " + ", ".join(missing[:6]))
+        if extra:
+            parts.append("unexpected " + ", ".join(extra[:6]))
+        raise ConversionError(f"{what} does not fit the model config: " + " | ".join(parts))
