@@ -17,7 +17,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
 
 def _activation(h: torch.Tensor, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
-    """The MLP's activation as :class:`mcore.models.mlp.MLP` computes it: ``bias_gelu(h, bias)`` or
+    """The MLP's activation as :class:`mcore.models.transformer.mlp.MLP` computes it: ``bias_gelu(h, bias)`` or
     ``swiglu(h + bias)``."""
     if kind == "swiglu":
         return swiglu(h if bias is None else h + bias)
