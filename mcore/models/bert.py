@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from mcore.backend import get_ops
 from mcore.config.fields import check
-from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
+from mcore.fp8.config import Fp8Config
 from mcore.models.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.config import ModelConfig
 from mcore.models.context import BuildContext

@@ -34,9 +34,9 @@ gradient only), sums it in the cast (``fp8_cast_dbias``, one read of ``g``) and 
 
 Saved for backward: the norm's input ``x`` and statistics, the FP8 ``qT`` of every GEMM input (the MLP
 also keeps fc1's output ``h``, the activation's backward input), and each weight's ``W_q^T``, written
-by the forward's cast of the weight, as :class:`~mcore.tensor_parallel.fp8._Fp8LinearFunction` keeps
+by the forward's cast of the weight, as :class:`~mcore.fp8.linear._Fp8LinearFunction` keeps
 it (``--no-fp8-keep-weight-transpose``: the forward's weight scale, and the backward casts ``W^T``
-again, :func:`~mcore.tensor_parallel.fp8.weight_transpose_for_backward`). Nothing in the
+again, :func:`~mcore.fp8.linear.weight_transpose_for_backward`). Nothing in the
 activations' dtype besides ``x`` and ``h`` is kept, so ``--recompute-modules layernorm``/``mlp_act``
 have nothing to free on this path.
 
@@ -45,8 +45,8 @@ the Functions call them with the same scales, amax slots and TP reductions as th
 losses, gradients, ``main_grad`` and the delayed states equal the unfused FP8 path exactly
 (``tests/tensor_parallel/test_fp8_fused.py``).
 
-The Functions take the existing modules' parameters and :class:`~mcore.tensor_parallel.fp8.Fp8Linear`
-descriptions (with their :class:`~mcore.tensor_parallel.fp8.Fp8DelayedState`): parameter names,
+The Functions take the existing modules' parameters and :class:`~mcore.fp8.linear.Fp8Linear`
+descriptions (with their :class:`~mcore.fp8.scaling.Fp8DelayedState`): parameter names,
 checkpoints and the delayed states are those of the unfused layers.
 """
 
@@ -57,16 +57,10 @@ from dataclasses import dataclass
 import torch
 
 from mcore.backend import get_ops
+from mcore.fp8.linear import Fp8Linear, cast_weight, fp8_wgrad, weight_transpose_for_backward
+from mcore.fp8.operand import Fp8GatheredWeight
+from mcore.fp8.scaling import GRAD_OUTPUT, INPUT
 from mcore.ops.reference import ACTIVATIONS, pack_columns
-from mcore.tensor_parallel.fp8 import (
-    GRAD_OUTPUT,
-    INPUT,
-    Fp8GatheredWeight,
-    Fp8Linear,
-    cast_weight,
-    fp8_wgrad,
-    weight_transpose_for_backward,
-)
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group
 
 NORM_KINDS = ("LayerNorm", "RMSNorm")
@@ -97,13 +91,10 @@ class OutputSplit:
 
 
 def fusable_call(call: Fp8Linear | None) -> bool:
-    """Whether an FP8 linear's description allows the fused producers: the delayed recipe (the scales
-    are known before the producer runs), FP8 weight gradients (the producer writes ``qT``), and the
-    recipe's switch on (:attr:`~mcore.config.fp8.Fp8Recipe.fused_producers`)."""
-    if call is None or call.state is None:
-        return False
-    recipe = call.recipe
-    return recipe.recipe == "delayed" and recipe.wgrad and recipe.fused_producers
+    """Whether an FP8 linear's description allows the fused producers
+    (:attr:`~mcore.fp8.config.Fp8Config.fuses_producers`: the delayed recipe, whose state the call
+    holds, FP8 weight gradients, ``--no-fp8-fused-producers`` not given)."""
+    return call is not None and call.state is not None and call.config.fuses_producers
 
 
 def _input_slot(call: Fp8Linear, training: bool):
@@ -159,7 +150,7 @@ class Fp8NormLinear(torch.autograd.Function):
     ):
         ops = get_ops()
         ctx.set_materialize_grads(False)
-        fwd = call.recipe.fwd_dtype
+        fwd = call.config.fwd_dtype
         x2d = x.reshape(-1, x.shape[-1])
         scale, amax_record = _input_slot(call, training)
         xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
@@ -204,7 +195,7 @@ def _cast_output_grad(ctx, grads, x2d, width: int, need_x: bool, need_w: bool, n
     not give (an output that took no part in the loss) is zeros."""
     ops = get_ops()
     call: Fp8Linear = ctx.call
-    bwd = call.recipe.bwd_dtype
+    bwd = call.config.bwd_dtype
     m = x2d.shape[0]
     split: OutputSplit | None = ctx.split
     if split is None:
@@ -262,7 +253,7 @@ class Fp8NormMLP(torch.autograd.Function):
         ops = get_ops()
         ctx.set_materialize_grads(False)
         fc1, fc2 = calls
-        fwd = fc1.recipe.fwd_dtype
+        fwd = fc1.config.fwd_dtype
         x2d = x.reshape(-1, x.shape[-1])
         scale, amax_record = _input_slot(fc1, training)
         xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
@@ -296,7 +287,7 @@ class Fp8NormMLP(torch.autograd.Function):
         ) = ctx.saved_tensors  # fmt: skip
         fc1, fc2 = ctx.calls
         main_grad1, main_grad2 = ctx.main_grads
-        bwd = fc1.recipe.bwd_dtype
+        bwd = fc1.config.bwd_dtype
         need_x = any(ctx.needs_input_grad[:3])
         need_w1, need_b1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         need_b2 = ctx.has_b2 and ctx.needs_input_grad[6]

@@ -1,4 +1,4 @@
-"""FP8 linear layers: scaling recipes, per-layer scaling state, and the FP8 linear autograd Function.
+"""The FP8 linear: its call description and autograd Function (tensorwise, delayed and rowwise recipes).
 
 A linear ``y = x W^T + b`` (``x [M, K]`` tokens x input features, ``W [N, K]``) runs its three GEMMs on
 FP8 operands through the op table's ``scaled_linear`` family (:mod:`mcore.ops.reference` documents
@@ -8,20 +8,8 @@ the "NT" layouts and the scale convention ``q = saturate(x * scale)``, ``x ~= q 
     dgrad    dx = nt(dy_q,  W_qT)  * sdy * sw           dy in the backward format (e5m2 with
     wgrad    dW = nt(dy_qT, x_qT)  * sdy * sx           "hybrid", e4m3 with "e4m3")
 
-Recipes (``--fp8-recipe``), as Transformer Engine defines them:
-
-* ``tensorwise`` (current scaling): one scale per tensor from the tensor's own amax,
-  ``scale = fp8_max / amax / 2^margin``. Stateless: a recomputed forward quantizes identically.
-* ``delayed``: one scale per tensor role (input, weight, output gradient) taken from an amax
-  history of earlier steps (``--fp8-amax-history-len``, ``--fp8-amax-compute-algo max|most_recent``).
-  During a step the scales stay fixed; every quantization records its amax (a running max, so a
-  recomputed forward records nothing new) and :func:`update_fp8_scales` closes the step: it
-  all-reduces (max) the recorded amaxes over the amax-reduction group (tensor x data parallel, as
-  Megatron's ``get_amax_reduction_group``), pushes them into the histories and recomputes the
-  scales. The histories and scales are saved in checkpoints (:func:`fp8_extra_state`).
-* ``rowwise`` (current scaling, one scale per row of each NT operand, i.e. per token for
-  activations and per output feature for weights; torchao's rowwise recipe). It needs the
-  backend's ``fp8_rowwise`` capability (Hopper's ``torch._scaled_mm`` takes row scales).
+The scales come from the recipe (:mod:`mcore.fp8.scaling`: tensorwise and rowwise from the operand's
+own amax, delayed from the layer's :class:`~mcore.fp8.scaling.Fp8DelayedState`).
 
 Tensor parallelism: a scale must not depend on how a tensor is split, so the amax of a tensor that
 is split over the TP ranks is all-reduced (max) over the TP group before the scale is formed
@@ -43,7 +31,7 @@ returns its bias for the transformer layer's ``bias_dropout_add`` to add to the 
 the output gradient this Function's backward casts. The Function then takes ``b`` for its gradient
 only (it does not add it) and forms ``db`` in the cast's read of ``dy`` (``fp8_cast_dbias``), while the
 caller adds ``b.detach()``: the separate column sum of ``dy`` in the bias-dropout-add's backward is
-gone (:func:`bias_grad_from_output_cast` says for which recipes).
+gone (:attr:`~mcore.fp8.config.Fp8Config.per_tensor_fp8_wgrad` says for which recipes).
 
 Gradient-accumulation fusion: the wgrad GEMM adds into ``weight.main_grad`` (the op's
 ``main_grad`` argument) and the weight's ``.grad`` is a placeholder, as in
@@ -51,7 +39,7 @@ Gradient-accumulation fusion: the wgrad GEMM adds into ``weight.main_grad`` (the
 of a weight writes over ``main_grad`` instead (``accumulate=False``), which the DDP did not zero: the
 main_grad of an opted-in weight is zero from zero_grad_buffer until its first gradient of the step is
 written, not added (:mod:`mcore.tensor_parallel.first_grad`; the layers opt in with
-:func:`overwrites_first_grad`).
+:attr:`~mcore.fp8.config.Fp8Config.overwrites_first_grad`).
 """
 
 from __future__ import annotations
@@ -62,8 +50,9 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
-from mcore.config.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, Fp8Recipe  # noqa: F401 (re-exported)
-from mcore.ops import reference
+from mcore.fp8.config import Fp8Config, Recipe
+from mcore.fp8.operand import Fp8GatheredWeight
+from mcore.fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, Fp8DelayedState, _amax, scale_from_amax
 from mcore.tensor_parallel.first_grad import take_first_write
 from mcore.tensor_parallel.mappings import (
     _gather_first,
@@ -71,70 +60,7 @@ from mcore.tensor_parallel.mappings import (
     all_reduce_in_tensor_model_parallel_group,
     group_size,
 )
-
-INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
-"""Tensor roles of one FP8 linear (indices into its delayed-scaling state)."""
-_ROLE_NAMES = ("input", "weight", "grad_output")
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an FP8 format (448 for e4m3fn, 57344 for e5m2)."""
-    return float(torch.finfo(dtype).max)
-
-
-def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
-    """``fp8_max / amax / 2^margin`` in fp32 (1 where ``amax`` is 0 or not finite), capped at fp32's
-    largest value: the scale that maps the largest magnitude onto the format's largest value (the op
-    ``fp8_cast`` forms the same scale itself from an ``amax=``)."""
-    return reference.fp8_scale_from_amax(amax, dtype, margin)
-
-
-def _amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |t| (over ``dim`` with keepdim, or all elements): one reduction, no ``|t|`` temporary."""
-    if dim is None:
-        return torch.linalg.vector_norm(t, float("inf")).float()
-    return torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=True).float()
-
-
-class Fp8DelayedState(torch.nn.Module):
-    """The delayed recipe's state of one linear: per role (input, weight, grad_output) an amax history
-    ``[L, 3]``, the current ``scale [3]`` and the amaxes recorded during this step (``pending_amax``).
-
-    History and scales are buffers (so they move with the module and live on its device) and go into
-    checkpoints through :func:`fp8_extra_state`. The recorded amaxes are zero at step boundaries and
-    the casts keep the running max of each role's amaxes in its slot (:meth:`amax_record`, passed as
-    ``fp8_cast(amax_record=...)`` and written in place: graph- and recompute-safe), in two buffers,
-    one per pass that writes them: ``forward_amax [2]`` (input, weight) and ``grad_output_amax [1]``.
-    Why two: ``torch.compile`` traces a layer's forward and backward as one joint graph and
-    functionalizes the in-place writes; a buffer the forward and the backward both write comes out as
-    a forward output that depends on the backward (the partitioner refuses it unless the compiler
-    keeps input mutations in the graph), while a buffer written only in the backward is updated
-    inside the compiled backward (AOTAutograd's backward input mutations, as torchao's delayed
-    scaling kept its output-gradient amax in a buffer of its own).
-    """
-
-    def __init__(self, recipe: Fp8Recipe, device: torch.device | None = None):
-        super().__init__()
-        self.recipe = recipe
-        length = recipe.amax_history_len
-        self.register_buffer("amax_history", torch.zeros(length, 3, device=device), persistent=False)
-        self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
-        self.register_buffer("forward_amax", torch.zeros(2, device=device), persistent=False)
-        self.register_buffer("grad_output_amax", torch.zeros(1, device=device), persistent=False)
-
-    def amax_record(self, role: int) -> torch.Tensor:
-        """The one-element slot (a view) where the casts of ``role`` record their running max amax."""
-        if role == GRAD_OUTPUT:
-            return self.grad_output_amax
-        return self.forward_amax[role : role + 1]
-
-    @property
-    def pending_amax(self) -> torch.Tensor:
-        """The amaxes recorded this step, ``[3]`` by role (a copy: write through :meth:`amax_record`)."""
-        return torch.cat([self.forward_amax, self.grad_output_amax])
-
-    def extra_repr(self) -> str:
-        return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}"
+from mcore.tensor_parallel.weight_grad import weight_grad
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,14 +68,14 @@ class Fp8Linear:
     """Everything one FP8 linear call needs besides tensors (a constant of the autograd Function).
 
     Attributes:
-        recipe: the scaling recipe.
+        config: the FP8 config (recipe, formats, margin, ...).
         state: the delayed recipe's :class:`Fp8DelayedState` (None otherwise).
         tp_group: the tensor-parallel group.
         parallel_mode: ``"column"`` (weight split along N) or ``"row"`` (along K), for which amaxes
             need a TP reduction.
     """
 
-    recipe: Fp8Recipe
+    config: Fp8Config
     state: Fp8DelayedState | None
     tp_group: Any
     parallel_mode: str
@@ -182,32 +108,17 @@ class Fp8Linear:
         sharded = role == WEIGHT or (role == GRAD_OUTPUT) == (self.parallel_mode == "column")
         sharded = sharded if split is None else split
         amax = self._reduce(get_ops().fp8_amax(t), sharded)
-        return {"amax": amax, "margin": self.recipe.margin}
+        return {"amax": amax, "margin": self.config.fp8_margin}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args, **kwargs):
+        """:func:`fp8_linear` with this call description (what the tensor-parallel layers call)."""
+        return fp8_linear(x, weight, bias, self, *args, **kwargs)
 
     def row_scale(self, t: torch.Tensor, dtype: torch.dtype, contraction_split: bool) -> torch.Tensor:
         """Rowwise: one scale per row of the NT operand ``t [rows, K]`` (``[rows, 1]``), from the row
         amaxes reduced over TP when the contraction dim ``K`` is split over the TP ranks."""
         amax = self._reduce(_amax(t, dim=-1).contiguous(), contraction_split)
-        return scale_from_amax(amax, dtype, self.recipe.margin)
-
-
-def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: bool):
-    scale = call.row_scale(t, dtype, split)
-    return get_ops().fp8_quantize(t, scale, dtype), scale.reciprocal()
-
-
-@dataclass(frozen=True, eq=False)
-class Fp8GatheredWeight:
-    """A weight quantized once per optimizer step and all-gathered in FP8 (``--fp8-param-gather``,
-    :mod:`mcore.distributed.fp8_param_gather`): the FP8 linear uses it instead of casting ``W``.
-
-    Attributes:
-        data: ``W_q [N, K]`` in the forward format (e4m3), a view into the all-gathered buffer.
-        scale_inv: 0-dim fp32, ``W ~= W_q * scale_inv`` (the same on every data-parallel rank).
-    """
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
+        return scale_from_amax(amax, dtype, self.config.fp8_margin)
 
 
 def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: bool):
@@ -247,14 +158,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         bias_added_by_caller: bool,
     ):
         ops = get_ops()
-        recipe = call.recipe
+        fp8 = call.config
         x2d = x.reshape(-1, x.shape[-1])
         ctx.call, ctx.main_grad, ctx.zero_placeholder = call, main_grad, zero_placeholder
         ctx.has_bias, ctx.x_shape, ctx.out_dtype = bias is not None, x.shape, x.dtype
         ctx.sp_group = sp_group
-        fwd = recipe.fwd_dtype
+        fwd = fp8.fwd_dtype
         out_rows = x.shape[:-1]
-        if recipe.recipe == "rowwise":
+        if fp8.recipe is Recipe.ROWWISE:
             row_split = call.parallel_mode == "row" and call._tp
             x_q, x_sinv = _quantize_rows(call, x2d, fwd, row_split)
             w_q, w_sinv = _quantize_rows(call, weight, fwd, row_split)
@@ -269,8 +180,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 out_rows = (x.shape[0] * group_size(sp_group), *x.shape[1:-1])
             else:
                 x_scaling = call.scaling(INPUT, x2d, training)
-                x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=recipe.wgrad, **x_scaling)
-                x_saved = x_qT if recipe.wgrad else x2d
+                x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=fp8.fp8_wgrad, **x_scaling)
+                x_saved = x_qT if fp8.fp8_wgrad else x2d
             need_w_t = training and ctx.needs_input_grad[0]  # W_q^T for the input gradient
             w_q, w_t, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_w_t)
             ctx.save_for_backward(x_saved, x_sinv, weight, w_t, w_sinv)
@@ -282,12 +193,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         ops = get_ops()
         call: Fp8Linear = ctx.call
-        recipe = call.recipe
-        fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+        fp8 = call.config
+        fwd, bwd = fp8.fwd_dtype, fp8.bwd_dtype
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
         need_dbias = ctx.has_bias and ctx.needs_input_grad[2]
         grad_bias = grad_input = grad_weight = None
-        if recipe.recipe == "rowwise":
+        if fp8.recipe is Recipe.ROWWISE:
             grad_bias = dy2d.sum(0) if need_dbias else None
             x2d, weight = ctx.saved_tensors
             col_split = call.parallel_mode == "column" and call._tp
@@ -306,7 +217,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if ctx.sp_group is not None and ctx.needs_input_grad[1]:
                 x_saved = transpose_fp8(_gather_fp8_rows(x_saved, ctx.sp_group))  # the full x_qT
             dy_scaling = call.scaling(GRAD_OUTPUT, dy2d)
-            need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and recipe.wgrad
+            need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and fp8.fp8_wgrad
             # with a bias, its gradient dy.sum(0) comes from the cast's read of dy (fp8_cast_dbias)
             cast = ops.fp8_cast_dbias if need_dbias else ops.fp8_cast
             dy_q, dy_qT, dy_sinv, *dbias = cast(
@@ -317,14 +228,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 w_qT = weight_transpose_for_backward(call, weight, w_t)
                 grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
-                if recipe.wgrad:
+                if fp8.fp8_wgrad:
                     grad_weight = fp8_wgrad(
                         weight, ctx.main_grad, dy_qT, x_saved, dy_sinv, x_sinv, ctx.zero_placeholder
                     )
                 else:
-                    from mcore.tensor_parallel.layers import _weight_grad
-
-                    grad_weight = _weight_grad(ctx, weight, dy2d, x_saved)
+                    grad_weight = weight_grad(ctx, weight, dy2d, x_saved)
         if grad_input is not None:
             if ctx.sp_group is not None:
                 grad_input = _reduce_scatter_first(grad_input, ctx.sp_group)
@@ -355,7 +264,7 @@ def cast_weight(
     gradient); ``for_backward`` (None without ``transposed``) is what to save for
     :func:`weight_transpose_for_backward`, the one place that turns it into ``W_q^T``.
 
-    The recipe's ``keep_weight_transpose`` (the default) keeps ``W_q^T`` itself: the one cast writes
+    ``fp8_keep_weight_transpose`` (the default) keeps ``W_q^T`` itself: the one cast writes
     ``W_q`` and ``W_q^T`` (as Transformer Engine keeps the transpose), 1 byte a weight element held
     from forward to backward. Without it (``--no-fp8-keep-weight-transpose``) the cast writes ``W_q``
     only and ``for_backward`` is the scaling the forward used: the delayed recipe's WEIGHT scale (the
@@ -368,7 +277,7 @@ def cast_weight(
     step; its buffer is rewritten only at the next step's gather, after the backward): kept, its bytes
     transposed (a copy); not kept, the gathered ``W_q`` itself (no bytes of its own), transposed in
     the backward."""
-    keep = call.recipe.keep_weight_transpose
+    keep = call.config.fp8_keep_weight_transpose
     if gathered is not None:
         for_backward = None
         if transposed:
@@ -376,7 +285,7 @@ def cast_weight(
         return gathered.data, for_backward, gathered.scale_inv
     w_scaling = call.scaling(WEIGHT, weight, training)
     w_q, w_qT, w_sinv = get_ops().fp8_cast(
-        weight, call.recipe.fwd_dtype, columnwise=transposed and keep, **w_scaling
+        weight, call.config.fwd_dtype, columnwise=transposed and keep, **w_scaling
     )
     if not transposed or keep:
         return w_q, w_qT, w_sinv
@@ -391,15 +300,15 @@ def weight_transpose_for_backward(
     ``W_q`` (FP8) transposed, or ``weight [N, K]`` cast column-wise only with the forward's scale
     (fp32: the delayed scale or the tensorwise amax, with the recipe's margin). This cast records no
     amax (the forward's cast did) and reduces nothing over TP (the saved amax already is)."""
-    if for_backward is None or call.recipe.keep_weight_transpose:
+    if for_backward is None or call.config.fp8_keep_weight_transpose:
         return for_backward
-    fwd = call.recipe.fwd_dtype
+    fwd = call.config.fwd_dtype
     if for_backward.dtype == fwd:  # a gathered W_q [N, K]
         return transpose_fp8(for_backward)
     if call.state is not None:
         scaling: dict[str, Any] = {"scale": for_backward}
     else:
-        scaling = {"amax": for_backward, "margin": call.recipe.margin}
+        scaling = {"amax": for_backward, "margin": call.config.fp8_margin}
     _, w_qT, _ = get_ops().fp8_cast(weight, fwd, rowwise=False, columnwise=True, **scaling)
     return w_qT
 
@@ -420,14 +329,6 @@ def fp8_wgrad(weight, main_grad, dy_qT, x_qT, dy_sinv, x_sinv, shared: bool = Fa
     return None if shared else torch.empty_like(weight)
 
 
-def overwrites_first_grad(recipe: Fp8Recipe) -> bool:
-    """Whether an FP8 linear with ``recipe`` writes its weight's first gradient of a step over
-    ``main_grad`` (:func:`fp8_wgrad`; the opt-in of :func:`mcore.tensor_parallel.layers.fusion_main_grad`):
-    with the FP8 weight gradient, in eager mode (a compiled backward is traced once, with the flag's
-    value at tracing time, so a compiled layer always adds into a zeroed ``main_grad``)."""
-    return recipe.wgrad and not torch.compiler.is_compiling()
-
-
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -445,12 +346,12 @@ def fp8_linear(
     :func:`mcore.tensor_parallel.layers.fusion_main_grad`). ``sequence_parallel_group``: ``x [s/p, b,
     K]`` is this rank's sequence shard of a column-parallel layer's input, gathered in FP8 (output
     ``[s, b, N]``); tensorwise and delayed recipes with the FP8 weight gradient only
-    (:func:`gathers_fp8_input`). ``gathered``: ``weight``'s FP8 copy (``--fp8-param-gather``;
+    (:attr:`~mcore.fp8.config.Fp8Config.per_tensor_fp8_wgrad`). ``gathered``: ``weight``'s FP8 copy (``--fp8-param-gather``;
     tensorwise and delayed recipes), used instead of casting ``weight``, which then only receives
     the gradient. ``bias_added_by_caller``: return ``x weight^T`` without ``bias``, which the caller adds
     to the output as is (its ``bias.detach()``: only this call gives ``bias`` a gradient), and take
     ``bias``'s gradient from the cast of the output gradient (module docstring; for a recipe that
-    passes :func:`bias_grad_from_output_cast`).
+    passes :attr:`~mcore.fp8.config.Fp8Config.per_tensor_fp8_wgrad`).
     """
     training = torch.is_grad_enabled()  # False inside the Function's forward: read it here
     return _Fp8LinearFunction.apply(
@@ -459,133 +360,11 @@ def fp8_linear(
     )  # fmt: skip
 
 
-def bias_grad_from_output_cast(recipe: Fp8Recipe) -> bool:
-    """Whether an FP8 linear with ``recipe`` casts its output gradient ``dy`` in every backward, so
-    that the gradient of a bias its caller adds (``bias_added_by_caller``) comes from that cast's read
-    of ``dy`` (``fp8_cast_dbias``) for free: the per-tensor recipes with the FP8 weight gradient
-    (rowwise quantizes ``dy`` per row and per column separately, and ``--no-fp8-wgrad`` casts ``dy``
-    only when the input needs a gradient)."""
-    return recipe.recipe in ("tensorwise", "delayed") and recipe.wgrad
-
-
-def gathers_fp8_input(recipe: Fp8Recipe) -> bool:
-    """Whether a sequence-parallel column layer with ``recipe`` all-gathers its input in FP8 (the
-    per-tensor recipes with the FP8 weight gradient; rowwise scales are per token and the bf16
-    weight gradient needs the bf16 input, so those gather bf16)."""
-    return recipe.recipe in ("tensorwise", "delayed") and recipe.wgrad
-
-
-# -- the step boundary and checkpoints -----------------------------------------------------------
-
-
-def delayed_states(modules) -> list[tuple[str, Fp8DelayedState]]:
-    """``(qualified name, state)`` of every delayed-scaling state in ``modules`` (an ``nn.Module`` or a
-    list of model chunks), in a deterministic order."""
-    chunks = modules if isinstance(modules, (list, tuple)) else [modules]
-    out = []
-    for i, chunk in enumerate(chunks):
-        for name, module in chunk.named_modules():
-            if isinstance(module, Fp8DelayedState):
-                out.append((f"{i}.{name}", module))
-    return out
-
-
-class DelayedScaleUpdate:
-    """The delayed recipe's step boundary for one model: reduce the step's amaxes (max) over each
-    amax-reduction group (Megatron reduces over tensor x data parallel: ``groups.tp`` and
-    ``groups.dp``), push them into the histories and recompute the scales.
-
-    Per recipe the states are updated as one stacked tensor: one collective per group and a dozen
-    kernels for all layers of this rank, with no host-device synchronisation. Everything that does not
-    change from step to step is built once, on the states' device: the list of states (walking the
-    modules costs milliseconds of host time), their row indices per recipe and the FP8 limits per role.
-    Those must not be host tensors copied per step: a pageable host-to-device copy waits for the device
-    to drain, and the device then idles while the host refills its queue (~6 ms a step at 24L h2048 on
-    an H100). Every rank of a group calls it with the same layers (the ranks of one pipeline stage hold
-    the same layers).
-
-    For a stacked history ``H [S, L, 3]`` (S states, L steps, roles input/weight/grad_output), the
-    recorded ``pending [S, 3]`` and the previous ``scale [S, 3]``::
-
-        H'    = [pending, H[:, :-1]]                       (newest first)
-        amax  = H'[:, 0] (most_recent) or max_l H'[:, l] (max)
-        scale = limit / amax  where 0 < amax < inf, else the previous scale
-        limit = (fwd_max, fwd_max, bwd_max) / 2**margin
-    """
-
-    def __init__(self, model):
-        self.model = model
-        self.states = [s for _, s in delayed_states(model)]
-        by_recipe: dict[Fp8Recipe, list[int]] = {}
-        for i, s in enumerate(self.states):
-            by_recipe.setdefault(s.recipe, []).append(i)
-        self._groups = []  # (recipe, its states, their rows of the stacked pending [S, 3] or None, limit [3])
-        for recipe, index in by_recipe.items():
-            device = self.states[index[0]].scale.device
-            limit = torch.full((3,), fp8_max(recipe.fwd_dtype) / 2.0**recipe.margin, device=device)
-            limit[2] = fp8_max(recipe.bwd_dtype) / 2.0**recipe.margin
-            rows = None if len(index) == len(self.states) else torch.tensor(index, device=device)
-            self._groups.append((recipe, [self.states[i] for i in index], rows, limit))
-
-    @torch.no_grad()
-    def __call__(self, amax_reduction_groups=()) -> None:
-        if not self.states:
-            return
-        forward = torch.stack([s.forward_amax for s in self.states])  # [S, 2]
-        pending = torch.cat([forward, torch.stack([s.grad_output_amax for s in self.states])], dim=1)
-        for group in amax_reduction_groups:
-            all_reduce_in_tensor_model_parallel_group(pending, group, op="max")
-        for recipe, states, rows, limit in self._groups:
-            newest = pending if rows is None else pending.index_select(0, rows)
-            history = torch.stack([s.amax_history for s in states])  # [S, L, 3]
-            history = torch.cat([newest.unsqueeze(1), history[:, :-1]], dim=1)
-            amax = history[:, 0] if recipe.amax_compute_algo == "most_recent" else history.amax(1)
-            old = torch.stack([s.scale for s in states])
-            keep = (amax > 0) & torch.isfinite(amax)
-            scale = torch.where(keep, (limit / amax).clamp(max=torch.finfo(torch.float32).max), old)
-            torch._foreach_copy_([s.amax_history for s in states], list(history.unbind(0)))
-            torch._foreach_copy_([s.scale for s in states], list(scale.unbind(0)))
-            torch._foreach_zero_([t for s in states for t in (s.forward_amax, s.grad_output_amax)])
-
-
-def update_fp8_scales(model, amax_reduction_groups=()) -> None:
-    """Close a training step of the delayed recipe (:class:`DelayedScaleUpdate`, built for this one
-    call; a training loop builds one and keeps it); a no-op without delayed-scaling layers."""
-    DelayedScaleUpdate(model)(amax_reduction_groups)
-
-
-FP8_STATE = "fp8_state"
-"""The checkpoint record kind of FP8 scaling state (beside ``param`` and the optimizer kinds)."""
-
-
-def fp8_extra_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The checkpointed FP8 state of one model chunk: ``{local name: tensor}`` with names like
-    ``decoder.layers.0.mlp.linear_fc1.fp8_state.amax_history`` (``.scale``), for the delayed recipe
-    (the tensorwise and rowwise recipes keep no state). Values are replicated over TP and DP."""
-    out = {}
-    for name, state in module.named_modules():
-        if isinstance(state, Fp8DelayedState):
-            out[f"{name}.amax_history"] = state.amax_history
-            out[f"{name}.scale"] = state.scale
-    return out
-
-
 __all__ = [
-    "AMAX_COMPUTE_ALGOS",
-    "DelayedScaleUpdate",
-    "FP8_FORMATS",
-    "FP8_STATE",
-    "FP8_RECIPES",
-    "Fp8DelayedState",
-    "Fp8GatheredWeight",
     "Fp8Linear",
-    "Fp8Recipe",
-    "bias_grad_from_output_cast",
-    "delayed_states",
-    "fp8_extra_state",
+    "cast_weight",
     "fp8_linear",
-    "gathers_fp8_input",
-    "overwrites_first_grad",
-    "scale_from_amax",
-    "update_fp8_scales",
+    "fp8_wgrad",
+    "transpose_fp8",
+    "weight_transpose_for_backward",
 ]
