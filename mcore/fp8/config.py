@@ -30,7 +30,8 @@ class Recipe(enum.Enum):
     TENSORWISE = "tensorwise"
     """Current per-tensor scaling: one scale per tensor from its own amax (stateless)."""
     DELAYED = "delayed"
-    """Per-tensor scales from an amax history of earlier steps (:class:`~mcore.fp8.scaling.Fp8DelayedState`)."""
+    """Per-tensor scales from an amax history of earlier steps
+    (:class:`~mcore.fp8.scaling.Fp8DelayedState`)."""
     ROWWISE = "rowwise"
     """Current per-row scaling of each NT operand (needs the backend's ``fp8_rowwise``)."""
 

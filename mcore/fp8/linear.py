@@ -51,7 +51,7 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.fp8.config import Fp8Config, Recipe
-from mcore.fp8.operand import Fp8GatheredWeight
+from mcore.fp8.operand import Fp8Tensor
 from mcore.fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, Fp8DelayedState, _amax, scale_from_amax
 from mcore.tensor_parallel.first_grad import take_first_write
 from mcore.tensor_parallel.mappings import (
@@ -121,9 +121,10 @@ class Fp8Linear:
         return scale_from_amax(amax, dtype, self.config.fp8_margin)
 
 
-def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: bool):
+def _quantize_rows(call: Fp8Linear, t: torch.Tensor, dtype: torch.dtype, split: bool) -> Fp8Tensor:
+    """Rowwise: ``t [rows, K]`` quantized with one scale per row (:meth:`Fp8Linear.row_scale`)."""
     scale = call.row_scale(t, dtype, split)
-    return get_ops().fp8_quantize(t, scale, dtype), scale.reciprocal()
+    return Fp8Tensor(get_ops().fp8_quantize(t, scale, dtype), scale.reciprocal())
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -153,7 +154,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         zero_placeholder,
         call: Fp8Linear,
         training: bool,
-        gathered: Fp8GatheredWeight | None,
+        gathered: Fp8Tensor | None,
         sp_group,
         bias_added_by_caller: bool,
     ):
@@ -167,26 +168,26 @@ class _Fp8LinearFunction(torch.autograd.Function):
         out_rows = x.shape[:-1]
         if fp8.recipe is Recipe.ROWWISE:
             row_split = call.parallel_mode == "row" and call._tp
-            x_q, x_sinv = _quantize_rows(call, x2d, fwd, row_split)
-            w_q, w_sinv = _quantize_rows(call, weight, fwd, row_split)
+            xq = _quantize_rows(call, x2d, fwd, row_split)
+            wq = _quantize_rows(call, weight, fwd, row_split)
             ctx.save_for_backward(x2d, weight)
         else:
             if sp_group is not None:
                 # x is this rank's sequence shard: cast it, gather the FP8 rows (module docstring)
                 x_scaling = call.scaling(INPUT, x2d, training, split=True)
-                x_q_local, _, x_sinv = ops.fp8_cast(x2d, fwd, **x_scaling)
-                x_q = _gather_fp8_rows(x_q_local, sp_group)
-                x_saved = x_q_local  # gathered again (and transposed) for the weight gradient
+                local = Fp8Tensor.of(ops.fp8_cast(x2d, fwd, **x_scaling))
+                xq = Fp8Tensor(_gather_fp8_rows(local.data, sp_group), local.scale_inv)
+                x_saved = local.data  # gathered again (and transposed) for the weight gradient
                 out_rows = (x.shape[0] * group_size(sp_group), *x.shape[1:-1])
             else:
                 x_scaling = call.scaling(INPUT, x2d, training)
-                x_q, x_qT, x_sinv = ops.fp8_cast(x2d, fwd, columnwise=fp8.fp8_wgrad, **x_scaling)
-                x_saved = x_qT if fp8.fp8_wgrad else x2d
+                xq = Fp8Tensor.of(ops.fp8_cast(x2d, fwd, columnwise=fp8.fp8_wgrad, **x_scaling))
+                x_saved = xq.transpose if fp8.fp8_wgrad else x2d
             need_w_t = training and ctx.needs_input_grad[0]  # W_q^T for the input gradient
-            w_q, w_t, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_w_t)
-            ctx.save_for_backward(x_saved, x_sinv, weight, w_t, w_sinv)
+            wq, w_t = cast_weight(call, weight, training, gathered, transposed=need_w_t)
+            ctx.save_for_backward(x_saved, xq.scale_inv, weight, w_t, wq.scale_inv)
         added_bias = None if bias_added_by_caller else bias
-        y = ops.scaled_linear_forward(x_q, w_q, x_sinv, w_sinv, added_bias, x.dtype)
+        y = ops.scaled_linear_forward(xq.data, wq.data, xq.scale_inv, wq.scale_inv, added_bias, x.dtype)
         return y.reshape(*out_rows, y.shape[-1])
 
     @staticmethod
@@ -203,14 +204,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x2d, weight = ctx.saved_tensors
             col_split = call.parallel_mode == "column" and call._tp
             if ctx.needs_input_grad[0]:
-                dy_q, dy_sinv = _quantize_rows(call, dy2d, bwd, col_split)
-                w_qT, w_sinv = _quantize_rows(call, weight.t(), fwd, col_split)
-                grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
+                dy = _quantize_rows(call, dy2d, bwd, col_split)
+                w_t = _quantize_rows(call, weight.t(), fwd, col_split)  # rows of W^T: W_q^T
+                grad_input = ops.scaled_linear_dgrad(
+                    dy.data, w_t.data, dy.scale_inv, w_t.scale_inv, ctx.out_dtype
+                )
             if ctx.needs_input_grad[1]:
-                dy_qT, dyT_sinv = _quantize_rows(call, dy2d.t(), bwd, False)
-                x_qT, xT_sinv = _quantize_rows(call, x2d.t(), fwd, False)
+                dy_t = _quantize_rows(call, dy2d.t(), bwd, False)  # rows of dy^T: dy_q^T
+                x_t = _quantize_rows(call, x2d.t(), fwd, False)
                 grad_weight = fp8_wgrad(
-                    weight, ctx.main_grad, dy_qT, x_qT, dyT_sinv, xT_sinv, ctx.zero_placeholder
+                    weight,
+                    ctx.main_grad,
+                    dy_t.data,
+                    x_t.data,
+                    dy_t.scale_inv,
+                    x_t.scale_inv,
+                    ctx.zero_placeholder,
                 )
         else:
             x_saved, x_sinv, weight, w_t, w_sinv = ctx.saved_tensors
@@ -220,17 +229,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
             need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and fp8.fp8_wgrad
             # with a bias, its gradient dy.sum(0) comes from the cast's read of dy (fp8_cast_dbias)
             cast = ops.fp8_cast_dbias if need_dbias else ops.fp8_cast
-            dy_q, dy_qT, dy_sinv, *dbias = cast(
-                dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling
-            )
-            grad_bias = dbias[0] if need_dbias else None
+            cast_dy = cast(dy2d, bwd, rowwise=need_dgrad, columnwise=need_wgrad, **dy_scaling)
+            dy = Fp8Tensor.of(cast_dy)
+            grad_bias = cast_dy[3] if need_dbias else None
             if ctx.needs_input_grad[0]:
                 w_qT = weight_transpose_for_backward(call, weight, w_t)
-                grad_input = ops.scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, ctx.out_dtype)
+                grad_input = ops.scaled_linear_dgrad(dy.data, w_qT, dy.scale_inv, w_sinv, ctx.out_dtype)
             if ctx.needs_input_grad[1]:
                 if fp8.fp8_wgrad:
                     grad_weight = fp8_wgrad(
-                        weight, ctx.main_grad, dy_qT, x_saved, dy_sinv, x_sinv, ctx.zero_placeholder
+                        weight,
+                        ctx.main_grad,
+                        dy.transpose,
+                        x_saved,
+                        dy.scale_inv,
+                        x_sinv,
+                        ctx.zero_placeholder,
                     )
                 else:
                     grad_weight = weight_grad(ctx, weight, dy2d, x_saved)
@@ -256,10 +270,10 @@ def cast_weight(
     call: Fp8Linear,
     weight: torch.Tensor,
     training: bool,
-    gathered: Fp8GatheredWeight | None,
+    gathered: Fp8Tensor | None,
     transposed: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(W_q, for_backward, W's scale_inv)`` for a tensorwise/delayed FP8 linear's forward; also used
+) -> tuple[Fp8Tensor, torch.Tensor | None]:
+    """``(W_q with its scale_inv, for_backward)`` for a tensorwise/delayed FP8 linear's forward; also used
     by :mod:`.fp8_fused`. ``transposed``: the backward needs ``W_q^T [K, N]`` (for the input
     gradient); ``for_backward`` (None without ``transposed``) is what to save for
     :func:`weight_transpose_for_backward`, the one place that turns it into ``W_q^T``.
@@ -282,14 +296,14 @@ def cast_weight(
         for_backward = None
         if transposed:
             for_backward = transpose_fp8(gathered.data) if keep else gathered.data
-        return gathered.data, for_backward, gathered.scale_inv
+        return Fp8Tensor(gathered.data, gathered.scale_inv), for_backward
     w_scaling = call.scaling(WEIGHT, weight, training)
-    w_q, w_qT, w_sinv = get_ops().fp8_cast(
-        weight, call.config.fwd_dtype, columnwise=transposed and keep, **w_scaling
+    w = Fp8Tensor.of(
+        get_ops().fp8_cast(weight, call.config.fwd_dtype, columnwise=transposed and keep, **w_scaling)
     )
     if not transposed or keep:
-        return w_q, w_qT, w_sinv
-    return w_q, w_scaling["scale"] if "scale" in w_scaling else w_scaling["amax"], w_sinv
+        return Fp8Tensor(w.data, w.scale_inv), w.transpose
+    return Fp8Tensor(w.data, w.scale_inv), w_scaling["scale"] if "scale" in w_scaling else w_scaling["amax"]
 
 
 def weight_transpose_for_backward(
@@ -337,7 +351,7 @@ def fp8_linear(
     main_grad: torch.Tensor | None = None,
     zero_placeholder: bool = False,
     sequence_parallel_group=None,
-    gathered: Fp8GatheredWeight | None = None,
+    gathered: Fp8Tensor | None = None,
     bias_added_by_caller: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on FP8 GEMMs (``x [..., K]`` -> ``[..., N]``, in ``x.dtype``).
@@ -346,8 +360,8 @@ def fp8_linear(
     :func:`mcore.tensor_parallel.layers.fusion_main_grad`). ``sequence_parallel_group``: ``x [s/p, b,
     K]`` is this rank's sequence shard of a column-parallel layer's input, gathered in FP8 (output
     ``[s, b, N]``); tensorwise and delayed recipes with the FP8 weight gradient only
-    (:attr:`~mcore.fp8.config.Fp8Config.per_tensor_fp8_wgrad`). ``gathered``: ``weight``'s FP8 copy (``--fp8-param-gather``;
-    tensorwise and delayed recipes), used instead of casting ``weight``, which then only receives
+    (:attr:`~mcore.fp8.config.Fp8Config.per_tensor_fp8_wgrad`). ``gathered``: ``weight``'s FP8 copy
+    (``--fp8-param-gather``; tensorwise and delayed recipes), used instead of casting ``weight``, which then only receives
     the gradient. ``bias_added_by_caller``: return ``x weight^T`` without ``bias``, which the caller adds
     to the output as is (its ``bias.detach()``: only this call gives ``bias`` a gradient), and take
     ``bias``'s gradient from the cast of the output gradient (module docstring; for a recipe that

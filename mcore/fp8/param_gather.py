@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from mcore.backend import get_ops
 from mcore.fp8.config import Recipe
-from mcore.fp8.operand import Fp8GatheredWeight
+from mcore.fp8.operand import Fp8Tensor
 from mcore.fp8.scaling import WEIGHT, scale_from_amax
 from mcore.ops.flat import FlatFp8Weights
 from mcore.tensor_parallel.mappings import (
@@ -129,7 +129,7 @@ class Fp8ParamGather:
             self._owned.append(None if local is None else (start + local[0], start + local[1]))
         for i, (param, layer, (start, end)) in enumerate(zip(buffer.params, self.layers, self._ranges)):
             view = self.data[start:end].view(param.shape)
-            layer.fp8_gathered_weight = Fp8GatheredWeight(view, self.scale_inv[i, 0])
+            layer.fp8_gathered_weight = Fp8Tensor(view, self.scale_inv[i, 0])
         self._delayed = [
             i for i, layer in enumerate(self.layers) if layer._fp8_call.config.recipe is Recipe.DELAYED
         ]

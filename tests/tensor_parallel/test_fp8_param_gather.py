@@ -55,7 +55,7 @@ GATHER = ["--fp8-param-gather"]
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_linear_computes_with_the_gathered_weight(recipe):
     from mcore.fp8.config import Fp8Config
-    from mcore.fp8.operand import Fp8GatheredWeight
+    from mcore.fp8.operand import Fp8Tensor
     from mcore.ops import reference
     from mcore.tensor_parallel.layers import ColumnParallelLinear
 
@@ -81,7 +81,7 @@ def test_fp8_linear_computes_with_the_gathered_weight(recipe):
     with torch.no_grad():
         layer.weight.zero_()  # the layer's own weight must not be read
     q = reference.fp8_quantize(other, scale, torch.float8_e4m3fn)
-    layer.fp8_gathered_weight = Fp8GatheredWeight(q, scale.reciprocal())
+    layer.fp8_gathered_weight = Fp8Tensor(q, scale.reciprocal())
     got_y, got_dx = run()
     assert torch.equal(got_y, want_y) and torch.equal(got_dx, want_dx)
 

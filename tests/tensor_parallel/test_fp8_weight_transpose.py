@@ -281,16 +281,14 @@ def test_dropping_the_weight_transpose_at_tp2():
 def test_a_gathered_weight_is_transposed_in_the_backward(recipe):
     """The layer with a gathered FP8 weight: the same output and input gradient with the flag, and the
     forward saves no transposed copy (only the gathered bytes themselves, no new storage)."""
-    from mcore.fp8.operand import Fp8GatheredWeight
+    from mcore.fp8.operand import Fp8Tensor
     from mcore.ops import reference
     from mcore.tensor_parallel.layers import ColumnParallelLinear
 
     torch.manual_seed(0)
     weight = torch.randn(16, 32).to(torch.bfloat16)
     scale = reference.fp8_scale_from_amax(reference.fp8_amax(weight), torch.float8_e4m3fn, 0)
-    gathered = Fp8GatheredWeight(
-        reference.fp8_quantize(weight, scale, torch.float8_e4m3fn), scale.reciprocal()
-    )
+    gathered = Fp8Tensor(reference.fp8_quantize(weight, scale, torch.float8_e4m3fn), scale.reciprocal())
     x = torch.randn(4, 32, dtype=torch.bfloat16)
 
     def run(keep: bool):
