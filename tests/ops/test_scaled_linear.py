@@ -205,7 +205,7 @@ def test_scaled_linear_takes_scales_viewed_from_a_table(backend):
 def test_misaligned_gemm_scales_are_copied():
     """The CUDA backend's guard itself (runs on CPU tensors): aligned scales pass through, others are
     copied to fresh (aligned) memory with the same value."""
-    from mcore.backends.cuda.fp8 import SCALE_ALIGN_BYTES, _aligned_scale
+    from mcore.backends.cuda.fp8.linear import SCALE_ALIGN_BYTES, _aligned_scale
 
     table = torch.arange(8, dtype=torch.float32)
     assert table.data_ptr() % SCALE_ALIGN_BYTES == 0
