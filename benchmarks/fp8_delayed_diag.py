@@ -18,8 +18,8 @@ import torch
 import train_throughput  # benchmarks/, next to this file
 
 import mcore.training.trainer as trainer_module
+from mcore.fp8 import scaling as fp8
 from mcore.ops import reference
-from mcore.tensor_parallel import fp8
 
 
 def check_cast_kernel() -> None:
@@ -49,7 +49,7 @@ def main() -> int:
         row = []
         for i in (0, 1, len(self.states) // 2, len(self.states) - 1):
             name, state = names[i], self.states[i]
-            limits = [fp8.fp8_max(state.recipe.fwd_dtype)] * 2 + [fp8.fp8_max(state.recipe.bwd_dtype)]
+            limits = [fp8.fp8_max(state.config.fwd_dtype)] * 2 + [fp8.fp8_max(state.config.bwd_dtype)]
             ratio = [a * s / m for a, s, m in zip(state.pending_amax.tolist(), state.scale.tolist(), limits)]
             row.append(f"{name.split('decoder.')[-1]} {[round(r, 3) for r in ratio]}")
         rows.append(row)

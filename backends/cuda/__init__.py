@@ -84,7 +84,7 @@ class CUDABackend(BackendBase):
             caps.add("bf16")
         if extensions.triton_available():
             caps |= set(TRITON_CAPABILITIES)
-        from mcore.backends.cuda.fp8 import fp8_capabilities
+        from mcore.backends.cuda.fp8.linear import fp8_capabilities
 
         caps |= fp8_capabilities()
         # Optional libraries found (informational: code asks for the features above, not for these).

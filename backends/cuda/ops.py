@@ -9,6 +9,9 @@ Inside ``torch.compile`` (see :func:`mcore.backends.cuda.compile.compile_layer`)
 normalisation ops trace the reference instead, which Inductor fuses with their neighbours into its
 own Triton kernels; attention, cross-entropy and the optimizer step keep their fused kernels.
 
+The FP8 ops' dispatchers are in :mod:`mcore.backends.cuda.fp8` (this module adds them to the table), the
+device check every dispatcher makes in :mod:`mcore.backends.cuda.device`.
+
 ``PROVIDERS`` names the implementation behind each op, as ``mcore-info`` shows it.
 """
 
@@ -23,39 +26,13 @@ import torch.nn.functional as F
 from mcore.ops import reference
 
 from . import extensions
+from .device import on_kernel_device, tracing
+from .fp8.act import ACT_FP8_OPS
+from .fp8.flat import fp8_dequantize_flat, fp8_quantize_flat
+from .fp8.linear import FP8_OPS
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_NORM_WIDTH = 16384
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_INTERPRET = _interpreting()
-
-
-def _on_kernel_device(*tensors: torch.Tensor | None) -> bool:
-    """All given tensors are on one CUDA device (or Triton's interpreter is on) and Triton is there."""
-    if not extensions.triton_available():
-        return False
-    device = None
-    for t in tensors:
-        if t is None:
-            continue
-        if not (t.is_cuda or (_INTERPRET and t.device.type == "cpu")):
-            return False
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            return False
-    return True
-
-
-def _tracing() -> bool:
-    return torch.compiler.is_compiling()
 
 
 # --- normalisation --------------------------------------------------------------------------------
@@ -64,7 +41,7 @@ def _tracing() -> bool:
 def _norm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     n = x.shape[-1] if x.dim() else 0
     return (
-        not _tracing()
+        not tracing()
         and x.dtype in _FLOAT
         and weight.dtype in _FLOAT
         and x.numel() > 0
@@ -74,7 +51,7 @@ def _norm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         and weight.is_contiguous()
         and (bias is None or (bias.dim() == 1 and bias.shape[0] == n and bias.is_contiguous()))
         and (bias is None or bias.dtype in _FLOAT)
-        and _on_kernel_device(x, weight, bias)
+        and on_kernel_device(x, weight, bias)
     )
 
 
@@ -136,7 +113,7 @@ def norm_fp8_forward(
         and scale.dtype == torch.float32
         and (amax_record is None or (amax_record.numel() == 1 and amax_record.dtype == torch.float32))
         and _norm_fits(x, weight, bias)
-        and _on_kernel_device(x, scale, amax_record)
+        and on_kernel_device(x, scale, amax_record)
     ):
         from .triton_kernels import norm_fp8
         from .triton_kernels._common import rows_2d
@@ -162,7 +139,7 @@ def norm_backward(grad_output, x, weight, bias, eps, kind, mean, rstd, residual_
         and _fp32_rows(rstd, x.shape[0])
         and (residual_grad is None or (residual_grad.shape == x.shape and residual_grad.dtype == x.dtype))
         and _norm_fits(x, weight, bias)
-        and _on_kernel_device(x, grad_output, mean, rstd, residual_grad)
+        and on_kernel_device(x, grad_output, mean, rstd, residual_grad)
     ):
         from .triton_kernels import norm_fp8
         from .triton_kernels._common import rows_2d
@@ -178,7 +155,7 @@ def norm_backward(grad_output, x, weight, bias, eps, kind, mean, rstd, residual_
 def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """The reference ``rotary_embedding`` (rotate-half, partial rotary) through a Triton kernel."""
     if (
-        not _tracing()
+        not tracing()
         and x.dtype in _FLOAT
         and freqs.dtype in _FLOAT
         and not freqs.requires_grad
@@ -188,7 +165,7 @@ def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         and 0 < freqs.shape[-1] <= x.shape[-1]
         and freqs.shape[-1] % 2 == 0
         and x.shape[-1] <= 4096
-        and _on_kernel_device(x, freqs)
+        and on_kernel_device(x, freqs)
     ):
         from .triton_kernels import rotary
 
@@ -204,12 +181,12 @@ def rotary_embedding(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """The reference ``swiglu`` (fused ``[gate, up]`` input) through a Triton kernel."""
     if (
-        not _tracing()
+        not tracing()
         and x.dtype in _FLOAT
         and x.dim() >= 1
         and x.numel() > 0
         and x.shape[-1] % 2 == 0
-        and _on_kernel_device(x)
+        and on_kernel_device(x)
     ):
         from .triton_kernels import activations
 
@@ -226,13 +203,13 @@ def _bias_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
     """The reference ``bias_gelu`` (exact erf or tanh form) through a Triton kernel."""
     if (
-        not _tracing()
+        not tracing()
         and approximate in ("none", "tanh")
         and x.dtype in _FLOAT
         and x.dim() >= 1
         and x.numel() > 0
         and _bias_fits(x, bias)
-        and _on_kernel_device(x, bias)
+        and on_kernel_device(x, bias)
     ):
         from .triton_kernels import activations
 
@@ -245,7 +222,7 @@ def bias_dropout_add(
 ) -> torch.Tensor:
     """The reference ``bias_dropout_add`` through one Triton kernel (mask drawn in-kernel)."""
     if (
-        not _tracing()
+        not tracing()
         and x.dtype in _FLOAT
         and x.dim() >= 1
         and x.numel() > 0
@@ -254,7 +231,7 @@ def bias_dropout_add(
         and residual.dtype == x.dtype
         and 0.0 <= p < 1.0
         and _bias_fits(x, bias)
-        and _on_kernel_device(x, bias, residual)
+        and on_kernel_device(x, bias, residual)
     ):
         from .triton_kernels import activations
 
@@ -274,7 +251,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: f
         and labels.shape == logits.shape[:-1]
         and labels.dtype in (torch.int64, torch.int32)
         and 0.0 <= label_smoothing <= 1.0
-        and _on_kernel_device(logits, labels)
+        and on_kernel_device(logits, labels)
     ):
         from .triton_kernels import cross_entropy as ce
 
@@ -293,7 +270,7 @@ def _ce_rows_fit(logits2: torch.Tensor, local_labels: torch.Tensor, outside: tor
         and local_labels.dtype in (torch.int64, torch.int32)
         and outside.dtype == torch.bool
         and all(r.shape == logits2.shape[:1] for r in rows)
-        and _on_kernel_device(logits2, local_labels, outside, *rows)
+        and on_kernel_device(logits2, local_labels, outside, *rows)
     )
 
 
@@ -376,7 +353,7 @@ def attention(q, k, v, *, causal=True, mask=None, bias=None, dropout_p=0.0, scal
             q, k, v, causal=causal, mask=mask, bias=bias, dropout_p=dropout_p, scale=scale
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if mask is None and bias is None and not _tracing():
+    if mask is None and bias is None and not tracing():
         out = _flash_attn(q, k, v, causal, dropout_p, scale)
         if out is not None:
             return out
@@ -466,7 +443,7 @@ def adam_step_flat(
 ):  # fmt: skip
     """The reference ``adam_step_flat`` as one Triton launch over every tile of every segment."""
     tensors = (grads, params, masters, remainders, exp_avgs, exp_avg_sqs, grad_scale, skip)
-    if not _tracing() and len(lrs) <= 4 and _on_kernel_device(*tensors):
+    if not tracing() and len(lrs) <= 4 and on_kernel_device(*tensors):
         from .triton_kernels import adam
 
         fn = adam.adam_step_flat
@@ -486,7 +463,7 @@ def adam_step_flat_fp8(
     in an FP8 weight's piece also write its FP8 bytes and max its amax."""
     tensors = (grads, params, masters, remainders, exp_avgs, exp_avg_sqs, grad_scale, skip)
     fp8_tensors = (fp8.data, fp8.scales, fp8.amax)
-    if not _tracing() and len(lrs) <= 4 and _on_kernel_device(*tensors, *fp8_tensors):
+    if not tracing() and len(lrs) <= 4 and on_kernel_device(*tensors, *fp8_tensors):
         from .triton_kernels import adam
 
         fn = adam.adam_step_flat_fp8
@@ -496,38 +473,6 @@ def adam_step_flat_fp8(
         grads, params, masters, remainders, exp_avgs, exp_avg_sqs, segments, fp8, step=step, lrs=lrs,
         weight_decays=weight_decays, beta1=beta1, beta2=beta2, eps=eps, grad_scale=grad_scale, skip=skip,
     )  # fmt: skip
-
-
-def fp8_quantize_flat(params, fp8):
-    """The reference ``fp8_quantize_flat`` as one Triton launch over every piece (``--fp8-param-gather``,
-    tensorwise: instead of a quantize and a copy per weight)."""
-    if (
-        not _tracing()
-        and params.dtype in _FLOAT
-        and fp8.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        and _on_kernel_device(params, fp8.data, fp8.scales)
-    ):
-        from .triton_kernels import fp8_flat
-
-        fp8_flat.fp8_quantize_flat(params, fp8)
-    else:
-        reference.fp8_quantize_flat(params, fp8)
-
-
-def fp8_dequantize_flat(params, data, scale_inv, ranges):
-    """The reference ``fp8_dequantize_flat`` as one Triton launch over every run (``--fp8-param-gather``
-    after a bucket's gather: instead of a multiply and a copy per weight and run)."""
-    if (
-        not _tracing()
-        and params.dtype in (torch.float32, torch.bfloat16)  # fp16: the reference (fp8_flat)
-        and data.dtype == torch.float8_e4m3fn
-        and _on_kernel_device(params, data, scale_inv)
-    ):
-        from .triton_kernels import fp8_flat
-
-        fp8_flat.fp8_dequantize_flat(params, data, scale_inv, ranges)
-    else:
-        reference.fp8_dequantize_flat(params, data, scale_inv, ranges)
 
 
 # --- weight-gradient accumulation -----------------------------------------------------------------
@@ -601,8 +546,6 @@ def _build() -> tuple[dict, dict[str, str]]:
     if extensions.triton_available():
         ops.update(_TRITON_OPS)
         providers.update(dict.fromkeys(_TRITON_OPS, "triton"))
-    from .fp8 import FP8_OPS
-
     ops.update(FP8_OPS)
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
@@ -610,20 +553,11 @@ def _build() -> tuple[dict, dict[str, str]]:
             fp8_amax="triton", fp8_cast="triton", fp8_cast_dbias="triton", fp8_cast_packed="triton",
             fp8_transpose="triton",
         )  # fmt: skip
-        from .act_fp8 import ACT_FP8_OPS
-
         ops.update(ACT_FP8_OPS)
         providers.update(dict.fromkeys(ACT_FP8_OPS, "triton"))
     else:
         providers["fp8_transpose"] = "reference"  # PyTorch's strided copy
     return ops, providers
-
-
-def _fp8_ops() -> dict:
-    from .act_fp8 import ACT_FP8_OPS
-    from .fp8 import FP8_OPS
-
-    return {**FP8_OPS, **ACT_FP8_OPS}
 
 
 CUDA_OPS, PROVIDERS = _build()
@@ -634,6 +568,7 @@ ALL_OPS = {
     "attention": attention,
     "adam_step": adam_step,
     "accumulate_weight_grad": accumulate_weight_grad,
-    **_fp8_ops(),
+    **FP8_OPS,
+    **ACT_FP8_OPS,
 }
 """Every dispatcher, whatever is installed (tests call them directly: they fall back by themselves)."""

@@ -53,7 +53,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from mcore.backends.cuda import fp8 as cuda_fp8
+    from mcore.backends.cuda.fp8 import linear as cuda_fp8
 
     from mcore.ops import reference
 
@@ -160,7 +160,7 @@ def bench_dbias(copy_gbs: float) -> list[dict]:
 
 
 def _bench_dbias_shape(name: str, m: int, k: int, copy_gbs: float) -> list[dict]:
-    from mcore.backends.cuda import fp8 as cuda_fp8
+    from mcore.backends.cuda.fp8 import linear as cuda_fp8
     from mcore.backends.cuda.triton_kernels import fp8_cast as kernels
 
     dev, fp8, rows = torch.device("cuda"), torch.float8_e5m2, []

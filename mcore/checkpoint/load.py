@@ -49,7 +49,7 @@ from mcore.checkpoint.save import (
     rng_state_from_file,
 )
 from mcore.distributed.ddp import unwrap_model
-from mcore.tensor_parallel.fp8 import FP8_STATE, fp8_extra_state
+from mcore.fp8.scaling import FP8_STATE, fp8_extra_state
 from mcore.tensor_parallel.random import model_parallel_seed, set_all_rng_states
 
 # -- resolving which checkpoint ---------------------------------------------------------------------

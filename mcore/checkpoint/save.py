@@ -57,7 +57,7 @@ from mcore.checkpoint.format import (
 )
 from mcore.checkpoint.geometry import full_placement, placement_from_spec
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
-from mcore.tensor_parallel.fp8 import FP8_STATE, fp8_extra_state
+from mcore.fp8.scaling import FP8_STATE, fp8_extra_state
 from mcore.tensor_parallel.random import get_all_rng_states
 
 # -- small distributed helpers (no-ops in a single process) ----------------------------------------

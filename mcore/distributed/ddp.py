@@ -61,10 +61,10 @@ import torch
 import torch.distributed as dist
 
 from mcore.config.fields import check, flag
-from mcore.distributed.fp8_param_gather import Fp8ParamGather, fp8_gathered_layers
 from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.param_attrs import is_pipeline_shared, is_shared_embedding
+from mcore.fp8.param_gather import Fp8ParamGather, fp8_gathered_layers
 from mcore.tensor_parallel.first_grad import is_unwritten, zero_if_unwritten
 
 _DEFAULT_BUCKET_ELEMENTS = 40_000_000
@@ -110,7 +110,7 @@ class DDPConfig:
     fp8_param_gather: bool = flag(
         False,
         "All-gather the FP8 linears' weights in FP8 (set from Fp8Config's --fp8-param-gather; see "
-        "mcore.distributed.fp8_param_gather).",
+        "mcore.fp8.param_gather).",
         cli=False,
     )
 

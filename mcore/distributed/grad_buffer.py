@@ -254,7 +254,7 @@ class GradBuffer:
         self._skipped_key: tuple[int, ...] = ()
         self._zero_views: list[torch.Tensor] = []  # the buffer outside the skipped parameters
         self.fp8_gather = None
-        """``--fp8-param-gather``: the buffer's :class:`~mcore.distributed.fp8_param_gather.Fp8ParamGather`
+        """``--fp8-param-gather``: the buffer's :class:`~mcore.fp8.param_gather.Fp8ParamGather`
         (its buckets all-gather FP8 bytes instead of ``param_data``), set by the DDP wrapper."""
 
     def _pad_bucket_end(self, end: int) -> int:

@@ -119,7 +119,7 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, eq=False)
 class FlatFp8Weights:
     """The FP8 copies that ``adam_step_flat_fp8`` writes beside the parameters it updates
-    (``--fp8-param-gather`` with the delayed recipe, :mod:`mcore.distributed.fp8_param_gather`), or
+    (``--fp8-param-gather`` with the delayed recipe, :mod:`mcore.fp8.param_gather`), or
     ``fp8_quantize_flat`` after the step (tensorwise: it reads ``scales`` only, never ``amax``).
 
     Attributes:

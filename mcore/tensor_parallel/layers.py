@@ -30,18 +30,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from mcore.backend import get_ops
 from mcore.data.token_ids import TokenIdRange
 from mcore.tensor_parallel.first_grad import is_unwritten, set_opt_in, zero_if_unwritten
-from mcore.tensor_parallel.fp8 import (
-    Fp8DelayedState,
-    Fp8Linear,
-    Fp8Recipe,
-    bias_grad_from_output_cast,
-    fp8_linear,
-    gathers_fp8_input,
-    overwrites_first_grad,
-)
 from mcore.tensor_parallel.mappings import (
     all_gather_along_sequence,
     copy_to_tensor_model_parallel_region,
@@ -57,26 +47,7 @@ from mcore.tensor_parallel.mappings import (
 )
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved
 from mcore.tensor_parallel.sharding import ZEROS, InitMethod, NormalInit, ParamLayout, make_parameter
-
-# ``main_grad += grad_output_2d^T input_2d`` in place (the backend's ``accumulate_weight_grad``), as
-# an operator for compiled graphs: Inductor lowers an ``addmm_`` on a graph input to an out-of-place
-# GEMM plus a copy into the input (one more pass over the gradient than the fusion saves), but calls
-# an opaque operator that mutates its argument in place. Eager code calls the op table directly. A plain library definition, not
-# ``torch.library.custom_op``: its Python wrapper adds ~25 us per call, this ~2 (measured on a host).
-_LIBRARY = torch.library.Library("mcore", "FRAGMENT")
-_LIBRARY.define("accumulate_weight_grad_(Tensor(a!) main_grad, Tensor grad_output_2d, Tensor input_2d) -> ()")
-
-
-def _accumulate_weight_grad_impl(main_grad, grad_output_2d, input_2d) -> None:
-    get_ops().accumulate_weight_grad(main_grad, grad_output_2d, input_2d)
-
-
-def _accumulate_weight_grad_fake(main_grad, grad_output_2d, input_2d) -> None:
-    return None
-
-
-_LIBRARY.impl("accumulate_weight_grad_", _accumulate_weight_grad_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("mcore::accumulate_weight_grad_", _accumulate_weight_grad_fake, lib=_LIBRARY)
+from mcore.tensor_parallel.weight_grad import weight_grad
 
 
 class _LinearWithGradAccumulationFusion(torch.autograd.Function):
@@ -106,21 +77,8 @@ class _LinearWithGradAccumulationFusion(torch.autograd.Function):
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_weight = _weight_grad(ctx, weight, grad_2d, x.reshape(-1, x.shape[-1]))
+        grad_weight = weight_grad(ctx, weight, grad_2d, x.reshape(-1, x.shape[-1]))
         return grad_input, grad_weight, grad_bias, None, None
-
-
-def _weight_grad(ctx, weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
-    """``dW = dY^T X``: accumulated into ``ctx.main_grad`` (returning the placeholder, or None for a
-    shared weight, as :class:`_LinearWithGradAccumulationFusion` describes), or returned when
-    ``ctx.main_grad`` is None."""
-    if ctx.main_grad is None:
-        return grad_2d.t().matmul(input_2d)
-    if torch.compiler.is_compiling():
-        torch.ops.mcore.accumulate_weight_grad_.default(ctx.main_grad, grad_2d, input_2d)
-    else:
-        get_ops().accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
-    return None if ctx.zero_placeholder else torch.empty_like(weight)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -162,7 +120,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         total = gather.wait()
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = _weight_grad(ctx, weight, grad_2d, total.reshape(-1, total.shape[-1]))
+            grad_weight = weight_grad(ctx, weight, grad_2d, total.reshape(-1, total.shape[-1]))
         grad_input = None if scatter is None else scatter.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
 
@@ -248,18 +206,22 @@ def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool):
     return total, RecomputeWhenSaved(total, all_gather_along_sequence, x, group)
 
 
-def _setup_fp8(layer: torch.nn.Module, fp8: Fp8Recipe | None, parallel_mode: str, device) -> None:
-    """Give ``layer`` its FP8 call description (and the delayed recipe's state as ``layer.fp8_state``)."""
-    layer.fp8 = fp8
+def _setup_fp8(layer: torch.nn.Module, fp8, parallel_mode: str, device) -> None:
+    """Give ``layer`` its FP8 call description (and the delayed recipe's state as ``layer.fp8_state``).
+
+    ``fp8``: the :class:`~mcore.fp8.config.Fp8Config` (None or disabled: no FP8). The config builds
+    the call (:meth:`~mcore.fp8.config.Fp8Config.linear_call`) and this module only calls it:
+    :mod:`mcore.fp8` sits above the tensor-parallel layers (it uses their collectives)."""
+    layer.fp8 = fp8 if fp8 is not None and fp8.enabled else None
     layer.fp8_state = None
     layer._fp8_call = None
-    # the weight's FP8 copy, set by DDP with --fp8-param-gather (mcore.distributed.fp8_param_gather)
+    # the weight's FP8 copy, set by DDP with --fp8-param-gather (mcore.fp8.param_gather)
     layer.fp8_gathered_weight = None
-    if fp8 is None:
+    if layer.fp8 is None:
         return
-    if fp8.recipe == "delayed":
-        layer.fp8_state = Fp8DelayedState(fp8, device=device)
-    layer._fp8_call = Fp8Linear(fp8, layer.fp8_state, layer.tp_group, parallel_mode)
+    call = layer.fp8.linear_call(layer.tp_group, parallel_mode, device)
+    layer.fp8_state = call.state
+    layer._fp8_call = call
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -284,7 +246,8 @@ class ColumnParallelLinear(torch.nn.Module):
         skip_weight_param_allocation: create no weight; ``forward`` receives it (tied output layer).
         gradient_accumulation_fusion: accumulate the weight gradient into ``weight.main_grad`` in the
             backward (:func:`linear_with_grad_accumulation_fusion`).
-        fp8: run the GEMMs in FP8 with this recipe (:mod:`mcore.tensor_parallel.fp8`); with sequence
+        fp8: run the GEMMs in FP8 with this :class:`~mcore.fp8.config.Fp8Config`
+            (:mod:`mcore.fp8.linear`); with sequence
             parallelism the input is all-gathered in its own dtype and quantized after the gather.
         params_dtype, device: dtype and device of the parameters.
     """
@@ -304,7 +267,7 @@ class ColumnParallelLinear(torch.nn.Module):
         vocab_padded: bool = False,
         skip_weight_param_allocation: bool = False,
         gradient_accumulation_fusion: bool = False,
-        fp8: Fp8Recipe | None = None,
+        fp8=None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ):
@@ -346,20 +309,18 @@ class ColumnParallelLinear(torch.nn.Module):
         shared_weight = weight is not self.weight
         sp = self.sequence_parallel and group_size(self.tp_group) > 1
         gathered = None if shared_weight else self.fp8_gathered_weight
-        overwrites = self._fp8_call is not None and overwrites_first_grad(self.fp8)
-        if self._fp8_call is not None and sp and gathers_fp8_input(self.fp8):
+        overwrites = self._fp8_call is not None and self.fp8.overwrites_first_grad
+        if self._fp8_call is not None and sp and self.fp8.per_tensor_fp8_wgrad:  # gathered in FP8
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight, overwrites)
-            y = fp8_linear(
-                x, weight, bias, self._fp8_call, main_grad, shared_weight,
+            y = self._fp8_call.linear(
+                x, weight, bias, main_grad, shared_weight,
                 sequence_parallel_group=self.tp_group, gathered=gathered,
             )  # fmt: skip
         elif self._fp8_call is not None:
             total, saved_input = column_parallel_input(x, self.tp_group, self.sequence_parallel)
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight, overwrites)
             with saved_input:
-                y = fp8_linear(
-                    total, weight, bias, self._fp8_call, main_grad, shared_weight, gathered=gathered
-                )
+                y = self._fp8_call.linear(total, weight, bias, main_grad, shared_weight, gathered=gathered)
         elif self.sequence_parallel and group_size(self.tp_group) > 1 and torch.is_grad_enabled():
             main_grad = fusion_main_grad(weight, self.gradient_accumulation_fusion, shared_weight)
             y = _SequenceParallelColumnLinear.apply(x, weight, bias, main_grad, shared_weight, self.tp_group)
@@ -418,13 +379,13 @@ class RowParallelLinear(torch.nn.Module):
             MLP). The bias gradient is then the column sum of the output gradient, and an FP8 linear
             that casts that gradient anyway (:meth:`takes_bias_grad`) returns ``bias.detach()``,
             takes ``bias`` into its backward for the gradient only and sums it in the cast's read
-            (``fp8_cast_dbias``; :mod:`mcore.tensor_parallel.fp8`): the caller's add computes no
+            (``fp8_cast_dbias``; :mod:`mcore.fp8.linear`): the caller's add computes no
             bias gradient. Everywhere else the returned bias is the parameter itself.
         sequence_parallel: reduce-scatter the output to ``[s/p, b, out]`` (needs input_is_parallel).
         init_method: init of the logical weight (Megatron uses the scaled init for output layers).
         gradient_accumulation_fusion: accumulate the weight gradient into ``weight.main_grad`` in the
             backward (:func:`linear_with_grad_accumulation_fusion`).
-        fp8: run the GEMMs in FP8 with this recipe (:mod:`mcore.tensor_parallel.fp8`).
+        fp8: run the GEMMs in FP8 with this :class:`~mcore.fp8.config.Fp8Config` (:mod:`mcore.fp8.linear`).
         params_dtype, device: dtype and device of the parameters.
     """
 
@@ -440,7 +401,7 @@ class RowParallelLinear(torch.nn.Module):
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
         gradient_accumulation_fusion: bool = False,
-        fp8: Fp8Recipe | None = None,
+        fp8=None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ):
@@ -469,7 +430,7 @@ class RowParallelLinear(torch.nn.Module):
     def takes_bias_grad(self) -> bool:
         """Whether this layer's backward gives its bias the gradient (and :meth:`forward` returns the
         bias detached): ``skip_bias_add`` with :attr:`bias_added_by_caller`, an FP8 recipe whose
-        backward casts the output gradient (:func:`~mcore.tensor_parallel.fp8.bias_grad_from_output_cast`),
+        backward casts the output gradient (:attr:`~mcore.fp8.config.Fp8Config.per_tensor_fp8_wgrad`),
         and no sequence parallelism (each rank's bias gradient is then a partial sum over its
         sequence shard, all-reduced over TP later with the other sequence-parallel gradients,
         whereas the linear sees the gathered output gradient of the whole sequence)."""
@@ -478,7 +439,7 @@ class RowParallelLinear(torch.nn.Module):
             and self.bias_added_by_caller
             and self.bias is not None
             and self.fp8 is not None
-            and bias_grad_from_output_cast(self.fp8)
+            and self.fp8.per_tensor_fp8_wgrad
             and not self.sequence_parallel
         )
 
@@ -488,10 +449,10 @@ class RowParallelLinear(torch.nn.Module):
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         bias_grad_here = self.takes_bias_grad()  # the caller adds bias.detach(): its gradient is ours
         if self._fp8_call is not None:
-            overwrites = overwrites_first_grad(self.fp8)
+            overwrites = self.fp8.overwrites_first_grad
             main_grad = fusion_main_grad(self.weight, self.gradient_accumulation_fusion, False, overwrites)
-            y = fp8_linear(
-                x, self.weight, self.bias if bias_grad_here else None, self._fp8_call, main_grad,
+            y = self._fp8_call.linear(
+                x, self.weight, self.bias if bias_grad_here else None, main_grad,
                 gathered=self.fp8_gathered_weight, bias_added_by_caller=bias_grad_here,
             )  # fmt: skip
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore.tensor_parallel.fp8 import update_fp8_scales
+from mcore.fp8.scaling import update_fp8_scales
 
 
 def sgd_steps_on_main_grad(ddp, model, data: torch.Tensor, groups, lr: float = 0.05, on_step=None):

@@ -15,10 +15,10 @@ from typing import Any
 
 from mcore.checkpoint.config import CheckpointConfig
 from mcore.config.cli import parse_config
-from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.data.config import DataConfig, TokenizerConfig
 from mcore.distributed.ddp import DDPConfig
+from mcore.fp8.config import Fp8Config
 from mcore.models.transformer.model_config import ModelConfig
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 from mcore.training.config import TrainingConfig

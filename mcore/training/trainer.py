@@ -27,9 +27,9 @@ from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.watchdog import note_step
+from mcore.fp8.scaling import DelayedScaleUpdate
 from mcore.models.transformer.layer_graphs import arm_after_warmup, layer_graphs_of
 from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
-from mcore.tensor_parallel.fp8 import DelayedScaleUpdate
 from mcore.training.checkpointer import Checkpointer
 from mcore.training.context import TrainContext, TrainResult, TrainState
 from mcore.training.device_memory import release_unused_device_memory

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore.config.fp8 import Fp8Config
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups
+from mcore.fp8 import linear as fp8_module
+from mcore.fp8.config import Fp8Config
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.ops import reference
-from mcore.tensor_parallel import fp8 as fp8_module
 from mcore.tensor_parallel.first_grad import is_unwritten, opts_in
 from mcore.testing.ddp_steps import sgd_steps_on_main_grad
 from mcore.testing.distributed import run_distributed

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mcore.config.fields import ConfigError
-from mcore.models import fp8_producers
+from mcore.fp8 import producers as fp8_producers
 from mcore.testing.distributed import run_distributed
 from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import check_run_config, pretrain

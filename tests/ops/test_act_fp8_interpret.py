@@ -68,7 +68,7 @@ def _main(device) -> int:
 
 def _checks(device) -> int:
     import torch
-    from mcore.backends.cuda import act_fp8 as dispatch
+    from mcore.backends.cuda.fp8 import act as dispatch
     from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
     from mcore.backends.cuda.triton_kernels import activations
     from mcore.backends.cuda.triton_kernels import fp8_cast as cast_kernels

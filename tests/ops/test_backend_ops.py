@@ -387,10 +387,11 @@ def test_backend_adam_step_matches_reference(backend, decoupled):
 
 def test_cuda_dispatchers_fall_back_to_reference_on_cpu_tensors(monkeypatch):
     """CPU tensors through the cuda op table give the reference's result exactly (no Triton needed)."""
+    from mcore.backends.cuda import device as cuda_device
     from mcore.backends.cuda import ops as cuda_ops
 
     # under TRITON_INTERPRET the dispatchers would run the Triton kernels on CPU tensors: not this test
-    monkeypatch.setattr(cuda_ops, "_INTERPRET", False)
+    monkeypatch.setattr(cuda_device, "INTERPRET", False)
     for case in SMALL:
         if case.op not in cuda_ops.ALL_OPS:
             continue
@@ -435,7 +436,7 @@ def cuda_backend():
 def test_cuda_op_table_serves_every_triton_kernel():
     """The CUDA backend's table, built without a GPU: with Triton installed (the test extra), every op
     with a Triton kernel is served by it. One FP8 fused-producer op left to the reference turns the
-    whole fused FP8 path off on the GPU (``mcore.models.fp8_producers``: the pair must be served alike),
+    whole fused FP8 path off on the GPU (``mcore.fp8.producers``: the pair must be served alike),
     which a GPU run notices only as a slower step."""
     from mcore.backends.cuda import extensions
     from mcore.backends.cuda import ops as cuda_ops

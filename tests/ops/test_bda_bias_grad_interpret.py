@@ -27,7 +27,7 @@ def test_bda_with_a_detached_bias_and_the_cast_dbias_under_the_interpreter():
 
 def _main() -> int:
     import torch
-    from mcore.backends.cuda import fp8 as cuda_fp8
+    from mcore.backends.cuda.fp8 import linear as cuda_fp8
     from mcore.backends.cuda.triton_kernels import activations
     from mcore.backends.cuda.triton_kernels import fp8_cast as cast_kernels
 

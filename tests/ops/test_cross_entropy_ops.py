@@ -157,10 +157,11 @@ def test_ignore_index_keeps_the_fused_loss_behaviour(smoothing):
 
 
 def test_cuda_dispatchers_fall_back_to_the_reference_on_cpu_tensors(monkeypatch):
+    from mcore.backends.cuda import device as cuda_device
     from mcore.backends.cuda import ops as cuda_ops
 
     # under TRITON_INTERPRET the dispatchers would run the Triton kernels on CPU tensors: not this test
-    monkeypatch.setattr(cuda_ops, "_INTERPRET", False)
+    monkeypatch.setattr(cuda_device, "INTERPRET", False)
     logits, labels, upstream = _inputs(9, 50, torch.float32)
     outside = labels > 40
     local = labels.masked_fill(outside, 0)

@@ -31,7 +31,7 @@ def test_fp8_cast_kernels_under_the_interpreter():
 
 def _main() -> int:
     import torch
-    from mcore.backends.cuda import fp8 as cuda_fp8
+    from mcore.backends.cuda.fp8 import linear as cuda_fp8
     from mcore.backends.cuda.triton_kernels import fp8_cast as kernels
 
     from mcore.ops import reference

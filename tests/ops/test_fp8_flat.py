@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore.distributed.fp8_param_gather import FP8_WEIGHT_DTYPE, Fp8ParamGather
 from mcore.distributed.grad_buffer import CommSpec, GradBuffer
+from mcore.fp8.param_gather import FP8_WEIGHT_DTYPE, Fp8ParamGather
 from mcore.ops import reference
 from mcore.ops.flat import FlatFp8Weights
 
@@ -29,11 +29,11 @@ into 4 shards, the pieces start and end inside 16-element blocks; (4, 5) lies in
 
 def _gather(dtype: torch.dtype, rank: int, shapes=SHAPES, bucket_size: int | None = 1500):
     """An ``Fp8ParamGather`` over FP8 tensorwise linears of ``shapes`` as DP rank ``rank`` of ``DP``."""
-    from mcore.tensor_parallel.fp8 import Fp8Recipe
+    from mcore.fp8.config import Fp8Config
     from mcore.tensor_parallel.layers import ColumnParallelLinear
 
     torch.manual_seed(0)
-    fp8 = Fp8Recipe(format="hybrid", recipe="tensorwise")
+    fp8 = Fp8Config(fp8_format="hybrid", fp8_recipe="tensorwise")
     layers = [ColumnParallelLinear(k, n, bias=False, fp8=fp8, params_dtype=dtype) for n, k in shapes]
     with torch.no_grad():
         for i, layer in enumerate(layers):  # different magnitudes per weight: different scales

@@ -63,8 +63,8 @@ def test_norm_fp8_conformance_cases(case):
 
 
 def _main(device: str) -> int:
-    from mcore.backends.cuda import fp8 as cuda_fp8
     from mcore.backends.cuda import ops as cuda_ops
+    from mcore.backends.cuda.fp8 import linear as cuda_fp8
     from mcore.backends.cuda.triton_kernels import fp8_cast, norm_fp8, norms
 
     from mcore.ops import reference

@@ -13,20 +13,18 @@ import pytest
 import torch
 
 from mcore.config.fields import ConfigError
-from mcore.config.fp8 import Fp8Config, check_fp8_backend
-from mcore.plugins.manager import select_backend
-from mcore.tensor_parallel.fp8 import (
+from mcore.fp8.config import Fp8Config, Recipe, check_fp8_backend
+from mcore.fp8.linear import Fp8Linear, fp8_linear
+from mcore.fp8.scaling import (
     GRAD_OUTPUT,
     INPUT,
     WEIGHT,
     DelayedScaleUpdate,
     Fp8DelayedState,
-    Fp8Linear,
-    Fp8Recipe,
-    fp8_linear,
     scale_from_amax,
     update_fp8_scales,
 )
+from mcore.plugins.manager import select_backend
 from mcore.testing import conformance
 from mcore.testing.distributed import test_backend_name as _test_backend_name
 
@@ -207,7 +205,7 @@ def test_scaled_linear_takes_scales_viewed_from_a_table(backend):
 def test_misaligned_gemm_scales_are_copied():
     """The CUDA backend's guard itself (runs on CPU tensors): aligned scales pass through, others are
     copied to fresh (aligned) memory with the same value."""
-    from mcore.backends.cuda.fp8 import SCALE_ALIGN_BYTES, _aligned_scale
+    from mcore.backends.cuda.fp8.linear import SCALE_ALIGN_BYTES, _aligned_scale
 
     table = torch.arange(8, dtype=torch.float32)
     assert table.data_ptr() % SCALE_ALIGN_BYTES == 0
@@ -217,17 +215,17 @@ def test_misaligned_gemm_scales_are_copied():
         assert (got.data_ptr() == table[i].data_ptr()) == (i % 4 == 0)
 
 
-def _fp8_model_linear(x, w, b, dy, recipe: Fp8Recipe):
+def _fp8_model_linear(x, w, b, dy, recipe: Fp8Config):
     """The FP8 linear written out: current per-tensor (or per-row) scales, quantize, dequantize,
     float64 GEMMs. Returns y, dx, dw, db."""
-    fwd, bwd, m = recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
+    fwd, bwd, m = recipe.fwd_dtype, recipe.bwd_dtype, recipe.fp8_margin
 
     def q(t, dtype, dim=None):
         amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
         scale = scale_from_amax(amax.float(), dtype, m)
         return _dq(_model_quantize(t, scale, dtype), scale.reciprocal())
 
-    if recipe.recipe == "rowwise":
+    if recipe.recipe is Recipe.ROWWISE:
         y = q(x, fwd, -1) @ q(w, fwd, -1).t()
         dx = q(dy, bwd, -1) @ q(w.t(), fwd, -1).t()
         dw = q(dy.t(), bwd, -1) @ q(x.t(), fwd, -1).t()
@@ -253,7 +251,7 @@ def test_fp8_linear_is_the_quantized_model(backend, recipe, fmt):
     w = (torch.randn(48, 64, generator=gen) * 0.05).to(dtype)
     b = torch.randn(48, generator=gen).to(dtype)
     dy = (torch.randn(2, 32, 48, generator=gen) * 1e-3).to(dtype)
-    r = Fp8Recipe(format=fmt, recipe=recipe, margin=1)
+    r = Fp8Config(fp8_format=fmt, fp8_recipe=recipe, fp8_margin=1)
     xs, ws, bs = (t.to(dev).requires_grad_() for t in (x, w, b))
     y = fp8_linear(xs, ws, bs, Fp8Linear(r, None, None, "column"))
     y.backward(dy.to(dev))
@@ -271,7 +269,14 @@ def test_no_fp8_wgrad_keeps_the_weight_gradient_unquantized(backend):
     gen = torch.Generator().manual_seed(3)
     x, w, dy = torch.randn(64, 32, generator=gen), torch.randn(16, 32, generator=gen), torch.randn(64, 16)
     ws = w.to(dev).requires_grad_()
-    y = fp8_linear(x.to(dev), ws, None, Fp8Linear(Fp8Recipe(wgrad=False), None, None, "row"))
+    y = fp8_linear(
+        x.to(dev),
+        ws,
+        None,
+        Fp8Linear(
+            Fp8Config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_wgrad=False), None, None, "row"
+        ),
+    )
     y.backward(dy.to(dev))
     assert _rel(ws.grad, dy.t() @ x) < (1e-6 if dev.type == "cpu" else 1e-2)
 
@@ -281,7 +286,13 @@ def test_delayed_scaling_uses_the_amax_history(backend):
     step's scales are fp8_max / amax / 2^margin (most_recent) or over the whole history (max)."""
     dev = backend.device()
     for algo in ("most_recent", "max"):
-        recipe = Fp8Recipe(recipe="delayed", amax_history_len=3, amax_compute_algo=algo, margin=1)
+        recipe = Fp8Config(
+            fp8_format="hybrid",
+            fp8_recipe="delayed",
+            fp8_amax_history_len=3,
+            fp8_amax_compute_algo=algo,
+            fp8_margin=1,
+        )
         layer = torch.nn.Module()
         layer.fp8_state = Fp8DelayedState(recipe, device=dev)
         call = Fp8Linear(recipe, layer.fp8_state, None, "column")
@@ -312,8 +323,8 @@ def test_delayed_scale_update_copies_nothing_from_the_host(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     recipes = [
-        Fp8Recipe(format="hybrid", recipe="delayed", amax_history_len=4),
-        Fp8Recipe(format="e4m3", recipe="delayed", amax_history_len=4, margin=1),
+        Fp8Config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4),
+        Fp8Config(fp8_format="e4m3", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_margin=1),
     ]
     model = torch.nn.ModuleList(Fp8DelayedState(recipes[i % 2], device="meta") for i in range(5))
     update = DelayedScaleUpdate(model)
@@ -359,14 +370,14 @@ def test_megatron_fp8_flags_parse():
         "--fp8-amax-compute-algo", "max", "--fp8-margin", "1", "--no-fp8-wgrad",
         "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "2",
     )  # fmt: skip
-    recipe = cfg.fp8.recipe()
-    assert recipe == Fp8Recipe(
-        format="hybrid", recipe="delayed", margin=1, amax_history_len=16, amax_compute_algo="max", wgrad=False
-    )
-    assert recipe.bwd_dtype == E5M2 and Fp8Recipe(format="e4m3").bwd_dtype == E4M3
+    fp8 = cfg.fp8
+    assert (fp8.fp8_format, fp8.recipe, fp8.fp8_margin) == ("hybrid", Recipe.DELAYED, 1)
+    assert (fp8.fp8_amax_history_len, fp8.fp8_amax_compute_algo, fp8.fp8_wgrad) == (16, "max", False)
+    assert fp8.fp8_fused_producers and fp8.fp8_keep_weight_transpose  # the defaults
+    assert fp8.bwd_dtype == E5M2 and Fp8Config(fp8_format="e4m3").bwd_dtype == E4M3
     assert [cfg.fp8.layer_in_fp8(i, 4) for i in (1, 2, 3, 4)] == [False, True, False, False]
-    assert _parse().fp8.recipe() is None  # off by default
-    assert _parse("--fp8-format", "e4m3").fp8.recipe().recipe == "delayed"  # Megatron's default recipe
+    assert not _parse().fp8.enabled  # off by default
+    assert _parse("--fp8-format", "e4m3").fp8.recipe is Recipe.DELAYED  # Megatron's default recipe
 
 
 @pytest.mark.parametrize(
@@ -391,11 +402,11 @@ def test_bad_fp8_flags_get_one_clear_error(argv, message, capsys):
 
 
 def test_backends_without_fp8_refuse_it():
-    recipe = Fp8Recipe()
+    recipe = Fp8Config(fp8_format="hybrid", fp8_recipe="tensorwise")
     with pytest.raises(ConfigError, match="backend 'npu' has no 'fp8' capability"):
         check_fp8_backend(recipe, frozenset({"bf16", "fp16"}), "npu")
     with pytest.raises(ConfigError, match="'fp8_rowwise'"):
-        check_fp8_backend(Fp8Recipe(recipe="rowwise"), frozenset({"fp8"}), "cuda")
+        check_fp8_backend(Fp8Config(fp8_format="hybrid", fp8_recipe="rowwise"), frozenset({"fp8"}), "cuda")
     with pytest.raises(ConfigError, match="exceed --num-layers 2"):
         Fp8Config(fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2).check_with(
             2, frozenset({"fp8"}), "cpu"

@@ -32,16 +32,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
+from mcore.fp8 import fused as fp8_fused
+from mcore.fp8 import linear as fp8_module
+from mcore.fp8.config import Fp8Config
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.models.transformer import layer as transformer_layer
 from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.plugins.manager import plugin_manager, register_plugin
-from mcore.tensor_parallel import fp8 as fp8_module
-from mcore.tensor_parallel import fp8_fused
 from mcore.tensor_parallel.layers import RowParallelLinear
 from mcore.testing.conformance import training_rank
 from mcore.testing.ddp_steps import sgd_steps_on_main_grad
@@ -222,7 +222,7 @@ def test_where_the_linear_keeps_the_old_behaviour():
     assert all(linear.bias_added_by_caller for linear in _proj_and_fc2(bf16))
     assert not any(linear.takes_bias_grad() for linear in _proj_and_fc2(bf16))
     # a linear nobody marked returns its bias itself
-    linear = RowParallelLinear(8, 4, skip_bias_add=True, fp8=Fp8Config(fp8_format="hybrid").recipe())
+    linear = RowParallelLinear(8, 4, skip_bias_add=True, fp8=Fp8Config(fp8_format="hybrid"))
     assert not linear.takes_bias_grad()
     _, bias = linear(torch.randn(3, 8))
     assert bias is linear.bias
@@ -232,7 +232,7 @@ def test_the_returned_bias_is_detached_and_the_output_unchanged():
     """Training and evaluation: the output without the bias is the same either way; the returned
     bias has the parameter's values and no autograd history (its gradient comes from the linear)."""
     torch.manual_seed(0)
-    linear = RowParallelLinear(8, 4, skip_bias_add=True, fp8=Fp8Config(fp8_format="hybrid").recipe())
+    linear = RowParallelLinear(8, 4, skip_bias_add=True, fp8=Fp8Config(fp8_format="hybrid"))
     with torch.no_grad():
         linear.bias.normal_()
     x = torch.randn(2, 3, 8)

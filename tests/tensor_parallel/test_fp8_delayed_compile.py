@@ -1,7 +1,7 @@
 """``torch.compile`` of the transformer layers (``--compile-layers``) with the delayed FP8 recipe.
 
 The delayed recipe's casts record each role's amax in place into the linear's
-:class:`~mcore.tensor_parallel.fp8.Fp8DelayedState`: the input's and the weight's in the forward, the
+:class:`~mcore.fp8.scaling.Fp8DelayedState`: the input's and the weight's in the forward, the
 output gradient's in the backward. AOTAutograd traces a compiled layer's forward and backward as one
 joint graph and functionalizes those writes; a buffer written in both passes (the single
 ``pending_amax [3]`` this replaced) came out of the joint graph as one forward output that depends on
@@ -37,15 +37,15 @@ import torch
 from mcore.backends.cuda.compile import compile_layer
 
 from mcore.backend import CPUBackend
-from mcore.config.fp8 import Fp8Config
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups
+from mcore.fp8.config import Fp8Config
+from mcore.fp8.scaling import delayed_states
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
 from mcore.plugins import hookimpl
 from mcore.plugins.hookspecs import PLUGIN_API_VERSION
 from mcore.plugins.manager import plugin_manager, register_plugin
-from mcore.tensor_parallel.fp8 import delayed_states
 from mcore.testing.conformance import training_rank
 from mcore.testing.ddp_steps import sgd_steps_on_main_grad
 from mcore.testing.distributed import run_distributed

@@ -1,4 +1,4 @@
-"""The fused FP8 producers (:mod:`mcore.tensor_parallel.fp8_fused`) equal the unfused FP8 path.
+"""The fused FP8 producers (:mod:`mcore.fp8.fused`) equal the unfused FP8 path.
 
 1. Bit for bit (CPU, reference ops): a GPT (LayerNorm, GeLU, biases, hidden dropout), a Llama-style
    model (RMSNorm, SwiGLU, no biases, RoPE, GQA), that model with biases, and a tanh-GeLU RMSNorm
@@ -18,14 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
-from mcore.models import fp8_producers
+from mcore.fp8 import producers as fp8_producers
+from mcore.fp8.config import Fp8Config
+from mcore.fp8.scaling import delayed_states, update_fp8_scales
 from mcore.models.bert.bert_model import BertModel
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
-from mcore.tensor_parallel.fp8 import delayed_states, update_fp8_scales
 from mcore.testing.distributed import run_distributed
 from mcore.training.run_config import parse_run_config
 
@@ -135,8 +135,8 @@ def test_each_weight_is_cast_once_a_forward_and_backward(monkeypatch, fused):
     """The forward's one cast of a weight writes ``W_q`` and ``W_q^T`` (kept for the input gradient):
     the backward reads no weight again, on the fused and the unfused path."""
     from mcore.backend import get_ops
-    from mcore.tensor_parallel import fp8 as fp8_linear_module
-    from mcore.tensor_parallel import fp8_fused
+    from mcore.fp8 import fused as fp8_fused
+    from mcore.fp8 import linear as fp8_linear_module
 
     casts = []
 
@@ -216,8 +216,8 @@ def test_the_switch_and_the_conditions_select_the_path():
     assert all(layer.fp8_fused_qkv and layer.fp8_fused_mlp for layer in bert.encoder.layers)
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
     argv += ["--fp8-format", "hybrid"]
-    assert parse_run_config(argv).fp8.recipe().fused_producers
-    assert not parse_run_config([*argv, "--no-fp8-fused-producers"]).fp8.recipe().fused_producers
+    assert parse_run_config(argv).fp8.fp8_fused_producers
+    assert not parse_run_config([*argv, "--no-fp8-fused-producers"]).fp8.fp8_fused_producers
 
 
 # -- TP=2 equals TP=1 on the fused path ------------------------------------------------------------

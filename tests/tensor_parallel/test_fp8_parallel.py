@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
+from mcore.fp8.config import Fp8Config
+from mcore.fp8.scaling import update_fp8_scales
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
-from mcore.tensor_parallel.fp8 import update_fp8_scales
 from mcore.testing.distributed import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))

@@ -54,12 +54,13 @@ GATHER = ["--fp8-param-gather"]
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_linear_computes_with_the_gathered_weight(recipe):
+    from mcore.fp8.config import Fp8Config
+    from mcore.fp8.operand import Fp8Tensor
     from mcore.ops import reference
-    from mcore.tensor_parallel.fp8 import Fp8GatheredWeight, Fp8Recipe
     from mcore.tensor_parallel.layers import ColumnParallelLinear
 
     torch.manual_seed(0)
-    fp8 = Fp8Recipe(format="hybrid", recipe=recipe)
+    fp8 = Fp8Config(fp8_format="hybrid", fp8_recipe=recipe)
     layer = ColumnParallelLinear(32, 16, bias=False, fp8=fp8, params_dtype=torch.bfloat16)
     other = torch.randn(16, 32).to(torch.bfloat16)  # a weight the layer does not hold
     scale = reference.fp8_scale_from_amax(reference.fp8_amax(other), torch.float8_e4m3fn, 0)
@@ -80,7 +81,7 @@ def test_fp8_linear_computes_with_the_gathered_weight(recipe):
     with torch.no_grad():
         layer.weight.zero_()  # the layer's own weight must not be read
     q = reference.fp8_quantize(other, scale, torch.float8_e4m3fn)
-    layer.fp8_gathered_weight = Fp8GatheredWeight(q, scale.reciprocal())
+    layer.fp8_gathered_weight = Fp8Tensor(q, scale.reciprocal())
     got_y, got_dx = run()
     assert torch.equal(got_y, want_y) and torch.equal(got_dx, want_dx)
 
@@ -93,7 +94,8 @@ def train_recording(extra: list[str]) -> dict:
     afterwards, checking the FP8 copies against the exactly gathered bf16 weights."""
     import mcore.distributed.grad_buffer as grad_buffer
     from mcore.distributed.ddp import DistributedDataParallel
-    from mcore.distributed.fp8_param_gather import Fp8ParamGather
+    from mcore.fp8.config import Recipe
+    from mcore.fp8.param_gather import Fp8ParamGather
     from mcore.ops import reference
     from mcore.optimizer.optimizer import MegatronOptimizer
 
@@ -151,7 +153,7 @@ def train_recording(extra: list[str]) -> dict:
                 q = reference.fp8_quantize(layer.weight, gathered.scale_inv.reciprocal(), torch.float8_e4m3fn)
                 copies_exact &= torch.equal(q.view(torch.uint8), gathered.data.view(torch.uint8))
                 tp1 = layer.tp_size == 1  # (under TP the amax is the whole weight's, over the shards)
-                if tp1 and layer._fp8_call.recipe.recipe == "tensorwise":  # one scale: the weight's amax
+                if tp1 and layer._fp8_call.config.recipe is Recipe.TENSORWISE:  # one scale: the weight's amax
                     amax = reference.fp8_amax(layer.weight)
                     want = reference.fp8_scale_from_amax(amax, torch.float8_e4m3fn, 0).reciprocal()
                     copies_exact &= torch.equal(gathered.scale_inv, want)

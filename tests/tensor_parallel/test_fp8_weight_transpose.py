@@ -3,7 +3,7 @@
 By default the tensorwise/delayed forward's one cast of a weight writes ``W_q`` and ``W_q^T`` and keeps
 ``W_q^T`` for the input gradient (1 byte a weight element held until the backward). With the flag the
 forward casts ``W_q`` only and saves its scale (delayed: the WEIGHT scale; tensorwise: the amax); the
-backward casts ``W^T`` again with it (:func:`mcore.tensor_parallel.fp8.weight_transpose_for_backward`).
+backward casts ``W^T`` again with it (:func:`mcore.fp8.linear.weight_transpose_for_backward`).
 
 1. Bit for bit (CPU, reference ops): a GPT (LayerNorm, GeLU, biases, dropout 0.1) and a Llama-style
    model (RMSNorm, SwiGLU: the fused MLP's two weights), tensorwise, delayed unfused and delayed with
@@ -35,15 +35,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcore.config.fp8 import Fp8Config
 from mcore.config.parallel import ParallelConfig
 from mcore.distributed.ddp import DDPConfig, DistributedDataParallel
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
+from mcore.fp8 import fused as fp8_fused
+from mcore.fp8 import linear as fp8_module
+from mcore.fp8.config import Fp8Config
+from mcore.fp8.scaling import delayed_states
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
-from mcore.tensor_parallel import fp8 as fp8_module
-from mcore.tensor_parallel import fp8_fused
-from mcore.tensor_parallel.fp8 import delayed_states
 from mcore.testing.ddp_steps import sgd_steps_on_main_grad
 from mcore.testing.distributed import run_distributed
 
@@ -281,20 +281,18 @@ def test_dropping_the_weight_transpose_at_tp2():
 def test_a_gathered_weight_is_transposed_in_the_backward(recipe):
     """The layer with a gathered FP8 weight: the same output and input gradient with the flag, and the
     forward saves no transposed copy (only the gathered bytes themselves, no new storage)."""
+    from mcore.fp8.operand import Fp8Tensor
     from mcore.ops import reference
-    from mcore.tensor_parallel.fp8 import Fp8GatheredWeight, Fp8Recipe
     from mcore.tensor_parallel.layers import ColumnParallelLinear
 
     torch.manual_seed(0)
     weight = torch.randn(16, 32).to(torch.bfloat16)
     scale = reference.fp8_scale_from_amax(reference.fp8_amax(weight), torch.float8_e4m3fn, 0)
-    gathered = Fp8GatheredWeight(
-        reference.fp8_quantize(weight, scale, torch.float8_e4m3fn), scale.reciprocal()
-    )
+    gathered = Fp8Tensor(reference.fp8_quantize(weight, scale, torch.float8_e4m3fn), scale.reciprocal())
     x = torch.randn(4, 32, dtype=torch.bfloat16)
 
     def run(keep: bool):
-        fp8 = Fp8Recipe(format="hybrid", recipe=recipe, keep_weight_transpose=keep)
+        fp8 = Fp8Config(fp8_format="hybrid", fp8_recipe=recipe, fp8_keep_weight_transpose=keep)
         layer = ColumnParallelLinear(32, 16, bias=False, fp8=fp8, params_dtype=torch.bfloat16)
         if recipe == "delayed":
             layer.fp8_state.scale[1] = scale
@@ -345,7 +343,7 @@ def train_gathered(extra: list[str]) -> dict:
     linears = [m for model in models for m in model.modules() if getattr(m, "_fp8_call", None) is not None]
     return {
         **result,
-        "keep": sorted({m._fp8_call.recipe.keep_weight_transpose for m in linears}),
+        "keep": sorted({m._fp8_call.config.fp8_keep_weight_transpose for m in linears}),
         "gathered": all(m.fp8_gathered_weight is not None for m in linears),
         "fused": all(layer.fp8_fused_mlp for model in models for layer in model.decoder.layers),
     }
@@ -359,9 +357,9 @@ def test_pretrain_flag_reaches_the_linears_and_gathered_losses_are_equal():
 
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
     argv += ["--fp8-format", "hybrid"]
-    assert parse_run_config(argv).fp8.recipe().keep_weight_transpose
+    assert parse_run_config(argv).fp8.fp8_keep_weight_transpose
     flagged = parse_run_config([*argv, "--no-fp8-keep-weight-transpose"]).fp8
-    assert not flagged.fp8_keep_weight_transpose and not flagged.recipe().keep_weight_transpose
+    assert not flagged.fp8_keep_weight_transpose
 
     common = ["--bf16", "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
     common += ["--fp8-param-gather", "--clip-grad", "0", "--train-iters", "3"]
@@ -376,10 +374,9 @@ def test_a_scale_changed_between_forward_and_backward_is_refused():
     """The delayed WEIGHT scale is saved as the state's slot: an in-place change before the backward
     (a scale update in the middle of a step) fails autograd's version check instead of casting
     ``W^T`` with another scale than the forward's ``W_q``."""
-    from mcore.tensor_parallel.fp8 import Fp8Recipe
     from mcore.tensor_parallel.layers import ColumnParallelLinear
 
-    fp8 = Fp8Recipe(format="hybrid", recipe="delayed", keep_weight_transpose=False)
+    fp8 = Fp8Config(fp8_format="hybrid", fp8_recipe="delayed", fp8_keep_weight_transpose=False)
     layer = ColumnParallelLinear(32, 16, bias=False, fp8=fp8)
     y, _ = layer(torch.randn(4, 32, requires_grad=True))
     layer.fp8_state.scale.mul_(2)

@@ -1,7 +1,7 @@
 """The FP8 copies of many weights in one launch (ops ``fp8_quantize_flat``, ``fp8_dequantize_flat``).
 
 ``--fp8-param-gather`` keeps the FP8 weights of one DDP buffer in a flat FP8 buffer laid out like the
-parameters (:mod:`mcore.distributed.fp8_param_gather`). Two element-wise maps between them run over
+parameters (:mod:`mcore.fp8.param_gather`). Two element-wise maps between them run over
 lists of ``(start, end, i)`` runs of that buffer space, ``i`` the weight the run belongs to:
 
 * ``fp8_quantize_flat`` (tensorwise recipe, after the optimizer step): ``data[run] = saturate(

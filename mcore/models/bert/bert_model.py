@@ -43,8 +43,8 @@ from __future__ import annotations
 import torch
 
 from mcore.config.fields import check
-from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
+from mcore.fp8.config import Fp8Config
 from mcore.models.bert.bert_heads import BertLMHead, Pooler, ReplicatedLinear
 from mcore.models.transformer.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.transformer.block import TransformerBlock

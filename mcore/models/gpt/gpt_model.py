@@ -42,9 +42,9 @@ from __future__ import annotations
 import torch
 
 from mcore.config.fields import check
-from mcore.config.fp8 import Fp8Config
 from mcore.data.token_ids import TokenIdRange
 from mcore.distributed.groups import ProcessGroups
+from mcore.fp8.config import Fp8Config
 from mcore.models.transformer.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.transformer.block import TransformerBlock
 from mcore.models.transformer.embeddings import LanguageModelEmbedding
@@ -106,7 +106,7 @@ class GPTModel(LanguageModule):
         seed: initialization seed (``--seed``); weights depend only on it, not on the layout.
         layer_spec: the transformer-layer spec (default :func:`gpt_layer_spec`).
         fp8: the FP8 flags (``--fp8-format`` ...): the transformer layers' linears run in FP8
-            (:mod:`mcore.tensor_parallel.fp8`); the backend must have the ``fp8`` capability.
+            (:mod:`mcore.fp8.linear`); the backend must have the ``fp8`` capability.
 
     Raises:
         ConfigError: the model does not split over TP (messages name the values).

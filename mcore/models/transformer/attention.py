@@ -187,7 +187,7 @@ class SelfAttention(torch.nn.Module):
         attention_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward` after the QKV projection: ``qkv [s, b, (n_p + 2 g_p) d]`` (``linear_qkv``'s
-        output, or the fused norm and projection's, :mod:`mcore.models.fp8_producers`)."""
+        output, or the fused norm and projection's, :mod:`mcore.fp8.producers`)."""
         s, b = qkv.shape[:2]
         groups, widths = self.qkv_split()
         query, key, value = torch.split(qkv.view(s, b, groups, sum(widths)), list(widths), dim=-1)
@@ -213,7 +213,7 @@ class SelfAttention(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward_from_qkv` after the split: ``query [s, b, g_p, r d]``, ``key``/``value [s, b,
         g_p, d]`` (views of ``linear_qkv``'s output, or the fused norm and projection's parts,
-        :class:`~mcore.tensor_parallel.fp8_fused.OutputSplit`)."""
+        :class:`~mcore.fp8.fused.OutputSplit`)."""
         s, b = query.shape[:2]
         query = query.reshape(s, b, self.num_heads, self.head_dim)
         if rotary_freqs is not None:

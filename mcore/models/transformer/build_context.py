@@ -24,7 +24,7 @@ class BuildContext:
         sequence_parallel: activations outside TP regions are split along the sequence.
         params_dtype: dtype of the parameters (fp32, bf16, fp16).
         device: where parameters are created and initialized.
-        fp8: the FP8 flags (:class:`mcore.config.fp8.Fp8Config`), None or disabled for none.
+        fp8: the FP8 flags (:class:`mcore.fp8.config.Fp8Config`), None or disabled for none.
         num_layers: the model's total layer count (for ``--first-last-layers-bf16``).
     """
 
@@ -38,11 +38,11 @@ class BuildContext:
     num_layers: int = 0
 
     def fp8_kwargs(self, layer_number: int) -> dict[str, Any]:
-        """``{"fp8": recipe}`` for the linears of global layer ``layer_number`` (1-based) when it runs
+        """``{"fp8": config}`` (the :class:`~mcore.fp8.config.Fp8Config`) for the linears of global layer ``layer_number`` (1-based) when it runs
         in FP8, else ``{}`` (so custom linear classes without an ``fp8`` argument still build)."""
         if self.fp8 is None or not self.fp8.layer_in_fp8(layer_number, self.num_layers):
             return {}
-        return {"fp8": self.fp8.recipe()}
+        return {"fp8": self.fp8}
 
 
 def default_device() -> torch.device:

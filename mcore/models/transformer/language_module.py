@@ -26,8 +26,8 @@ import torch
 
 from mcore.backend import current_backend
 from mcore.config.fields import ConfigError, check
-from mcore.config.fp8 import Fp8Config
 from mcore.distributed.groups import ProcessGroups
+from mcore.fp8.config import Fp8Config
 from mcore.models.transformer.build_context import BuildContext
 from mcore.models.transformer.model_config import ModelConfig, check_tensor_parallel
 from mcore.tensor_parallel.layers import ColumnParallelLinear

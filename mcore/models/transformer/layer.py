@@ -18,7 +18,7 @@ whole MLP. ``layernorm`` and ``mlp_act`` run no backward pass of their own, so t
 device graphs (``--cuda-graph-impl local``) and keep the fused norm-and-residual op.
 
 FP8 with the delayed recipe: the norms write the next linear's FP8 input themselves, as one autograd
-Function with it (:mod:`mcore.models.fp8_producers` says when); that path keeps only FP8 operands,
+Function with it (:mod:`mcore.fp8.producers` says when); that path keeps only FP8 operands,
 so ``layernorm`` and ``mlp_act`` have nothing to free there, and ``mlp`` checkpoints the fused norm
 and MLP together.
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
-from mcore.models import fp8_producers
+from mcore.fp8 import producers as fp8_producers
 from mcore.models.transformer.attention import SelfAttention
 from mcore.models.transformer.build_context import BuildContext
 from mcore.models.transformer.cross_attention import CrossAttention
@@ -115,10 +115,17 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = build_module(submodules.mlp, config, ctx, layer_number=layer_number)
         # bias_dropout_add adds linear_proj's and linear_fc2's returned biases to their outputs as is
         mark_bias_added_by_caller(self.self_attention, self.mlp)
-        # FP8 (delayed recipe): the norms write the next linear's FP8 input (mcore.models.fp8_producers)
+        # FP8 (delayed recipe): the norms write the next linear's FP8 input (mcore.fp8.producers), for
+        # the stock parts only (a spec that swaps one in keeps its own forward)
         fusable = fp8_producers.layer_allows(self)
-        self.fp8_fused_qkv = fusable and fp8_producers.qkv_fusable(self.input_layernorm, self.self_attention)
-        self.fp8_fused_mlp = fusable and fp8_producers.mlp_fusable(self.pre_mlp_layernorm, self.mlp)
+        stock_qkv = type(self.input_layernorm) is Norm and type(self.self_attention) is SelfAttention
+        stock_mlp = type(self.pre_mlp_layernorm) is Norm and type(self.mlp) is MLP
+        self.fp8_fused_qkv = (
+            fusable and stock_qkv and fp8_producers.qkv_fusable(self.input_layernorm, self.self_attention)
+        )
+        self.fp8_fused_mlp = (
+            fusable and stock_mlp and fp8_producers.mlp_fusable(self.pre_mlp_layernorm, self.mlp)
+        )
 
     def forward(
         self,

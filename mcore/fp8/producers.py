@@ -1,18 +1,20 @@
 """When a transformer layer takes the fused FP8 producers, and the calls that bind its modules to them.
 
-:mod:`mcore.tensor_parallel.fp8_fused` has the math: ``input_layernorm -> linear_qkv`` as one autograd
+:mod:`mcore.fp8.fused` has the math: ``input_layernorm -> linear_qkv`` as one autograd
 Function (the norm writes QKV's FP8 input), ``pre_mlp_layernorm -> fc1 -> activation -> fc2`` as
 another (the norm writes fc1's FP8 input, the activation fc2's). A layer takes them when all hold
 (else the unfused modules run, with the same parameters and FP8 states):
 
 * the linears run FP8 with the delayed recipe and FP8 weight gradients, and
-  ``--no-fp8-fused-producers`` is not given (:func:`~mcore.tensor_parallel.fp8_fused.fusable_call`);
+  ``--no-fp8-fused-producers`` is not given (:func:`~mcore.fp8.fused.fusable_call`);
 * pre-norm (no ``--apply-residual-connection-post-layernorm``), no ``--fp32-residual-connection``,
   no ``--sequence-parallel``;
 * the layer's parts are the stock classes: :class:`~mcore.models.transformer.norms.Norm` (LayerNorm or RMSNorm),
   :class:`~mcore.models.transformer.attention.SelfAttention` / :class:`~mcore.models.transformer.mlp.MLP` with
   :class:`~mcore.tensor_parallel.layers.ColumnParallelLinear` / ``RowParallelLinear`` projections
-  (a spec that swaps one in keeps its own forward), and a GeLU, tanh-GeLU or SwiGLU MLP;
+  (a spec that swaps one in keeps its own forward), and a GeLU, tanh-GeLU or SwiGLU MLP. The layer
+  checks the classes of its own parts (it builds them; this package sits below :mod:`mcore.models`
+  and imports none of it) and asks :func:`qkv_fusable` / :func:`mlp_fusable` only about stock parts;
 * not under ``torch.compile`` (the compiled layer fuses its own producers);
 * the op table serves the fused op and the unfused ops it replaces alike: both by the reference or
   both by a backend (the fused op's bytes are defined as the unfused op's; a backend that overrides
@@ -30,18 +32,8 @@ import logging
 import torch
 
 from mcore.backend import get_ops
-from mcore.models.transformer.attention import SelfAttention
-from mcore.models.transformer.mlp import MLP
-from mcore.models.transformer.norms import Norm
+from mcore.fp8.fused import NORM_KINDS, NormSpec, OutputSplit, fp8_norm_linear, fp8_norm_mlp, fusable_call
 from mcore.ops.registry import REFERENCE
-from mcore.tensor_parallel.fp8_fused import (
-    NORM_KINDS,
-    NormSpec,
-    OutputSplit,
-    fp8_norm_linear,
-    fp8_norm_mlp,
-    fusable_call,
-)
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, fusion_main_grad
 from mcore.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -50,7 +42,8 @@ _declined: set[tuple[str, str]] = set()  # (fused op, unfused op) pairs already 
 
 
 def _norm_spec(norm: torch.nn.Module) -> NormSpec | None:
-    if type(norm) is not Norm or norm.kind not in NORM_KINDS:
+    """The fused norm of a stock ``Norm`` (the caller checked its class), None for another kind."""
+    if norm.kind not in NORM_KINDS:
         return None
     return NormSpec(norm.kind, norm.eps)
 
@@ -65,7 +58,7 @@ def _column(linear: torch.nn.Module) -> bool:
     )
 
 
-def activation_kind(mlp: MLP) -> str | None:
+def activation_kind(mlp: torch.nn.Module) -> str | None:
     """The fused activation of a stock MLP (``gelu``, ``gelu_tanh``, ``swiglu``), None for GeGLU."""
     if mlp.swiglu:
         return "swiglu"
@@ -80,18 +73,19 @@ def layer_allows(layer) -> bool:
 
 
 def qkv_fusable(norm: torch.nn.Module, attention: torch.nn.Module) -> bool:
-    """``norm -> attention.linear_qkv`` may run as one fused Function (static conditions)."""
+    """``norm -> attention.linear_qkv`` may run as one fused Function (static conditions; ``norm`` a
+    stock ``Norm`` and ``attention`` a stock ``SelfAttention``, which the layer checked)."""
     return (
         _norm_spec(norm) is not None
-        and type(attention) is SelfAttention
         and _column(attention.linear_qkv)
         and not attention.linear_qkv.skip_bias_add
     )
 
 
 def mlp_fusable(norm: torch.nn.Module, mlp: torch.nn.Module) -> bool:
-    """``norm -> mlp`` may run as one fused Function (static conditions)."""
-    if _norm_spec(norm) is None or type(mlp) is not MLP or activation_kind(mlp) is None:
+    """``norm -> mlp`` may run as one fused Function (static conditions; ``norm`` a stock ``Norm`` and
+    ``mlp`` a stock ``MLP``, which the layer checked)."""
+    if _norm_spec(norm) is None or activation_kind(mlp) is None:
         return False
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
     return (
@@ -120,12 +114,12 @@ def _same_server(pairs) -> bool:
     return True
 
 
-def _norm_ops(norm: Norm) -> list[tuple[str, str]]:
+def _norm_ops(norm: torch.nn.Module) -> list[tuple[str, str]]:
     name = "layer_norm" if norm.kind == "LayerNorm" else "rms_norm"
     return [("norm_fp8_forward", name), ("norm_backward", name)]
 
 
-def qkv_ops_ready(norm: Norm, attention: SelfAttention) -> bool:
+def qkv_ops_ready(norm: torch.nn.Module, attention: torch.nn.Module) -> bool:
     """The dynamic conditions of the fused QKV path: not compiling, the ops served alike."""
     if torch.compiler.is_compiling():
         return False
@@ -135,7 +129,7 @@ def qkv_ops_ready(norm: Norm, attention: SelfAttention) -> bool:
     return _same_server(pairs)
 
 
-def mlp_ops_ready(norm: Norm, mlp: MLP) -> bool:
+def mlp_ops_ready(norm: torch.nn.Module, mlp: torch.nn.Module) -> bool:
     """The dynamic conditions of the fused MLP path: not compiling, the ops served alike."""
     if torch.compiler.is_compiling():
         return False
@@ -144,11 +138,11 @@ def mlp_ops_ready(norm: Norm, mlp: MLP) -> bool:
     return _same_server(pairs)
 
 
-def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def norm_qkv(norm: torch.nn.Module, attention: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(query, key, value, x)``: ``linear_qkv(norm(x))`` split as
     :meth:`~mcore.models.transformer.attention.SelfAttention.forward_from_qkv` splits it (``[s, b, g_p, r d]``,
-    ``[s, b, g_p, d]`` twice), through :func:`~mcore.tensor_parallel.fp8_fused.fp8_norm_linear` with
-    an :class:`~mcore.tensor_parallel.fp8_fused.OutputSplit` (the three gradients are cast to FP8
+    ``[s, b, g_p, d]`` twice), through :func:`~mcore.fp8.fused.fp8_norm_linear` with
+    an :class:`~mcore.fp8.fused.OutputSplit` (the three gradients are cast to FP8
     where they lie), and the residual stream."""
     linear = attention.linear_qkv
     # the fused Functions write the step's first weight gradient over main_grad (fp8_wgrad): opt in
@@ -160,9 +154,11 @@ def norm_qkv(norm: Norm, attention: SelfAttention, x: torch.Tensor) -> tuple[tor
     )  # fmt: skip
 
 
-def norm_mlp(norm: Norm, mlp: MLP, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def norm_mlp(
+    norm: torch.nn.Module, mlp: torch.nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(fc2 output, fc2 bias un-added, residual)`` of ``mlp(norm(x))`` through
-    :func:`~mcore.tensor_parallel.fp8_fused.fp8_norm_mlp`; the fc2 output is all-reduced over TP here,
+    :func:`~mcore.fp8.fused.fp8_norm_mlp`; the fc2 output is all-reduced over TP here,
     as :class:`~mcore.tensor_parallel.layers.RowParallelLinear` does, and when fc2 gives its bias the
     gradient (:meth:`~mcore.tensor_parallel.layers.RowParallelLinear.takes_bias_grad`: the layer adds
     it as is) the fused backward does so and the bias is returned detached, as fc2 would."""

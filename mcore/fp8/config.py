@@ -1,68 +1,50 @@
-"""FP8 training flags (Megatron-LM's ``--fp8-*`` transformer-engine flags), for mcore's own FP8 linears.
+"""FP8's one typed config: Megatron-LM's ``--fp8-*`` flags (:class:`Fp8Config`), the scaling recipe
+(:class:`Recipe`) and what the FP8 code asks of them (the config's properties).
 
 ``--fp8-format e4m3|hybrid`` turns FP8 on for the linear layers of the transformer layers (QKV,
 attention projection, MLP fc1/fc2); embeddings, the output layer, norms, attention and the loss stay
 in the parameters' dtype, as with Megatron and Transformer Engine. The GEMMs run on the backend's
-``scaled_linear`` ops (:mod:`mcore.tensor_parallel.fp8` has the math); the backend must have the
-``fp8`` capability (CUDA on compute capability >= 8.9; the CPU backend emulates it for tests).
+``scaled_linear`` ops (:mod:`mcore.fp8.linear` has the math); the backend must have the ``fp8``
+capability (CUDA on compute capability >= 8.9; the CPU backend emulates it for tests).
+
+The layers get the config itself (a linear of a layer that runs in FP8, :meth:`Fp8Config.layer_in_fp8`)
+and read the flags under their own names (``fp8_margin``, ``fp8_wgrad``, ...); the questions several
+places ask are properties here (:attr:`Fp8Config.recipe`, :attr:`Fp8Config.per_tensor_fp8_wgrad`,
+:attr:`Fp8Config.fuses_producers`, ...), so no code compares recipe names.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mcore.config.fields import check, flag
 
+
+class Recipe(enum.Enum):
+    """The scaling recipes (``--fp8-recipe``; :mod:`mcore.fp8.scaling` describes them)."""
+
+    TENSORWISE = "tensorwise"
+    """Current per-tensor scaling: one scale per tensor from its own amax (stateless)."""
+    DELAYED = "delayed"
+    """Per-tensor scales from an amax history of earlier steps
+    (:class:`~mcore.fp8.scaling.Fp8DelayedState`)."""
+    ROWWISE = "rowwise"
+    """Current per-row scaling of each NT operand (needs the backend's ``fp8_rowwise``)."""
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per tensor (tensorwise, delayed): an operand can be cast once as a whole, its
+        transpose written by the same cast, and gathered in FP8."""
+        return self is not Recipe.ROWWISE
+
+
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
+FP8_RECIPES = tuple(r.value for r in Recipe)
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
-
-
-@dataclass(frozen=True)
-class Fp8Recipe:
-    """How one linear layer quantizes (built from :class:`mcore.config.fp8.Fp8Config`).
-
-    Attributes:
-        format: ``e4m3`` (every tensor e4m3) or ``hybrid`` (e4m3 forward, e5m2 output gradients).
-        recipe: ``tensorwise``, ``delayed`` or ``rowwise`` (see the module docstring).
-        margin: scales are divided by ``2**margin`` (headroom for amax growth).
-        amax_history_len, amax_compute_algo: the delayed recipe's history.
-        wgrad: the weight-gradient GEMM in FP8 (``--no-fp8-wgrad``: in the activations' dtype).
-        fused_producers: with the delayed recipe and FP8 weight gradients, the norm before QKV/fc1
-            and the MLP activation write the FP8 GEMM inputs themselves
-            (:mod:`mcore.tensor_parallel.fp8_fused`; bit-identical to the unfused path).
-            ``--no-fp8-fused-producers`` runs the unfused path.
-        keep_weight_transpose: the tensorwise and delayed recipes' forward cast of a weight also
-            writes ``W_q^T`` and keeps it for the input gradient (1 byte a weight element held from
-            forward to backward); ``--no-fp8-keep-weight-transpose`` casts ``W_q`` only and the
-            backward casts ``W^T`` again with the forward's scale (bit-identical; a second read of
-            the weight, 2 bytes an element, and one more kernel a linear).
-    """
-
-    format: str = "hybrid"
-    recipe: str = "tensorwise"
-    margin: int = 0
-    amax_history_len: int = 1
-    amax_compute_algo: str = "most_recent"
-    wgrad: bool = True
-    fused_producers: bool = True
-    keep_weight_transpose: bool = True
-
-    def __post_init__(self):
-        if self.format not in FP8_FORMATS:
-            raise ValueError(f"fp8 format {self.format!r} is unknown; choose one of {', '.join(FP8_FORMATS)}")
-        if self.recipe not in FP8_RECIPES:
-            raise ValueError(f"fp8 recipe {self.recipe!r} is unknown; choose one of {', '.join(FP8_RECIPES)}")
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
-
-    @property
-    def bwd_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
 
 
 FP8_RECIPE_CHOICES = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
@@ -167,7 +149,7 @@ class Fp8Config:
             "--fp8-param-gather needs --fp8-format e4m3 or hybrid (it all-gathers the FP8 linears' weights)",
         )
         check(
-            not (self.fp8_param_gather and self.fp8_recipe == "rowwise"),
+            not (self.fp8_param_gather and self.recipe is Recipe.ROWWISE),
             "--fp8-param-gather with --fp8-recipe rowwise is not supported (a row-scaled weight would need "
             "its row amaxes reduced before the cast and a transposed copy with other scales for the "
             "backward); use --fp8-recipe tensorwise or delayed",
@@ -177,20 +159,57 @@ class Fp8Config:
     def enabled(self) -> bool:
         return self.fp8_format is not None
 
-    def recipe(self) -> Fp8Recipe | None:
-        """The layers' :class:`Fp8Recipe`, or None when FP8 is off."""
-        if not self.enabled:
-            return None
-        return Fp8Recipe(
-            format=self.fp8_format,
-            recipe=self.fp8_recipe,
-            margin=self.fp8_margin,
-            amax_history_len=self.fp8_amax_history_len,
-            amax_compute_algo=self.fp8_amax_compute_algo,
-            wgrad=self.fp8_wgrad,
-            fused_producers=self.fp8_fused_producers,
-            keep_weight_transpose=self.fp8_keep_weight_transpose,
-        )
+    @property
+    def recipe(self) -> Recipe:
+        """The scaling recipe (``--fp8-recipe``; the refused names never get past construction)."""
+        return Recipe(self.fp8_recipe)
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        """The forward operands' format (inputs and weights): e4m3 in both formats."""
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        """The output gradients' format: e5m2 with ``hybrid``, e4m3 with ``e4m3``."""
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
+
+    @property
+    def per_tensor_fp8_wgrad(self) -> bool:
+        """A per-tensor recipe with the FP8 weight gradient. Then an FP8 linear casts its output
+        gradient ``dy`` as a whole in every backward, so the gradient of a bias its caller adds
+        (``bias_added_by_caller``) comes from that cast's read of ``dy`` (``fp8_cast_dbias``) for free,
+        and a sequence-parallel column layer all-gathers its input in FP8. (Rowwise quantizes ``dy``
+        per row and per column separately and its scales are per token; ``--no-fp8-wgrad`` casts
+        ``dy`` only when the input needs a gradient and its weight gradient needs the bf16 input.)"""
+        return self.recipe.per_tensor and self.fp8_wgrad
+
+    @property
+    def fuses_producers(self) -> bool:
+        """The fused producers may run (:mod:`mcore.fp8.fused`): the delayed recipe (the scales are
+        known before the producer runs), FP8 weight gradients (the producer writes ``qT``) and
+        ``--no-fp8-fused-producers`` not given."""
+        return self.recipe is Recipe.DELAYED and self.fp8_wgrad and self.fp8_fused_producers
+
+    @property
+    def overwrites_first_grad(self) -> bool:
+        """Whether an FP8 linear writes its weight's first gradient of a step over ``main_grad``
+        (:func:`mcore.fp8.linear.fp8_wgrad`; the opt-in of
+        :func:`mcore.tensor_parallel.layers.fusion_main_grad`): with the FP8 weight gradient, in eager
+        mode (a compiled backward is traced once, with the flag's value at tracing time, so a
+        compiled layer always adds into a zeroed ``main_grad``). Read at each forward."""
+        return self.fp8_wgrad and not torch.compiler.is_compiling()
+
+    def linear_call(self, tp_group: Any, parallel_mode: str, device=None):
+        """A parallel linear's :class:`~mcore.fp8.linear.Fp8Linear` (with a new
+        :class:`~mcore.fp8.scaling.Fp8DelayedState` for the delayed recipe). The tensor-parallel
+        layers build their FP8 call through this (they import nothing of :mod:`mcore.fp8`, which sits
+        above them)."""
+        from mcore.fp8.linear import Fp8Linear
+        from mcore.fp8.scaling import Fp8DelayedState
+
+        state = Fp8DelayedState(self, device=device) if self.recipe is Recipe.DELAYED else None
+        return Fp8Linear(self, state, tp_group, parallel_mode)
 
     def layer_in_fp8(self, layer_number: int, num_layers: int) -> bool:
         """Whether transformer layer ``layer_number`` (1-based, global) runs its linears in FP8."""
@@ -225,19 +244,19 @@ class Fp8Config:
                 f"--num-layers-at-start-in-bf16 {self.num_layers_at_start_in_bf16} + "
                 f"--num-layers-at-end-in-bf16 {self.num_layers_at_end_in_bf16} exceed --num-layers {num_layers}",
             )
-        check_fp8_backend(self.recipe(), capabilities, backend_name)
+        check_fp8_backend(self, capabilities, backend_name)
 
 
-def check_fp8_backend(recipe: Fp8Recipe | None, capabilities: frozenset[str], backend_name: str) -> None:
+def check_fp8_backend(fp8: Fp8Config | None, capabilities: frozenset[str], backend_name: str) -> None:
     """Refuse FP8 on a backend without the ``fp8`` capability (rowwise: ``fp8_rowwise``)."""
-    if recipe is None:
+    if fp8 is None or not fp8.enabled:
         return
     check(
         "fp8" in capabilities,
-        f"--fp8-format {recipe.format}: device backend {backend_name!r} has no 'fp8' capability (FP8 "
+        f"--fp8-format {fp8.fp8_format}: device backend {backend_name!r} has no 'fp8' capability (FP8 "
         "matrix units: CUDA compute capability >= 8.9, e.g. H100/L40S/RTX 4090); train with --bf16 there",
     )
-    if recipe.recipe == "rowwise":
+    if fp8.recipe is Recipe.ROWWISE:
         check(
             "fp8_rowwise" in capabilities,
             f"--fp8-recipe rowwise: device backend {backend_name!r} has no 'fp8_rowwise' capability "

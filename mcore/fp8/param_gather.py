@@ -55,10 +55,15 @@ import torch
 import torch.distributed as dist
 
 from mcore.backend import get_ops
-from mcore.distributed.grad_buffer import Bucket, GradBuffer, all_gather_into_tensor
+from mcore.fp8.config import Recipe
+from mcore.fp8.operand import Fp8Tensor
+from mcore.fp8.scaling import WEIGHT, scale_from_amax
 from mcore.ops.flat import FlatFp8Weights
-from mcore.tensor_parallel.fp8 import WEIGHT, Fp8GatheredWeight, scale_from_amax
-from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group, group_size
+from mcore.tensor_parallel.mappings import (
+    _all_gather_single,
+    all_reduce_in_tensor_model_parallel_group,
+    group_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +84,9 @@ def fp8_gathered_layers(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
         weight = getattr(layer, "weight", None)
         if call is None or not isinstance(weight, torch.nn.Parameter) or not weight.requires_grad:
             continue
-        if call.recipe.recipe not in ("tensorwise", "delayed"):
+        if not call.config.recipe.per_tensor:
             raise ValueError(
-                f"--fp8-param-gather: {type(layer).__name__} uses --fp8-recipe {call.recipe.recipe}; "
+                f"--fp8-param-gather: {type(layer).__name__} uses --fp8-recipe {call.config.fp8_recipe}; "
                 "use tensorwise or delayed"
             )
         out[id(weight)] = layer
@@ -92,7 +97,10 @@ class Fp8ParamGather:
     """The FP8 copy of one DDP buffer whose parameters are all FP8 linears' weights.
 
     Args:
-        buffer: the buffer (distributed optimizer: its ``param_data`` holds the parameters).
+        buffer: the :class:`~mcore.distributed.grad_buffer.GradBuffer` (distributed optimizer: its
+            ``param_data`` holds the parameters; its buckets are what :meth:`bucket_bytes` and
+            :meth:`after_gather` get). The buffer holds this object (``buffer.fp8_gather``), so this
+            module only reads it and imports nothing of :mod:`mcore.distributed`, which sits above.
         layers: the layer of each parameter of ``buffer``, in ``buffer.params`` order.
         tp_group: the tensor-parallel group (a TP-split weight's amax is reduced over it too).
 
@@ -103,7 +111,7 @@ class Fp8ParamGather:
     views were misaligned for 3 weights of 4).
     """
 
-    def __init__(self, buffer: GradBuffer, layers: Sequence[torch.nn.Module], tp_group):
+    def __init__(self, buffer, layers: Sequence[torch.nn.Module], tp_group):
         if buffer.param_data is None:
             raise ValueError(
                 "--fp8-param-gather needs the parameters in the DDP buffer (distributed optimizer)"
@@ -121,9 +129,9 @@ class Fp8ParamGather:
             self._owned.append(None if local is None else (start + local[0], start + local[1]))
         for i, (param, layer, (start, end)) in enumerate(zip(buffer.params, self.layers, self._ranges)):
             view = self.data[start:end].view(param.shape)
-            layer.fp8_gathered_weight = Fp8GatheredWeight(view, self.scale_inv[i, 0])
+            layer.fp8_gathered_weight = Fp8Tensor(view, self.scale_inv[i, 0])
         self._delayed = [
-            i for i, layer in enumerate(self.layers) if layer._fp8_call.recipe.recipe == "delayed"
+            i for i, layer in enumerate(self.layers) if layer._fp8_call.config.recipe is Recipe.DELAYED
         ]
         self.quantizes_in_step = len(self._delayed) == len(self.layers)
         """Every weight on the delayed recipe (scales known before the step): the flat optimizer step
@@ -214,21 +222,21 @@ class Fp8ParamGather:
         current: dict[int, torch.Tensor] = {}  # tensorwise scales of all weights, by margin
         scales = []
         for i, layer in enumerate(self.layers):
-            recipe = layer._fp8_call.recipe
-            if recipe.recipe == "delayed":
+            fp8 = layer._fp8_call.config
+            if fp8.recipe is Recipe.DELAYED:
                 scales.append(layer.fp8_state.scale[WEIGHT])
             else:
-                if recipe.margin not in current:
-                    current[recipe.margin] = scale_from_amax(amax, FP8_WEIGHT_DTYPE, recipe.margin)
-                scales.append(current[recipe.margin][i])
+                if fp8.fp8_margin not in current:
+                    current[fp8.fp8_margin] = scale_from_amax(amax, FP8_WEIGHT_DTYPE, fp8.fp8_margin)
+                scales.append(current[fp8.fp8_margin][i])
         return torch.stack(scales)
 
-    def bucket_bytes(self, bucket: Bucket) -> torch.Tensor:
+    def bucket_bytes(self, bucket) -> torch.Tensor:
         """What ``bucket`` all-gathers: its range of :attr:`data`, as bytes (collectives move uint8)."""
         return self.data[bucket.start : bucket.end].view(torch.uint8)
 
     @torch.no_grad()
-    def after_gather(self, bucket: Bucket) -> None:
+    def after_gather(self, bucket) -> None:
         """Set the parameters of ``bucket`` outside this rank's pieces to ``W_q * scale_inv`` (rounded
         to the parameter dtype): the weight the forward computes with."""
         runs = self._gathered_runs[bucket.index]
@@ -245,4 +253,4 @@ class Fp8ParamGather:
         for bucket in self.buffer.buckets:
             data = bucket.param_data
             size = data.numel() // comm.size
-            all_gather_into_tensor(data, data[comm.rank * size : (comm.rank + 1) * size], group=comm.group)
+            _all_gather_single(data, data[comm.rank * size : (comm.rank + 1) * size], group=comm.group)

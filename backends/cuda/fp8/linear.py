@@ -4,7 +4,7 @@ Why ``torch._scaled_mm`` and not torchao's float8 training: torchao is not insta
 machines this backend targets (and is not a dependency of mcore), and its ``Float8Linear`` swaps
 modules and owns the autograd function, which would bypass mcore's op table: the table is the
 backend contract (every op has a CPU reference the CI checks, another vendor can serve the same
-ops), so mcore keeps the FP8 linear in the core (:mod:`mcore.tensor_parallel.fp8`) and this backend
+ops), so mcore keeps the FP8 linear in the core (:mod:`mcore.fp8.linear`) and this backend
 serves only its kernels. ``torch._scaled_mm`` is the cuBLASLt FP8 GEMM torchao itself calls:
 
 * per-tensor scales: any output dtype (bf16 for activations, fp32 for the weight gradient that is
@@ -37,6 +37,8 @@ import torch
 
 from mcore.ops import reference
 
+from ..device import on_kernel_device
+
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -65,15 +67,13 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -
 
 
 def _triton_cast_fits(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    from .ops import _on_kernel_device
-
-    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _on_kernel_device(x, *tensors)
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and on_kernel_device(x, *tensors)
 
 
 def fp8_amax(x: torch.Tensor) -> torch.Tensor:
     if _compiling() or not x.is_contiguous() or not _triton_cast_fits(x):
         return reference.fp8_amax(x)
-    from .triton_kernels import fp8_cast as kernels
+    from ..triton_kernels import fp8_cast as kernels
 
     return kernels.amax(x)
 
@@ -107,7 +107,7 @@ def fp8_cast(
             columnwise=columnwise,
             amax_record=amax_record,
         )
-    from .triton_kernels import fp8_cast as kernels
+    from ..triton_kernels import fp8_cast as kernels
 
     return kernels.cast(
         x,
@@ -129,7 +129,7 @@ def fp8_cast_dbias(
     )
     if x.numel() == 0 or not _cast_fits(x, fp8_dtype, scale, amax, amax_record):
         return reference.fp8_cast_dbias(x, fp8_dtype, **args)
-    from .triton_kernels import fp8_cast as kernels
+    from ..triton_kernels import fp8_cast as kernels
 
     return kernels.cast_dbias(x, fp8_dtype, **args)
 
@@ -163,7 +163,7 @@ def fp8_cast_packed(
         and _triton_cast_fits(*parts)
     )  # fmt: skip
     if fits:
-        from .triton_kernels import fp8_cast as kernels
+        from ..triton_kernels import fp8_cast as kernels
 
         fits = kernels.packed_block_fits(tuple(p.shape[1] // groups for p in parts))
     if not fits:  # this backend's casts of the concatenation
@@ -176,11 +176,9 @@ def fp8_cast_packed(
 
 def fp8_transpose(q: torch.Tensor) -> torch.Tensor:
     """The Triton transpose for a 2-D FP8 tensor with contiguous rows on the kernel device."""
-    from .ops import _on_kernel_device
-
-    if _compiling() or q.dim() != 2 or q.element_size() != 1 or q.stride(1) != 1 or not _on_kernel_device(q):
+    if _compiling() or q.dim() != 2 or q.element_size() != 1 or q.stride(1) != 1 or not on_kernel_device(q):
         return reference.fp8_transpose(q)
-    from .triton_kernels import fp8_transpose as kernels
+    from ..triton_kernels import fp8_transpose as kernels
 
     return kernels.transpose(q)
 

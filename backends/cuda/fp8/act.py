@@ -13,13 +13,13 @@ import torch
 
 from mcore.ops import reference
 
+from ..device import on_kernel_device
+
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _fits(h, bias, kind, fp8_dtype, scale, amax_record, *others) -> bool:
-    from .ops import _on_kernel_device
-
     width = h.shape[-1] if h.dim() == 2 else 0
     return (
         not torch.compiler.is_compiling()
@@ -34,7 +34,7 @@ def _fits(h, bias, kind, fp8_dtype, scale, amax_record, *others) -> bool:
         and scale.numel() == 1
         and scale.dtype == torch.float32
         and (amax_record is None or (amax_record.numel() == 1 and amax_record.dtype == torch.float32))
-        and _on_kernel_device(h, bias, scale, amax_record, *others)
+        and on_kernel_device(h, bias, scale, amax_record, *others)
     )
 
 
@@ -43,7 +43,7 @@ def act_fp8_forward(
 ):  # fmt: skip
     if not _fits(h, bias, kind, fp8_dtype, scale, amax_record):
         return reference.act_fp8_forward(h, bias, kind, fp8_dtype, scale, amax_record, rowwise, columnwise)
-    from .triton_kernels import act_fp8 as kernels
+    from ..triton_kernels import act_fp8 as kernels
 
     return kernels.act_fp8_forward(h, bias, kind, fp8_dtype, scale, amax_record, rowwise, columnwise)
 
@@ -63,7 +63,7 @@ def act_fp8_backward(
         return reference.act_fp8_backward(
             grad_output, h, bias, kind, fp8_dtype, scale, amax_record, rowwise, columnwise
         )
-    from .triton_kernels import act_fp8 as kernels
+    from ..triton_kernels import act_fp8 as kernels
 
     return kernels.act_fp8_backward(
         grad_output, h, bias, kind, fp8_dtype, scale, amax_record, rowwise, columnwise

@@ -34,9 +34,9 @@ gradient only), sums it in the cast (``fp8_cast_dbias``, one read of ``g``) and 
 
 Saved for backward: the norm's input ``x`` and statistics, the FP8 ``qT`` of every GEMM input (the MLP
 also keeps fc1's output ``h``, the activation's backward input), and each weight's ``W_q^T``, written
-by the forward's cast of the weight, as :class:`~mcore.tensor_parallel.fp8._Fp8LinearFunction` keeps
+by the forward's cast of the weight, as :class:`~mcore.fp8.linear._Fp8LinearFunction` keeps
 it (``--no-fp8-keep-weight-transpose``: the forward's weight scale, and the backward casts ``W^T``
-again, :func:`~mcore.tensor_parallel.fp8.weight_transpose_for_backward`). Nothing in the
+again, :func:`~mcore.fp8.linear.weight_transpose_for_backward`). Nothing in the
 activations' dtype besides ``x`` and ``h`` is kept, so ``--recompute-modules layernorm``/``mlp_act``
 have nothing to free on this path.
 
@@ -45,8 +45,8 @@ the Functions call them with the same scales, amax slots and TP reductions as th
 losses, gradients, ``main_grad`` and the delayed states equal the unfused FP8 path exactly
 (``tests/tensor_parallel/test_fp8_fused.py``).
 
-The Functions take the existing modules' parameters and :class:`~mcore.tensor_parallel.fp8.Fp8Linear`
-descriptions (with their :class:`~mcore.tensor_parallel.fp8.Fp8DelayedState`): parameter names,
+The Functions take the existing modules' parameters and :class:`~mcore.fp8.linear.Fp8Linear`
+descriptions (with their :class:`~mcore.fp8.scaling.Fp8DelayedState`): parameter names,
 checkpoints and the delayed states are those of the unfused layers.
 """
 
@@ -57,16 +57,10 @@ from dataclasses import dataclass
 import torch
 
 from mcore.backend import get_ops
+from mcore.fp8.linear import Fp8Linear, cast_weight, fp8_wgrad, weight_transpose_for_backward
+from mcore.fp8.operand import Fp8Tensor
+from mcore.fp8.scaling import GRAD_OUTPUT, INPUT
 from mcore.ops.reference import ACTIVATIONS, pack_columns
-from mcore.tensor_parallel.fp8 import (
-    GRAD_OUTPUT,
-    INPUT,
-    Fp8GatheredWeight,
-    Fp8Linear,
-    cast_weight,
-    fp8_wgrad,
-    weight_transpose_for_backward,
-)
 from mcore.tensor_parallel.mappings import all_reduce_in_tensor_model_parallel_group
 
 NORM_KINDS = ("LayerNorm", "RMSNorm")
@@ -86,7 +80,7 @@ class OutputSplit:
     """:class:`Fp8NormLinear`'s output returned in parts: ``y [..., N]`` viewed as ``[..., groups, W]``
     (``W = sum(widths)``) and split along the last dim into ``[..., groups, w_i]`` views -- the
     attention's Q ``[..., g, r d]``, K and V ``[..., g, d]`` of the per-group QKV layout
-    (:mod:`mcore.models.attention`). The backward then receives the parts' gradients apart (the
+    (:mod:`mcore.models.transformer.attention`). The backward then receives the parts' gradients apart (the
     attention's ``dq``, ``dk``, ``dv``) and casts them where they lie (the op ``fp8_cast_packed``)
     instead of autograd concatenating them into ``[..., N]`` first: one write and one read of the
     output gradient fewer (``CatArrayBatchedCopy``, 67 us a layer at GPT 24L h2048 s2048 mbs4 on an
@@ -97,13 +91,10 @@ class OutputSplit:
 
 
 def fusable_call(call: Fp8Linear | None) -> bool:
-    """Whether an FP8 linear's description allows the fused producers: the delayed recipe (the scales
-    are known before the producer runs), FP8 weight gradients (the producer writes ``qT``), and the
-    recipe's switch on (:attr:`~mcore.config.fp8.Fp8Recipe.fused_producers`)."""
-    if call is None or call.state is None:
-        return False
-    recipe = call.recipe
-    return recipe.recipe == "delayed" and recipe.wgrad and recipe.fused_producers
+    """Whether an FP8 linear's description allows the fused producers
+    (:attr:`~mcore.fp8.config.Fp8Config.fuses_producers`: the delayed recipe, whose state the call
+    holds, FP8 weight gradients, ``--no-fp8-fused-producers`` not given)."""
+    return call is not None and call.state is not None and call.config.fuses_producers
 
 
 def _input_slot(call: Fp8Linear, training: bool):
@@ -117,9 +108,9 @@ def _grad_slot(call: Fp8Linear):
     return state.scale[GRAD_OUTPUT], state.amax_record(GRAD_OUTPUT)
 
 
-def _dgrad(dy_q, dy_sinv, w_qT, w_sinv, out_dtype) -> torch.Tensor:
-    """``dx = dy W`` from the FP8 ``dy_q`` and the forward's ``W_q^T``."""
-    return get_ops().scaled_linear_dgrad(dy_q, w_qT, dy_sinv, w_sinv, out_dtype)
+def _dgrad(dy: Fp8Tensor, w_qT, w_sinv, out_dtype) -> torch.Tensor:
+    """``dx = dy W`` from the FP8 ``dy`` and the forward's ``W_q^T``."""
+    return get_ops().scaled_linear_dgrad(dy.data, w_qT, dy.scale_inv, w_sinv, out_dtype)
 
 
 def _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual):
@@ -159,19 +150,22 @@ class Fp8NormLinear(torch.autograd.Function):
     ):
         ops = get_ops()
         ctx.set_materialize_grads(False)
-        fwd = call.recipe.fwd_dtype
+        fwd = call.config.fwd_dtype
         x2d = x.reshape(-1, x.shape[-1])
         scale, amax_record = _input_slot(call, training)
-        xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
+        normed = ops.norm_fp8_forward(
             x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
+        xn, (mean, rstd) = Fp8Tensor.of(normed), normed[3:]
         need_x = training and any(ctx.needs_input_grad[:3])
-        w_q, w_t, w_sinv = cast_weight(call, weight, training, gathered, transposed=need_x)
-        y = ops.scaled_linear_forward(xn_q, w_q, xn_sinv, w_sinv, bias, x.dtype)
+        w, w_t = cast_weight(call, weight, training, gathered, transposed=need_x)
+        y = ops.scaled_linear_forward(xn.data, w.data, xn.scale_inv, w.scale_inv, bias, x.dtype)
         ctx.norm, ctx.call, ctx.main_grad, ctx.tp_group = norm, call, main_grad, call.tp_group
         ctx.x_shape, ctx.has_bias, ctx.split = x.shape, bias is not None, split
-        ctx.save_for_backward(x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, weight, w_t, w_sinv)
+        ctx.save_for_backward(
+            x2d, norm_weight, norm_bias, mean, rstd, xn.transpose, xn.scale_inv, weight, w_t, w.scale_inv
+        )
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         if split is None:
             return y, x.view_as(x)
@@ -185,26 +179,26 @@ class Fp8NormLinear(torch.autograd.Function):
         need_w = ctx.needs_input_grad[3]
         grad_residual = grads[-1]
         need_dbias = ctx.has_bias and ctx.needs_input_grad[4]
-        dy_q, dy_qT, dy_sinv, grad_bias = _cast_output_grad(
-            ctx, grads[:-1], x2d, weight.shape[0], need_x, need_w, need_dbias
+        dy, grad_bias = _cast_output_grad(ctx, grads[:-1], x2d, weight.shape[0], need_x, need_w, need_dbias)
+        grad_weight = (
+            fp8_wgrad(weight, ctx.main_grad, dy.transpose, xn_qT, dy.scale_inv, xn_sinv) if need_w else None
         )
-        grad_weight = fp8_wgrad(weight, ctx.main_grad, dy_qT, xn_qT, dy_sinv, xn_sinv) if need_w else None
         dx = dnw = dnb = None
         if need_x:
             w_qT = weight_transpose_for_backward(ctx.call, weight, w_t)
-            dxn = _dgrad(dy_q, dy_sinv, w_qT, w_sinv, x2d.dtype)
+            dxn = _dgrad(dy, w_qT, w_sinv, x2d.dtype)
             dx, dnw, dnb = _norm_backward(ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual)
         return dx, dnw, dnb, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _cast_output_grad(ctx, grads, x2d, width: int, need_x: bool, need_w: bool, need_dbias: bool):
-    """:class:`Fp8NormLinear`'s output gradient in FP8 (its GRAD_OUTPUT scale): ``(dy_q [M, N], dy_qT
-    [N, M], scale_inv, dbias [N] or None)``, from the one gradient ``[..., N]`` or, with an
-    :class:`OutputSplit`, from the parts' gradients (``fp8_cast_packed``). A gradient that autograd did
-    not give (an output that took no part in the loss) is zeros."""
+    """:class:`Fp8NormLinear`'s output gradient in FP8 (its GRAD_OUTPUT scale): ``(dy, dbias [N] or
+    None)``, ``dy`` with ``data [M, N]`` and ``transpose [N, M]``, from the one gradient ``[..., N]``
+    or, with an :class:`OutputSplit`, from the parts' gradients (``fp8_cast_packed``). A gradient that
+    autograd did not give (an output that took no part in the loss) is zeros."""
     ops = get_ops()
     call: Fp8Linear = ctx.call
-    bwd = call.recipe.bwd_dtype
+    bwd = call.config.bwd_dtype
     m = x2d.shape[0]
     split: OutputSplit | None = ctx.split
     if split is None:
@@ -214,8 +208,8 @@ def _cast_output_grad(ctx, grads, x2d, width: int, need_x: bool, need_w: bool, n
         dy2d = grad_output.reshape(m, width)
         scaling = call.scaling(GRAD_OUTPUT, dy2d)
         if need_dbias:
-            return ops.fp8_cast_dbias(dy2d, bwd, rowwise=need_x, columnwise=need_w, **scaling)
-        return (*ops.fp8_cast(dy2d, bwd, rowwise=need_x, columnwise=need_w, **scaling), None)
+            return _with_dbias(ops.fp8_cast_dbias(dy2d, bwd, rowwise=need_x, columnwise=need_w, **scaling))
+        return Fp8Tensor.of(ops.fp8_cast(dy2d, bwd, rowwise=need_x, columnwise=need_w, **scaling)), None
     parts = [
         x2d.new_zeros(m, split.groups * w) if g is None else g.reshape(m, split.groups * w)
         for g, w in zip(grads, split.widths, strict=True)
@@ -223,12 +217,17 @@ def _cast_output_grad(ctx, grads, x2d, width: int, need_x: bool, need_w: bool, n
     scale, amax_record = _grad_slot(call)  # the fused path is the delayed recipe's (fusable_call)
     kwargs = dict(scale=scale, amax_record=amax_record, rowwise=need_x, columnwise=need_w)
     if ops.provider("fp8_cast_packed") == ops.provider("fp8_cast"):
-        return ops.fp8_cast_packed(parts, split.groups, bwd, dbias=need_dbias, **kwargs)
+        return _with_dbias(ops.fp8_cast_packed(parts, split.groups, bwd, dbias=need_dbias, **kwargs))
     # a backend with its own casts but no packed one: its casts of the concatenated gradient
     dy2d = pack_columns(parts, split.groups)
     if need_dbias:
-        return ops.fp8_cast_dbias(dy2d, bwd, **kwargs)
-    return (*ops.fp8_cast(dy2d, bwd, **kwargs), None)
+        return _with_dbias(ops.fp8_cast_dbias(dy2d, bwd, **kwargs))
+    return Fp8Tensor.of(ops.fp8_cast(dy2d, bwd, **kwargs)), None
+
+
+def _with_dbias(result) -> tuple[Fp8Tensor, torch.Tensor | None]:
+    """``(operand, dbias)`` of a cast that also sums the columns (``(q, qT, scale_inv, dbias)``)."""
+    return Fp8Tensor.of(result), result[3]
 
 
 class Fp8NormMLP(torch.autograd.Function):
@@ -262,28 +261,31 @@ class Fp8NormMLP(torch.autograd.Function):
         ops = get_ops()
         ctx.set_materialize_grads(False)
         fc1, fc2 = calls
-        fwd = fc1.recipe.fwd_dtype
+        fwd = fc1.config.fwd_dtype
         x2d = x.reshape(-1, x.shape[-1])
         scale, amax_record = _input_slot(fc1, training)
-        xn_q, xn_qT, xn_sinv, mean, rstd = ops.norm_fp8_forward(
+        normed = ops.norm_fp8_forward(
             x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
             amax_record=amax_record, rowwise=True, columnwise=training,
         )  # fmt: skip
+        xn, (mean, rstd) = Fp8Tensor.of(normed), normed[3:]
         need_x = training and any(ctx.needs_input_grad[:3])
         need_h = training and any(ctx.needs_input_grad[:5])  # anything below the activation
-        w1_q, w1_t, w1_sinv = cast_weight(fc1, w1, training, gathered[0], transposed=need_x)
-        h = ops.scaled_linear_forward(xn_q, w1_q, xn_sinv, w1_sinv, None, x.dtype)
+        w1q, w1_t = cast_weight(fc1, w1, training, gathered[0], transposed=need_x)
+        h = ops.scaled_linear_forward(xn.data, w1q.data, xn.scale_inv, w1q.scale_inv, None, x.dtype)
         scale, amax_record = _input_slot(fc2, training)
-        a_q, a_qT, a_sinv = ops.act_fp8_forward(
-            h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
+        a = Fp8Tensor.of(
+            ops.act_fp8_forward(
+                h, b1, activation, fwd, scale, amax_record=amax_record, rowwise=True, columnwise=training
+            )
         )
-        w2_q, w2_t, w2_sinv = cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
-        y = ops.scaled_linear_forward(a_q, w2_q, a_sinv, w2_sinv, None, x.dtype)
+        w2q, w2_t = cast_weight(fc2, w2, training, gathered[1], transposed=need_h)
+        y = ops.scaled_linear_forward(a.data, w2q.data, a.scale_inv, w2q.scale_inv, None, x.dtype)
         ctx.norm, ctx.activation, ctx.calls, ctx.main_grads = norm, activation, calls, main_grads
         ctx.tp_group, ctx.x_shape, ctx.has_b2 = fc1.tp_group, x.shape, b2 is not None
         ctx.save_for_backward(
-            x2d, norm_weight, norm_bias, mean, rstd, xn_qT, xn_sinv, w1, w1_t, w1_sinv,
-            h, b1, a_qT, a_sinv, w2, w2_t, w2_sinv,
+            x2d, norm_weight, norm_bias, mean, rstd, xn.transpose, xn.scale_inv, w1, w1_t, w1q.scale_inv,
+            h, b1, a.transpose, a.scale_inv, w2, w2_t, w2q.scale_inv,
         )  # fmt: skip
         return y.reshape(*x.shape[:-1], y.shape[-1]), x.view_as(x)
 
@@ -296,7 +298,7 @@ class Fp8NormMLP(torch.autograd.Function):
         ) = ctx.saved_tensors  # fmt: skip
         fc1, fc2 = ctx.calls
         main_grad1, main_grad2 = ctx.main_grads
-        bwd = fc1.recipe.bwd_dtype
+        bwd = fc1.config.bwd_dtype
         need_x = any(ctx.needs_input_grad[:3])
         need_w1, need_b1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         need_b2 = ctx.has_b2 and ctx.needs_input_grad[6]
@@ -306,30 +308,31 @@ class Fp8NormMLP(torch.autograd.Function):
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
         # fc2's bias gradient dy.sum(0) from the cast's read of dy (module docstring)
         cast = ops.fp8_cast_dbias if need_b2 else ops.fp8_cast
-        dy_q, dy_qT, dy_sinv, *db2 = cast(
-            dy2d, bwd, rowwise=need_h, columnwise=need_w2, **fc2.scaling(GRAD_OUTPUT, dy2d)
-        )
-        grad_b2 = db2[0] if need_b2 else None
-        grad_w2 = fp8_wgrad(w2, main_grad2, dy_qT, a_qT, dy_sinv, a_sinv) if need_w2 else None
+        cast_dy = cast(dy2d, bwd, rowwise=need_h, columnwise=need_w2, **fc2.scaling(GRAD_OUTPUT, dy2d))
+        dy = Fp8Tensor.of(cast_dy)
+        grad_b2 = cast_dy[3] if need_b2 else None
+        grad_w2 = fp8_wgrad(w2, main_grad2, dy.transpose, a_qT, dy.scale_inv, a_sinv) if need_w2 else None
         grad_w1 = grad_b1 = dx = dnw = dnb = None
         if need_h:
-            da = _dgrad(dy_q, dy_sinv, weight_transpose_for_backward(fc2, w2, w2_t), w2_sinv, x2d.dtype)
+            da = _dgrad(dy, weight_transpose_for_backward(fc2, w2, w2_t), w2_sinv, x2d.dtype)
             scale, amax_record = _grad_slot(fc1)
-            dh_q, dh_qT, dh_sinv, grad_b1 = ops.act_fp8_backward(
-                da,
-                h,
-                b1,
-                ctx.activation,
-                bwd,
-                scale,
-                amax_record=amax_record,
-                rowwise=need_x,
-                columnwise=need_w1,
+            dh, grad_b1 = _with_dbias(
+                ops.act_fp8_backward(
+                    da,
+                    h,
+                    b1,
+                    ctx.activation,
+                    bwd,
+                    scale,
+                    amax_record=amax_record,
+                    rowwise=need_x,
+                    columnwise=need_w1,
+                )
             )
             if need_w1:
-                grad_w1 = fp8_wgrad(w1, main_grad1, dh_qT, xn_qT, dh_sinv, xn_sinv)
+                grad_w1 = fp8_wgrad(w1, main_grad1, dh.transpose, xn_qT, dh.scale_inv, xn_sinv)
             if need_x:
-                dxn = _dgrad(dh_q, dh_sinv, weight_transpose_for_backward(fc1, w1, w1_t), w1_sinv, x2d.dtype)
+                dxn = _dgrad(dh, weight_transpose_for_backward(fc1, w1, w1_t), w1_sinv, x2d.dtype)
                 dx, dnw, dnb = _norm_backward(
                     ctx, dxn, x2d, norm_weight, norm_bias, mean, rstd, grad_residual
                 )
@@ -345,7 +348,7 @@ def fp8_norm_linear(
     bias: torch.Tensor | None,
     call: Fp8Linear,
     main_grad: torch.Tensor | None = None,
-    gathered: Fp8GatheredWeight | None = None,
+    gathered: Fp8Tensor | None = None,
     split: OutputSplit | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``(norm(x) W^T + b, x)``: a pre-norm column-parallel FP8 linear without sequence parallelism,
@@ -378,7 +381,7 @@ def fp8_norm_mlp(
     activation: str,
     calls: tuple[Fp8Linear, Fp8Linear],
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-    gathered: tuple[Fp8GatheredWeight | None, Fp8GatheredWeight | None] = (None, None),
+    gathered: tuple[Fp8Tensor | None, Fp8Tensor | None] = (None, None),
     fc2_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fc2(act(fc1(norm(x)) + b1)), x)`` for a pre-norm MLP without sequence parallelism:
