@@ -14,7 +14,7 @@ from mcore.ops.reference.fp8 import fp8_quantize
 def fp8_quantize_flat(params: torch.Tensor, fp8: FlatFp8Weights) -> None:
     """The FP8 copies of this rank's pieces of the FP8 weights, in place (``--fp8-param-gather`` with
     the tensorwise recipe: the quantization after the optimizer step, whose scales need the new
-    weights' amax first; :mod:`mcore.distributed.fp8_param_gather`).
+    weights' amax first; :mod:`mcore.fp8.param_gather`).
 
     ``params [N]`` (bf16, fp16 or fp32) is the flat parameter buffer, ``fp8`` a
     :class:`mcore.ops.flat.FlatFp8Weights` over the same buffer space: ``data [N]`` float8,

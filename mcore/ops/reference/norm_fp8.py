@@ -5,7 +5,7 @@ Each fused producer (here and in :mod:`mcore.ops.reference.act_fp8`) equals an u
 of the reference ops bit for bit: the producer's output is rounded to the input dtype exactly as
 the unfused op writes it, then quantized as ``fp8_cast`` with a given ``scale`` quantizes it (and
 records its amax into ``amax_record``). A backend serves them with one kernel that writes the FP8 operand(s) instead of the bf16 tensor: the FP8 linears of
-:mod:`mcore.tensor_parallel.fp8_fused` never materialize the norm's or activation's output.
+:mod:`mcore.fp8.fused` never materialize the norm's or activation's output.
 ``x [M, K]`` is 2-D; ``q [M, K]`` and ``qT [K, M]`` are returned where ``rowwise``/``columnwise``.
 """
 
