@@ -89,7 +89,7 @@ def test_no_test_or_example_launches_python_or_torchrun_from_path():
 
 
 def test_example_launch_scripts_start_torchrun_through_python():
-    """The README's description of the launch scripts: ``"$PYTHON" -m torch.distributed.run``,
+    """docs/parallelism.md's description of the launch scripts: ``"$PYTHON" -m torch.distributed.run``,
     ``PYTHON`` defaulting to ``python3``."""
     scripts = sorted((REPO / "examples").glob("pretrain_*.sh"))
     assert len(scripts) >= 4

@@ -1,5 +1,7 @@
-"""Every command in the README's code blocks is run by a test (or by CI itself), and the launch
-scripts it names run, scaled down, under torchrun."""
+"""Every command in the code blocks of the README and of the docs pages its sections moved to (every
+``docs/*.md`` but the two whose blocks other tests run as a sequence, and the performance summary of
+``benchmarks/README.md``) is run by a test (or by CI itself), and the launch scripts they name run,
+scaled down, under torchrun."""
 
 import json
 import math
@@ -45,8 +47,40 @@ EXERCISED = {
 }
 
 
+# Pages whose ``bash`` blocks another test runs as a sequence, in a scratch directory.
+RUN_ELSEWHERE = {
+    "docs/writing_a_backend.md": "tests/test_docs.py runs every block in order",
+    "docs/hf_workflow.md": "tests/hf/test_hf_workflow.py walks the same sequence",
+}
+# Pages of which only a section shows user commands (the rest are dated measurement logs).
+SECTIONS = {"benchmarks/README.md": "## Performance summary"}
+
+
+def command_pages() -> list[str]:
+    """README.md, every docs page but those of RUN_ELSEWHERE, and the pages of SECTIONS."""
+    docs = sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))
+    return ["README.md", *(p for p in docs if p not in RUN_ELSEWHERE), *SECTIONS]
+
+
+def page_text(page: str) -> str:
+    text = (REPO / page).read_text(encoding="utf-8")
+    if page in SECTIONS:
+        heading = SECTIONS[page]
+        assert f"\n{heading}\n" in text, f"{page} has no {heading!r} section"
+        level = heading.split(" ")[0]
+        text = text.split(f"\n{heading}\n", 1)[1].split(f"\n{level} ", 1)[0]
+    return text
+
+
 def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for page in command_pages():
+        commands += page_commands(page)
+    return commands
+
+
+def page_commands(page: str) -> list[str]:
+    text = page_text(page)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         joined = block.replace("\\\n", " ")
@@ -134,6 +168,9 @@ def test_every_readme_command_is_exercised():
 
     commands = readme_commands()
     assert len(commands) >= 10
+    # The README keeps its two commands (.ci/run is "the README's test command").
+    readme = page_commands("README.md")
+    assert {"bash examples/quickstart.sh", "bash .ci/run"} <= set(readme), readme
     unmatched, problems = [], []
     for command in commands:
         rule = next((r for r in EXERCISED if re.search(r, command)), None)

@@ -11,7 +11,7 @@ lives) writes. The console line follows Megatron's so people's log parsers keep 
 (``params norm`` follows ``grad norm`` with ``--log-params-norm``; ``TFLOP/s/device`` and ``MFU`` are
 left out where they would print 0.0, as on the CPU, or where the backend knows no peak.)
 
-TensorBoard gets Megatron's tags (:data:`TENSORBOARD_TAGS`; the README's "Logs" section has the
+TensorBoard gets Megatron's tags (:data:`TENSORBOARD_TAGS`; ``docs/logs.md`` has the
 table), each also as ``<tag> vs samples`` with the consumed samples as the step. They are written at
 log intervals (``--log-interval``, thinned by ``--tensorboard-log-interval``), with the interval's mean
 loss: mcore reads the device only at log intervals, where Megatron writes every iteration's values.

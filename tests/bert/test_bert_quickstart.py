@@ -1,7 +1,7 @@
-"""The README's BERT section, run exactly as written (in a scratch directory), checking what it promises:
-a WordPiece vocab trained on the Python docs, the sentence-level ``.bin/.idx``, a 2-process TP=2 run with
-Megatron's defaults that logs ``lm loss`` and ``sop loss`` and saves, the Hugging Face export, and a
-fill-mask on it."""
+"""docs/bert.md's BERT workflow (the README's BERT section before), run exactly as written (in a scratch
+directory), checking what it promises: a WordPiece vocab trained on the Python docs, the sentence-level
+``.bin/.idx``, a 2-process TP=2 run with Megatron's defaults that logs ``lm loss`` and ``sop loss`` and
+saves, the Hugging Face export, and a fill-mask on it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-# The launchers the README writes (a set, not an argv: the hermetic-launch check reads argv literals).
+# The launchers the page writes (a set, not an argv: the hermetic-launch check reads argv literals).
 README_LAUNCHERS = {"torchrun", "python"}
 PROGRAMS = (
     "examples/train_wordpiece_vocab.py",
@@ -31,9 +31,9 @@ pytestmark = pytest.mark.slow
 
 
 def bert_section_commands() -> list[list[str]]:
-    """The commands of the README's ``## BERT`` code block, as argument lists."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## BERT\n", 1)[1].split("\n## ", 1)[0]
+    """The commands of the ``## Train, export, fill a mask`` code block of docs/bert.md, as argument lists."""
+    text = (REPO / "docs" / "bert.md").read_text(encoding="utf-8")
+    section = text.split("\n## Train, export, fill a mask\n", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
@@ -53,7 +53,7 @@ def _console_script(name: str) -> list[str]:
 
 
 def as_subprocess(words: list[str]) -> list[str]:
-    """A README command line as this interpreter runs it (``python`` and ``torchrun`` are
+    """A command line of the page as this interpreter runs it (``python`` and ``torchrun`` are
     ``sys.executable``; repository paths are absolute)."""
     if words[0] == "python":
         return [sys.executable, str(REPO / words[1]), *words[2:]]

@@ -108,7 +108,7 @@ def test_round_trip_mcore_megatron_mcore_is_bitwise(mcore_runs, tmp_path, family
     ]
     for fmt, tp, pp, names in layouts:
         out = tmp_path / f"{fmt}_{tp}{pp}_{names}"
-        if tp > 1:  # the README's command
+        if tp > 1:  # docs/megatron_checkpoints.md's command
             subprocess.run(
                 [EXPORT_MEGATRON, "--load", source, "--save", str(out), "--ckpt-format", fmt,
                  "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp)],

@@ -1,5 +1,6 @@
-"""The README's T5 section runs as written: its preprocessing command on a local corpus and vocabulary,
-then its pretraining command under torchrun (2 CPU processes, encoder and decoder on separate stages)."""
+"""docs/t5.md's T5 section (the README's before) runs as written: its preprocessing command on a local
+corpus and vocabulary, then its pretraining command under torchrun (2 CPU processes, encoder and decoder
+on separate stages)."""
 
 import json
 import os
@@ -13,8 +14,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _t5_commands() -> list[list[str]]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("## T5 pretraining", 1)[1].split("\n## ", 1)[0]
+    text = (REPO / "docs" / "t5.md").read_text(encoding="utf-8")
+    section = text.split("\n## T5 pretraining\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
     return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
@@ -23,11 +24,11 @@ def test_readme_t5_commands_run(t5_corpus, tmp_path):
     from mcore.data.preprocess import main as preprocess_main
 
     preprocess, train = _t5_commands()
-    # The README launches with torchrun; this test runs the same launcher as sys.executable's module.
+    # The page launches with torchrun; this test runs the same launcher as sys.executable's module.
     assert preprocess[0] == "mcore-preprocess-data" and " ".join(train).startswith(
         "torchrun --nproc_per_node 2 "
     )
-    # The README takes the BERT section's corpus and vocabulary (bert/); this test writes its own there.
+    # The page takes the BERT page's corpus and vocabulary (bert/); this test writes its own there.
     (tmp_path / "bert").mkdir()
     with (tmp_path / "bert" / "corpus.jsonl").open("w", encoding="utf-8") as out:
         for doc in t5_corpus["documents"]:
