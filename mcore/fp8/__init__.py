@@ -1,6 +1,6 @@
 """mcore's FP8 (no Transformer Engine): the linear layers of the transformer layers in FP8.
 
-One concern a module, from the bottom up (``docs/fp8-code.md`` walks through them):
+One concern a module, from the bottom up (``docs/fp8.md``, "The code", walks through them):
 
 * :mod:`~mcore.fp8.config`: the ``--fp8-*`` flags as one typed config (:class:`~mcore.fp8.config.Fp8Config`),
   the scaling recipe as an enum (:class:`~mcore.fp8.config.Recipe`), the questions the code asks of
