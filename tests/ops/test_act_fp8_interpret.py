@@ -38,10 +38,11 @@ import types
 
 import pytest
 
-from mcore.testing.interpreter import HAS_TRITON, needs_triton, run_under_interpreter
+from mcore.testing.interpreter import HAS_TRITON, interpreter_child, needs_triton, run_under_interpreter
 
 
 @needs_triton
+@interpreter_child()
 def test_act_fp8_kernels_under_the_interpreter():
     run_under_interpreter(__file__)
 

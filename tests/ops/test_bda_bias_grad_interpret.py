@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import sys
 
-from mcore.testing.interpreter import needs_triton, run_under_interpreter
+from mcore.testing.interpreter import interpreter_child, needs_triton, run_under_interpreter
 
 
 @needs_triton
+@interpreter_child()
 def test_bda_with_a_detached_bias_and_the_cast_dbias_under_the_interpreter():
     run_under_interpreter(__file__)
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import sys
 
-from mcore.testing.interpreter import needs_triton, run_under_interpreter
+from mcore.testing.interpreter import interpreter_child, needs_triton, run_under_interpreter
 
 
 @needs_triton
+@interpreter_child()
 def test_cross_entropy_kernels_under_the_interpreter():
     run_under_interpreter(__file__)
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import sys
 
-from mcore.testing.interpreter import needs_triton, run_under_interpreter
+from mcore.testing.interpreter import interpreter_child, needs_triton, run_under_interpreter
 
 
 @needs_triton
+@interpreter_child()
 def test_fp8_flat_kernels_under_the_interpreter():
     out = run_under_interpreter(__file__)
     assert "fp8_flat checks: 12" in out, out

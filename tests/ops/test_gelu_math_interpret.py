@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import sys
 
-from mcore.testing.interpreter import needs_triton, run_under_interpreter
+from mcore.testing.interpreter import interpreter_child, needs_triton, run_under_interpreter
 
 
 @needs_triton
+@interpreter_child(timeout=300)
 def test_gelu_math_against_float64_under_the_interpreter():
     run_under_interpreter(__file__, timeout=300)
 

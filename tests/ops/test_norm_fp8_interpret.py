@@ -27,12 +27,13 @@ import pytest
 import torch
 
 from mcore.testing import conformance
-from mcore.testing.interpreter import needs_triton, run_under_interpreter
+from mcore.testing.interpreter import interpreter_child, needs_triton, run_under_interpreter
 
 BACKEND = os.environ.get("MCORE_TEST_BACKEND", "cpu")
 
 
 @needs_triton
+@interpreter_child()
 def test_norm_fp8_kernels_under_the_interpreter():
     run_under_interpreter(__file__)
 

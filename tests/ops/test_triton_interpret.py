@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import sys
 
-from mcore.testing.interpreter import needs_triton, run_under_interpreter
+from mcore.testing.interpreter import interpreter_child, needs_triton, run_under_interpreter
 
 
 @needs_triton
+@interpreter_child()
 def test_norm_and_dropout_kernels_under_the_interpreter():
     run_under_interpreter(__file__)
 
@@ -274,6 +275,7 @@ def _main() -> int:
 
 
 @needs_triton
+@interpreter_child("adam_fp8")
 def test_adam_step_flat_fp8_kernel_under_the_interpreter():
     """``adam_step_flat_fp8``'s kernel (tiles of 64 elements) against the reference op: FP8 pieces that
     start and end inside tiles and aligned blocks, non-FP8 parameters between them, a weight without
