@@ -348,9 +348,7 @@ def moe_unpermute_make(with_probs: bool = True, empty: bool = False):
         probs, routing_map = moe_routing(gen, empty)
         *_, sorted_indices = reference.moe_permute(torch.zeros(MOE_TOKENS, 1), routing_map)
         rows = randn(gen, sorted_indices.numel(), 32, dtype=dtype)
-        if not with_probs:
-            return [rows, sorted_indices, (MOE_TOKENS, 32)], {}
-        return [rows, sorted_indices, (MOE_TOKENS, 32), probs, routing_map], {}
+        return [rows, sorted_indices, (MOE_TOKENS, 32), probs if with_probs else None, routing_map], {}
 
     return make
 
