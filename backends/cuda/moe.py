@@ -36,8 +36,10 @@ _ALIGN = 16  # bytes: the kernel's stride and base-address alignment
 
 
 def _aligned(t: torch.Tensor) -> bool:
+    """16-byte row strides and (outside a torch.compile trace, where fake tensors have no address,
+    and Inductor's buffers are aligned) a 16-byte aligned base address."""
     size = t.element_size()
-    return t.data_ptr() % _ALIGN == 0 and all(
+    return (torch.compiler.is_compiling() or t.data_ptr() % _ALIGN == 0) and all(
         (s * size) % _ALIGN == 0 for s, n in zip(t.stride(), t.shape) if n > 1 and s != 1
     )
 
@@ -66,7 +68,7 @@ def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
-    return t if t.data_ptr() % _ALIGN == 0 else t.clone()
+    return t if torch.compiler.is_compiling() or t.data_ptr() % _ALIGN == 0 else t.clone()
 
 
 class GroupedMM(torch.autograd.Function):

@@ -6,7 +6,8 @@ op                        conversion
 ========================  ===========================================================================
 ``grouped_gemm``          ``npu_grouped_matmul([x], [W^T], group_list=counts, split_item=3,
                           group_type=0, group_list_type=1)`` (the op's weight is ``[E, K, N]``, in x
-                          out: mcore's ``[E, M, K]`` transposed, a view); input gradient the same with
+                          out: mcore's ``[E, M, K]`` transposed, a view, as MindSpeed's GMM passes
+                          its weights); input gradient the same with
                           ``[W]``; weight gradient ``npu_grouped_matmul([dy^T], [x], group_type=2)``
                           (groups along the reduced axis) -> ``[E, M, K]``, an empty expert's block
                           zeroed explicitly. bf16/fp16 only (fp32 and ``N = 0`` run the reference).
