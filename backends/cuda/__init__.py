@@ -6,7 +6,9 @@ Kernels it serves (see :mod:`mcore.backends.cuda.ops`, ``python -m mcore.backend
   bias-dropout-add and a chunked cross-entropy, forward and backward
   (:mod:`mcore.backends.cuda.triton_kernels`);
 * attention through flash-attn when installed, else torch's scaled-dot-product attention;
-* the Adam/AdamW step through torch's fused multi-tensor kernel (apex's on request).
+* the Adam/AdamW step through torch's fused multi-tensor kernel (apex's on request);
+* the MoE grouped GEMM through ``torch._grouped_mm`` (bf16), token permute/unpermute through index
+  ops without host syncs (:mod:`mcore.backends.cuda.moe`).
 
 Anything a kernel does not support (CPU tensors, unusual shapes or
 dtype mixes) run the reference ops. Transformer Engine, apex and flash-attn are optional: detected

@@ -9,7 +9,8 @@ Inside ``torch.compile`` (see :func:`mcore.backends.cuda.compile.compile_layer`)
 normalisation ops trace the reference instead, which Inductor fuses with their neighbours into its
 own Triton kernels; attention, cross-entropy and the optimizer step keep their fused kernels.
 
-The FP8 ops' dispatchers are in :mod:`mcore.backends.cuda.fp8` (this module adds them to the table), the
+The FP8 ops' dispatchers are in :mod:`mcore.backends.cuda.fp8`, the MoE ops' (grouped GEMM on
+``torch._grouped_mm``, permute/unpermute) in :mod:`mcore.backends.cuda.moe` (this module adds both to the table), the
 device check every dispatcher makes in :mod:`mcore.backends.cuda.device`.
 
 ``PROVIDERS`` names the implementation behind each op, as ``mcore-info`` shows it.
@@ -30,6 +31,7 @@ from .device import on_kernel_device, tracing
 from .fp8.act import ACT_FP8_OPS
 from .fp8.flat import fp8_dequantize_flat, fp8_quantize_flat
 from .fp8.linear import FP8_OPS
+from .moe import MOE_OPS, MOE_PROVIDERS
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_NORM_WIDTH = 16384
@@ -546,6 +548,8 @@ def _build() -> tuple[dict, dict[str, str]]:
     if extensions.triton_available():
         ops.update(_TRITON_OPS)
         providers.update(dict.fromkeys(_TRITON_OPS, "triton"))
+    ops.update(MOE_OPS)  # torch ops only (no Triton); the router stays the reference (moe.py says why)
+    providers.update(MOE_PROVIDERS)
     ops.update(FP8_OPS)
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
@@ -570,5 +574,6 @@ ALL_OPS = {
     "accumulate_weight_grad": accumulate_weight_grad,
     **FP8_OPS,
     **ACT_FP8_OPS,
+    **MOE_OPS,
 }
 """Every dispatcher, whatever is installed (tests call them directly: they fall back by themselves)."""

@@ -32,6 +32,9 @@ op                        conversion
                           precision-aware storage (int16 remainders, bf16 moments) runs the reference.
 ========================  ===========================================================================
 
+The MoE ops (``grouped_gemm`` on ``npu_grouped_matmul``, ``moe_permute``/``moe_unpermute`` on the
+routing-map permute kernels; the router stays the reference) are in :mod:`.moe_ops`, with their table.
+
 Inputs outside what the kernels are documented for (other dtypes, an additive bias/ALiBi, whose
 placement inside the op is unverified, more queries than keys under a causal mask, head dims over 768)
 go to the reference op, so the table is always correct and fast where it can be.
@@ -47,6 +50,8 @@ from types import ModuleType
 import torch
 
 from mcore.ops import reference
+
+from .moe_ops import MOE_BUILDERS
 
 PROVIDER = "npu"
 """The provider name the NPU plugin registers its ops under (``table.provider(op)``)."""
@@ -321,6 +326,7 @@ _BUILDERS: tuple[tuple[str, Callable[[ModuleType], dict[str, Callable]]], ...] =
     ("npu_swiglu", _swiglu_ops),
     ("npu_fusion_attention", _attention_ops),
     ("npu_apply_adam_w", _adam_ops),
+    *MOE_BUILDERS,
 )
 """The torch_npu kernel each group of adapters needs, and the function that binds them to it."""
 

@@ -1,0 +1,183 @@
+"""The CUDA backend's MoE ops: the grouped GEMM on ``torch._grouped_mm``, permute/unpermute by index
+ops that avoid host syncs and fp32 copies where they can.
+
+* ``grouped_gemm``: :class:`GroupedMM`, an autograd.Function over ``torch._grouped_mm`` (CUTLASS
+  grouped GEMM, sm90+): forward ``y = grouped_mm(x, W^T, offs)`` (``x [N, K]`` 2-D by ``W^T`` 3-D
+  ``[E, K, M]``, groups along the rows), input gradient ``dx = grouped_mm(dy, W, offs)``, weight
+  gradient ``dW = grouped_mm(dy^T, x, offs)`` (2-D by 2-D, groups along the reduced dim N: one
+  ``[M, K]`` block per expert). ``offs = cumsum(tokens_per_expert)`` as int32 on the device (no host
+  sync). The kernel serves bf16 CUDA tensors whose row strides are multiples of 16 bytes (``K`` and
+  ``M`` multiples of 8) and 16-byte aligned storage; anything else (fp32/fp16, unaligned shapes, CPU
+  tensors) runs the reference loop of per-expert matmuls. An expert with no token gets a zero weight
+  gradient (the block is zeroed explicitly: an empty group's output is not promised by the kernel).
+  ``torch._grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None)`` has this signature in torch
+  2.8 through 2.13.
+* ``moe_permute``: with ``num_out_tokens`` given, the rows come from a stable sort of the flattened
+  ``[E, T]`` routing map (routed pairs first, expert-major, token order kept), so no host sync
+  (``masked_select`` needs one to size its output); without it, the reference's ``masked_select``.
+* ``moe_unpermute``: :class:`Unpermute`, which saves the rows in their own dtype (the reference's
+  autograd keeps an fp32 copy of the weighted rows) and sums in fp32 with ``index_add``; each row's
+  weight is gathered by the same sort, without a host sync.
+* The router (``moe_topk_routing``) stays the reference: a softmax/sigmoid and two small top-k's over
+  ``[T, E]`` fp32 logits, which torch's kernels already serve (and Inductor fuses under compile).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore.ops import reference
+
+GROUPED_MM_ON_CPU = False
+"""Let :func:`grouped_gemm` call ``torch._grouped_mm`` on CPU tensors (tests only: torch's CPU
+implementation runs the same autograd.Function without a GPU)."""
+
+_ALIGN = 16  # bytes: the kernel's stride and base-address alignment
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte row strides and (outside a torch.compile trace, where fake tensors have no address,
+    and Inductor's buffers are aligned) a 16-byte aligned base address."""
+    size = t.element_size()
+    return (torch.compiler.is_compiling() or t.data_ptr() % _ALIGN == 0) and all(
+        (s * size) % _ALIGN == 0 for s, n in zip(t.stride(), t.shape) if n > 1 and s != 1
+    )
+
+
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The call fits ``torch._grouped_mm``: bf16 on one CUDA device (or CPU under the test flag),
+    ``x [N, K]`` and ``weight [E, M, K]`` contiguous with 16-byte aligned rows."""
+    on_device = (x.is_cuda and weight.device == x.device) or (
+        GROUPED_MM_ON_CPU and x.device.type == weight.device.type == "cpu"
+    )
+    return (
+        on_device
+        and hasattr(torch, "_grouped_mm")
+        and x.dtype == weight.dtype == torch.bfloat16
+        and x.dim() == 2
+        and weight.dim() == 3
+        and x.shape[1] == weight.shape[2]
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and (x.shape[1] * 2) % _ALIGN == 0
+        and (weight.shape[1] * 2) % _ALIGN == 0
+        and _aligned(x)
+        and _aligned(weight)
+    )
+
+
+def _contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if torch.compiler.is_compiling() or t.data_ptr() % _ALIGN == 0 else t.clone()
+
+
+class GroupedMM(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ weight[e]^T`` through ``torch._grouped_mm`` (see the module)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        counts = tokens_per_expert.to(x.device)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        ctx.save_for_backward(x, weight, offs, counts)
+        if x.shape[0] == 0:  # a rank that received no token
+            return x.new_empty(0, weight.shape[1])
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, offs, counts = ctx.saved_tensors
+        dx = dw = None
+        if x.shape[0] == 0:
+            dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+            dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+            return dx, dw, None
+        dy = _contiguous_aligned(dy.to(x.dtype))
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dy, weight, offs=offs)
+        if ctx.needs_input_grad[1]:
+            dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [E, M, K]: dy_e^T x_e per group of rows
+            dw = dw.masked_fill((counts == 0)[:, None, None], 0)
+        return dx, dw, None
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """The reference ``grouped_gemm`` through ``torch._grouped_mm`` where it fits (bf16, aligned, CUDA),
+    else the reference loop."""
+    if grouped_mm_fits(x, weight) and tokens_per_expert.shape == (weight.shape[0],):
+        return GroupedMM.apply(x, weight, tokens_per_expert)
+    return reference.grouped_gemm(x, weight, tokens_per_expert)
+
+
+def _routed_pairs(routing_map: torch.Tensor, n: int) -> torch.Tensor:
+    """The flat ``[E * T]`` positions (``e * T + t``) of the ``n`` routed pairs, expert-major, token
+    order kept: a stable descending sort of the transposed map (its ``n`` must be the map's count:
+    it is trusted, not checked, as checking would sync with the host)."""
+    flat = routing_map.t().reshape(-1).to(torch.uint8)
+    return torch.sort(flat, descending=True, stable=True).indices[:n]
+
+
+def moe_permute(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+):
+    """The reference ``moe_permute``; with ``num_out_tokens`` the row order comes from a stable sort
+    of the routing map (no host sync)."""
+    if num_out_tokens is None or tokens.dim() != 2 or routing_map.shape[:1] != tokens.shape[:1]:
+        return reference.moe_permute(tokens, routing_map, probs, num_out_tokens)
+    order = _routed_pairs(routing_map, num_out_tokens)
+    sorted_indices = order % tokens.shape[0]
+    permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, order)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+class Unpermute(torch.autograd.Function):
+    """``out[t_i] += rows[i] * p_i`` summed in fp32, returned in ``rows.dtype``; saves ``rows`` as
+    they are. Backward: ``d rows[i] = dout[t_i] * p_i``, ``d p_i = <dout[t_i], rows[i]>``."""
+
+    @staticmethod
+    def forward(ctx, rows, sorted_indices, restore_shape, row_probs):
+        compute = torch.promote_types(rows.dtype, torch.float32)
+        wide = rows.to(compute) if row_probs is None else rows.to(compute) * row_probs.to(compute)[:, None]
+        out = wide.new_zeros(tuple(restore_shape)).index_add_(0, sorted_indices, wide)
+        ctx.save_for_backward(rows, sorted_indices, row_probs)
+        return out.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        rows, sorted_indices, row_probs = ctx.saved_tensors
+        gathered = dout.index_select(0, sorted_indices)
+        d_rows = d_probs = None
+        if ctx.needs_input_grad[0]:
+            compute = torch.promote_types(rows.dtype, torch.float32)
+            d_rows = gathered if row_probs is None else gathered.to(compute) * row_probs.to(compute)[:, None]
+            d_rows = d_rows.to(rows.dtype)
+        if row_probs is not None and ctx.needs_input_grad[3]:
+            compute = torch.promote_types(rows.dtype, row_probs.dtype)
+            d_probs = (gathered.to(compute) * rows.to(compute)).sum(-1).to(row_probs.dtype)
+        return d_rows, None, None, d_probs
+
+
+def moe_unpermute(
+    permuted: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    restore_shape,
+    probs: torch.Tensor | None = None,
+    routing_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference ``moe_unpermute`` without the fp32 copy of the rows in autograd (:class:`Unpermute`)."""
+    if probs is not None and routing_map is None:
+        return reference.moe_unpermute(permuted, sorted_indices, restore_shape, probs, routing_map)
+    row_probs = None
+    if probs is not None:  # each row's weight, gathered without a host sync
+        row_probs = probs.t().reshape(-1).index_select(0, _routed_pairs(routing_map, permuted.shape[0]))
+    return Unpermute.apply(permuted, sorted_indices, restore_shape, row_probs)
+
+
+MOE_OPS = {"grouped_gemm": grouped_gemm, "moe_permute": moe_permute, "moe_unpermute": moe_unpermute}
+MOE_PROVIDERS = {
+    "grouped_gemm": "torch-grouped-mm",
+    "moe_permute": "torch-sort",
+    "moe_unpermute": "torch-index",
+}
