@@ -44,7 +44,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from plain_reference import ReferenceShape, time_reference  # benchmarks/, next to this file
+from plain_moe_reference import MoEReferenceShape, time_moe_reference  # benchmarks/, next to this file
+from plain_reference import ReferenceShape, time_reference
 
 from mcore.distributed.groups import LaunchEnv, initialize_parallel
 from mcore.models.transformer.model_config import padded_vocab_size
@@ -267,10 +268,11 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-trace", default=None, help="write the profiled steps' Chrome trace here")
     parser.add_argument(
         "--reference",
-        choices=("none", "plain", "plain-eager"),
+        choices=("none", "plain", "plain-eager", "plain-moe", "plain-moe-eager"),
         default="none",
         help="first time the plain-PyTorch GPT (plain_reference.py; plain: under torch.compile) at the "
-        "same shapes in this process, and report mcore's tokens/s over its (one process, classic GPT)",
+        "same shapes in this process, and report mcore's tokens/s over its (one process, classic GPT); "
+        "plain-moe: the plain MoE GPT (plain_moe_reference.py) for a --num-experts run",
     )
     ours, rest = parser.parse_known_args(argv)
     rest += [
@@ -298,11 +300,20 @@ def main(argv=None) -> int:
     vocab = padded_vocab_size(ours.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
     t = cfg.training
     reference = None
-    if ours.reference != "none":
+    if ours.reference in ("plain", "plain-eager"):
         reference = time_reference(
             reference_shape(cfg, groups.world_size, vocab),
             backend,
             compile=ours.reference == "plain",
+            warmup=ours.warmup,
+            iters=ours.iters,
+        )
+        _emit(reference, ours.out)
+    elif ours.reference in ("plain-moe", "plain-moe-eager"):
+        reference = time_moe_reference(
+            reference_moe_shape(cfg, groups.world_size, vocab),
+            backend,
+            compile=ours.reference == "plain-moe",
             warmup=ours.warmup,
             iters=ours.iters,
         )
@@ -441,6 +452,46 @@ def reference_shape(cfg, world_size: int, vocab: int) -> ReferenceShape:
         hidden=m.hidden_size,
         heads=m.num_attention_heads,
         ffn_hidden=m.ffn_hidden_size or 4 * m.hidden_size,
+        seq=m.seq_length,
+        micro_batch=cfg.training.micro_batch_size,
+        vocab=vocab,
+    )
+
+
+def reference_moe_shape(cfg, world_size: int, vocab: int) -> MoEReferenceShape:
+    """The plain MoE reference at this run's sizes: RMSNorm, SwiGLU experts, no biases, untied output,
+    full multi-head attention, dropless top-k, one process and one micro-batch a step. mcore may use
+    RoPE where the reference has no positions (mcore then does a little more work than the reference)."""
+    m = cfg.model
+    moe = getattr(m, "moe", None)
+    differs = {
+        "--num-experts": moe is None,
+        "--normalization RMSNorm": m.normalization != "RMSNorm",
+        "--swiglu": not m.swiglu,
+        "--disable-bias-linear": not m.disable_bias_linear,
+        "--untie-embeddings-and-output-weights": not m.untie_embeddings_and_output_weights,
+        "--group-query-attention": m.group_query_attention,
+        "world size": world_size != 1,
+        "--micro-batch-size/--global-batch-size": cfg.training.global_batch_size
+        != cfg.training.micro_batch_size,
+    }
+    if moe is not None:
+        differs["--moe-layer-freq (every layer MoE)"] = not all(moe.moe_layers)
+        differs["--moe-shared-expert-intermediate-size"] = bool(moe.moe_shared_expert_intermediate_size)
+        differs["--moe-expert-capacity-factor (dropless)"] = moe.moe_expert_capacity_factor is not None
+    bad = [name for name, d in differs.items() if d]
+    if bad:
+        raise SystemExit(
+            "--reference plain-moe: the plain reference is a dropless top-k MoE GPT (RMSNorm, SwiGLU experts "
+            f"in every layer, no biases, untied output) on one process; this run differs in {', '.join(bad)}"
+        )
+    return MoEReferenceShape(
+        layers=m.num_layers,
+        hidden=m.hidden_size,
+        heads=m.num_attention_heads,
+        experts=moe.num_experts,
+        topk=moe.topk,
+        expert_ffn=moe.ffn_hidden_size,
         seq=m.seq_length,
         micro_batch=cfg.training.micro_batch_size,
         vocab=vocab,
