@@ -150,6 +150,7 @@ class LanguageModule(torch.nn.Module):
             device=device if device is not None else groups.device,
             fp8=fp8 if fp8 is not None and fp8.enabled else None,
             num_layers=config.num_layers,
+            groups=groups,
         )
         self.input_tensor: torch.Tensor | None = None
 

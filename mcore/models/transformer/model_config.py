@@ -357,6 +357,12 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
         config.ffn_hidden_size % tp == 0,
         f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}",
     )
+    if config.num_experts is not None and tp > 1:
+        check(
+            sequence_parallel,
+            f"num_experts={config.num_experts} with tensor_model_parallel_size={tp} needs --sequence-parallel "
+            "(as Megatron: each TP rank routes its own sequence shard)",
+        )
     if sequence_parallel:
         check(tp > 1, f"--sequence-parallel needs tensor_model_parallel_size > 1 (got {tp})")
         if config.seq_length is not None:

@@ -25,11 +25,18 @@ import torch
 
 
 def switch_load_balancing_loss(
-    scores: torch.Tensor, tokens_per_expert: torch.Tensor, total_tokens, topk: int, num_experts: int, coeff: float
+    scores: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_tokens,
+    topk: int,
+    num_experts: int,
+    coeff: float,
 ) -> torch.Tensor:
     """``coeff * E / (topk * T^2) * sum_e scores[:, e].sum() * tokens_per_expert[e]`` (see module doc)."""
     per_expert = scores.sum(dim=0)
-    return torch.sum(per_expert * tokens_per_expert) * (num_experts * coeff / (topk * total_tokens * total_tokens))
+    return torch.sum(per_expert * tokens_per_expert) * (
+        num_experts * coeff / (topk * total_tokens * total_tokens)
+    )
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
@@ -37,7 +44,9 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
 
 
-def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
+def scores_for_aux_loss(
+    logits: torch.Tensor, topk: int, score_function: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The scores [T, E] fp32 the aux losses use and their top-k map [T, E] bool (no bias, no groups)."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -306,9 +306,10 @@ def _check_groups(config, e: int, k: int) -> None:
         f"moe_router_group_topk={group_topk} exceeds moe_router_num_groups={groups}",
     )
     check(
-        group_topk <= k <= group_topk * (e // groups),
-        f"moe_router_topk={k} must be between moe_router_group_topk={group_topk} and the experts of "
-        f"{group_topk} groups ({group_topk * (e // groups)}: num_experts={e} in {groups} groups)",
+        k % group_topk == 0 and k // group_topk <= e // groups,
+        f"moe_router_topk={k} must be a multiple of moe_router_group_topk={group_topk}, with "
+        f"topk/group_topk={k // group_topk} <= the {e // groups} experts of a group "
+        f"(num_experts={e} in moe_router_num_groups={groups})",
     )
 
 

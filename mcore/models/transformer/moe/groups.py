@@ -39,7 +39,9 @@ class MoEGroups:
         if groups is None:
             return cls()
         get = lambda name: getattr(groups, name, None)  # noqa: E731
-        return cls(ep=get("ep"), tp_ep=get("tp_ep"), etp=get("etp"), tp_cp=get("tp_cp"), tp_dp_cp=get("tp_dp_cp"))
+        return cls(
+            ep=get("ep"), tp_ep=get("tp_ep"), etp=get("etp"), tp_cp=get("tp_cp"), tp_dp_cp=get("tp_dp_cp")
+        )
 
     @property
     def ep_size(self) -> int:

@@ -57,7 +57,11 @@ class TopKRouter(torch.nn.Module):
         self.topk = moe.topk
         e = moe.num_experts
         self.weight = make_parameter(
-            ParamLayout((e, moe.hidden_size), init=NormalInit(moe.init_method_std), sequence_parallel=sequence_parallel),
+            ParamLayout(
+                (e, moe.hidden_size),
+                init=NormalInit(moe.init_method_std),
+                sequence_parallel=sequence_parallel,
+            ),
             1,
             dtype=torch.float32,
             device=device,
@@ -129,7 +133,9 @@ class TopKRouter(torch.nn.Module):
 
     def _apply_aux_losses(self, probs, logits, seq: int, batch: int) -> torch.Tensor:
         """Attach each enabled load-balancing loss to ``probs`` (see :mod:`aux_losses`)."""
-        routing_map, scores = aux_losses.scores_for_aux_loss(logits, self.topk, self.moe.moe_router_score_function)
+        routing_map, scores = aux_losses.scores_for_aux_loss(
+            logits, self.topk, self.moe.moe_router_score_function
+        )
         k, tokens, e = self.topk, scores.shape[0], self.moe.num_experts
         coeff = self.moe.aux_loss_coeff("aux_loss")
         if coeff:
