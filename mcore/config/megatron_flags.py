@@ -49,7 +49,6 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
 
 UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
     "--num-experts": "mixture-of-experts models are not implemented",
-    "--expert-model-parallel-size": "mixture-of-experts models are not implemented",
     "--moe-router-topk": "mixture-of-experts models are not implemented",
     "--fp8-hybrid": "use --fp8-format hybrid",
     "--fp8-e4m3": "use --fp8-format e4m3",
