@@ -313,6 +313,15 @@ def _check_groups(config, e: int, k: int) -> None:
     )
 
 
+def refuse_moe(config, family: str) -> None:
+    """Refuse MoE flags on a family whose layers have no MoE slot (BERT, T5), naming the flag."""
+    check(
+        config.num_experts is None,
+        f"num_experts={config.num_experts} (--num-experts): mixture-of-experts layers are built for GPT "
+        f"models; {family} has none",
+    )
+
+
 def check_moe_parallel(config, expert_model_parallel_size: int, expert_tensor_parallel_size: int) -> None:
     """The MoE part of the layout check: experts split over EP, expert FFNs over ETP."""
     if config.num_experts is None:
@@ -337,4 +346,5 @@ __all__ = [
     "check_moe_parallel",
     "moe_view",
     "parse_layer_freq",
+    "refuse_moe",
 ]

@@ -24,24 +24,22 @@ import torch
 from mcore.backend import get_ops
 from mcore.models.transformer.moe.config import MoEConfig
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved
-from mcore.tensor_parallel.sharding import ZEROS, NormalInit, ParamLayout, scaled_init_method_normal
+from mcore.tensor_parallel.sharding import (
+    ZEROS,
+    NormalInit,
+    ParamLayout,
+    make_parameter,
+    scaled_init_method_normal,
+)
 
 
-def expert_parameter(layout: ParamLayout, local_shape, dtype, device) -> torch.nn.Parameter:
-    """An uninitialized expert parameter of this rank's shape carrying ``layout`` (dim 0: experts),
-    marked ``expert_parallel`` (its gradient is reduced over expert-data parallelism)."""
-    param = torch.nn.Parameter(torch.empty(tuple(local_shape), dtype=dtype, device=device))
-    param.shard_layout = layout
-    param.expert_parallel = True
-    return param
-
-
-def _layout(global_shape, partition_dim, init, num_stacked: int = 1) -> ParamLayout:
-    """The layout of an expert tensor: dim 0 indexes the global experts (split over EP)."""
-    kwargs = {"expert_dim": 0} if "expert_dim" in ParamLayout.__dataclass_fields__ else {}
-    return ParamLayout(
-        tuple(global_shape), partition_dim=partition_dim, num_stacked=num_stacked, init=init, **kwargs
+def _param(global_shape, partition_dim, init, etp: int, ep: int, dtype, device, num_stacked: int = 1):
+    """An uninitialized expert parameter of this rank's shape: dim 0 indexes the global experts (split
+    over EP in contiguous blocks), ``partition_dim`` is split over ETP; marked ``expert_parallel``."""
+    layout = ParamLayout(
+        tuple(global_shape), partition_dim=partition_dim, num_stacked=num_stacked, init=init, expert_dim=0
     )
+    return make_parameter(layout, etp, dtype=dtype, device=device, ep_size=ep)
 
 
 class GroupedMLP(torch.nn.Module):
@@ -72,29 +70,16 @@ class GroupedMLP(torch.nn.Module):
         self.activation_kind = activation
         self.recompute_activation = recompute_activation
         stacked = 2 if activation == "swiglu" else 1
-        el, fl = self.num_local_experts, f // etp_size
         std = moe.init_method_std
+        p = dict(etp=etp_size, ep=ep_size, dtype=params_dtype, device=device)
         self.linear_fc1 = torch.nn.Module()
         self.linear_fc2 = torch.nn.Module()
-        self.linear_fc1.weight = expert_parameter(
-            _layout((e, stacked * f, h), 1, NormalInit(std), stacked),
-            (el, stacked * fl, h),
-            params_dtype,
-            device,
-        )
-        self.linear_fc2.weight = expert_parameter(
-            _layout((e, h, f), 2, scaled_init_method_normal(std, moe.num_layers)),
-            (el, h, fl),
-            params_dtype,
-            device,
-        )
+        self.linear_fc1.weight = _param((e, stacked * f, h), 1, NormalInit(std), num_stacked=stacked, **p)
+        fc2_init = scaled_init_method_normal(std, moe.num_layers)
+        self.linear_fc2.weight = _param((e, h, f), 2, fc2_init, **p)
         if add_bias:
-            self.linear_fc1.bias = expert_parameter(
-                _layout((e, stacked * f), 1, ZEROS, stacked), (el, stacked * fl), params_dtype, device
-            )
-            self.linear_fc2.bias = expert_parameter(
-                _layout((e, h), None, ZEROS), (el, h), params_dtype, device
-            )
+            self.linear_fc1.bias = _param((e, stacked * f), 1, ZEROS, num_stacked=stacked, **p)
+            self.linear_fc2.bias = _param((e, h), None, ZEROS, **p)
         else:
             self.linear_fc1.bias = self.linear_fc2.bias = None
 
@@ -115,9 +100,10 @@ class GroupedMLP(torch.nn.Module):
 
     def activation(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ops = get_ops()
+        h = h if bias is None else h + bias  # per-row biases (each row's expert): added here
         if self.activation_kind == "swiglu":
-            return ops.swiglu(h if bias is None else h + bias)
-        return ops.bias_gelu(h, bias, "tanh" if self.activation_kind == "gelu_tanh" else "none")
+            return ops.swiglu(h)
+        return ops.bias_gelu(h, None, "tanh" if self.activation_kind == "gelu_tanh" else "none")
 
     @staticmethod
     def _bias_rows(bias: torch.Tensor | None, counts: torch.Tensor, rows: int) -> torch.Tensor | None:

@@ -105,7 +105,7 @@ class TopKRouter(torch.nn.Module):
             scaling_factor=self.moe.moe_router_topk_scaling_factor,
             expert_bias=self.expert_bias,
         )
-        probs = probs.float()
+        probs = probs if probs.dtype == torch.float64 else probs.float()
         if self.moe.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_tokens(
                 probs,
