@@ -1,5 +1,6 @@
 """MoE router, losses, capacity and config on hand-computed small cases (one process, milliseconds)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -153,6 +154,8 @@ def test_layer_freq_forms():
     assert parse_layer_freq(2, 4) == (True, False, True, False)
     assert parse_layer_freq("([0]*3+[1]*29)", 32) == (False,) * 3 + (True,) * 29
     assert parse_layer_freq("[1,0]", 2) == (True, False)
+    assert parse_layer_freq(("0", "1", "1"), 3) == (False, True, True)  # --moe-layer-freq 0 1 1
+    assert parse_layer_freq(("2",), 3) == (True, False, True)
     with pytest.raises(ConfigError, match="has 2 entries; num_layers=3"):
         parse_layer_freq("[1,0]", 3)
     with pytest.raises(ConfigError, match="--moe-layer-freq"):
@@ -239,6 +242,12 @@ def test_megatron_moe_flags_parse_and_kernel_flags_are_listed(caplog):
     assert moe.moe_layers == (False, True, True, True) and moe.dispatcher == "alltoall"
     assert moe.aux_losses == (("aux_loss", 0.01), ("seq_aux_loss", 0.001))
     assert cfg.parallel.expert_model_parallel_size == 2
+    from mcore.hf.megatron_flags import megatron_model_flags
+
+    flags = megatron_model_flags(dataclasses.replace(cfg.model, moe_layer_freq=(0, 1, 1, 1)))
+    assert flags[flags.index("--moe-layer-freq") :][:5] == ["--moe-layer-freq", "0", "1", "1", "1"]
+    again = parse_run_config(flags)  # the flags an import prints build the same MoE model
+    assert again.model.moe.moe_layers == moe.moe_layers and again.model.moe.aux_losses == moe.aux_losses
     note = " ".join(r.getMessage() for r in caplog.records)
     assert "--moe-permute-fusion (" in note and "--moe-token-dispatcher-type flex (" in note
 
