@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mcore.backend import get_ops
+from mcore.config.fields import check
 from mcore.models.transformer.moe.groups import MoEGroups, group_size
 from mcore.tensor_parallel.mappings import (
     all_gather_along_sequence,
@@ -74,11 +75,11 @@ class AllToAllDispatcher:
     """See module doc."""
 
     def __init__(self, num_experts: int, groups: MoEGroups):
-        if groups.etp_size > 1:
-            raise ValueError(
-                "--moe-token-dispatcher-type alltoall needs expert_tensor_parallel_size=1 "
-                f"(got {groups.etp_size}); use --moe-token-dispatcher-type allgather"
-            )
+        check(
+            groups.etp_size == 1,
+            f"--moe-token-dispatcher-type alltoall needs expert_tensor_parallel_size=1 (got "
+            f"{groups.etp_size}); use --moe-token-dispatcher-type allgather",
+        )
         self.groups = groups
         self.num_experts = num_experts
         self.ep = groups.ep_size
