@@ -9,7 +9,8 @@ What it provides, after :func:`install`:
 
 * ``sys.modules["torch_npu"]`` with the fused ops the backend calls (``npu_rms_norm``,
   ``npu_rotary_mul``, ``npu_swiglu``, ``npu_fusion_attention`` (+ ``_grad``),
-  ``npu_scaled_masked_softmax``, ``npu_apply_adam_w``, ``npu_gelu``), computed on the CPU with the
+  ``npu_scaled_masked_softmax``, ``npu_apply_adam_w``, ``npu_gelu``, and ring attention's
+  ``npu_ring_attention_update``, :mod:`.ring_ops`), computed on the CPU with the
   real argument names, defaults, validation and return arity (:mod:`.ops`);
 * ``torch.npu`` / ``torch_npu.npu``: the runtime API (device count, set_device, RNG, memory
   statistics, streams, events, compile mode, config), see :mod:`.device`;
@@ -41,7 +42,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from mcore.backends.npu.simulated import ops
+from mcore.backends.npu.simulated import ops, ring_ops
 from mcore.backends.npu.simulated.device import SimulatedNPUState, build_device_module
 from mcore.backends.npu.simulated.distributed import (
     CREATED_GROUPS,
@@ -75,6 +76,7 @@ def _build(state: SimulatedNPUState) -> dict[str, types.ModuleType]:
     root._simulation = state
     for name in ops.__all__:
         setattr(root, name, getattr(ops, name))
+    root.npu_ring_attention_update = ring_ops.npu_ring_attention_update
 
     npu = build_device_module(state)
     optim = _module(f"{MODULE_NAME}.optim", "optimizers")
