@@ -12,7 +12,8 @@ The backward runs ``attention_with_lse_backward`` per block from the merged ``ou
 of a rank's rows summed). Both ranks' blocks run one after the other on one GPU; no communication.
 The baseline is ``attention_with_lse`` + its backward over the whole sequence (one causal kernel
 call each way). Prints one JSON line: milliseconds (median of CUDA-event-timed repeats) of each,
-their ratio (``ring / unsplit``; the target is within 1.10), and the time in the merges. The shape
+their ratio (``ring / unsplit``; the target is within 1.10), and the time of the merges alone (the
+table's ``attention_merge`` and the eager reference). The shape
 defaults to Llama-3-8B's attention at 32k: 32 query heads, 8 KV heads, head dim 128, bf16.
 
     python benchmarks/ring_attention_bench.py [--seq 32768 --heads 32 --kv-heads 8 --dim 128]
@@ -86,9 +87,9 @@ def make_ring(ops, q, k, v, dout, c: int):
         lse = torch.randn(o.shape[:3], device=o.device)
         merge_inputs.append((o, lse, o.clone(), lse.clone()))
 
-    def merges_only():
+    def merges_only(merge=ops.attention_merge):
         for inputs in merge_inputs:
-            ops.attention_merge(*inputs)
+            merge(*inputs)
 
     return ring, merges_only
 
@@ -124,6 +125,9 @@ def main() -> None:
     unsplit_ms = _time(unsplit, args.warmup, args.repeats)
     ring_ms = _time(ring, args.warmup, args.repeats)
     merge_ms = _time(merges, args.warmup, args.repeats)
+    from mcore.ops import reference
+
+    merge_reference_ms = _time(lambda: merges(reference.attention_merge), args.warmup, args.repeats)
     flops = 3.5 * 4 * args.batch * args.heads * args.seq**2 * args.dim / 2  # causal fwd (2 GEMMs) + bwd (5)
     print(
         json.dumps(
@@ -146,6 +150,7 @@ def main() -> None:
                 "ring_cp2_ms": round(ring_ms, 3),
                 "ratio": round(ring_ms / unsplit_ms, 4),
                 "merges_ms": round(merge_ms, 3),
+                "merges_reference_ms": round(merge_reference_ms, 3),
                 "unsplit_tflops": round(flops / unsplit_ms / 1e9, 1),
             }
         )  # fmt: skip

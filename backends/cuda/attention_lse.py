@@ -1,9 +1,9 @@
 """The context-parallel attention ops on CUDA: ``attention_with_lse`` and its backward on PyTorch's
 FlashAttention-2 kernels (``aten::_scaled_dot_product_flash_attention`` returns the log-sum-exp, and
 ``aten::_scaled_dot_product_flash_attention_backward`` takes any ``out``/``lse``, so a ring block's
-backward runs from the merged results as the contract asks); ``attention_merge`` is the reference's
-few element-wise passes (memory-bound, a small fraction of a block's attention: see
-``benchmarks/ring_attention_bench.py``).
+backward runs from the merged results as the contract asks); ``attention_merge`` is one Triton pass
+(``triton_kernels/attention_merge.py``) where Triton is installed, else the reference's element-wise
+passes (memory-bound either way: ``benchmarks/ring_attention_bench.py`` times both).
 
 What the kernel serves: CUDA tensors in bf16/fp16 (one dtype), 4-D ``[b, n, s, d]``, ``d % 8 == 0``,
 ``d <= 256``; GQA natively (K/V keep their ``g`` heads; the backward sums ``dk``/``dv`` itself).
@@ -30,7 +30,7 @@ import torch
 
 from mcore.ops import reference
 
-from .device import tracing
+from .device import on_kernel_device, tracing
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -118,8 +118,36 @@ def attention_with_lse_backward(dout, q, k, v, out, lse, *, causal: bool = True,
     return dq, dk, dv
 
 
+def _merge_fits(out_a, lse_a, out_b, lse_b) -> bool:
+    return (
+        on_kernel_device(out_a, lse_a, out_b, lse_b)
+        and not tracing()
+        and out_a.dim() == 4
+        and out_a.shape == out_b.shape
+        and out_a.dtype == out_b.dtype
+        and out_a.dtype in (torch.float32, *_FLASH_DTYPES)
+        and lse_a.dtype == lse_b.dtype == torch.float32
+        and lse_a.shape == lse_b.shape == out_a.shape[:3]
+        and out_a.stride(-1) == out_b.stride(-1) == 1
+        and out_a.shape[-1] <= 1024
+    )
+
+
+def attention_merge(out_a, lse_a, out_b, lse_b):
+    """The reference ``attention_merge`` in one Triton pass (``triton_kernels/attention_merge.py``)
+    where Triton is installed and the tensors are on the GPU, else the reference."""
+    if not _merge_fits(out_a, lse_a, out_b, lse_b):
+        return reference.attention_merge(out_a, lse_a, out_b, lse_b)
+    from .triton_kernels.attention_merge import attention_merge as merge
+
+    return merge(out_a, lse_a, out_b, lse_b)
+
+
 ATTENTION_LSE_OPS = {
     "attention_with_lse": attention_with_lse,
     "attention_with_lse_backward": attention_with_lse_backward,
 }
-"""The ops this module serves (``attention_merge`` stays the reference on CUDA)."""
+"""The FlashAttention ops (with or without Triton)."""
+
+MERGE_OPS = {"attention_merge": attention_merge}
+"""The Triton merge (served where Triton is installed)."""
