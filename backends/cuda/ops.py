@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from mcore.ops import reference
 
 from . import extensions
+from .attention_lse import ATTENTION_LSE_OPS, MERGE_OPS
 from .device import on_kernel_device, tracing
 from .fp8.act import ACT_FP8_OPS
 from .fp8.flat import fp8_dequantize_flat, fp8_quantize_flat
@@ -550,6 +551,11 @@ def _build() -> tuple[dict, dict[str, str]]:
         providers.update(dict.fromkeys(_TRITON_OPS, "triton"))
     ops.update(MOE_OPS)  # torch ops only (no Triton); the router stays the reference (moe.py says why)
     providers.update(MOE_PROVIDERS)
+    ops.update(ATTENTION_LSE_OPS)  # context parallelism (backends/cuda/attention_lse.py)
+    providers.update(dict.fromkeys(ATTENTION_LSE_OPS, "flash-sdpa"))
+    if extensions.triton_available():
+        ops.update(MERGE_OPS)
+        providers.update(dict.fromkeys(MERGE_OPS, "triton"))
     ops.update(FP8_OPS)
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
@@ -572,6 +578,8 @@ ALL_OPS = {
     "attention": attention,
     "adam_step": adam_step,
     "accumulate_weight_grad": accumulate_weight_grad,
+    **ATTENTION_LSE_OPS,
+    **MERGE_OPS,
     **FP8_OPS,
     **ACT_FP8_OPS,
     **MOE_OPS,

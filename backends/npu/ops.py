@@ -334,8 +334,10 @@ _BUILDERS: tuple[tuple[str, Callable[[ModuleType], dict[str, Callable]]], ...] =
 def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
     """The op-table overrides torch_npu can serve, bound to ``torch_npu`` (real or simulated): the
     adapters of every kernel it has (:data:`_BUILDERS`)."""
+    from .cp_ops import BUILDERS as CP_BUILDERS  # context parallelism (imports this module)
+
     ops: dict[str, Callable] = {}
-    for kernel, build in _BUILDERS:
+    for kernel, build in (*_BUILDERS, *CP_BUILDERS):
         if hasattr(torch_npu, kernel):
             ops.update(build(torch_npu))
     return ops

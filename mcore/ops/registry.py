@@ -61,6 +61,10 @@ OP_NAMES: tuple[str, ...] = (
     "moe_permute",
     "moe_unpermute",
     "grouped_gemm",
+    # context parallelism: attention by key blocks (mcore.ops.reference.attention_lse)
+    "attention_with_lse",
+    "attention_with_lse_backward",
+    "attention_merge",
 )
 """Every op name. The signatures and tensor layouts are documented in :mod:`mcore.ops.reference`.
 

@@ -9,10 +9,11 @@ What it provides, after :func:`install`:
 
 * ``sys.modules["torch_npu"]`` with the fused ops the backend calls (``npu_rms_norm``,
   ``npu_rotary_mul``, ``npu_swiglu``, ``npu_fusion_attention`` (+ ``_grad``),
-  ``npu_scaled_masked_softmax``, ``npu_apply_adam_w``, ``npu_gelu``) and the MoE training ops
+  ``npu_scaled_masked_softmax``, ``npu_apply_adam_w``, ``npu_gelu``), the MoE training ops
   (``npu_grouped_matmul``, ``npu_moe_token_permute_with_routing_map``,
-  ``_npu_moe_token_unpermute_with_routing_map`` and their ``_grad`` ops), computed on the CPU with the
-  real argument names, defaults, validation and return arity (:mod:`.ops`, :mod:`.moe_ops`);
+  ``_npu_moe_token_unpermute_with_routing_map`` and their ``_grad`` ops) and ring attention's
+  ``npu_ring_attention_update``, computed on the CPU with the real argument names, defaults,
+  validation and return arity (:mod:`.ops`, :mod:`.moe_ops`, :mod:`.ring_ops`);
 * ``torch.npu`` / ``torch_npu.npu``: the runtime API (device count, set_device, RNG, memory
   statistics, streams, events, compile mode, config), see :mod:`.device`;
 * ``torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options`` and a torch.distributed backend
@@ -43,7 +44,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from mcore.backends.npu.simulated import moe_ops, ops
+from mcore.backends.npu.simulated import moe_ops, ops, ring_ops
 from mcore.backends.npu.simulated.device import SimulatedNPUState, build_device_module
 from mcore.backends.npu.simulated.distributed import (
     CREATED_GROUPS,
@@ -78,6 +79,9 @@ def _build(state: SimulatedNPUState) -> dict[str, types.ModuleType]:
     for module in (ops, moe_ops):
         for name in module.__all__:
             setattr(root, name, getattr(module, name))
+    for name in ops.__all__:
+        setattr(root, name, getattr(ops, name))
+    root.npu_ring_attention_update = ring_ops.npu_ring_attention_update
 
     npu = build_device_module(state)
     optim = _module(f"{MODULE_NAME}.optim", "optimizers")

@@ -249,6 +249,11 @@ def _heads(t: torch.Tensor, layout: str, head_dim: int | None = None, heads: int
     return t.shape[-2], t.shape[-1]  # BSND, TND
 
 
+def _seq_len(t: torch.Tensor, layout: str) -> int:
+    """The sequence length of a (non-TND) tensor in ``layout``."""
+    return {"BNSD": t.shape[2], "BSND": t.shape[1], "BSH": t.shape[1], "SBH": t.shape[0]}[layout]
+
+
 def _check_cumulative(name: str, lengths, total: int) -> list[int]:
     if lengths is None:
         raise RuntimeError(f"npu_fusion_attention: input_layout 'TND' needs {name}")
@@ -464,9 +469,31 @@ def npu_fusion_attention_grad(
     softmax_layout: str = "",
     sink: torch.Tensor | None = None,
 ):
-    """``(dq, dk, dv, dpse, dsink)`` of :func:`npu_fusion_attention` (recomputed; keep_prob must be 1)."""
+    """``(dq, dk, dv, dpse, dsink)`` of :func:`npu_fusion_attention` (keep_prob must be 1). Given the
+    forward's ``softmax_max``, ``softmax_sum`` and ``attention_in`` (as the real kernel takes them; ring
+    attention passes the merged ones), from those (:func:`.ring_ops.fusion_attention_grad_from_stats`);
+    without them (or in TND), through autograd of a recomputed forward."""
     if keep_prob != 1.0:
         raise NotImplementedError("simulated npu_fusion_attention_grad cannot replay the Philox dropout mask")
+    stats = (softmax_max, softmax_sum, attention_in)
+    if input_layout != "TND" and all(t is not None for t in stats):
+        from mcore.backends.npu.simulated.ring_ops import fusion_attention_grad_from_stats
+
+        _check_fusion_arguments(
+            query, key, value, input_layout, pse, padding_mask, atten_mask, keep_prob, prefix, sparse_mode,
+            softmax_layout, sink, None,
+        )  # fmt: skip
+        nq, _ = _fusion_heads(query, key, value, head_num, input_layout)
+        sq, sk = _seq_len(query, input_layout), _seq_len(key, input_layout)
+        if atten_mask is not None and sparse_mode in (0, 1):
+            batch = query.shape[1] if input_layout == "SBH" else query.shape[0]
+            _check_mask_shape(atten_mask, batch, nq, sq, sk)
+        mask = _block_mask(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens)
+        grads = fusion_attention_grad_from_stats(
+            query, key, value, dy, nq, input_layout, mask, scale_value, softmax_max, softmax_sum, attention_in
+        )
+        empty = torch.empty(0, dtype=query.dtype)
+        return (*grads, empty, empty)
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
         out = npu_fusion_attention(
