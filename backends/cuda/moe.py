@@ -16,8 +16,9 @@ ops that avoid host syncs and fp32 copies where they can.
   ``[E, T]`` routing map (routed pairs first, expert-major, token order kept), so no host sync
   (``masked_select`` needs one to size its output); without it, the reference's ``masked_select``.
 * ``moe_unpermute``: :class:`Unpermute`, which saves the rows in their own dtype (the reference's
-  autograd keeps an fp32 copy of the weighted rows) and sums in fp32 with ``index_add``; each row's
-  weight is gathered by the same sort, without a host sync.
+  autograd keeps an fp32 copy of the weighted rows) and sums in fp32: on the GPU with one Triton
+  kernel each way (a per-token gather-sum in a fixed order: deterministic, no fp32 copy of the rows),
+  elsewhere with ``index_add``; each row's weight is gathered by the same sort, without a host sync.
 * The router (``moe_topk_routing``) stays the reference: a softmax/sigmoid and two small top-k's over
   ``[T, E]`` fp32 logits, which torch's kernels already serve (and Inductor fuses under compile).
 """
@@ -27,6 +28,8 @@ from __future__ import annotations
 import torch
 
 from mcore.ops import reference
+
+from .device import on_kernel_device, tracing
 
 GROUPED_MM_ON_CPU = False
 """Let :func:`grouped_gemm` call ``torch._grouped_mm`` on CPU tensors (tests only: torch's CPU
@@ -134,19 +137,35 @@ def moe_permute(
 
 class Unpermute(torch.autograd.Function):
     """``out[t_i] += rows[i] * p_i`` summed in fp32, returned in ``rows.dtype``; saves ``rows`` as
-    they are. Backward: ``d rows[i] = dout[t_i] * p_i``, ``d p_i = <dout[t_i], rows[i]>``."""
+    they are. Backward: ``d rows[i] = dout[t_i] * p_i``, ``d p_i = <dout[t_i], rows[i]>``.
+
+    On the Triton device (:func:`_triton_fits`) both directions are one kernel each
+    (:mod:`~mcore.backends.cuda.triton_kernels.moe_unpermute`: a deterministic per-token gather-sum,
+    no fp32 copy of the rows); elsewhere an fp32 ``index_add``."""
 
     @staticmethod
     def forward(ctx, rows, sorted_indices, restore_shape, row_probs):
+        ctx.save_for_backward(rows, sorted_indices, row_probs)
+        ctx.triton = _triton_fits(rows, sorted_indices, row_probs)
+        if ctx.triton:
+            from .triton_kernels import moe_unpermute as kernels
+
+            order, offsets = kernels.token_order(sorted_indices, restore_shape[0])
+            return kernels.unpermute_forward(rows, row_probs, order, offsets, restore_shape[0])
         compute = torch.promote_types(rows.dtype, torch.float32)
         wide = rows.to(compute) if row_probs is None else rows.to(compute) * row_probs.to(compute)[:, None]
         out = wide.new_zeros(tuple(restore_shape)).index_add_(0, sorted_indices, wide)
-        ctx.save_for_backward(rows, sorted_indices, row_probs)
         return out.to(rows.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         rows, sorted_indices, row_probs = ctx.saved_tensors
+        if ctx.triton:
+            from .triton_kernels import moe_unpermute as kernels
+
+            d_rows, d_probs = kernels.unpermute_backward(dout.contiguous(), rows, row_probs, sorted_indices)
+            d_probs = None if d_probs is None else d_probs.to(row_probs.dtype)
+            return d_rows, None, None, d_probs
         gathered = dout.index_select(0, sorted_indices)
         d_rows = d_probs = None
         if ctx.needs_input_grad[0]:
@@ -157,6 +176,19 @@ class Unpermute(torch.autograd.Function):
             compute = torch.promote_types(rows.dtype, row_probs.dtype)
             d_probs = (gathered.to(compute) * rows.to(compute)).sum(-1).to(row_probs.dtype)
         return d_rows, None, None, d_probs
+
+
+def _triton_fits(rows: torch.Tensor, sorted_indices: torch.Tensor, row_probs: torch.Tensor | None) -> bool:
+    """The Triton kernels serve 2-D contiguous bf16/fp16/fp32 rows with fp32 (or no) weights on the
+    kernel device, outside a ``torch.compile`` trace (which traces the eager version)."""
+    return (
+        not tracing()
+        and on_kernel_device(rows, sorted_indices, row_probs)
+        and rows.dim() == 2
+        and rows.is_contiguous()
+        and rows.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and (row_probs is None or (row_probs.dtype == torch.float32 and row_probs.is_contiguous()))
+    )
 
 
 def moe_unpermute(

@@ -1,0 +1,76 @@
+"""The CUDA backend's Triton ``moe_unpermute`` (``backends/cuda/triton_kernels/moe_unpermute.py``)
+under Triton's CPU interpreter, against the reference's forward and gradients: weighted and not,
+a token no row comes back to (dropped by capacity), a hidden size not a power of two and larger
+than one block, bf16 and fp32, and no row at all (a rank that received no token).
+
+By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_moe_unpermute_interpret.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mcore.testing.interpreter import interpreter_child, needs_triton, run_under_interpreter
+
+
+@needs_triton
+@interpreter_child(timeout=300)
+def test_moe_unpermute_kernels_under_the_interpreter():
+    run_under_interpreter(__file__, timeout=300)
+
+
+def _case(dtype, hidden: int, weighted: bool, empty: bool, gen):
+    import torch
+    from mcore.backends.cuda import moe
+
+    from mcore.ops import reference
+
+    tokens, experts = 9, 4
+    scores = torch.rand(tokens, experts, generator=gen)
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, scores.topk(2, -1).indices, True)
+    routing_map[4] = False  # token 4: every row dropped
+    if empty:
+        routing_map[:] = False
+    probs = torch.rand(tokens, experts, generator=gen) * routing_map
+    *_, sorted_indices = reference.moe_permute(torch.zeros(tokens, 1), routing_map)
+    rows = torch.randn(sorted_indices.numel(), hidden, generator=gen).to(dtype)
+    dout = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    results = []
+    for fn in (moe.moe_unpermute, reference.moe_unpermute):
+        r = rows.clone().requires_grad_(True)
+        p = probs.clone().requires_grad_(True) if weighted else None
+        out = fn(r, sorted_indices, (tokens, hidden), probs=p, routing_map=routing_map)
+        out.backward(dout)
+        results.append((out, r.grad, None if p is None else p.grad))
+    assert moe._triton_fits(rows, sorted_indices, None)
+    return results
+
+
+def _main() -> int:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    failures = 0
+    for dtype, hidden, weighted, empty in (
+        (torch.bfloat16, 1100, True, False),
+        (torch.float32, 48, True, False),
+        (torch.bfloat16, 64, False, False),
+        (torch.bfloat16, 32, True, True),
+    ):
+        (out, d_rows, d_probs), (out_ref, d_rows_ref, d_probs_ref) = _case(
+            dtype, hidden, weighted, empty, gen
+        )
+        tol = 1e-5 if dtype == torch.float32 else 2**-7
+        checks = [("out", out, out_ref), ("d_rows", d_rows, d_rows_ref)]
+        if weighted:
+            checks.append(("d_probs", d_probs, d_probs_ref))
+        for name, got, want in checks:
+            ok = got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+            print(f"moe_unpermute {dtype} h={hidden} weighted={weighted} empty={empty} {name}: "
+                  f"{'ok' if ok else 'MISMATCH'}")  # fmt: skip
+            failures += not ok
+    return failures
+
+
+if __name__ == "__main__":  # the interpreter run, a subprocess of the test
+    sys.exit(_main())
