@@ -52,7 +52,10 @@ class MoEFlags:
         None, "Group-limited routing: tokens choose experts from this many groups (topk_group)."
     )
     moe_router_dtype: str | None = flag(
-        None, "dtype of the routing math (the router weight is always fp32).", choices=ROUTER_DTYPES
+        None,
+        "dtype of the router's GEMM (default: the input's, as Megatron; the routing math after it is "
+        "fp32 at least and the router weight is always fp32).",
+        choices=ROUTER_DTYPES,
     )
     moe_router_load_balancing_type: tuple[str, ...] = flag(
         ("aux_loss",),

@@ -44,7 +44,10 @@ class AllGatherDispatcher:
         first = groups.ep_rank * self.num_local_experts
         self.local = slice(first, first + self.num_local_experts)
 
-    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    def dispatch(
+        self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, topk: int | None = None
+    ):
+        """``topk``: every token is routed to exactly this many experts (dropless), or None."""
         group = self.groups.tp_ep
         self.local_shape = x.shape
         if group_size(group) > 1:
@@ -54,7 +57,11 @@ class AllGatherDispatcher:
         self.gathered_shape = x.shape
         self.probs = probs[:, self.local]
         self.routing_map = routing_map[:, self.local]
-        rows, _, self.sorted_indices = get_ops().moe_permute(x, self.routing_map)
+        # With every expert local, a dropless map routes exactly T * topk pairs: said to the op, it
+        # permutes without a host sync.
+        every_expert_local = self.num_local_experts == routing_map.shape[1]
+        num_out = x.shape[0] * topk if topk is not None and every_expert_local else None
+        rows, _, self.sorted_indices = get_ops().moe_permute(x, self.routing_map, num_out_tokens=num_out)
         return rows, self.routing_map.sum(dim=0)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
@@ -85,9 +92,13 @@ class AllToAllDispatcher:
         self.ep = groups.ep_size
         self.num_local_experts = num_experts // self.ep
 
-    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    def dispatch(
+        self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, topk: int | None = None
+    ):
+        """``topk``: every token is routed to exactly this many experts (dropless), or None."""
         self.shape, self.probs, self.routing_map = x.shape, probs, routing_map
-        rows, _, self.sorted_indices = get_ops().moe_permute(x, routing_map)
+        num_out = x.shape[0] * topk if topk is not None else None  # no host sync in the permute
+        rows, _, self.sorted_indices = get_ops().moe_permute(x, routing_map, num_out_tokens=num_out)
         if self.ep == 1:
             return rows, routing_map.sum(dim=0)
         send_counts = routing_map.sum(dim=0).reshape(self.ep, self.num_local_experts)  # [dest, local e]

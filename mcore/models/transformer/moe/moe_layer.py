@@ -80,7 +80,10 @@ class MoELayer(torch.nn.Module):
         shape = x.shape
         probs, routing_map = self.router(x)
         tokens = x.reshape(-1, shape[-1])
-        rows, counts = self.dispatcher.dispatch(tokens, probs, routing_map)
+        dropless = self.router.moe.moe_expert_capacity_factor is None
+        rows, counts = self.dispatcher.dispatch(
+            tokens, probs, routing_map, self.router.topk if dropless else None
+        )
         out = self.dispatcher.combine(self.experts(rows, counts)).reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)[0]

@@ -1,7 +1,7 @@
 """The top-k router (Megatron's ``TopKRouter``): which experts each token goes to, with what weight.
 
-``logits = x @ weight.T`` [T, E] in fp32 (``--moe-router-dtype fp64``: fp64), ``weight`` [E, H] an
-fp32 parameter (replicated; with sequence parallelism each TP rank routes its own tokens, so its
+``logits = x @ weight.T`` [T, E] in the input's dtype (Megatron's default; ``--moe-router-dtype
+fp32``/``fp64`` computes it in that dtype), then fp32 at least; ``weight`` [E, H] an fp32 parameter (replicated; with sequence parallelism each TP rank routes its own tokens, so its
 gradient is summed over TP like a norm weight's). The op table's ``moe_topk_routing`` turns the
 logits into ``probs`` [T, E] (zero where not routed) and ``routing_map`` [T, E] bool: softmax or
 sigmoid scores, pre-softmax or not, group-limited top-k, the scaling factor and the expert bias
@@ -29,6 +29,9 @@ from mcore.models.transformer.moe.capacity import drop_tokens
 from mcore.models.transformer.moe.config import MoEConfig
 from mcore.models.transformer.moe.groups import MoEGroups, group_size
 from mcore.tensor_parallel.sharding import NormalInit, ParamLayout, make_parameter
+
+ROUTER_GEMM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+"""``--moe-router-dtype`` -> the router GEMM's dtype (unset: the input's, as in Megatron)."""
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -91,8 +94,12 @@ class TopKRouter(torch.nn.Module):
         if training and self.moe.moe_input_jitter_eps:
             eps = self.moe.moe_input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        dtype = torch.float64 if self.moe.moe_router_dtype == "fp64" else torch.float32
+        # Megatron's default runs the router's GEMM in the input's dtype (--moe-router-dtype fp32/fp64
+        # asks for more); the routing math after it is fp32 at least either way.
+        dtype = ROUTER_GEMM_DTYPES.get(self.moe.moe_router_dtype, x.dtype)
         logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype))
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
         if training and self.moe.moe_z_loss_coeff:
             logits = self._apply_z_loss(logits)
         probs, routing_map = get_ops().moe_topk_routing(
