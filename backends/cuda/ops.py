@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from mcore.ops import reference
 
 from . import extensions
+from .attention_lse import ATTENTION_LSE_OPS
 from .device import on_kernel_device, tracing
 from .fp8.act import ACT_FP8_OPS
 from .fp8.flat import fp8_dequantize_flat, fp8_quantize_flat
@@ -546,6 +547,8 @@ def _build() -> tuple[dict, dict[str, str]]:
     if extensions.triton_available():
         ops.update(_TRITON_OPS)
         providers.update(dict.fromkeys(_TRITON_OPS, "triton"))
+    ops.update(ATTENTION_LSE_OPS)  # context parallelism (backends/cuda/attention_lse.py)
+    providers.update(dict.fromkeys(ATTENTION_LSE_OPS, "flash-sdpa"))
     ops.update(FP8_OPS)
     providers.update({name: "scaled_mm" if name.startswith("scaled_") else "inductor" for name in FP8_OPS})
     if extensions.triton_available():
@@ -568,6 +571,7 @@ ALL_OPS = {
     "attention": attention,
     "adam_step": adam_step,
     "accumulate_weight_grad": accumulate_weight_grad,
+    **ATTENTION_LSE_OPS,
     **FP8_OPS,
     **ACT_FP8_OPS,
 }

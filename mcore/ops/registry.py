@@ -57,6 +57,10 @@ OP_NAMES: tuple[str, ...] = (
     "scaled_linear_forward",
     "scaled_linear_dgrad",
     "scaled_linear_wgrad",
+    # context parallelism: attention by key blocks (mcore.ops.reference.attention_lse)
+    "attention_with_lse",
+    "attention_with_lse_backward",
+    "attention_merge",
 )
 """Every op name. The signatures and tensor layouts are documented in :mod:`mcore.ops.reference`.
 

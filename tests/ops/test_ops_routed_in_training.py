@@ -85,5 +85,8 @@ def test_training_calls_every_op_of_the_table():
     assert fused <= set(delayed[0])
     assert "adam_step_flat_fp8" in delayed[0]
     assert {"fp8_quantize_flat", "fp8_dequantize_flat"} <= set(tensorwise[0]) & set(tensorwise[1])
-    never = [name for name in OP_NAMES if name not in called]
+    # the ring attention's ops are reached only at --context-parallel-size 2 or more (--cp-comm-type
+    # p2p); until the core serves it they are not called by these runs (cp-core adds a CP run here)
+    cp_ring = {"attention_with_lse", "attention_with_lse_backward", "attention_merge"}
+    never = [name for name in OP_NAMES if name not in called and name not in cp_ring]
     assert not never, f"ops of the table no training path calls: {never}"

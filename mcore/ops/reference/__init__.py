@@ -6,6 +6,8 @@ One module per kind of op, mirroring the kernel files of ``backends/cuda/triton_
 * :mod:`.rotary`: rotary position embedding;
 * :mod:`.activations`: bias-GeLU, SwiGLU, bias-dropout-add;
 * :mod:`.dot_product_attention`: scaled dot-product attention with its softmax;
+* :mod:`.attention_lse`: attention by key blocks for context parallelism (with its log-sum-exp, the
+  merge of two blocks, a block's backward);
 * :mod:`.loss`: cross-entropy, per token and the vocab-parallel fused loss's two halves;
 * :mod:`.adam`: the optimizer step, per tensor and over flat buffers (with FP8 weight copies);
 * :mod:`.linear`: weight-gradient accumulation and the FP8 ``scaled_linear`` GEMMs;
@@ -29,6 +31,11 @@ from __future__ import annotations
 from mcore.ops.reference.act_fp8 import ACTIVATIONS, act_fp8_backward, act_fp8_forward
 from mcore.ops.reference.activations import bias_dropout_add, bias_gelu, swiglu
 from mcore.ops.reference.adam import adam_step, adam_step_flat, adam_step_flat_fp8
+from mcore.ops.reference.attention_lse import (
+    attention_merge,
+    attention_with_lse,
+    attention_with_lse_backward,
+)
 from mcore.ops.reference.dot_product_attention import attention
 from mcore.ops.reference.fp8 import (
     fp8_amax,
@@ -89,6 +96,10 @@ REFERENCE_OPS = {
     "scaled_linear_forward": scaled_linear_forward,
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,
+    # context parallelism
+    "attention_with_lse": attention_with_lse,
+    "attention_with_lse_backward": attention_with_lse_backward,
+    "attention_merge": attention_merge,
 }
 
 __all__ = [

@@ -17,6 +17,9 @@ from mcore.testing.conformance.op_inputs import (
     adam_flat_make,
     adam_l2_make,
     adam_make,
+    attention_lse_backward_make,
+    attention_lse_make,
+    attention_merge_make,
     ce_rows_make,
     document_mask,
     fp8_amax_make,
@@ -242,5 +245,28 @@ OP_CASES: tuple[OpCase, ...] = (
             ("rms_norm", "RMSNorm", False),
         )
     ),
+    # context parallelism: a block's attention with its log-sum-exp, its backward from the merged
+    # results, the merge (rows without a key: out 0, lse -inf)
+    *(
+        OpCase(
+            f"attention_with_lse_{name}", "attention_with_lse", attention_lse_make(**shape), kind="reduction"
+        )
+        for name, shape in (
+            ("causal", {}),
+            ("gqa_full_rect", {"n": 8, "g": 2, "sq": 8, "causal": False}),
+            ("causal_fewer_queries", {"g": 2, "sq": 8}),
+            ("causal_masked_rows", {"sq": 16, "sk": 8}),
+        )
+    ),
+    *(
+        OpCase(
+            f"attention_with_lse_backward_{name}",
+            "attention_with_lse_backward",
+            attention_lse_backward_make(causal),
+            kind="reduction",
+        )
+        for name, causal in (("diagonal", True), ("earlier_keys", False))
+    ),  # fmt: skip
+    OpCase("attention_merge", "attention_merge", attention_merge_make, kind="reduction"),
 )
 """Every op of :data:`mcore.ops.registry.OP_NAMES` appears at least once."""

@@ -295,3 +295,53 @@ def norm_backward_make(kind: str, residual: bool):
         return [dy, x, weight, bias, eps, kind, mean, rstd], kwargs
 
     return make
+
+
+# --- context-parallel attention (attention_with_lse, attention_with_lse_backward, attention_merge) -----
+
+
+def attention_lse_make(n=4, g=4, sq=16, sk=16, d=32, causal=True):
+    """One block of keys for ``attention_with_lse``: ``q [2, n, sq, d]``, ``k``/``v [2, g, sk, d]``
+    (``causal`` with ``sq > sk`` leaves the first ``sq - sk`` rows without a key: out 0, lse -inf)."""
+
+    def make(dtype, gen):
+        q = randn(gen, 2, n, sq, d, dtype=dtype)
+        k, v = randn(gen, 2, g, sk, d, dtype=dtype), randn(gen, 2, g, sk, d, dtype=dtype)
+        return [q, k, v], {"causal": causal}
+
+    return make
+
+
+def attention_lse_backward_make(causal: bool, n=4, g=2, s=16, d=32):
+    """A ring block of a causal sequence cut into two chunks, for ``attention_with_lse_backward``: the
+    second chunk's queries against the first chunk's keys (``causal=False``) or its own (``causal``),
+    with the FINAL ``out``/``lse`` of those queries over both chunks (the reference's, from the
+    rounded inputs; ``out`` rounded to ``dtype``) and a random ``dout``."""
+
+    def make(dtype, gen):
+        h = s // 2
+        q = randn(gen, 2, n, h, d, dtype=dtype)
+        k, v = randn(gen, 2, g, s, d, dtype=dtype), randn(gen, 2, g, s, d, dtype=dtype)
+        early = reference.attention_with_lse(
+            q.float(), k[:, :, :h].float(), v[:, :, :h].float(), causal=False
+        )
+        own = reference.attention_with_lse(q.float(), k[:, :, h:].float(), v[:, :, h:].float(), causal=True)
+        out, lse = reference.attention_merge(*early, *own)
+        block = slice(h, s) if causal else slice(0, h)
+        dout = randn(gen, 2, n, h, d, dtype=dtype)
+        kb, vb = k[:, :, block].contiguous(), v[:, :, block].contiguous()
+        return [dout, q, kb, vb, out.to(dtype), lse], {"causal": causal}
+
+    return make
+
+
+def attention_merge_make(dtype, gen):
+    """Two partial results ``out [2, 4, 16, 32]`` (``dtype``) with fp32 log-sum-exps: rows 0-2 -inf in
+    the first, rows 2-4 in the second (row 2 in both: out 0, lse -inf), others spread over +-8."""
+    out_a, out_b = randn(gen, 2, 4, 16, 32, dtype=dtype), randn(gen, 2, 4, 16, 32, dtype=dtype)
+    lse_a, lse_b = randn(gen, 2, 4, 16, scale=8.0), randn(gen, 2, 4, 16, scale=8.0)
+    lse_a[:, :, 0:3] = float("-inf")
+    lse_b[:, :, 2:5] = float("-inf")
+    out_a[:, :, 0:3] = 0
+    out_b[:, :, 2:5] = 0
+    return [out_a, lse_a, out_b, lse_b], {}
