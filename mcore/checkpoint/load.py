@@ -43,6 +43,7 @@ from mcore.checkpoint.save import (
     _all_gather_object,
     _broadcast_object,
     _rank,
+    data_parallel_index,
     log0,
     optimizer_key_specs,
     parallel_layout,
@@ -282,7 +283,7 @@ def read(
         if plan.load_optim:
             optim_state = _read_optimizer(reader, model, optimizer, meta)
         if plan.load_rng and meta.get("rng_saved") and plan.same_layout:
-            name = rng_file(groups.tp_rank, groups.pp_rank, groups.dp_rank)
+            name = rng_file(groups.tp_rank, groups.pp_rank, data_parallel_index(groups))
             rng_states = rng_state_from_file(reader.file(name))
     except CheckpointError as err:
         error = str(err)
