@@ -398,7 +398,9 @@ def build_training(
     vocab = padded_vocab_size(unpadded, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
     say(
         f"> backend {backend.name} ({backend.is_available()[1]}); world {groups.world_size} = "
-        f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size}; padded vocab {vocab}"
+        f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size}"
+        + (f" x cp {groups.cp_size} ({cfg.parallel.cp_comm_type})" if groups.cp_size > 1 else "")
+        + f"; padded vocab {vocab}"
     )
 
     model = build_model(cfg, groups, model_provider, vocab, model_type)

@@ -108,3 +108,62 @@ def test_cp_flags_are_validated():
         ParallelConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
     with pytest.raises(ConfigError, match=r"cp_comm_type='ring' must be one of p2p, a2a, allgather"):
         ParallelConfig(cp_comm_type="ring")
+
+
+def _model(**kw):
+    from mcore.models.transformer.model_config import ModelConfig
+
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=16, attention_dropout=0.0)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel", "extra", "message"),
+    [
+        ({"seq_length": 12}, {"context_parallel_size": 4}, {},
+         r"seq_length=12 is not divisible by 2 x context_parallel_size=8"),
+        ({}, {"context_parallel_size": 2, "tensor_model_parallel_size": 3, "sequence_parallel": True}, {},
+         r"seq_length=16 / context_parallel_size=2 = 8 is not divisible by tensor_model_parallel_size=3"),
+        ({}, {"context_parallel_size": 4, "tensor_model_parallel_size": 2, "cp_comm_type": "a2a"}, {},
+         r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=2 x context_parallel_size=4"),
+        ({"attention_dropout": 0.1}, {"context_parallel_size": 2}, {}, r"attention_dropout=0.1"),
+        ({"position_embedding_type": "alibi"}, {"context_parallel_size": 2}, {}, r"'alibi'"),
+        ({}, {"context_parallel_size": 2}, {"reset_attention_mask": True}, r"--reset-attention-mask"),
+        ({}, {"context_parallel_size": 2}, {"device_graph_impl": "local"}, r"--cuda-graph-impl local"),
+    ],
+)  # fmt: skip
+def test_context_parallel_refusals_name_the_flags(model, parallel, extra, message):
+    from mcore.models.transformer.context_parallel.checks import check_context_parallel
+
+    with pytest.raises(ConfigError, match=message):
+        check_context_parallel(_model(**model), ParallelConfig(**parallel), **extra)
+    check_context_parallel(
+        _model(**model), ParallelConfig(**{**parallel, "context_parallel_size": 1}), **extra
+    )
+
+
+def test_bert_t5_and_generation_refuse_context_parallelism():
+    from mcore.distributed.groups import ProcessGroups
+    from mcore.distributed.topology import Topology
+    from mcore.inference.generation import TextGenerator
+    from mcore.training import bert, t5
+
+    groups = ProcessGroups(topology=Topology.create(2, 0, cp=2))
+    for provider, family in ((bert.model_provider, "BERT"), (t5.model_provider, "T5")):
+        with pytest.raises(
+            ConfigError, match=rf"context_parallel_size=2: context parallelism is not built for {family}"
+        ):
+            provider(None, groups, 64)
+    with pytest.raises(
+        ValueError, match=r"context_parallel_size=2: generation does not run with context parallel"
+    ):
+        TextGenerator(torch.nn.Linear(1, 1), groups, 64)
+
+
+def test_mcore_generate_refuses_context_parallelism(capsys):
+    from mcore.inference.generate import main
+
+    assert main(["--load", "/nonexistent", "--context-parallel-size", "2", "--prompt", "hi"]) == 2
+    assert (
+        "context_parallel_size=2: generation does not run with context parallelism" in capsys.readouterr().err
+    )
