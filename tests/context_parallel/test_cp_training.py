@@ -1,7 +1,7 @@
 """Context parallelism equals the same computation without it: the attention alone, then training.
 
 Attention: the p2p ring, a2a and allgather outputs and gradients equal the unsplit causal attention
-(MHA, GQA, MQA; CP=2 and CP=4). Training, through the real ``pretrain`` loop: one launch of 4 gloo processes trains a row of tiny runs (mock data, dropout off, SGD without
+(MHA, GQA, MQA; CP=2 and CP=4; fp32 and bf16). Training, through the real ``pretrain`` loop: one launch of 4 gloo processes trains a row of tiny runs (mock data, dropout off, SGD without
 clipping so that a wrong gradient scale shows in the weights). Each CP run is compared, rank by rank,
 with the run of the same tensor/pipeline layout where the CP ranks are data-parallel ranks instead
 (rank order tp-cp-dp-pp puts the TP and PP coordinates on the same ranks in both): the losses of every
@@ -173,7 +173,25 @@ def _attention_cases(cp_sizes=(2, 4)) -> int:
                     err = (a - expected).abs().max().item()
                     assert err < 1e-5, f"cp={cp} {comm} kv_heads={groups_kv} {name}: max error {err}"
                 checked += 1
+        checked += _bf16_case(cp, mine, cp_rank, scale)
     return checked
+
+
+def _bf16_case(cp: int, group, cp_rank: int, scale: float) -> int:
+    """bf16 inputs (fp32 softmax and merge inside): every comm type within bf16 round-off of the
+    unsplit attention."""
+    gen = torch.Generator().manual_seed(7 + cp)
+    q, k, v, dout = (torch.randn(SEQ, BATCH, HEADS, DIM, generator=gen).bfloat16() for _ in range(4))
+    ref = _reference(q, k, v, dout, scale)
+    for comm in COMM_TYPES:
+        local = [slice_for_cp(x, 0, cp_rank, cp).clone().requires_grad_() for x in (q, k, v)]
+        out = context_parallel_attention(*local, group, comm, causal=True, scale=scale)
+        out.backward(slice_for_cp(dout, 0, cp_rank, cp))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (out.detach(), *(x.grad for x in local)), ref):
+            assert a.dtype == torch.bfloat16, (comm, name, a.dtype)
+            err = (a.float() - slice_for_cp(b, 0, cp_rank, cp).float()).abs().max().item()
+            assert err < 3e-2, f"bf16 cp={cp} {comm} {name}: max error {err}"
+    return 1
 
 
 def _masked_rank_loss() -> None:
@@ -194,7 +212,7 @@ def _masked_rank_loss() -> None:
 
 
 def _all_cases(tmp: str) -> int:
-    assert _attention_cases() == 2 * 3 * len(COMM_TYPES)
+    assert _attention_cases() == 2 * (3 * len(COMM_TYPES) + 1)
     _masked_rank_loss()
     runs: dict[tuple[str, ...], tuple] = {}  # a baseline serves several cases
     for name, plain, with_cp in CASES:

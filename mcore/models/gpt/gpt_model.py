@@ -206,6 +206,11 @@ class GPTModel(LanguageModule):
             last chunk without labels: this rank's vocabulary slice of the logits ``[b, s, Vp/p]``;
             other chunks: hidden states ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism).
         """
+        if position_ids is None and self.ctx.cp_size > 1:
+            # each CP rank holds the zigzag chunks of the sequence: 0..s-1 would be the wrong positions
+            raise ValueError(
+                "with context parallelism the model needs position_ids (the tokens' global positions)"
+            )
         hidden_states = self.embedding(tokens, position_ids) if self.pre_process else self._received_input()
 
         rotary_freqs = None

@@ -62,11 +62,11 @@ def slice_for_cp(tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> 
 
 
 def gathered_to_global(seq_length: int, cp_size: int, device=None) -> torch.Tensor:
-    """``perm`` with ``global[perm] == gathered``... precisely: the sequences of all CP ranks
-    concatenated in rank order (what an all-gather or all-to-all over the CP group yields) are put back
-    in position order by ``gathered.index_select(dim, order)``, ``order = argsort(positions)``.
+    """The order that puts a CP gather back in position order.
 
-    Returns ``order`` ``[s]`` int64: ``order[p]`` is the gathered index of global position ``p``.
+    An all-gather or all-to-all over the CP group concatenates every rank's zigzag tokens in rank
+    order; ``gathered.index_select(dim, order)`` with the returned ``order [s]`` (int64) is the
+    sequence in position order: ``order[p]`` is the gathered index of global position ``p``.
     """
     positions = torch.cat([zigzag_indices(seq_length, r, cp_size) for r in range(cp_size)])
     return torch.argsort(positions).to(device)
