@@ -116,6 +116,7 @@ def _describe(layout: dict) -> str:
     return (
         f"tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
         f"dp={layout['data_parallel_size']} vp={layout['virtual_pipeline_model_parallel_size']}"
+        + (f" cp={layout['context_parallel_size']}" if layout.get("context_parallel_size", 1) > 1 else "")
     )
 
 

@@ -11,7 +11,7 @@ positions, LayerNorm, GELU) and a Llama-style model (RoPE, RMSNorm, SwiGLU, GQA,
 --cp-comm-type; CP=4 and CP=2 x DP=2; TP=2 with sequence parallelism; PP=2 interleaved; the
 distributed optimizer; full recompute; a micro-batch whose tokens on CP rank 0 are all masked (sample
 0 of the data, and the loss function on its own); a run saved at CP=2 that resumes bit-exactly at
-CP=2 and loads at CP=1.
+CP=2 and loads at CP=1, for training and for generation.
 """
 
 from __future__ import annotations
@@ -235,7 +235,20 @@ def _all_cases(tmp: str) -> int:
         assert resumed[0] == straight[0][2:], (resumed[0], straight[0])
     assert all(torch.equal(a, b) for a, b in zip(resumed[1], straight[1]))
     _compare("loaded at cp1", (straight[0][2:], straight[1]), at_cp1)
+    _generate_from(tmp)
     return len(CASES)
+
+
+def _generate_from(tmp: str) -> None:
+    """The CP=2 checkpoint loads for generation at CP=1 (4 data-parallel ranks) and generates."""
+    from mcore.config.parallel import ParallelConfig
+    from mcore.distributed.groups import initialize_parallel
+    from mcore.inference.generate import load_generator
+    from mcore.inference.generation import SamplingParams
+
+    generator, _ = load_generator(tmp, initialize_parallel(ParallelConfig(device_backend="cpu")))
+    out = generator.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=3, greedy=True))
+    assert len(out.tokens[0]) == 3 and all(0 <= t < 64 for t in out.tokens[0]), out.tokens
 
 
 def test_context_parallel_training_equals_training_without_it(tmp_path):
