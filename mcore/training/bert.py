@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from mcore.distributed.ddp import unwrap_model
 from mcore.distributed.groups import ProcessGroups
+from mcore.training.cp_batch import refuse_context_parallel
 from mcore.training.flops import bert_flops_per_sample
 from mcore.training.run_config import RunConfig
 
@@ -46,6 +47,7 @@ def model_provider(
     ``--bert-no-binary-head``, neither."""
     from mcore.models.bert.bert_model import BertModel
 
+    refuse_context_parallel(groups, "BERT")
     return BertModel(
         cfg.model,
         groups,

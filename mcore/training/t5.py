@@ -35,6 +35,7 @@ from mcore.config.fields import ConfigError
 from mcore.data.t5_dataset import build_t5_datasets
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.t5.t5_model import T5Model
+from mcore.training.cp_batch import refuse_context_parallel
 from mcore.training.gpt import loss_func
 from mcore.training.run_config import RunConfig
 
@@ -112,6 +113,7 @@ def model_provider(
 ) -> T5Stage:
     """This stage's T5 chunk (the arguments come from
     :func:`~mcore.pipeline.encoder_decoder.build_encoder_decoder_chunks`)."""
+    refuse_context_parallel(groups, "T5")
     model = cfg.model
     fp8 = cfg.as_dict().get("fp8")
     if fp8 is not None and fp8.enabled:

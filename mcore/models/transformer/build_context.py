@@ -26,6 +26,8 @@ class BuildContext:
         device: where parameters are created and initialized.
         fp8: the FP8 flags (:class:`mcore.fp8.config.Fp8Config`), None or disabled for none.
         num_layers: the model's total layer count (for ``--first-last-layers-bf16``).
+        cp_group, cp_size, cp_comm_type: the context-parallel group (``groups.cp``), its size and
+            ``--cp-comm-type`` (:mod:`mcore.models.transformer.context_parallel`).
     """
 
     tp_group: Any = None
@@ -36,6 +38,9 @@ class BuildContext:
     device: torch.device | None = None
     fp8: Any = None
     num_layers: int = 0
+    cp_group: Any = None
+    cp_size: int = 1
+    cp_comm_type: str = "p2p"
 
     def fp8_kwargs(self, layer_number: int) -> dict[str, Any]:
         """``{"fp8": config}`` (the :class:`~mcore.fp8.config.Fp8Config`) for the linears of global layer ``layer_number`` (1-based) when it runs
