@@ -15,6 +15,8 @@ ops that avoid host syncs and fp32 copies where they can.
 * ``moe_permute``: with ``num_out_tokens`` given, the rows come from a stable sort of the flattened
   ``[E, T]`` routing map (routed pairs first, expert-major, token order kept), so no host sync
   (``masked_select`` needs one to size its output); without it, the reference's ``masked_select``.
+  On the GPU its backward (:class:`Permute`) sums each token's row gradients with the unpermute
+  kernel (fp32, deterministic) instead of a bf16 ``index_add``.
 * ``moe_unpermute``: :class:`Unpermute`, which saves the rows in their own dtype (the reference's
   autograd keeps an fp32 copy of the weighted rows) and sums in fp32: on the GPU with one Triton
   kernel each way (a per-token gather-sum in a fixed order: deterministic, no fp32 copy of the rows),
@@ -132,7 +134,29 @@ def moe_permute(
     order = _routed_pairs(routing_map, num_out_tokens)
     sorted_indices = order % tokens.shape[0]
     permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, order)
+    if _triton_fits(tokens, sorted_indices, None):
+        return Permute.apply(tokens, sorted_indices), permuted_probs, sorted_indices
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+class Permute(torch.autograd.Function):
+    """``rows = tokens[sorted_indices]``; backward ``d tokens[t] = sum of d rows[i] over t's rows``
+    as the unpermute kernel's deterministic per-token gather-sum in fp32 (autograd's ``index_select``
+    backward is an ``index_add`` in the tokens' dtype, atomics in bf16)."""
+
+    @staticmethod
+    def forward(ctx, tokens, sorted_indices):
+        ctx.save_for_backward(sorted_indices)
+        ctx.num_tokens = tokens.shape[0]
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, d_rows):
+        from .triton_kernels import moe_unpermute as kernels
+
+        (sorted_indices,) = ctx.saved_tensors
+        order, offsets = kernels.token_order(sorted_indices, ctx.num_tokens)
+        return kernels.unpermute_forward(d_rows.contiguous(), None, order, offsets, ctx.num_tokens), None
 
 
 class Unpermute(torch.autograd.Function):

@@ -43,6 +43,7 @@ from mcore.checkpoint.save import (
     _all_gather_object,
     _broadcast_object,
     _rank,
+    data_parallel_index,
     log0,
     optimizer_key_specs,
     parallel_layout,
@@ -115,6 +116,7 @@ def _describe(layout: dict) -> str:
     return (
         f"tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
         f"dp={layout['data_parallel_size']} vp={layout['virtual_pipeline_model_parallel_size']}"
+        + (f" cp={layout['context_parallel_size']}" if layout.get("context_parallel_size", 1) > 1 else "")
     )
 
 
@@ -282,7 +284,7 @@ def read(
         if plan.load_optim:
             optim_state = _read_optimizer(reader, model, optimizer, meta)
         if plan.load_rng and meta.get("rng_saved") and plan.same_layout:
-            name = rng_file(groups.tp_rank, groups.pp_rank, groups.dp_rank)
+            name = rng_file(groups.tp_rank, groups.pp_rank, data_parallel_index(groups))
             rng_states = rng_state_from_file(reader.file(name))
     except CheckpointError as err:
         error = str(err)

@@ -200,9 +200,19 @@ class _FilePayload:
     whole_file_crc: bool = False  # small files (RNG): a CRC of the file instead of per-tensor ones
 
 
+def data_parallel_index(groups) -> int:
+    """This rank's index among the dp x cp ranks holding the same (tp, pp) shards: its data-parallel
+    rank without context parallelism. Context-parallel ranks hold the same weights (and shards of the
+    distributed optimizer over dp x cp), so only index 0 writes the model and the files are named by
+    this index: a checkpoint carries nothing specific to context parallelism."""
+    if groups.cp_size == 1 or groups.dp_cp is None:
+        return groups.dp_rank
+    return dist.get_rank(groups.dp_cp)
+
+
 def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
     """Step 3: host copies of everything this rank writes."""
-    tp, pp, dp = groups.tp_rank, groups.pp_rank, groups.dp_rank
+    tp, pp, dp = groups.tp_rank, groups.pp_rank, data_parallel_index(groups)
     payloads: list[_FilePayload] = []
     if optimizer is not None:
         optimizer.finish_param_sync()  # parameters must hold their updated values
@@ -534,7 +544,7 @@ def save_checkpoint(
         iteration=iteration,
         payloads=payloads,
         common=common,
-        coords=(groups.tp_rank, groups.pp_rank, groups.dp_rank),
+        coords=(groups.tp_rank, groups.pp_rank, data_parallel_index(groups)),
         device=device,
         started=started,
         error=error,

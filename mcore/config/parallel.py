@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from mcore.config.fields import ConfigError, check, flag
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+"""The built ``--cp-comm-type`` values (Megatron's spellings; ``a2a+p2p`` is refused)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
@@ -41,7 +44,19 @@ class ParallelConfig:
         "Encoder-decoder models: pipeline stages of the encoder, added to --pipeline-model-parallel-size "
         "stages of the decoder (Megatron-LM's meaning: the run has both together).",
     )
-    context_parallel_size: int = flag(1, "Degree of context parallelism (rank arithmetic only for now).")
+    # ---- context parallelism (docs/parallelism.md "Context parallelism") ----
+    context_parallel_size: int = flag(
+        1, "Degree of context parallelism: each sequence is split over this many ranks (zigzag, 2*cp chunks)."
+    )
+    cp_comm_type: str = flag(
+        "p2p",
+        "How context-parallel attention communicates: p2p (ring of K/V blocks, overlapped), a2a "
+        "(Ulysses all-to-all, sequence <-> heads) or allgather (K/V all-gathered); a2a+p2p is not built.",
+    )
+    hierarchical_context_parallel_sizes: list[int] | None = flag(
+        None, "Sizes of the a2a and p2p levels of --cp-comm-type a2a+p2p (not built: refused).", nargs="+"
+    )
+    # ---- end context parallelism ----
     sequence_parallel: bool = flag(False, "Shard activations along the sequence in non-TP regions (TP>1).")
     parallel_order: str = flag(
         "tp-cp-dp-pp",
@@ -75,11 +90,7 @@ class ParallelConfig:
             f"--sequence-parallel needs tensor_model_parallel_size > 1 "
             f"(got tensor_model_parallel_size={self.tensor_model_parallel_size})",
         )
-        if self.context_parallel_size > 1:
-            raise ConfigError(
-                f"context_parallel_size={self.context_parallel_size}: context parallelism "
-                "is not implemented yet; use 1"
-            )
+        self._check_context_parallel()
         if (
             self.virtual_pipeline_model_parallel_size is not None
             and self.num_layers_per_virtual_pipeline_stage is not None
@@ -117,6 +128,20 @@ class ParallelConfig:
         """The resolved expert tensor-parallel size (``None`` means the dense tp size)."""
         etp = self.expert_tensor_parallel_size
         return self.tensor_model_parallel_size if etp is None else etp
+
+    def _check_context_parallel(self) -> None:
+        """The context-parallel flags on their own (checks against the model: ``check_context_parallel``
+        of :mod:`mcore.models.transformer.context_parallel.checks`)."""
+        check(
+            self.cp_comm_type != "a2a+p2p" and self.hierarchical_context_parallel_sizes is None,
+            f"cp_comm_type={self.cp_comm_type!r} / --hierarchical-context-parallel-sizes="
+            f"{self.hierarchical_context_parallel_sizes}: hierarchical (a2a+p2p) context parallelism is not "
+            "built; use --cp-comm-type p2p, a2a or allgather",
+        )
+        check(
+            self.cp_comm_type in CP_COMM_TYPES,
+            f"cp_comm_type={self.cp_comm_type!r} must be one of {', '.join(CP_COMM_TYPES)}",
+        )
 
     def _resolve_encoder_pipeline(self) -> None:
         """Fold ``--encoder-pipeline-model-parallel-size E`` into the split rank: ``E`` encoder stages

@@ -294,6 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             and parallel.num_layers_per_virtual_pipeline_stage is None,
             "generation runs one model chunk per pipeline stage: drop the virtual-pipeline flags",
         )
+        check(
+            parallel.context_parallel_size == 1,
+            f"context_parallel_size={parallel.context_parallel_size}: generation does not run with "
+            "context parallelism; use --context-parallel-size 1 (a checkpoint trained with it loads at 1)",
+        )
         params = gen.sampling()
         backend = select_backend(parallel.device_backend)
         groups = initialize_parallel(replace(parallel, sequence_parallel=False), backend)

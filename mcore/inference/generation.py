@@ -157,6 +157,11 @@ class TextGenerator:
         eod: int | None = None,
         pad_id: int | None = None,
     ):
+        if groups.cp_size > 1:
+            raise ValueError(
+                f"context_parallel_size={groups.cp_size}: generation does not run with context parallelism; "
+                "build the generator with --context-parallel-size 1 (a checkpoint trained with it loads at 1)"
+            )
         self.model = model.eval()
         self.groups = groups
         self.vocab_size = vocab_size

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from mcore.distributed.ddp import unwrap_model
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.transformer.moe.config import refuse_moe
+from mcore.training.cp_batch import refuse_context_parallel
 from mcore.training.flops import bert_flops_per_sample
 from mcore.training.run_config import RunConfig
 
@@ -49,6 +50,7 @@ def model_provider(
 
     refuse_moe(cfg.model, "BERT")
 
+    refuse_context_parallel(groups, "BERT")
     return BertModel(
         cfg.model,
         groups,

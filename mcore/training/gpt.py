@@ -10,8 +10,10 @@ import functools
 
 import torch
 
+from mcore.distributed.ddp import unwrap_model
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.gpt.gpt_model import GPTModel
+from mcore.training.cp_batch import masked_token_mean, slice_batch_for_cp
 from mcore.training.run_config import RunConfig
 
 
@@ -38,15 +40,18 @@ def model_provider(
         params_dtype=cfg.precision.params_dtype,
         seed=cfg.training.seed,
         fp8=cfg.as_dict().get("fp8"),
+        cp_comm_type=cfg.parallel.cp_comm_type,
     )
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the tokens the mask keeps (``loss_mask`` [b, s], ``output_tensor`` [b, s])."""
-    losses = output_tensor.float()
-    mask = loss_mask.to(losses.device, torch.float32)
-    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, groups: ProcessGroups | None = None):
+    """Mean per-token loss over the tokens the mask keeps (``loss_mask`` [b, s], ``output_tensor`` [b, s]).
+
+    With context parallelism (``groups.cp_size > 1``) the mean is over the whole sequence's tokens:
+    see :func:`mcore.training.cp_batch.masked_token_mean` (the logged loss is the global mean)."""
+    cp_size = 1 if groups is None else groups.cp_size
+    loss, report = masked_token_mean(output_tensor, loss_mask, groups.cp if cp_size > 1 else None, cp_size)
+    return loss, {"lm loss": report}
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -64,7 +69,10 @@ def forward_step(data_iterator, model: torch.nn.Module):
         return model(None), functools.partial(loss_func, torch.ones(1))
     device = _model_device(model)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    groups = getattr(unwrap_model(model), "groups", None)
+    if groups is not None and groups.cp_size > 1:
+        batch = slice_batch_for_cp(batch, groups.topology.coordinate("cp"), groups.cp_size)
     output = model(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
     )
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"], groups=groups)

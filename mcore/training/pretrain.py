@@ -35,6 +35,7 @@ from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
 from mcore.distributed.watchdog import watch_job
+from mcore.models.transformer.context_parallel.checks import check_context_parallel
 from mcore.models.transformer.layer_graphs import (
     GRAPH_SAFE_RECOMPUTE_MODULES,
     attach_layer_graphs,
@@ -119,6 +120,12 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
         raise ConfigError(f"--fp16: backend {backend.name!r} does not support fp16")
     if cfg.scheduler.lr is None and not training.skip_train:
         raise ConfigError("--lr is required")
+    check_context_parallel(
+        model,
+        cfg.parallel,
+        reset_attention_mask=getattr(cfg.data, "reset_attention_mask", False),
+        device_graph_impl=training.device_graph_impl,
+    )
     if training.device_graph_impl == "local":
         check_layer_graphs(cfg, backend)
     if "fp8" in cfg.as_dict():
@@ -391,7 +398,9 @@ def build_training(
     vocab = padded_vocab_size(unpadded, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
     say(
         f"> backend {backend.name} ({backend.is_available()[1]}); world {groups.world_size} = "
-        f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size}; padded vocab {vocab}"
+        f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size}"
+        + (f" x cp {groups.cp_size} ({cfg.parallel.cp_comm_type})" if groups.cp_size > 1 else "")
+        + f"; padded vocab {vocab}"
     )
 
     model = build_model(cfg, groups, model_provider, vocab, model_type)

@@ -36,6 +36,7 @@ from mcore.data.t5_dataset import build_t5_datasets
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.t5.t5_model import T5Model
 from mcore.models.transformer.moe.config import refuse_moe
+from mcore.training.cp_batch import refuse_context_parallel
 from mcore.training.gpt import loss_func
 from mcore.training.run_config import RunConfig
 
@@ -113,6 +114,7 @@ def model_provider(
 ) -> T5Stage:
     """This stage's T5 chunk (the arguments come from
     :func:`~mcore.pipeline.encoder_decoder.build_encoder_decoder_chunks`)."""
+    refuse_context_parallel(groups, "T5")
     model = cfg.model
     refuse_moe(cfg.model, "T5")
     fp8 = cfg.as_dict().get("fp8")

@@ -135,7 +135,8 @@ class Trainer:
                 data_iterator=data_iterator,
                 model=self.model,
                 num_microbatches=self.batches.num_microbatches,
-                seq_length=self.cfg.model.seq_length,
+                # each context-parallel rank holds (and pipelines) seq_length / cp tokens
+                seq_length=self.cfg.model.seq_length // self.groups.cp_size,
                 micro_batch_size=self.cfg.training.micro_batch_size,
                 hidden_size=self.cfg.model.hidden_size,
                 groups=self.groups,

@@ -1,7 +1,8 @@
 """The CUDA backend's Triton ``moe_unpermute`` (``backends/cuda/triton_kernels/moe_unpermute.py``)
 under Triton's CPU interpreter, against the reference's forward and gradients: weighted and not,
 a token no row comes back to (dropped by capacity), a hidden size not a power of two and larger
-than one block, bf16 and fp32, and no row at all (a rank that received no token).
+than one block, bf16 and fp32, and no row at all (a rank that received no token); and
+``moe_permute``'s backward, which sums each token's row gradients with the same kernel.
 
 By hand: ``OMP_NUM_THREADS=1 TRITON_INTERPRET=1 python tests/ops/test_moe_unpermute_interpret.py``.
 """
@@ -43,6 +44,13 @@ def _case(dtype, hidden: int, weighted: bool, empty: bool, gen):
         out.backward(dout)
         results.append((out, r.grad, None if p is None else p.grad))
     assert moe._triton_fits(rows, sorted_indices, None)
+    tokens = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    d_permuted = torch.randn(sorted_indices.numel(), hidden, generator=gen).to(dtype)
+    for i, fn in enumerate((moe.moe_permute, reference.moe_permute)):
+        t = tokens.clone().requires_grad_(True)
+        permuted, _, _ = fn(t, routing_map, None, int(routing_map.sum()))
+        permuted.backward(d_permuted)
+        results[i] = (*results[i], permuted, t.grad)
     return results
 
 
@@ -57,13 +65,12 @@ def _main() -> int:
         (torch.bfloat16, 64, False, False),
         (torch.bfloat16, 32, True, True),
     ):
-        (out, d_rows, d_probs), (out_ref, d_rows_ref, d_probs_ref) = _case(
-            dtype, hidden, weighted, empty, gen
-        )
+        got, want = _case(dtype, hidden, weighted, empty, gen)
+        names = ("out", "d_rows", "d_probs", "permute", "permute d_tokens")
         tol = 1e-5 if dtype == torch.float32 else 2**-7
-        checks = [("out", out, out_ref), ("d_rows", d_rows, d_rows_ref)]
+        checks = [(n, g, w) for n, g, w in zip(names, got, want, strict=True) if n != "d_probs"]
         if weighted:
-            checks.append(("d_probs", d_probs, d_probs_ref))
+            checks.append(("d_probs", got[2], want[2]))
         for name, got, want in checks:
             ok = got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
             print(f"moe_unpermute {dtype} h={hidden} weighted={weighted} empty={empty} {name}: "

@@ -55,6 +55,9 @@ GPT2_BF16_FP8_PARAM_GATHER = [
 flat optimizer step writes the FP8 weights (adam_step_flat_fp8); with tensorwise at DP=2 they are
 quantized after the step (fp8_quantize_flat) and the gathered ones dequantized (fp8_dequantize_flat)."""
 
+CP2_RING = ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--attention-dropout", "0"]
+"""Context parallelism over 2 ranks with the ring: attention_with_lse, its backward, attention_merge."""
+
 
 MOE_OPS_BEFORE_THE_LAYER = {"moe_topk_routing", "moe_permute", "moe_unpermute", "grouped_gemm"}
 """The MoE ops, in the table before the MoE layer that calls them is merged (wave 3: moe-layer adds a
@@ -71,8 +74,8 @@ def test_training_calls_every_op_of_the_table():
     )
     delayed = run_distributed(
         traced_training,
-        1,
-        [*GPT2_BF16_FP8_PARAM_GATHER, *FP8_DELAYED_FLAGS, "--device-backend", "cpu"],
+        2,
+        [*GPT2_BF16_FP8_PARAM_GATHER, *FP8_DELAYED_FLAGS, *CP2_RING, "--device-backend", "cpu"],
         timeout=300,
     )
     tensorwise = run_distributed(
@@ -91,10 +94,6 @@ def test_training_calls_every_op_of_the_table():
     assert fused <= set(delayed[0])
     assert "adam_step_flat_fp8" in delayed[0]
     assert {"fp8_quantize_flat", "fp8_dequantize_flat"} <= set(tensorwise[0]) & set(tensorwise[1])
-    # the ring attention's ops are reached only at --context-parallel-size 2 or more (--cp-comm-type
-    # p2p); until the core serves it they are not called by these runs (cp-core adds a CP run here)
-    cp_ring = {"attention_with_lse", "attention_with_lse_backward", "attention_merge"}
-    never = [
-        name for name in OP_NAMES if name not in called and name not in MOE_OPS_BEFORE_THE_LAYER | cp_ring
-    ]
+    assert {"attention_with_lse", "attention_with_lse_backward", "attention_merge"} <= set(delayed[0])
+    never = [name for name in OP_NAMES if name not in called and name not in MOE_OPS_BEFORE_THE_LAYER]
     assert not never, f"ops of the table no training path calls: {never}"

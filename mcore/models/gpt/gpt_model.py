@@ -118,6 +118,8 @@ class GPTModel(LanguageModule):
         layer_spec: the transformer-layer spec (default :func:`gpt_layer_spec`).
         fp8: the FP8 flags (``--fp8-format`` ...): the transformer layers' linears run in FP8
             (:mod:`mcore.fp8.linear`); the backend must have the ``fp8`` capability.
+        cp_comm_type: ``--cp-comm-type`` when ``groups`` has context parallelism: the chunk then takes
+            each sequence's zigzag-local tokens and ``position_ids`` (their global positions).
 
     Raises:
         ConfigError: the model does not split over TP (messages name the values).
@@ -139,6 +141,7 @@ class GPTModel(LanguageModule):
         seed: int = 1234,
         layer_spec: ModuleSpec | None = None,
         fp8: Fp8Config | None = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__(
             config,
@@ -150,6 +153,7 @@ class GPTModel(LanguageModule):
             params_dtype=params_dtype,
             device=device,
             fp8=fp8,
+            cp_comm_type=cp_comm_type,
         )
         check(
             config.position_embedding_type != "relative",
@@ -213,6 +217,11 @@ class GPTModel(LanguageModule):
             last chunk without labels: this rank's vocabulary slice of the logits ``[b, s, Vp/p]``;
             other chunks: hidden states ``[s, b, h]`` (``[s/p, b, h]`` with sequence parallelism).
         """
+        if position_ids is None and self.ctx.cp_size > 1:
+            # each CP rank holds the zigzag chunks of the sequence: 0..s-1 would be the wrong positions
+            raise ValueError(
+                "with context parallelism the model needs position_ids (the tokens' global positions)"
+            )
         hidden_states = self.embedding(tokens, position_ids) if self.pre_process else self._received_input()
 
         rotary_freqs = None

@@ -31,6 +31,7 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.models.transformer.build_context import BuildContext
+from mcore.models.transformer.context_parallel import context_parallel_attention
 from mcore.models.transformer.model_config import ModelConfig
 from mcore.models.transformer.positions import alibi_bias, alibi_slopes
 from mcore.models.transformer.spec import build_module
@@ -55,6 +56,9 @@ class CoreAttention(torch.nn.Module):
         self.causal = causal
         self.dropout = config.attention_dropout
         self.scale = 1.0 / math.sqrt(config.kv_channels)
+        # Context parallelism: the sequence is split over ctx.cp_group (zigzag layout).
+        self.cp_group = ctx.cp_group if ctx.cp_size > 1 else None
+        self.cp_comm_type = ctx.cp_comm_type
 
     def forward(
         self,
@@ -70,8 +74,22 @@ class CoreAttention(torch.nn.Module):
         causal mask when ``causal``). ``attention_bias``: additive, ``[1, n_p, s, s]`` (ALiBi).
         """
         s, b, n, d = query.shape
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
         p = self.dropout if self.training else 0.0
+        if self.cp_group is not None:
+            out = context_parallel_attention(
+                query,
+                key,
+                value,
+                self.cp_group,
+                self.cp_comm_type,
+                causal=self.causal,
+                scale=self.scale,
+                attention_mask=attention_mask,
+                attention_bias=attention_bias,
+                dropout_p=p,
+            )
+            return out.reshape(s, b, n * d)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
         rng = get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext()
         with rng:
             out = get_ops().attention(

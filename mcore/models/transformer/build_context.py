@@ -28,6 +28,8 @@ class BuildContext:
         num_layers: the model's total layer count (for ``--first-last-layers-bf16``).
         groups: the job's :class:`~mcore.distributed.groups.ProcessGroups` (None: one process); the
             MoE layers take their expert-parallel groups from it.
+        cp_group, cp_size, cp_comm_type: the context-parallel group (``groups.cp``), its size and
+            ``--cp-comm-type`` (:mod:`mcore.models.transformer.context_parallel`).
     """
 
     tp_group: Any = None
@@ -39,6 +41,9 @@ class BuildContext:
     fp8: Any = None
     num_layers: int = 0
     groups: Any = None
+    cp_group: Any = None
+    cp_size: int = 1
+    cp_comm_type: str = "p2p"
 
     def fp8_kwargs(self, layer_number: int) -> dict[str, Any]:
         """``{"fp8": config}`` (the :class:`~mcore.fp8.config.Fp8Config`) for the linears of global layer ``layer_number`` (1-based) when it runs

@@ -123,6 +123,7 @@ class LanguageModule(torch.nn.Module):
         params_dtype: torch.dtype,
         device: torch.device | None,
         fp8: Fp8Config | None = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         tp = groups.tp_size
@@ -151,6 +152,9 @@ class LanguageModule(torch.nn.Module):
             fp8=fp8 if fp8 is not None and fp8.enabled else None,
             num_layers=config.num_layers,
             groups=groups,
+            cp_group=groups.cp,
+            cp_size=groups.cp_size,
+            cp_comm_type=cp_comm_type,
         )
         self.input_tensor: torch.Tensor | None = None
 
