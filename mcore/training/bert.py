@@ -48,9 +48,9 @@ def model_provider(
     ``--bert-no-binary-head``, neither."""
     from mcore.models.bert.bert_model import BertModel
 
+    refuse_context_parallel(groups, "BERT")
     refuse_moe(cfg.model, "BERT")
 
-    refuse_context_parallel(groups, "BERT")
     return BertModel(
         cfg.model,
         groups,
