@@ -113,3 +113,19 @@ def test_moe_ops_on_the_gpu():
     for got, want in ((y, y64), (x.grad, x64.grad), (w.grad, w64.grad)):
         assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(w.grad[::7].float().cpu(), torch.zeros(10, 512, 256))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_empty_experts_get_zero_weight_grads():
+    """The weight gradient of experts without a row is exactly zero, with the allocator's free memory
+    poisoned with NaN first (the backward relies on the kernel writing zeros, not on a masking pass)."""
+    counts = torch.tensor([16, 0, 32, 0, 8, 24, 0, 8], device="cuda")
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(x.shape[0], 512, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        weight = torch.randn(8, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        poison = torch.full((8, 512, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+        del poison
+        moe.GroupedMM.apply(x, weight, counts).backward(dy)
+        assert not torch.isnan(weight.grad).any()
+        assert torch.count_nonzero(weight.grad[counts == 0]) == 0
