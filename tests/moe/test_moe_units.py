@@ -283,3 +283,14 @@ def test_device_graphs_refuse_moe_by_name():
     )
     with pytest.raises(ConfigError, match="--cuda-graph-impl local and --num-experts=4"):
         check_layer_graphs(cfg, backend)
+
+
+def test_flops_count_the_active_experts():
+    from mcore.training.flops import gpt_flops_per_sample
+
+    dense = ModelConfig(**{**BASE, "ffn_hidden_size": 2 * 8 + 5})  # topk 2 x moe FFN 8 + shared 5
+    moe = _config(moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=5)
+    assert gpt_flops_per_sample(moe, 64) == pytest.approx(gpt_flops_per_sample(dense, 64))
+    half = _config(moe_ffn_hidden_size=8, moe_layer_freq=2)  # layer 1 MoE (16), layer 2 dense (8)
+    mixed = ModelConfig(**{**BASE, "ffn_hidden_size": 12})
+    assert gpt_flops_per_sample(half, 64) == pytest.approx(gpt_flops_per_sample(mixed, 64))
