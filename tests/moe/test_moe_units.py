@@ -294,3 +294,16 @@ def test_flops_count_the_active_experts():
     half = _config(moe_ffn_hidden_size=8, moe_layer_freq=2)  # layer 1 MoE (16), layer 2 dense (8)
     mixed = ModelConfig(**{**BASE, "ffn_hidden_size": 12})
     assert gpt_flops_per_sample(half, 64) == pytest.approx(gpt_flops_per_sample(mixed, 64))
+
+
+def test_input_jitter_only_while_training_and_replayed_by_recompute():
+    router = _router(torch.randn(4, 4), moe_input_jitter_eps=0.5, moe_router_pre_softmax=True)
+    x = torch.randn(6, 1, 4)
+    torch.manual_seed(1)
+    a, _ = router(x)
+    torch.manual_seed(1)
+    b, _ = router(x)
+    c, _ = router(x)
+    assert torch.equal(a, b) and not torch.equal(b, c)  # the noise follows the RNG
+    router.eval()
+    assert torch.equal(router(x)[0], router(x)[0])  # no noise in evaluation
