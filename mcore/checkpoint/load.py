@@ -112,6 +112,18 @@ def _agree(error: str | None) -> None:
         raise CheckpointError(f"loading the checkpoint failed on rank {r}: {msg}")
 
 
+def saved_layout_value(layout: dict, key: str):
+    """A saved layout's value, with the default a checkpoint written before the key existed implies
+    (no expert parallelism: ep=1, etp=tp)."""
+    if key in layout:
+        return layout[key]
+    if key == "expert_model_parallel_size":
+        return 1
+    if key == "expert_tensor_parallel_size":
+        return layout.get("tensor_model_parallel_size")
+    return None
+
+
 def _describe(layout: dict) -> str:
     return (
         f"tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
@@ -196,7 +208,7 @@ class LoadPlan:
             load_optim=optimizer is not None and not (config.no_load_optim or finetune),
             load_rng=not (config.no_load_rng or finetune),
             now=now,
-            same_layout=all(meta["layout"].get(k) == v for k, v in now.items()),
+            same_layout=all(saved_layout_value(meta["layout"], k) == v for k, v in now.items()),
         )
 
 

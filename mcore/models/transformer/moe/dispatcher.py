@@ -49,7 +49,6 @@ class AllGatherDispatcher:
     ):
         """``topk``: every token is routed to exactly this many experts (dropless), or None."""
         group = self.groups.tp_ep
-        self.local_shape = x.shape
         if group_size(group) > 1:
             x = gather_from_sequence_parallel_region(x, group)
             probs = gather_from_sequence_parallel_region(probs, group)
@@ -109,12 +108,12 @@ class AllToAllDispatcher:
         self.recv_counts = recv_counts.tolist()
         received = _AllToAll.apply(rows, self.recv_splits, self.send_splits, self.groups.ep)
         # source-major [src][local e] -> expert-major [local e][src]
-        return _regroup(received, self.recv_counts, transpose=True), recv_counts.sum(dim=0)
+        return _regroup(received, self.recv_counts), recv_counts.sum(dim=0)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         if self.ep > 1:
             counts_t = [list(c) for c in zip(*self.recv_counts, strict=True)]  # [local e][src]
-            rows = _regroup(rows, counts_t, transpose=True)  # back to [src][local e]
+            rows = _regroup(rows, counts_t)  # back to [src][local e]
             rows = _AllToAll.apply(rows, self.send_splits, self.recv_splits, self.groups.ep)
         out = get_ops().moe_unpermute(
             rows, self.sorted_indices, tuple(self.shape), probs=self.probs, routing_map=self.routing_map
@@ -123,12 +122,11 @@ class AllToAllDispatcher:
         return out
 
 
-def _regroup(rows: torch.Tensor, counts: list[list[int]], transpose: bool) -> torch.Tensor:
-    """Rows in chunks ``counts[i][j]`` (i-major) -> the same chunks in j-major order."""
+def _regroup(rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+    """Rows in chunks of ``counts[i][j]`` rows, i-major -> the same chunks, j-major."""
     chunks = rows.split([c for row in counts for c in row])
     n_i, n_j = len(counts), len(counts[0])
-    order = [i * n_j + j for j in range(n_j) for i in range(n_i)] if transpose else range(len(chunks))
-    return torch.cat([chunks[k] for k in order]) if chunks else rows
+    return torch.cat([chunks[i * n_j + j] for j in range(n_j) for i in range(n_i)])
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
