@@ -9,12 +9,6 @@ It assumes an MLP of 4h and full multi-head attention. :func:`gpt_flops` general
 Megatron's ``num_floating_point_operations`` does: query groups shrink the K/V projections, SwiGLU
 has three MLP matrices, and ``ffn_hidden_size`` may differ from 4h. With those at their defaults
 it equals the formula above exactly.
-
-Mixture of experts (Megatron's MoE terms): in a MoE layer each token passes through ``k`` routed
-experts of width ``F_e`` (``--moe-ffn-hidden-size``) and the shared experts (``F_s`` in all,
-``--moe-shared-expert-intermediate-size``), so its MLP term is ``(k F_e + F_s)`` where a dense layer's
-is ``F``; the FLOPs are those of the *active* parameters. The router's ``h x E`` product is not
-counted (as in Megatron).
 """
 
 from __future__ import annotations
@@ -32,13 +26,8 @@ def gpt_flops(
     ffn_hidden_size: int | None = None,
     swiglu: bool = False,
     kv_channels: int | None = None,
-    moe_layers: int = 0,
-    moe_active_ffn: int = 0,
 ) -> float:
-    """Training FLOPs of one iteration over ``batch_size`` sequences (forward and backward).
-
-    ``moe_layers`` of the ``num_layers`` are mixture-of-experts layers whose MLP width per token is
-    ``moe_active_ffn`` (top-k times the expert width, plus the shared experts' width)."""
+    """Training FLOPs of one iteration over ``batch_size`` sequences (forward and backward)."""
     h, s, L = hidden_size, seq_length, num_layers
     ffn = ffn_hidden_size or 4 * h
     groups = num_query_groups or num_attention_heads
@@ -53,10 +42,7 @@ def gpt_flops(
         + 2 * s * query_proj / h  # QK^T and attention x V
         + 2 * gated * ffn / h  # MLP up (and gate) and down
     )
-    moe_extra = (
-        moe_layers * 2 * gated * (moe_active_ffn - ffn) / h
-    )  # MoE layers' MLP in place of the dense one
-    return 6 * batch_size * s * h * h * (L * per_layer + moe_extra + vocab_size / h)
+    return 6 * batch_size * s * h * h * (L * per_layer + vocab_size / h)
 
 
 def gpt_flops_per_sample(model, vocab_size: int) -> float:
@@ -83,20 +69,7 @@ def gpt_flops_per_sample(model, vocab_size: int) -> float:
         ffn_hidden_size=ffn,
         swiglu=model.swiglu,
         kv_channels=model.kv_channels,
-        **_moe_terms(model),
     )
-
-
-def _moe_terms(model) -> dict[str, int]:
-    """The MoE arguments of :func:`gpt_flops` for a model config (none for a dense model)."""
-    moe = getattr(model, "moe", None)
-    if moe is None:
-        return {}
-    shared = moe.moe_shared_expert_intermediate_size or 0
-    return {
-        "moe_layers": sum(moe.moe_layers),
-        "moe_active_ffn": moe.topk * moe.ffn_hidden_size + shared,
-    }
 
 
 def bert_flops_per_sample(model, vocab_size: int) -> float:
