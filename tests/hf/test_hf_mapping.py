@@ -198,7 +198,7 @@ LLAMA_HF = dict(
     "config, named",
     [
         (dict(architectures=["BertModel"], model_type="bert"), "unsupported architecture"),
-        (dict(model_type="mistral"), "unsupported architecture"),
+        (dict(model_type="falcon"), "unsupported architecture"),
         ({**LLAMA_HF, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
         ({**LLAMA_HF, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
         (

@@ -1,0 +1,133 @@
+"""Qwen2, Qwen3 and Mistral in and out: tiny random models built with transformers on the CPU, saved
+without tokenizer files, imported with ``--no-tokenizer`` (padded for TP=2; the import's parity check
+loads them with ``AutoModelForCausalLM``, eager and sdpa, 1e-4 fp32) and exported back to the same
+class with identical tensors (the export's parity check loads the export the same way); an mcore
+model with ``--qk-layernorm`` exports as Qwen3 by default; unsupported config fields are refused
+naming the field, with nothing written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mcore.hf import ConversionError, export_checkpoint, export_to_hf, import_from_hf
+from mcore.hf.families import model_config_from_hf
+from mcore.models.transformer.model_config import ModelConfig
+
+V = 100
+TINY = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    rope_theta=5000.0,
+)
+MODELS = {
+    "Qwen2ForCausalLM": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(head_dim=16, attention_bias=True)),
+    "MistralForCausalLM": ("MistralConfig", dict(sliding_window=None, head_dim=8)),
+}
+
+
+def _save_hf_model(architecture: str, path, **overrides) -> None:
+    import transformers
+
+    config_class, settings = MODELS[architecture]
+    config = getattr(transformers, config_class)(**{**TINY, **settings, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():  # norms and biases away from their 1 / 0 initial values
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+            if name.endswith("o_proj.bias"):  # mcore's --add-qkv-bias has no o_proj bias: zero
+                param.zero_()
+    model.save_pretrained(path)
+
+
+@pytest.mark.parametrize("architecture", list(MODELS))
+def test_import_then_export_gives_back_the_same_model(architecture, tmp_path):
+    from safetensors.torch import load_file
+
+    _save_hf_model(architecture, tmp_path / "hf")
+    report = import_from_hf(
+        str(tmp_path / "hf"), str(tmp_path / "ckpt"), tensor_model_parallel_size=2, use_tokenizer=False
+    )
+    assert report.parity.max_abs_diff < 1e-4, report.parity.describe()
+    assert set(report.parity.per_implementation) == {"eager", "sdpa"}
+    cfg = report.model_config
+    assert cfg.qk_layernorm == (architecture == "Qwen3ForCausalLM")
+    assert cfg.add_qkv_bias == (architecture != "MistralForCausalLM")
+    back = export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    assert back.architecture == architecture and back.parity.max_abs_diff < 1e-4
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config.get("sliding_window") is None
+    before = load_file(tmp_path / "hf" / "model.safetensors")
+    after = load_file(tmp_path / "again" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_an_mcore_model_with_qk_layernorm_exports_as_qwen3(tmp_path):
+    from mcore.distributed.groups import ProcessGroups
+    from mcore.inference.loading import build_model_chunk, gather_logical_state
+
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, ffn_hidden_size=48, seq_length=16, position_embedding_type="rope",
+        normalization="RMSNorm", swiglu=True, disable_bias_linear=True, qk_layernorm=True,
+    )  # fmt: skip
+    single = ProcessGroups.single()
+    model = build_model_chunk(cfg, single, V, device=torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    state = gather_logical_state([model], single)
+    run = {"model": cfg, "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": V - 1}}
+    report = export_to_hf(state, run, str(tmp_path / "hf"))
+    assert report.architecture == "Qwen3ForCausalLM" and report.parity.max_abs_diff < 1e-4
+    for wrong, named in (("LlamaForCausalLM", "qk_layernorm=True"), ("MistralForCausalLM", "qk_layernorm")):
+        with pytest.raises(ConversionError, match=named):
+            export_to_hf(state, run, str(tmp_path / wrong), architecture=wrong)
+        assert not (tmp_path / wrong).exists()
+    plain = dataclasses.replace(cfg, qk_layernorm=False)
+    with pytest.raises(ConversionError, match="qk_layernorm=False"):
+        export_to_hf({}, {**run, "model": plain}, str(tmp_path / "q3"), architecture="Qwen3ForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "architecture, overrides, named",
+    [
+        ("MistralForCausalLM", dict(sliding_window=16), r"sliding_window=16 \(< max_position_embeddings=32\)"),
+        ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), "sliding_window=8"),
+        ("Qwen3ForCausalLM", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type='yarn'"),
+        ("Qwen3ForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ],
+)  # fmt: skip
+def test_unsupported_config_fields_are_refused_and_nothing_is_written(
+    architecture, overrides, named, tmp_path
+):
+    config = {**TINY, **MODELS[architecture][1], "architectures": [architecture]}
+    config["model_type"] = {"Q": "qwen2" if "2" in architecture else "qwen3", "M": "mistral"}[architecture[0]]
+    config.update(overrides)
+    with pytest.raises(ConversionError, match=named):
+        model_config_from_hf(config)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=named):
+        import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), use_tokenizer=False)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_window_covering_every_position_converts():
+    config = {**TINY, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 32}
+    assert model_config_from_hf(config).max_position_embeddings == 32
