@@ -45,12 +45,18 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--manual-gc": "Python's garbage collector is left on",
     "--wandb-save-dir": "Weights & Biases writes to its default directory",
     "--mmap-bin-files": "memory-mapping .bin files is the default (--no-mmap-bin-files turns it off)",
+    # mixture of experts: Transformer Engine / DeepEP kernel and overlap choices (docs/moe.md)
+    "--moe-permute-fusion": "the device backend serves moe_permute/moe_unpermute from its op table",
+    "--moe-router-fusion": "the device backend serves moe_topk_routing from its op table",
+    "--moe-enable-deepep": "DeepEP is a CUDA kernel library; the alltoall dispatcher runs",
+    "--moe-flex-dispatcher-backend": "DeepEP/HybridEP are CUDA kernel libraries; the alltoall dispatcher runs",
+    "--moe-use-legacy-grouped-gemm": "the experts run the op table's grouped_gemm",
+    "--moe-shared-expert-overlap": "the shared experts run after the routed ones (no stream overlap)",
+    "--overlap-moe-expert-parallel-comm": "expert-parallel communication is not overlapped",
+    "--moe-router-padding-for-fp8": "the experts' grouped GEMM needs no padded token counts",
 }
 
 UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
-    "--num-experts": "mixture-of-experts models are not implemented",
-    "--expert-model-parallel-size": "mixture-of-experts models are not implemented",
-    "--moe-router-topk": "mixture-of-experts models are not implemented",
     "--fp8-hybrid": "use --fp8-format hybrid",
     "--fp8-e4m3": "use --fp8-format e4m3",
     "--fp8-interval": "deprecated in Megatron-LM and Transformer Engine; FP8 scales update every step",

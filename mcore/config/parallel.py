@@ -55,12 +55,21 @@ class ParallelConfig:
         "reported lost and the job ends (mcore.distributed.watchdog); 0 turns the watchdog off.",
     )
     local_rank: int | None = flag(None, "Local rank (set by the launcher; torchrun uses LOCAL_RANK).")
+    # -- expert parallelism (MoE; mcore.distributed.topology's expert grid) --
+    expert_model_parallel_size: int = flag(
+        1, "Degree of expert model parallelism: each rank holds num_experts / this many routed experts."
+    )
+    expert_tensor_parallel_size: int | None = flag(
+        None, "Degree of tensor parallelism inside each expert (default: --tensor-model-parallel-size)."
+    )
+    # -- end expert parallelism --
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, f"{name}={value} must be a positive integer")
         self._resolve_encoder_pipeline()
+        self._check_expert_parallel()
         check(
             not self.sequence_parallel or self.tensor_model_parallel_size > 1,
             f"--sequence-parallel needs tensor_model_parallel_size > 1 "
@@ -92,6 +101,22 @@ class ParallelConfig:
             sorted(axes) == sorted(["tp", "cp", "dp", "pp"]),
             f"parallel_order={self.parallel_order!r} must order exactly tp, cp, dp and pp",
         )
+
+    def _check_expert_parallel(self) -> None:
+        """Sizes only; whether etp x ep x pp tiles the world is checked with the world size
+        (:meth:`mcore.distributed.topology.Topology.create`), the expert count by the MoE config."""
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
+        check(isinstance(ep, int) and ep >= 1, f"expert_model_parallel_size={ep} must be a positive integer")
+        check(
+            etp is None or (isinstance(etp, int) and etp >= 1),
+            f"expert_tensor_parallel_size={etp} must be a positive integer",
+        )
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The resolved expert tensor-parallel size (``None`` means the dense tp size)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
 
     def _resolve_encoder_pipeline(self) -> None:
         """Fold ``--encoder-pipeline-model-parallel-size E`` into the split rank: ``E`` encoder stages

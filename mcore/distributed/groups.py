@@ -56,6 +56,14 @@ class ProcessGroups:
     over it); ``embedding`` joins the first and last pipeline stage (tied embedding gradients).
     A group is ``None`` when the job is a single process.
 
+    Expert (MoE) groups, from the expert grid of :mod:`mcore.distributed.topology`: ``ep`` (ranks
+    holding different experts: the token dispatcher's all-to-all), ``etp`` (ranks splitting one
+    expert's weights), ``edp`` (replicas of the same experts: their gradients are averaged and the
+    distributed optimizer shards them over it), ``tp_ep`` (etp x ep: the all-gather dispatcher),
+    ``expert_mp`` (etp x ep x pp: the experts' part of the gradient norm). Dense-grid groups MoE
+    needs: ``tp_cp`` (tp x cp: aux-loss token counts) and ``tp_dp_cp`` (tp x dp x cp: the expert-bias
+    token counts and the global aux loss). Groups with the same ranks share one handle.
+
     ``device`` is the one device this rank computes on: :func:`initialize_parallel` asks the backend
     for it once, from the *local* rank (``--local-rank``, else the launcher's ``LOCAL_RANK`` /
     ``SLURM_LOCALID``), and makes it current. The model, the trainer and the pipeline schedule all
@@ -72,6 +80,13 @@ class ProcessGroups:
     dp_cp: dist.ProcessGroup | None = None
     embedding: dist.ProcessGroup | None = None
     world: dist.ProcessGroup | None = None
+    ep: dist.ProcessGroup | None = None
+    etp: dist.ProcessGroup | None = None
+    edp: dist.ProcessGroup | None = None
+    tp_ep: dist.ProcessGroup | None = None
+    tp_cp: dist.ProcessGroup | None = None
+    tp_dp_cp: dist.ProcessGroup | None = None
+    expert_mp: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = field(default=(0,))
     embedding_ranks: tuple[int, ...] = field(default=(0,))
     device: torch.device = field(default_factory=lambda: current_backend().device(0))
@@ -120,6 +135,34 @@ class ProcessGroups:
     @property
     def cp_size(self) -> int:
         return self.topology.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.topology.coordinate("cp")
+
+    @property
+    def ep_size(self) -> int:
+        return self.topology.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.topology.expert_coordinate("ep")
+
+    @property
+    def etp_size(self) -> int:
+        return self.topology.etp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.topology.expert_coordinate("etp")
+
+    @property
+    def edp_size(self) -> int:
+        return self.topology.edp
+
+    @property
+    def edp_rank(self) -> int:
+        return self.topology.expert_coordinate("edp")
 
     @property
     def is_first_stage(self) -> bool:
@@ -179,6 +222,8 @@ def initialize_parallel(
         pp=config.pipeline_model_parallel_size,
         cp=config.context_parallel_size,
         order=config.parallel_order,
+        ep=config.expert_model_parallel_size,
+        etp=config.expert_tensor_parallel_size,
     )
     # The one place the device is derived (ProcessGroups.device): from the local rank, never the
     # global one, and made current before any process group or parameter is created.
@@ -234,8 +279,25 @@ def _build_groups(
 ) -> ProcessGroups:
     """Every process group of ``topology`` (collective: each rank creates every group, in order)."""
 
+    made: dict[tuple, dist.ProcessGroup | None] = {}
+
+    def new(rank_lists: list[list[int]], axis_name: str):
+        # The same rank lists (e.g. etp == tp when ep=1) reuse one handle: fewer groups to create.
+        key = tuple(tuple(r) for r in rank_lists)
+        if key not in made:
+            made[key] = _new_groups(rank_lists, rank, timeout, options(axis_name))
+        return made[key]
+
     def build(axes: str, axis_name: str):
-        return _new_groups(topology.groups(axes), rank, timeout, options(axis_name))
+        # The dense groups are created as before (one handle each); the MoE groups below reuse them.
+        rank_lists = topology.groups(axes)
+        made[tuple(tuple(r) for r in rank_lists)] = group = _new_groups(
+            rank_lists, rank, timeout, options(axis_name)
+        )
+        return group
+
+    def build_expert(axes: str, axis_name: str):
+        return new(topology.expert_groups(axes), axis_name)
 
     embedding_lists = topology.embedding_groups(split_rank)
     return ProcessGroups(
@@ -246,6 +308,13 @@ def _build_groups(
         cp=build("cp", "cp"),
         mp=build("tp-pp", "mp"),
         dp_cp=build("cp-dp", "dp"),
+        tp_cp=new(topology.groups("tp-cp"), "tp"),
+        tp_dp_cp=new(topology.groups("tp-cp-dp"), "dp"),
+        ep=build_expert("ep", "ep"),
+        etp=build_expert("etp", "tp"),
+        edp=build_expert("edp", "dp"),
+        tp_ep=build_expert("etp-ep", "ep"),
+        expert_mp=build_expert("etp-ep-pp", "mp"),
         embedding=_new_groups(embedding_lists, rank, timeout, options("embedding")),
         world=dist.group.WORLD,
         pp_ranks=tuple(topology.group_of("pp")),

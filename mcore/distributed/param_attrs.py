@@ -11,7 +11,13 @@ gradient partial under SP?  ``shard_layout.sequence_parallel``           ``seque
 last stage's tied copy?     ``shard_layout.logical_name is not None``    ``shared=True``
 either tied-embedding copy  (tied copy, or the module's                  ``shared_embedding=True``
                             ``shared_embedding_or_output_weight()``)
+a routed expert's weight?   ``shard_layout.expert_dim is not None``      ``expert_parallel=True``
+                                                                         (Megatron: ``allreduce=False``)
 ==========================  ===========================================  ===============================
+
+An expert-parallel parameter lives on the expert grid: its gradient is averaged over ``groups.edp``
+(not dp x cp), the distributed optimizer shards it over ``edp``, and the gradient norm sums it over
+``groups.expert_mp`` (etp x ep x pp), where its tp split is the expert-tensor-parallel split.
 """
 
 from __future__ import annotations
@@ -21,6 +27,16 @@ import torch
 
 def _layout(param: torch.nn.Parameter):
     return getattr(param, "shard_layout", None)
+
+
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """A routed expert's weight: different on every ep rank, replicated over edp."""
+    layout = _layout(param)
+    return (
+        bool(getattr(param, "expert_parallel", False))
+        or getattr(param, "allreduce", True) is False
+        or (layout is not None and getattr(layout, "expert_dim", None) is not None)
+    )
 
 
 def is_tensor_parallel(param: torch.nn.Parameter) -> bool:
@@ -69,7 +85,8 @@ def counts_in_grad_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     """Whether this rank's copy of ``param`` adds to the global gradient norm.
 
     A parameter replicated over tp counts on tp rank 0 only; the tied copy and other pipeline copies
-    never count (the first stage's original carries the same gradient).
+    never count (the first stage's original carries the same gradient). For an expert-parallel
+    parameter pass the *expert* tensor-parallel rank (``groups.etp_rank``).
     """
     if is_tied_copy(param) or is_pipeline_copy(param):
         return False

@@ -57,6 +57,10 @@ OP_NAMES: tuple[str, ...] = (
     "scaled_linear_forward",
     "scaled_linear_dgrad",
     "scaled_linear_wgrad",
+    "moe_topk_routing",
+    "moe_permute",
+    "moe_unpermute",
+    "grouped_gemm",
 )
 """Every op name. The signatures and tensor layouts are documented in :mod:`mcore.ops.reference`.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,29 @@ def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> ForwardBackward
 # one forward and one backward of one micro-batch on one chunk
 
 
+_AUX_LOSS_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _set_aux_loss_scale(chunks: list[nn.Module], a: ForwardBackwardArgs) -> None:
+    """Give the MoE routers' aux losses the main loss's backward scale: ``loss_scale / num_microbatches``
+    (x CP size: data-parallel averaging also divides by CP), as Megatron's ``MoEAuxLossAutoScaler``.
+    Modules that take it have an ``aux_loss_backward_scale`` attribute (duck-typed: the schedule
+    does not import the models); each chunk is searched once."""
+    if a.forward_only:
+        return
+    modules = []
+    for chunk in chunks:
+        if chunk not in _AUX_LOSS_MODULES:
+            _AUX_LOSS_MODULES[chunk] = [m for m in chunk.modules() if hasattr(m, "aux_loss_backward_scale")]
+        modules += _AUX_LOSS_MODULES[chunk]
+    if not modules:
+        return
+    one = torch.ones((), device=a.groups.device)
+    scale = (a.grad_scale_func(one) if a.grad_scale_func else one) * (a.groups.cp_size / a.num_microbatches)
+    for module in modules:
+        module.aux_loss_backward_scale = scale
+
+
 def _as_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
@@ -265,6 +289,7 @@ def forward_backward_no_pipelining(
     iterator = _iterator_for(a.data_iterator, 0)
     grad_mode = torch.no_grad() if a.forward_only else contextlib.nullcontext()
     sync = _GradSyncControl(None if a.forward_only else a.no_sync_func, 1)
+    _set_aux_loss_scale(chunks, a)
     with grad_mode, sync:
         for i in range(m):
             output = _forward_step(a.forward_step_func, iterator, chunks[0], None, True, m, logs)
@@ -287,6 +312,7 @@ def _run_pipeline(vp_size: int, a: ForwardBackwardArgs) -> list[dict[str, Any]]:
     p, r, m = groups.pp_size, groups.pp_rank, a.num_microbatches
     # Computing the plan checks the sizes (ConfigError) before anything is exchanged.
     program = pipeline_timeline(p, vp_size, m, a.forward_only)[r]
+    _set_aux_loss_scale(chunks, a)
     shape = _activation_shape(a, vp_size)
     backend = current_backend()
     device = groups.device

@@ -27,6 +27,14 @@ How a local shard is cut (``p`` = TP size, ``t`` = TP rank, ``d`` = ``partition_
   ``make_vocab_size_divisible_by * p``, so it can change with the TP size; rows ``>= V`` (the
   tokenizer's size) are padding that a resharding loader re-pads and an exporter drops.
 
+Routed experts (MoE): ``expert_dim=e`` says dim ``e`` of the logical tensor is the global expert
+index, split over the ``ep`` expert-parallel ranks in contiguous blocks (ep rank ``r`` of size ``q``
+holds experts ``[r*E/q, (r+1)*E/q)``), and ``partition_dim`` is split over the *expert* tensor-parallel
+ranks (etp), not tp: for such a layout every ``tp_rank``/``tp_size`` below means the etp coordinate.
+Example: SwiGLU experts' fc1, logical ``[E, 2F, H]`` with ``expert_dim=0, partition_dim=1,
+num_stacked=2``, local ``[E/ep, 2F/etp, H]``. Each expert is drawn from its own generator seeded by
+``(seed, name, expert index)``, so an ep rank draws only its experts and any ep/etp equals ep=1.
+
 Initialization: each logical tensor is drawn whole, in fp32, from a generator on the model's device
 seeded by ``(seed, logical name)`` (:func:`tensor_seed`); each rank keeps its slice
 (:meth:`ShardSpec.shard`). Padded-vocabulary tensors are drawn in fixed blocks of
@@ -112,6 +120,8 @@ class ParamLayout:
         init: fills the logical tensor (``init(tensor, generator)``).
         logical_name: the logical name when it is not the parameter's own name: the last pipeline
             stage's copy of a tied word embedding says ``"embedding.word_embeddings.weight"``.
+        expert_dim: the global-expert dim of a routed expert's weight (split over ep; then
+            ``partition_dim`` is split over etp), or ``None`` for every other parameter.
     """
 
     global_shape: tuple[int, ...]
@@ -121,11 +131,20 @@ class ParamLayout:
     sequence_parallel: bool = False
     init: InitMethod = ZEROS
     logical_name: str | None = None
+    expert_dim: int | None = None
 
-    def local_shape(self, tp_size: int) -> tuple[int, ...]:
-        if self.partition_dim is None:
-            return tuple(self.global_shape)
+    def local_shape(self, tp_size: int, ep_size: int = 1) -> tuple[int, ...]:
+        """This rank's shape; ``tp_size`` is the etp size for an expert layout."""
         shape = list(self.global_shape)
+        if self.expert_dim is not None:
+            if shape[self.expert_dim] % ep_size:
+                raise ValueError(
+                    f"{shape[self.expert_dim]} experts (dim {self.expert_dim}) do not split over "
+                    f"expert_model_parallel_size={ep_size}"
+                )
+            shape[self.expert_dim] //= ep_size
+        if self.partition_dim is None:
+            return tuple(shape)
         d = self.partition_dim
         if shape[d] % (self.num_stacked * tp_size):
             raise ValueError(
@@ -137,14 +156,19 @@ class ParamLayout:
 
 
 def make_parameter(
-    layout: ParamLayout, tp_size: int, *, dtype: torch.dtype, device: torch.device | None
+    layout: ParamLayout, tp_size: int, *, dtype: torch.dtype, device: torch.device | None, ep_size: int = 1
 ) -> torch.nn.Parameter:
     """An uninitialized parameter of this rank's shape, carrying ``layout`` as ``shard_layout``.
 
+    For an expert layout (``expert_dim`` set) pass the etp size as ``tp_size`` and the ep size as
+    ``ep_size``; the parameter is marked ``expert_parallel = True``.
     Values are written by :func:`initialize_parameters` (the model does it in its constructor).
     """
-    param = torch.nn.Parameter(torch.empty(layout.local_shape(tp_size), dtype=dtype, device=device))
+    shape = layout.local_shape(tp_size, ep_size)
+    param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
     param.shard_layout = layout
+    if layout.expert_dim is not None:
+        param.expert_parallel = True
     return param
 
 
@@ -167,6 +191,9 @@ class ShardSpec:
         tied_copy: this parameter is a copy of the logical tensor ``name`` held on another pipeline
             stage too (the last stage's output layer with tied embeddings). Its gradient is summed
             with the original's over ``groups.embedding``; a checkpoint saves the original only.
+        expert_dim, ep_rank, ep_size: a routed expert's weight: ``expert_dim`` of ``global_shape``
+            counts every expert; this rank holds the block :meth:`expert_range`. ``tp_rank``/
+            ``tp_size`` are then the expert tensor-parallel coordinates.
     """
 
     name: str
@@ -179,11 +206,22 @@ class ShardSpec:
     vocab_padded: bool = False
     sequence_parallel: bool = False
     tied_copy: bool = False
+    expert_dim: int | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @classmethod
     def from_layout(
-        cls, layout: ParamLayout, local_name: str, name: str, tp_rank: int, tp_size: int
+        cls,
+        layout: ParamLayout,
+        local_name: str,
+        name: str,
+        tp_rank: int,
+        tp_size: int,
+        ep_rank: int = 0,
+        ep_size: int = 1,
     ) -> ShardSpec:
+        expert = layout.expert_dim is not None
         return cls(
             name=layout.logical_name or name,
             local_name=local_name,
@@ -195,11 +233,39 @@ class ShardSpec:
             vocab_padded=layout.vocab_padded,
             sequence_parallel=layout.sequence_parallel,
             tied_copy=layout.logical_name is not None,
+            expert_dim=layout.expert_dim,
+            ep_rank=ep_rank if expert else 0,
+            ep_size=ep_size if expert else 1,
         )
 
     @property
-    def local_shape(self) -> tuple[int, ...]:
+    def is_expert(self) -> bool:
+        return self.expert_dim is not None
+
+    @property
+    def num_experts(self) -> int | None:
+        """Global expert count of an expert tensor (``None`` otherwise)."""
+        return None if self.expert_dim is None else self.global_shape[self.expert_dim]
+
+    def expert_range(self) -> tuple[int, int]:
+        """``(first global expert, count)`` held by this ep rank."""
+        if self.expert_dim is None:
+            return (0, 1)
+        local = self.global_shape[self.expert_dim] // self.ep_size
+        return (self.ep_rank * local, local)
+
+    @property
+    def ep_global_shape(self) -> tuple[int, ...]:
+        """The shape of this ep rank's block of experts, unsplit over etp (the logical shape for a
+        non-expert tensor): what :meth:`merge` returns."""
         shape = list(self.global_shape)
+        if self.expert_dim is not None:
+            shape[self.expert_dim] //= self.ep_size
+        return tuple(shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.ep_global_shape)
         if self.partition_dim is not None:
             shape[self.partition_dim] //= self.tp_size
         return tuple(shape)
@@ -233,6 +299,8 @@ class ShardSpec:
             raise ValueError(
                 f"{self.name}: logical tensor has shape {tuple(full.shape)}, expected {self.global_shape}"
             )
+        if self.expert_dim is not None:
+            full = full.narrow(self.expert_dim, *self.expert_range())
         if self.partition_dim is None:
             return full
         d = self.partition_dim
@@ -240,7 +308,9 @@ class ShardSpec:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
 
     def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The logical tensor from every TP rank's local tensor, given in TP-rank order."""
+        """The logical tensor from every TP rank's local tensor, given in TP-rank order (for an expert
+        tensor: this ep rank's block of experts, :attr:`ep_global_shape`, from the etp ranks' shards;
+        blocks of successive ep ranks concatenate along ``expert_dim``)."""
         if len(shards) != self.tp_size:
             raise ValueError(
                 f"{self.name}: got {len(shards)} shards for tensor_model_parallel_size={self.tp_size}"
@@ -254,9 +324,20 @@ class ShardSpec:
         ]
         return subs[0] if len(subs) == 1 else torch.cat(subs, dim=d)
 
-    def for_rank(self, tp_rank: int) -> ShardSpec:
-        """The same logical tensor's spec on another TP rank."""
-        return replace(self, tp_rank=tp_rank)
+    def for_rank(self, tp_rank: int, ep_rank: int | None = None) -> ShardSpec:
+        """The same logical tensor's spec on another TP (etp) rank, and ep rank for an expert tensor."""
+        if ep_rank is None or self.expert_dim is None:
+            return replace(self, tp_rank=tp_rank)
+        return replace(self, tp_rank=tp_rank, ep_rank=ep_rank)
+
+    def single_expert(self, expert: int) -> ShardSpec:
+        """The spec of one global expert's slice (expert dim of size 1, not split over ep): what
+        initialization draws per expert."""
+        shape = list(self.global_shape)
+        shape[self.expert_dim] = 1
+        return replace(
+            self, name=f"{self.name}:expert{expert}", global_shape=tuple(shape), ep_rank=0, ep_size=1
+        )
 
 
 def build_shard_specs(
@@ -264,20 +345,35 @@ def build_shard_specs(
     tp_rank: int,
     tp_size: int,
     logical_name: Callable[[str], str] = lambda local_name: local_name,
+    *,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
 ) -> dict[str, ShardSpec]:
     """A :class:`ShardSpec` for every parameter of ``module``, keyed by local parameter name.
+
+    Expert layouts take the ep coordinates and the etp ones (``None``: the tp ones), e.g.
+    ``ep_rank=groups.ep_rank, ep_size=groups.ep_size, etp_rank=groups.etp_rank, etp_size=groups.etp_size``.
 
     Raises:
         TypeError: a parameter carries no ``shard_layout`` (every mcore layer attaches one).
     """
+    etp_rank = tp_rank if etp_rank is None else etp_rank
+    etp_size = tp_size if etp_size is None else etp_size
     specs = {}
     for local_name, param in module.named_parameters():
         layout = getattr(param, "shard_layout", None)
         if layout is None:
             raise TypeError(f"parameter {local_name!r} has no shard_layout; create it with make_parameter()")
-        specs[local_name] = ShardSpec.from_layout(
-            layout, local_name, logical_name(local_name), tp_rank, tp_size
-        )
+        if layout.expert_dim is None:
+            specs[local_name] = ShardSpec.from_layout(
+                layout, local_name, logical_name(local_name), tp_rank, tp_size
+            )
+        else:
+            specs[local_name] = ShardSpec.from_layout(
+                layout, local_name, logical_name(local_name), etp_rank, etp_size, ep_rank, ep_size
+            )
     return specs
 
 
@@ -308,6 +404,16 @@ def _draw(shape: Sequence[int], init: InitMethod, seed: int, device: torch.devic
 
 def draw_local_shard(spec: ShardSpec, init: InitMethod, seed: int, device: torch.device) -> torch.Tensor:
     """This rank's slice (fp32) of the logical tensor ``spec.name`` drawn from ``seed``."""
+    if spec.expert_dim is not None:
+        # One generator per global expert, seeded by (seed, name, expert): independent of ep/etp.
+        first, count = spec.expert_range()
+        pieces = []
+        for expert in range(first, first + count):
+            one = spec.single_expert(expert)
+            pieces.append(
+                one.shard(_draw(one.global_shape, init, tensor_seed(seed, spec.name, expert), device))
+            )
+        return torch.cat(pieces, dim=spec.expert_dim)
     if not spec.vocab_padded:
         return spec.shard(_draw(spec.global_shape, init, tensor_seed(seed, spec.name), device))
     block, rest = VOCAB_INIT_BLOCK_ROWS, tuple(spec.global_shape[1:])

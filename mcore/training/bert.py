@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from mcore.distributed.ddp import unwrap_model
 from mcore.distributed.groups import ProcessGroups
+from mcore.models.transformer.moe.config import refuse_moe
 from mcore.training.flops import bert_flops_per_sample
 from mcore.training.run_config import RunConfig
 
@@ -45,6 +46,8 @@ def model_provider(
     As Megatron's pretrain_bert.py: the binary (sentence-order) head and two token types, or, with
     ``--bert-no-binary-head``, neither."""
     from mcore.models.bert.bert_model import BertModel
+
+    refuse_moe(cfg.model, "BERT")
 
     return BertModel(
         cfg.model,

@@ -37,6 +37,7 @@ from mcore.training.flops import gpt_flops_per_sample
 from mcore.training.lr_scheduler import LRScheduler
 from mcore.training.metrics import MetricsWriter, Timer, eval_tensorboard_scalars
 from mcore.training.microbatches import MicroBatchCalculator
+from mcore.training.moe_step import find_routers, finish_moe_step
 from mcore.training.nan_check import DeferredNanCheck
 from mcore.training.params_norm import params_l2_norm
 from mcore.training.run_config import RunConfig
@@ -94,6 +95,9 @@ class Trainer:
         """The delayed FP8 recipe's step boundary (amax reduction, histories, scales); a no-op without it."""
         self.token_ids = TokenIdCheck(model, getattr(cfg, "data", None))
         """The per-batch vocabulary check: staged every step, read with the deferred NaN check."""
+        self.moe = cfg.model.moe
+        self.routers = find_routers(model) if self.moe is not None else []
+        """The MoE routers (expert-bias update and MoE logs after each step: :mod:`mcore.training.moe_step`)."""
         self.timers = Timers()
         """Phase timers (``--timing-log-level``; none run by default, see :mod:`mcore.training.timers`)."""
         self.context: TrainContext | None = None
@@ -196,6 +200,11 @@ class Trainer:
         with self.timers("forward-backward"):
             logs = self._run_schedule(data_iterator, forward_only=False)
         self.token_ids.stage(f"iteration {self.iteration}")
+        moe_logs = {}
+        if self.moe is not None:  # once per step, after gradient accumulation
+            moe_logs = finish_moe_step(
+                self.routers, self.moe, self.groups, self.batches.num_microbatches, self.device
+            )
         self.fp8_scales((self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
         if self.cfg.training.empty_unused_memory_level >= 1:
             release_unused_device_memory(self.backend.device_type)
@@ -210,7 +219,7 @@ class Trainer:
             self.nan_check.stage(self.iteration, grad_norm)
         if ok:
             self.scheduler.step(self.batches.current_global_batch_size)
-        return self._average_logs(logs), ok, grad_norm
+        return {**self._average_logs(logs), **moe_logs}, ok, grad_norm
 
     def check_nan(self, wait: bool = True) -> None:
         """Raise the NaN error of an earlier step whose deferred NaN check found one (a no-op when

@@ -151,12 +151,11 @@ def test_recompute_modules_defaults_and_flags():
         (
             dict(recompute_granularity="selective", recompute_modules=("layernorm", "attn")),
             "recompute_modules=['layernorm', 'attn'] (--recompute-modules): 'attn' is unknown; "
-            "choose from core_attn, layernorm, mlp_act, mlp",
+            "choose from core_attn, layernorm, mlp_act, mlp, moe_act, moe",
         ),
         (
-            dict(recompute_granularity="selective", recompute_modules=("moe_act",)),
-            "'moe_act' is a Megatron-LM module mcore does not have (mcore has no MoE layers; "
-            "the dense MLP's activation is 'mlp_act')",
+            dict(recompute_granularity="selective", recompute_modules=("mla_up_proj",)),
+            "'mla_up_proj' is a Megatron-LM module mcore does not have (mcore has no multi-latent attention)",
         ),
         (
             dict(recompute_modules=("layernorm",)),

@@ -52,6 +52,7 @@ from mcore.models.transformer.language_module import LanguageModule, chunk_layer
 from mcore.models.transformer.layer import TransformerLayer, TransformerLayerSubmodules
 from mcore.models.transformer.mlp import MLP, MLPSubmodules
 from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.moe.moe_layer import mlp_or_moe
 from mcore.models.transformer.norms import Norm
 from mcore.models.transformer.positions import RotaryEmbedding
 from mcore.models.transformer.spec import ModuleSpec
@@ -61,7 +62,9 @@ from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
 
 
 def gpt_layer_spec() -> ModuleSpec:
-    """The GPT transformer layer: norm, self-attention (QKV, core attention, proj), norm, MLP."""
+    """The GPT transformer layer: norm, self-attention (QKV, core attention, proj), norm, MLP (an
+    MoE layer where ``--num-experts`` and ``--moe-layer-freq`` put one:
+    :func:`~mcore.models.transformer.moe.moe_layer.mlp_or_moe`)."""
     return ModuleSpec(
         TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -76,7 +79,15 @@ def gpt_layer_spec() -> ModuleSpec:
             ),
             pre_mlp_layernorm=ModuleSpec(Norm),
             mlp=ModuleSpec(
-                MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+                mlp_or_moe,
+                params={
+                    "dense": ModuleSpec(
+                        MLP,
+                        submodules=MLPSubmodules(
+                            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                        ),
+                    )
+                },
             ),
         ),
     )

@@ -26,6 +26,8 @@ class BuildContext:
         device: where parameters are created and initialized.
         fp8: the FP8 flags (:class:`mcore.fp8.config.Fp8Config`), None or disabled for none.
         num_layers: the model's total layer count (for ``--first-last-layers-bf16``).
+        groups: the job's :class:`~mcore.distributed.groups.ProcessGroups` (None: one process); the
+            MoE layers take their expert-parallel groups from it.
     """
 
     tp_group: Any = None
@@ -36,6 +38,7 @@ class BuildContext:
     device: torch.device | None = None
     fp8: Any = None
     num_layers: int = 0
+    groups: Any = None
 
     def fp8_kwargs(self, layer_number: int) -> dict[str, Any]:
         """``{"fp8": config}`` (the :class:`~mcore.fp8.config.Fp8Config`) for the linears of global layer ``layer_number`` (1-based) when it runs

@@ -150,6 +150,7 @@ class LanguageModule(torch.nn.Module):
             device=device if device is not None else groups.device,
             fp8=fp8 if fp8 is not None and fp8.enabled else None,
             num_layers=config.num_layers,
+            groups=groups,
         )
         self.input_tensor: torch.Tensor | None = None
 
@@ -158,9 +159,12 @@ class LanguageModule(torch.nn.Module):
         if self.pre_process and self.share_embeddings_and_output_weights:
             # Megatron's marker: one of the (up to two) copies of the tied word embedding.
             self.embedding.word_embeddings.weight.shared_embedding = True
+        g = self.groups
         self._shard_specs = build_shard_specs(
-            self, self.groups.tp_rank, self.groups.tp_size, self._logical_name
-        )
+            self, g.tp_rank, g.tp_size, self._logical_name,
+            ep_rank=getattr(g, "ep_rank", 0), ep_size=getattr(g, "ep_size", 1),
+            etp_rank=getattr(g, "etp_rank", None), etp_size=getattr(g, "etp_size", None),
+        )  # fmt: skip
         initialize_parameters(self, self._shard_specs, seed)
 
     # -- naming and sharding ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from mcore.config.fields import ConfigError, check, flag
 from mcore.config.parallel import ParallelConfig
+from mcore.models.transformer.moe.config import MoEConfig, MoEFlags, check_moe, check_moe_parallel, moe_view
 from mcore.models.transformer.recompute_options import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
@@ -48,8 +49,9 @@ def padded_vocab_size(
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """GPT-style decoder: sizes, positions, attention, MLP, norms, initialization, dropout, recompute."""
+class ModelConfig(MoEFlags):
+    """GPT-style decoder: sizes, positions, attention, MLP, norms, initialization, dropout, recompute
+    (and the mixture-of-experts flags of :class:`~mcore.models.transformer.moe.config.MoEFlags`)."""
 
     # sizes
     num_layers: int | None = flag(None, "Number of transformer layers.")
@@ -270,6 +272,7 @@ class ModelConfig:
             "(0: off, N: the output layer and loss over N chunks of tokens)",
         )
         check_recompute(self)
+        check_moe(self)
 
     def _resolve_encoder_decoder(self) -> None:
         """T5's layer counts and lengths, as Megatron's ``validate_args``: ``--num-layers`` and
@@ -315,6 +318,11 @@ class ModelConfig:
 
     # derived views
     @property
+    def moe(self) -> MoEConfig | None:
+        """The resolved mixture-of-experts settings, None for a dense model (no ``--num-experts``)."""
+        return moe_view(self)
+
+    @property
     def selective_recompute_modules(self) -> frozenset[str]:
         """What ``--recompute-granularity selective`` recomputes (``--recompute-modules``, default
         ``core_attn``); empty for full or no recomputation."""
@@ -346,6 +354,9 @@ class ModelConfig:
 def validate_model_parallel(config: ModelConfig, parallel: ParallelConfig) -> None:
     """Check that the model splits over the layout; raise :class:`ConfigError` naming the values."""
     check_tensor_parallel(config, parallel.tensor_model_parallel_size, parallel.sequence_parallel)
+    ep = getattr(parallel, "expert_model_parallel_size", 1)
+    etp = getattr(parallel, "expert_tensor_parallel_size", None) or parallel.tensor_model_parallel_size
+    check_moe_parallel(config, ep, etp)
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
@@ -367,6 +378,12 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
         f"qk_layernorm_full_width=True (--qk-layernorm-full-width) needs tensor_model_parallel_size=1 "
         f"(got {tp}): its norm spans the heads of every TP rank; per-head --qk-layernorm splits over TP",
     )
+    if config.num_experts is not None and tp > 1:
+        check(
+            sequence_parallel,
+            f"num_experts={config.num_experts} with tensor_model_parallel_size={tp} needs --sequence-parallel "
+            "(as Megatron: each TP rank routes its own sequence shard)",
+        )
     if sequence_parallel:
         check(tp > 1, f"--sequence-parallel needs tensor_model_parallel_size > 1 (got {tp})")
         if config.seq_length is not None:

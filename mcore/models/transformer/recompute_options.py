@@ -9,19 +9,18 @@ from mcore.config.fields import check
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp", "moe_act", "moe")
 """``--recompute-modules`` names (with ``--recompute-granularity selective``; default ``core_attn``).
 
 Megatron-core's meanings: ``core_attn`` and ``mlp`` recompute the core attention / the whole dense
 MLP with a normal checkpoint; ``layernorm`` recomputes the input and pre-MLP norm outputs with the
 output-discarding checkpoint. ``mlp_act`` (not a Megatron name: Megatron's ``moe_act`` does this for
 MoE experts only) recomputes the dense MLP's activation (GeLU / SwiGLU) output, fc2's input, the
-same way.
+same way. ``moe`` checkpoints a whole MoE layer (router, dispatch, experts, combine); ``moe_act``
+recomputes the routed experts' activation output (:mod:`mcore.models.transformer.moe.experts`).
 """
 MEGATRON_ONLY_RECOMPUTE_MODULES = {
-    "moe_act": "mcore has no MoE layers; the dense MLP's activation is 'mlp_act'",
-    "moe": "mcore has no MoE layers",
-    "shared_experts": "mcore has no MoE layers",
+    "shared_experts": "the shared experts are recomputed with 'moe'",
     "mla_up_proj": "mcore has no multi-latent attention",
     "gdn_norm_out": "mcore has no gated-delta-net layers",
     "gdp_in_proj": "mcore has no gated-delta-product layers",

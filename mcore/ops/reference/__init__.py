@@ -10,7 +10,8 @@ One module per kind of op, mirroring the kernel files of ``backends/cuda/triton_
 * :mod:`.adam`: the optimizer step, per tensor and over flat buffers (with FP8 weight copies);
 * :mod:`.linear`: weight-gradient accumulation and the FP8 ``scaled_linear`` GEMMs;
 * :mod:`.fp8`, :mod:`.fp8_flat`: FP8 casts and transposes, and casts over flat parameter buffers;
-* :mod:`.norm_fp8`, :mod:`.act_fp8`: the fused producers of FP8 operands (norm, activation).
+* :mod:`.norm_fp8`, :mod:`.act_fp8`: the fused producers of FP8 operands (norm, activation);
+* :mod:`.moe`: mixture of experts: the router's top-k, token permute/unpermute, the grouped GEMM.
 
 No module is named after an op (``attention``, ``cross_entropy``, ``fp8_cast`` are functions), so
 ``mcore.ops.reference.<op>`` always names the op. This package's namespace is the API: ``from mcore.ops import reference; reference.<op>`` and
@@ -53,6 +54,7 @@ from mcore.ops.reference.loss import (
     cross_entropy_grad_inplace_,
     cross_entropy_local_stats,
 )
+from mcore.ops.reference.moe import grouped_gemm, moe_permute, moe_topk_routing, moe_unpermute
 from mcore.ops.reference.norm_fp8 import norm_backward, norm_fp8_forward
 from mcore.ops.reference.norms import layer_norm, layer_norm_with_residual, rms_norm, rms_norm_with_residual
 from mcore.ops.reference.rotary import rotary_embedding
@@ -89,6 +91,10 @@ REFERENCE_OPS = {
     "scaled_linear_forward": scaled_linear_forward,
     "scaled_linear_dgrad": scaled_linear_dgrad,
     "scaled_linear_wgrad": scaled_linear_wgrad,
+    "moe_topk_routing": moe_topk_routing,
+    "moe_permute": moe_permute,
+    "moe_unpermute": moe_unpermute,
+    "grouped_gemm": grouped_gemm,
 }
 
 __all__ = [

@@ -26,7 +26,11 @@ from mcore.testing.conformance.op_inputs import (
     fp8_quantize_flat_make,
     fp8_quantize_make,
     fp8_transpose_make,
+    grouped_gemm_make,
     layer_norm_make,
+    moe_permute_make,
+    moe_routing_make,
+    moe_unpermute_make,
     norm_backward_make,
     norm_fp8_make,
     padding_mask,
@@ -73,8 +77,53 @@ def _attention_case(
 _FP8: dict[str, Any] = {"dtypes": (torch.float32, torch.bfloat16), "capability": "fp8"}
 """The FP8 ops' cases: fp32 and bf16 inputs, on backends that claim ``fp8``."""
 
+_MOE: dict[str, Any] = {"dtypes": (torch.float32, torch.bfloat16), "kind": "reduction"}
+"""The MoE data-path cases (permute, unpermute, grouped GEMM): fp32 and bf16, reduction tolerances
+(unpermute sums a token's rows, the GEMM its K products)."""
+
+_ROUTER: dict[str, Any] = {"dtypes": (torch.float32,), "kind": "reduction", "grad_args": (0,)}
+"""The router's cases: fp32 logits (``--moe-router-dtype fp32``; the routing map is compared exactly, so
+no half-precision ties)."""
+
 _FP32_STEP: dict[str, Any] = {"dtypes": (torch.float32,), "kind": "reduction"}
 """The optimizer steps' cases: fp32 state only, reduction tolerances."""
+
+
+MOE_CASES: tuple[OpCase, ...] = (
+    OpCase("moe_topk_routing_softmax", "moe_topk_routing", moe_routing_make(), **_ROUTER),
+    OpCase("moe_topk_routing_pre_softmax", "moe_topk_routing", moe_routing_make(pre_softmax=True), **_ROUTER),
+    OpCase(
+        "moe_topk_routing_sigmoid_bias_scaled",
+        "moe_topk_routing",
+        moe_routing_make(score_function="sigmoid", with_bias=True, scaling_factor=2.5),
+        **_ROUTER,
+    ),
+    OpCase(
+        "moe_topk_routing_group_limited",
+        "moe_topk_routing",
+        moe_routing_make(score_function="sigmoid", num_groups=4, group_topk=2, with_bias=True),
+        **_ROUTER,
+    ),
+    OpCase("moe_permute_probs", "moe_permute", moe_permute_make(), grad_args=(0, 2), **_MOE),
+    OpCase("moe_permute", "moe_permute", moe_permute_make(with_probs=False), grad_args=(0,), **_MOE),
+    OpCase("moe_permute_no_tokens", "moe_permute", moe_permute_make(empty=True), grad_args=(0, 2), **_MOE),
+    OpCase("moe_unpermute_probs", "moe_unpermute", moe_unpermute_make(), grad_args=(0, 3), **_MOE),
+    OpCase("moe_unpermute", "moe_unpermute", moe_unpermute_make(with_probs=False), grad_args=(0,), **_MOE),
+    OpCase(
+        "moe_unpermute_no_tokens", "moe_unpermute", moe_unpermute_make(empty=True), grad_args=(0, 3), **_MOE
+    ),
+    OpCase("grouped_gemm_empty_expert", "grouped_gemm", grouped_gemm_make(), grad_args=(0, 1), **_MOE),
+    OpCase(
+        "grouped_gemm_unaligned",
+        "grouped_gemm",
+        grouped_gemm_make((3, 4), k=20, m=12),
+        grad_args=(0, 1),
+        **_MOE,
+    ),
+    OpCase("grouped_gemm_no_tokens", "grouped_gemm", grouped_gemm_make((0, 0, 0)), grad_args=(0, 1), **_MOE),
+)
+"""The MoE ops' cases: an expert with no token, and calls where no token is routed to this rank
+(``N = 0`` rows: an empty routing map, all-zero counts), as under expert parallelism."""
 
 
 OP_CASES: tuple[OpCase, ...] = (
@@ -242,5 +291,6 @@ OP_CASES: tuple[OpCase, ...] = (
             ("rms_norm", "RMSNorm", False),
         )
     ),
+    *MOE_CASES,
 )
 """Every op of :data:`mcore.ops.registry.OP_NAMES` appears at least once."""

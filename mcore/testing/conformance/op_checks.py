@@ -299,7 +299,10 @@ def _check_autograd(run: OpRun) -> None:
         for i, (got, want) in enumerate(zip(out, expected)):
             if (got is None) != (want is None):
                 raise ConformanceError(f"{what}: result {i} is {got!r}, reference {want!r}")
-            if want is not None:
+            if want is not None and not want.is_floating_point():  # indices, masks: exactly
+                if not torch.equal(got.cpu(), want):
+                    raise ConformanceError(f"{what}: result {i} ({want.dtype}) differs from the reference's")
+            elif want is not None:
                 assert_close(got, want, dtype, case.kind, f"{what}: result {i}")
         _check_grads(case, what, out, expected, ours, ref, dtype, device, gen)
         return
@@ -315,9 +318,11 @@ def _check_grads(case: OpCase, what: str, outs, expected, ours, ref, dtype, devi
     """Backpropagate one random cotangent per result through both; compare ``case.grad_args``' grads."""
     if not case.grad_args:
         return
-    cotangents = [torch.randn(want.shape, generator=gen) for want in expected]
-    sum((got.float() * c.to(device)).sum() for got, c in zip(outs, cotangents)).backward()
-    sum((want.float() * c).sum() for want, c in zip(expected, cotangents)).backward()
+    # one cotangent per differentiable result (not for None, index or mask results)
+    pairs = [(i, want) for i, want in enumerate(expected) if want is not None and want.is_floating_point()]
+    cotangents = {i: torch.randn(want.shape, generator=gen) for i, want in pairs}
+    sum((outs[i].float() * c.to(device)).sum() for i, c in cotangents.items()).backward()
+    sum((expected[i].float() * c).sum() for i, c in cotangents.items()).backward()
     for i in case.grad_args:
         if ours[i].grad is None:
             raise ConformanceError(f"{what}: no gradient for argument {i}")

@@ -295,3 +295,74 @@ def norm_backward_make(kind: str, residual: bool):
         return [dy, x, weight, bias, eps, kind, mean, rstd], kwargs
 
     return make
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+
+MOE_TOKENS, MOE_EXPERTS, MOE_TOPK = 12, 4, 2
+"""The MoE cases' routing: 12 tokens, 4 local experts, top-2 (24 rows); expert 2 receives none."""
+
+
+def moe_routing_make(topk: int = 4, **kwargs):
+    """Router logits ``[16, 8]`` (fp32, continuous random: no ties) and the routing options."""
+
+    def make(dtype, gen):
+        logits = randn(gen, 16, 8, scale=2.0)
+        options = dict(kwargs)
+        if options.pop("with_bias", False):
+            options["expert_bias"] = randn(gen, 8, scale=0.3)
+        return [logits, topk], options
+
+    return make
+
+
+def moe_routing(gen: torch.Generator, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs [T, E] fp32, routing_map [T, E] bool)``: top-2 of random scores with expert 2 never
+    chosen (a local expert that receives no token), or nothing routed at all (``empty``: a rank that
+    receives no token under expert parallelism)."""
+    scores = torch.rand(MOE_TOKENS, MOE_EXPERTS, generator=gen)
+    scores[:, 2] = -1.0
+    index = scores.topk(MOE_TOPK, dim=-1).indices
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, index, True)
+    if empty:
+        routing_map.zero_()
+    probs = torch.rand(MOE_TOKENS, MOE_EXPERTS, generator=gen) * routing_map
+    return probs, routing_map
+
+
+def moe_permute_make(with_probs: bool = True, empty: bool = False):
+    """``moe_permute`` of ``[12, 32]`` tokens (hidden a multiple of 16 bytes)."""
+
+    def make(dtype, gen):
+        probs, routing_map = moe_routing(gen, empty)
+        tokens = randn(gen, MOE_TOKENS, 32, dtype=dtype)
+        return [tokens, routing_map, probs if with_probs else None, int(routing_map.sum())], {}
+
+    return make
+
+
+def moe_unpermute_make(with_probs: bool = True, empty: bool = False):
+    """``moe_unpermute`` of random expert outputs ``[N, 32]`` back to ``[12, 32]``."""
+
+    def make(dtype, gen):
+        probs, routing_map = moe_routing(gen, empty)
+        *_, sorted_indices = reference.moe_permute(torch.zeros(MOE_TOKENS, 1), routing_map)
+        rows = randn(gen, sorted_indices.numel(), 32, dtype=dtype)
+        if not with_probs:
+            return [rows, sorted_indices, (MOE_TOKENS, 32)], {}
+        return [rows, sorted_indices, (MOE_TOKENS, 32), probs, routing_map], {}
+
+    return make
+
+
+def grouped_gemm_make(counts: tuple[int, ...] = (5, 0, 9, 3), k: int = 32, m: int = 48):
+    """``grouped_gemm`` of ``x [sum(counts), k]`` by ``weight [E, m, k]``: by default expert 1 has no
+    token; ``k``/``m`` multiples of 8 fit the CUDA kernel's 16-byte alignment in bf16."""
+
+    def make(dtype, gen):
+        tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
+        x = randn(gen, sum(counts), k, dtype=dtype)
+        weight = randn(gen, len(counts), m, k, dtype=dtype, scale=k**-0.5)
+        return [x, weight, tokens_per_expert], {}
+
+    return make

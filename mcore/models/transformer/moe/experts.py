@@ -1,0 +1,113 @@
+"""The routed experts: a SwiGLU or GeLU MLP per expert, run as grouped GEMMs of the op table.
+
+Input rows ``x`` [N, H] arrive grouped by local expert in expert order with ``tokens_per_expert``
+[E_local] (the dispatcher's output). Then::
+
+    h = grouped_gemm(x, fc1, counts)        fc1 [E_local, 2F/etp, H] = [gate; up] (SwiGLU) or [E_local, F/etp, H]
+    a = swiglu(h) or gelu(h)                (+ fc1's bias rows first, when biases are on)
+    y = grouped_gemm(a, fc2, counts)        fc2 [E_local, H, F/etp]   (+ fc2's bias rows)
+
+With expert tensor parallelism (``etp > 1``) each rank holds ``F/etp`` of every local expert's FFN
+and ``y`` is a partial sum, reduced by the dispatcher's combine. ``--moe-grouped-gemm`` is accepted
+for Megatron scripts: this grouped path (``get_ops().grouped_gemm``, one kernel per projection where
+the backend has one) is the only one. ``--recompute-modules moe_act`` keeps no activation output:
+fc2 saves a recipe and its backward recomputes it from ``h``.
+
+Parameter names (Megatron's, section 4 of the interface notes): ``linear_fc1.weight``,
+``linear_fc2.weight`` (and ``linear_fc1.bias`` [E, 2F], ``linear_fc2.bias`` [E, H] with biases).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore.backend import get_ops
+from mcore.models.transformer.moe.config import MoEConfig
+from mcore.tensor_parallel.recompute import RecomputeWhenSaved
+from mcore.tensor_parallel.sharding import (
+    ZEROS,
+    NormalInit,
+    ParamLayout,
+    make_parameter,
+    scaled_init_method_normal,
+)
+
+
+def _param(global_shape, partition_dim, init, etp: int, ep: int, dtype, device, num_stacked: int = 1):
+    """An uninitialized expert parameter of this rank's shape: dim 0 indexes the global experts (split
+    over EP in contiguous blocks), ``partition_dim`` is split over ETP; marked ``expert_parallel``."""
+    layout = ParamLayout(
+        tuple(global_shape), partition_dim=partition_dim, num_stacked=num_stacked, init=init, expert_dim=0
+    )
+    return make_parameter(layout, etp, dtype=dtype, device=device, ep_size=ep)
+
+
+class GroupedMLP(torch.nn.Module):
+    """``E_local`` experts of one layer (see module doc).
+
+    Args:
+        moe: the resolved MoE settings; ``ep_size``/``etp_size``/``etp_rank``: the expert layout.
+        add_bias: biases on fc1 and fc2 (``not --disable-bias-linear``).
+        activation: ``"swiglu"``, ``"gelu"`` or ``"gelu_tanh"``.
+        recompute_activation: ``--recompute-modules moe_act``.
+    """
+
+    def __init__(
+        self,
+        moe: MoEConfig,
+        *,
+        ep_size: int,
+        etp_size: int,
+        add_bias: bool,
+        activation: str,
+        recompute_activation: bool,
+        params_dtype: torch.dtype,
+        device,
+    ):
+        super().__init__()
+        e, h, f = moe.num_experts, moe.hidden_size, moe.ffn_hidden_size
+        self.num_local_experts = e // ep_size
+        self.activation_kind = activation
+        self.recompute_activation = recompute_activation
+        stacked = 2 if activation == "swiglu" else 1
+        std = moe.init_method_std
+        p = dict(etp=etp_size, ep=ep_size, dtype=params_dtype, device=device)
+        self.linear_fc1 = torch.nn.Module()
+        self.linear_fc2 = torch.nn.Module()
+        self.linear_fc1.weight = _param((e, stacked * f, h), 1, NormalInit(std), num_stacked=stacked, **p)
+        fc2_init = scaled_init_method_normal(std, moe.num_layers)
+        self.linear_fc2.weight = _param((e, h, f), 2, fc2_init, **p)
+        if add_bias:
+            self.linear_fc1.bias = _param((e, stacked * f), 1, ZEROS, num_stacked=stacked, **p)
+            self.linear_fc2.bias = _param((e, h), None, ZEROS, **p)
+        else:
+            self.linear_fc1.bias = self.linear_fc2.bias = None
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, H] grouped by local expert -> [N, H] (partial over ETP)."""
+        ops = get_ops()
+        counts = tokens_per_expert.to(torch.int64)
+        fc1_bias = self._bias_rows(self.linear_fc1.bias, counts, x.shape[0])
+        h = ops.grouped_gemm(x, self.linear_fc1.weight, counts)
+        if self.recompute_activation and self.training and torch.is_grad_enabled():
+            a = self.activation(h, fc1_bias)
+            with RecomputeWhenSaved(a, self.activation, h, fc1_bias):
+                y = ops.grouped_gemm(a, self.linear_fc2.weight, counts)
+        else:
+            y = ops.grouped_gemm(self.activation(h, fc1_bias), self.linear_fc2.weight, counts)
+        fc2_bias = self._bias_rows(self.linear_fc2.bias, counts, x.shape[0])
+        return y if fc2_bias is None else y + fc2_bias
+
+    def activation(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ops = get_ops()
+        h = h if bias is None else h + bias  # per-row biases (each row's expert): added here
+        if self.activation_kind == "swiglu":
+            return ops.swiglu(h)
+        return ops.bias_gelu(h, None, "tanh" if self.activation_kind == "gelu_tanh" else "none")
+
+    @staticmethod
+    def _bias_rows(bias: torch.Tensor | None, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Each row's expert bias [N, M] (the bias of the expert the row belongs to)."""
+        if bias is None:
+            return None
+        return bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=rows)
