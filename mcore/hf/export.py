@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.export",
         description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2, Llama, Mistral, "
-        "Qwen2, Qwen3, BERT or T5 v1.1), "
+        "Qwen2/3, Mixtral, Qwen2/3-MoE, OLMoE, BERT or T5 v1.1), "
         "checking logit parity.",
     )
     parser.add_argument(

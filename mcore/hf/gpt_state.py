@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mcore.hf.errors import ConversionError
+from mcore.hf.moe_mapping import expected_moe_shapes
 from mcore.hf.tensors import TensorSource, pad_vocab_rows, split_qkv, vocab_rows
 from mcore.models.transformer.model_config import ModelConfig
 
@@ -28,14 +29,24 @@ LLAMA = "llama"
 MISTRAL = "mistral"
 QWEN2 = "qwen2"
 QWEN3 = "qwen3"
+MIXTRAL = "mixtral"
+QWEN2_MOE = "qwen2_moe"
+QWEN3_MOE = "qwen3_moe"
+OLMOE = "olmoe"
 ARCHITECTURES = {
     GPT2: "GPT2LMHeadModel",
     LLAMA: "LlamaForCausalLM",
     MISTRAL: "MistralForCausalLM",
     QWEN2: "Qwen2ForCausalLM",
     QWEN3: "Qwen3ForCausalLM",
+    MIXTRAL: "MixtralForCausalLM",
+    QWEN2_MOE: "Qwen2MoeForCausalLM",
+    QWEN3_MOE: "Qwen3MoeForCausalLM",
+    OLMOE: "OlmoeForCausalLM",
 }
 """The GPT-style families by their ``model_type``; the families' names are these keys."""
+QK_NORMS = {QWEN3: "per head", QWEN3_MOE: "per head", OLMOE: "full width"}
+"""The families with q/k norms, and which kind (``--qk-layernorm``, ``--qk-layernorm-full-width``)."""
 FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
 
 WORD = "embedding.word_embeddings.weight"
@@ -52,7 +63,9 @@ def hf_family(cfg: ModelConfig, architecture: str | None = None) -> str:
 
     ``architecture`` (a Hugging Face class, e.g. the one the checkpoint was imported from) decides
     when given; otherwise learned positions -> ``"gpt2"``, RoPE -> ``"qwen3"`` with
-    ``--qk-layernorm``, else ``"llama"`` (Mistral and Qwen2 hold subsets of Llama: ask for them).
+    ``--qk-layernorm``, else ``"llama"`` (Mistral and Qwen2 hold subsets of Llama: ask for them); with
+    experts: ``"olmoe"`` (full-width q/k norms), ``"qwen3_moe"`` (per head), ``"qwen2_moe"`` (a shared
+    expert), else ``"mixtral"``.
     """
     if architecture is not None:
         if architecture not in FAMILY_OF_ARCHITECTURE:
@@ -62,6 +75,10 @@ def hf_family(cfg: ModelConfig, architecture: str | None = None) -> str:
     kind = cfg.position_embedding_type
     if kind == "learned_absolute":
         return GPT2
+    if kind == "rope" and cfg.num_experts:
+        if cfg.qk_layernorm:
+            return OLMOE if cfg.qk_layernorm_full_width else QWEN3_MOE
+        return QWEN2_MOE if cfg.moe_shared_expert_intermediate_size is not None else MIXTRAL
     if kind == "rope":
         return QWEN3 if cfg.qk_layernorm else LLAMA
     raise ConversionError(
@@ -99,10 +116,14 @@ def check_family_exportable(cfg: ModelConfig, family: str, problems: list[str]) 
         common.append(
             "apply_residual_connection_post_layernorm=True (the HF classes take the residual before the norm)"
         )
-    if cfg.qk_layernorm and family != QWEN3:
-        common.append(f"qk_layernorm=True ({ARCHITECTURES[family]} has no q/k norms; Qwen3ForCausalLM has)")
-    if cfg.qk_layernorm_full_width:
-        common.append("qk_layernorm_full_width=True (the HF classes here norm q and k per head)")
+    kind = QK_NORMS.get(family)
+    if cfg.qk_layernorm and kind is None:
+        common.append(f"qk_layernorm=True ({ARCHITECTURES[family]} has no q/k norms)")
+    elif cfg.qk_layernorm and cfg.qk_layernorm_full_width != (kind == "full width"):
+        common.append(
+            f"qk_layernorm_full_width={cfg.qk_layernorm_full_width} ({ARCHITECTURES[family]} norms q and k "
+            f"{kind})"
+        )
     problems = [*common, *problems]
     if problems:
         raise ConversionError(f"cannot export to {ARCHITECTURES[family]} exactly: " + "; ".join(problems))
@@ -170,9 +191,10 @@ def read_layer(src: TensorSource, cfg: ModelConfig, i: int) -> dict[str, torch.T
     )
     t["proj_w"] = src.get(p + "self_attention.linear_proj.weight")
     t["proj_b"] = src.optional(p + "self_attention.linear_proj.bias")
-    t["fc1_w"] = src.get(p + "mlp.linear_fc1.weight")
+    dense = cfg.moe is None or not cfg.moe.moe_layers[i]  # an MoE layer's MLP: mcore.hf.moe_mapping
+    t["fc1_w"] = src.get(p + "mlp.linear_fc1.weight") if dense else None
     t["fc1_b"] = src.optional(p + "mlp.linear_fc1.bias")
-    t["fc2_w"] = src.get(p + "mlp.linear_fc2.weight")
+    t["fc2_w"] = src.get(p + "mlp.linear_fc2.weight") if dense else None
     t["fc2_b"] = src.optional(p + "mlp.linear_fc2.bias")
     t["ln1_w"], t["ln2_w"] = src.get(p + "input_layernorm.weight"), src.get(p + "pre_mlp_layernorm.weight")
     qk = cfg.qk_layernorm
@@ -302,10 +324,15 @@ def expected_logical_shapes(cfg: ModelConfig, padded_vocab_size: int) -> dict[st
                 if layer_norm:
                     shapes[p + f"self_attention.{name}.bias"] = (width,)
         fc1 = 2 * f if cfg.swiglu else f
-        shapes[p + "mlp.linear_fc1.weight"] = (fc1, h)
-        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+        moe_layer = cfg.moe is not None and cfg.moe.moe_layers[i]
+        if moe_layer:
+            shapes.update(expected_moe_shapes(cfg, i))
+        else:
+            shapes[p + "mlp.linear_fc1.weight"] = (fc1, h)
+            shapes[p + "mlp.linear_fc2.weight"] = (h, f)
         if cfg.add_bias_linear:
             shapes[p + "self_attention.linear_proj.bias"] = (h,)
+        if cfg.add_bias_linear and not moe_layer:
             shapes[p + "mlp.linear_fc1.bias"] = (fc1,)
             shapes[p + "mlp.linear_fc2.bias"] = (h,)
     shapes["decoder.final_layernorm.weight"] = (h,)

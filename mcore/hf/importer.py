@@ -203,7 +203,7 @@ _LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.importer",
-        description="Import a local Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT or T5 v1.1 model as an "
+        description="Import a local Hugging Face GPT-2, Llama, Mistral, Qwen2/3, Mixtral, Qwen2/3-MoE, OLMoE, BERT or T5 model as an "
         "mcore checkpoint, checking parity.",
     )
     parser.add_argument(

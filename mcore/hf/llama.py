@@ -1,5 +1,8 @@
 """mcore's GPT model <-> the Llama-style Hugging Face classes: ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: the configs and the tensors.
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixtures of experts
+``MixtralForCausalLM`` (as Mistral), ``Qwen2MoeForCausalLM`` (as Qwen2), ``Qwen3MoeForCausalLM`` (as
+Qwen3), ``OlmoeForCausalLM`` (attention_bias, full-width q/k norms: ``--qk-layernorm-full-width``):
+the configs and the tensors (the experts' mapping: :mod:`mcore.hf.moe_mapping`).
 
 All four: RoPE (rotate-half, full head), RMSNorm, SwiGLU, GQA, tied or untied, the same tensor names.
 They differ only in what a :class:`Variant` says:
@@ -48,13 +51,25 @@ from mcore.hf.gpt_state import (
     ARCHITECTURES,
     LLAMA,
     MISTRAL,
+    MIXTRAL,
+    OLMOE,
     QWEN2,
+    QWEN2_MOE,
     QWEN3,
+    QWEN3_MOE,
     check_family_exportable,
     common_config_fields,
     convert_from_hf,
     convert_to_hf,
     read_layer,
+)
+from mcore.hf.moe_mapping import (
+    config_fields,
+    export_problems,
+    flags_from_hf,
+    is_moe_layer,
+    mlp_from_hf,
+    mlp_to_hf,
 )
 from mcore.hf.parity import check_logit_parity
 from mcore.hf.tensors import TensorSource, merge_qkv, split_qkv, zeros
@@ -78,6 +93,13 @@ class Variant:
     window: str = ""
     """How the config spells sliding-window attention: ``"mistral"`` (``sliding_window``),
     ``"qwen"`` (``use_sliding_window``, ``sliding_window``, ``layer_types``), or ``""`` (none)."""
+    qk_full_width: bool = False
+    """The q/k norms span all heads (OLMoE: ``--qk-layernorm-full-width``)."""
+    moe: str = ""
+    """Experts (:mod:`mcore.hf.moe_mapping`): ``"mixtral"`` (``block_sparse_moe``), ``"qwen"``
+    (``mlp.experts``, Qwen2/3-MoE and OLMoE), or ``""`` (dense)."""
+    shared_expert: bool = False
+    """One gated shared expert (Qwen2-MoE)."""
 
     @property
     def architecture(self) -> str:
@@ -93,6 +115,10 @@ LLAMA_VARIANT = Variant(LLAMA, biases="llama")
 MISTRAL_VARIANT = Variant(MISTRAL, biases="none", window="mistral")
 QWEN2_VARIANT = Variant(QWEN2, biases="qkv", window="qwen")
 QWEN3_VARIANT = Variant(QWEN3, biases="attention", qk_norm=True, window="qwen")
+MIXTRAL_VARIANT = Variant(MIXTRAL, biases="none", window="mistral", moe="mixtral")
+QWEN2_MOE_VARIANT = Variant(QWEN2_MOE, biases="qkv", window="qwen", moe="qwen", shared_expert=True)
+QWEN3_MOE_VARIANT = Variant(QWEN3_MOE, biases="attention", qk_norm=True, window="qwen", moe="qwen")
+OLMOE_VARIANT = Variant(OLMOE, biases="attention", qk_norm=True, qk_full_width=True, moe="qwen")
 
 
 # -- configs ----------------------------------------------------------------------------------------
@@ -115,7 +141,10 @@ def check_exportable(v: Variant, cfg: ModelConfig) -> str:
     if v.biases == "none" and cfg.add_qkv_bias:
         problems.append(f"add_qkv_bias=True ({v.architecture} has no attention biases)")
     if v.qk_norm and not cfg.qk_layernorm:
-        problems.append(f"qk_layernorm=False ({v.architecture} always norms q and k per head)")
+        problems.append(f"qk_layernorm=False ({v.architecture} always norms q and k)")
+    if v.name == OLMOE and cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        problems.append(f"kv_channels={cfg.kv_channels} ({v.architecture}'s head dim is hidden/heads)")
+    problems += export_problems(v.moe, v.shared_expert, v.architecture, cfg)
     return check_family_exportable(cfg, v.name, problems)
 
 
@@ -156,6 +185,8 @@ def hf_config_dict(
         )
     elif v.biases == "attention":
         out["attention_bias"] = cfg.add_qkv_bias
+    elif v.biases == "qkv" and v.moe:
+        out["qkv_bias"] = True
     if v.window == "mistral":
         out["sliding_window"] = None
     elif v.window == "qwen":
@@ -165,6 +196,8 @@ def hf_config_dict(
             max_window_layers=cfg.num_layers,
             layer_types=["full_attention"] * cfg.num_layers,
         )
+    if v.moe:
+        out.update(config_fields(v.moe, v.name, cfg))
     return out
 
 
@@ -209,8 +242,8 @@ def _check_no_window(v: Variant, hf: Mapping[str, Any], positions: int, where: s
 def _bias_flags(v: Variant, hf: Mapping[str, Any], where: str) -> tuple[bool, bool]:
     """``(disable_bias_linear, add_qkv_bias)`` of the class's bias fields."""
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if v.biases == "qkv":
-        return True, True
+    if v.biases == "qkv":  # Qwen2 always; Qwen2-MoE unless qkv_bias=False
+        return True, bool(hf.get("qkv_bias", True))
     if v.biases == "none":
         return True, False
     if v.biases == "attention":
@@ -261,11 +294,14 @@ def model_config_from_hf(
         disable_bias_linear=no_bias,
         add_qkv_bias=qkv_bias,
         qk_layernorm=v.qk_norm,
+        qk_layernorm_full_width=v.qk_full_width,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=hf.get("initializer_range", 0.02),
     )
+    if v.moe:
+        kwargs.update(flags_from_hf(v.moe, v.name, hf, where))
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
 
@@ -293,6 +329,9 @@ def _layer_to_hf(v: Variant, src: TensorSource, cfg: ModelConfig, i: int, out: d
     if v.qk_norm:
         out[hp + "self_attn.q_norm.weight"], out[hp + "self_attn.k_norm.weight"] = t["q_norm"], t["k_norm"]
     out[hp + "post_attention_layernorm.weight"] = t["ln2_w"]
+    if is_moe_layer(cfg, i):
+        mlp_to_hf(v.moe, src, cfg, i, out)
+        return
     gate, up = t["fc1_w"].chunk(2, dim=0)
     out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = gate, up
     out[hp + "mlp.down_proj.weight"] = t["fc2_w"]
@@ -346,6 +385,9 @@ def _layer_from_hf(v: Variant, src: TensorSource, cfg: ModelConfig, i: int, out:
     out[p + "input_layernorm.weight"] = src.get(hp + "input_layernorm.weight")
     _attention_from_hf(v, src, cfg, i, out)
     out[p + "pre_mlp_layernorm.weight"] = src.get(hp + "post_attention_layernorm.weight")
+    if is_moe_layer(cfg, i):
+        mlp_from_hf(v.moe, src, cfg, i, out)
+        return
     mlp = {name: hp + f"mlp.{name}_proj." for name in ("gate", "up", "down")}
     out[p + "mlp.linear_fc1.weight"] = torch.cat(
         [src.get(mlp["gate"] + "weight"), src.get(mlp["up"] + "weight")]
@@ -388,5 +430,15 @@ def family(v: Variant) -> HfFamily:
 
 FAMILY = family(LLAMA_VARIANT)
 """Llama in the table of :mod:`mcore.hf.families`."""
-FAMILIES = tuple(family(v) for v in (LLAMA_VARIANT, MISTRAL_VARIANT, QWEN2_VARIANT, QWEN3_VARIANT))
+VARIANTS = (
+    LLAMA_VARIANT,
+    MISTRAL_VARIANT,
+    QWEN2_VARIANT,
+    QWEN3_VARIANT,
+    MIXTRAL_VARIANT,
+    QWEN2_MOE_VARIANT,
+    QWEN3_MOE_VARIANT,
+    OLMOE_VARIANT,
+)
+FAMILIES = tuple(family(v) for v in VARIANTS)
 """Every Llama-style family."""

@@ -29,11 +29,29 @@ TINY = dict(
     rms_norm_eps=1e-6,
     rope_theta=5000.0,
 )
+EXPERTS = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01)
 MODELS = {
     "Qwen2ForCausalLM": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "Qwen3ForCausalLM": ("Qwen3Config", dict(head_dim=16, attention_bias=True)),
     "MistralForCausalLM": ("MistralConfig", dict(sliding_window=None, head_dim=8)),
+    "MixtralForCausalLM": ("MixtralConfig", dict(**EXPERTS, num_local_experts=4, sliding_window=None)),
+    "Qwen2MoeForCausalLM": (
+        "Qwen2MoeConfig",
+        dict(
+            **EXPERTS,
+            num_experts=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "Qwen3MoeForCausalLM": (
+        "Qwen3MoeConfig",
+        dict(**EXPERTS, num_experts=4, moe_intermediate_size=24, head_dim=16, norm_topk_prob=True),
+    ),
+    "OlmoeForCausalLM": ("OlmoeConfig", dict(**EXPERTS, num_experts=4, pad_token_id=None, eos_token_id=None)),
 }
+MOE = [a for a in MODELS if a[0] in "MQO" and ("Moe" in a or "Mixtral" in a or "Olmoe" in a)]
 
 
 def _save_hf_model(architecture: str, path, **overrides) -> None:
@@ -57,14 +75,16 @@ def test_import_then_export_gives_back_the_same_model(architecture, tmp_path):
     from safetensors.torch import load_file
 
     _save_hf_model(architecture, tmp_path / "hf")
+    tp = 1 if architecture in MOE else 2  # (MoE at TP>1 needs sequence parallelism: a training flag)
     report = import_from_hf(
-        str(tmp_path / "hf"), str(tmp_path / "ckpt"), tensor_model_parallel_size=2, use_tokenizer=False
+        str(tmp_path / "hf"), str(tmp_path / "ckpt"), tensor_model_parallel_size=tp, use_tokenizer=False
     )
     assert report.parity.max_abs_diff < 1e-4, report.parity.describe()
     assert set(report.parity.per_implementation) == {"eager", "sdpa"}
     cfg = report.model_config
-    assert cfg.qk_layernorm == (architecture == "Qwen3ForCausalLM")
-    assert cfg.add_qkv_bias == (architecture != "MistralForCausalLM")
+    assert cfg.qk_layernorm == architecture.startswith(("Qwen3", "Olmoe"))
+    assert cfg.add_qkv_bias == architecture.startswith(("Qwen2", "Qwen3ForCausalLM"))
+    assert (cfg.num_experts is not None) == (architecture in MOE)
     back = export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
     assert back.architecture == architecture and back.parity.max_abs_diff < 1e-4
     config = json.loads((tmp_path / "again" / "config.json").read_text())
@@ -131,3 +151,54 @@ def test_unsupported_config_fields_are_refused_and_nothing_is_written(
 def test_a_window_covering_every_position_converts():
     config = {**TINY, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 32}
     assert model_config_from_hf(config).max_position_embeddings == 32
+
+
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen2MoeForCausalLM"])
+def test_transformers_5_stacked_experts_in_memory_convert_like_the_per_expert_files(architecture, tmp_path):
+    """A live transformers 5 model holds ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj``; its
+    ``state_dict()`` converts to the same mcore tensors as the saved per-expert names."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from mcore.hf.families import hf_to_mcore
+
+    _save_hf_model(architecture, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg = model_config_from_hf(config)
+    on_disk = load_file(tmp_path / "hf" / "model.safetensors")
+    live = getattr(transformers, architecture).from_pretrained(tmp_path / "hf").state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in live and not any(".experts.0." in k for k in live)
+    assert any(".experts.0." in k for k in on_disk)
+    from_disk, from_memory = hf_to_mcore(on_disk, cfg, 128), hf_to_mcore(live, cfg, 128)
+    assert from_disk.keys() == from_memory.keys()
+    for key in from_disk:
+        assert torch.equal(from_disk[key], from_memory[key]), key
+
+
+@pytest.mark.parametrize(
+    "architecture, overrides, named",
+    [
+        ("MixtralForCausalLM", dict(sliding_window=16), "sliding_window=16"),
+        ("OlmoeForCausalLM", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+        ("Qwen3MoeForCausalLM", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type='dynamic'"),
+    ],
+)  # fmt: skip
+def test_moe_configs_mcore_cannot_express_are_refused(architecture, overrides, named):
+    config = {**TINY, **MODELS[architecture][1], "architectures": [architecture], **overrides}
+    config["model_type"] = {"Mi": "mixtral", "Ol": "olmoe", "Qw": "qwen3_moe"}[architecture[:2]]
+    with pytest.raises(ConversionError, match=named):
+        model_config_from_hf(config)
+
+
+def test_moe_routers_the_classes_lack_are_refused_on_export(tmp_path):
+    cfg = ModelConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16, position_embedding_type="rope",
+        normalization="RMSNorm", swiglu=True, disable_bias_linear=True, num_experts=4,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+    )  # fmt: skip
+    run = {"model": cfg, "tokenizer": {"tokenizer_type": "NullTokenizer", "vocab_size": V - 1}}
+    with pytest.raises(
+        ConversionError, match="MixtralForCausalLM.*moe_router_score_function='sigmoid'.*expert_bias"
+    ):
+        export_to_hf({}, run, str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
