@@ -202,3 +202,26 @@ def test_moe_routers_the_classes_lack_are_refused_on_export(tmp_path):
     ):
         export_to_hf({}, run, str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "OlmoeForCausalLM"])
+def test_greedy_generation_from_an_imported_moe_checkpoint_is_transformers(architecture, tmp_path):
+    """mcore's generator (key/value cache, the MoE layers) on the imported checkpoint gives
+    transformers' greedy ``generate`` tokens (one process; TP/EP layouts: tests/moe_parallel)."""
+    import transformers
+
+    from mcore.distributed.groups import ProcessGroups
+    from mcore.inference.generate import load_generator
+    from mcore.inference.generation import SamplingParams
+
+    _save_hf_model(architecture, tmp_path / "hf")
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), use_tokenizer=False)
+    generator, _ = load_generator(str(tmp_path / "ckpt"), ProcessGroups.single(), device=torch.device("cpu"))
+    prompts = [[5, 17, 42, 8], [63, 2, 11, 90]]
+    ours = generator.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True, stop_at_eod=False))
+    model = getattr(transformers, architecture).from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # eight tokens on both sides
+    model.generation_config.pad_token_id = 0
+    for prompt, tokens in zip(prompts, ours.tokens):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+        assert out[0, len(prompt) :].tolist() == tokens
