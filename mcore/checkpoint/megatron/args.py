@@ -8,9 +8,14 @@ the arg, what mcore lacks. :func:`args_from_model_config` writes the Namespace a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from mcore.checkpoint.format import CheckpointError
+from mcore.models.transformer.moe.config import MoEFlags
+
+MOE_FLAGS = tuple(f.name for f in dataclasses.fields(MoEFlags))
+"""The mixture-of-experts fields: Megatron's arg names (``--num-experts``, ``--moe-*``)."""
 
 MODEL_FLAGS = (
     "num_layers",
@@ -35,6 +40,7 @@ MODEL_FLAGS = (
     "untie_embeddings_and_output_weights",
     "apply_residual_connection_post_layernorm",
     "make_vocab_size_divisible_by",
+    *MOE_FLAGS,
 )
 """The ``ModelConfig`` fields a checkpoint's args determine (Megatron's ``load_args_from_checkpoint``
 overrides the same architecture args)."""
@@ -56,13 +62,15 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
-def check_supported(args: Any, where: str) -> None:
+def check_supported(args: Any, where: str, moe: bool = False) -> None:
     """Refuse a Megatron model mcore cannot load, naming the arg and its value.
 
     Raises:
         CheckpointError: e.g. ``args.num_experts=8: mixture-of-experts models are not implemented``.
     """
     for name, fine, what in _REFUSED:
+        if moe and name == "num_experts":  # the reader takes experts (EP=1 torch format)
+            continue
         value = _get(args, name)
         if value not in fine:
             raise CheckpointError(f"{where}: args.{name}={value!r}: {what} are not implemented in mcore")
@@ -117,6 +125,8 @@ def model_flags_from_args(args: Any) -> dict[str, Any]:
         ),
         "make_vocab_size_divisible_by": _get(args, "make_vocab_size_divisible_by", 128),
     }
+    if _get(args, "num_experts"):  # Megatron's MoE args have mcore's names
+        flags.update({name: _get(args, name) for name in MOE_FLAGS})
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -167,7 +177,7 @@ def args_from_model_config(
         apply_query_key_layer_scaling=False,
         qk_layernorm=cfg.qk_layernorm,
         multi_latent_attention=False,
-        num_experts=None,
+        **{name: getattr(cfg, name) for name in MOE_FLAGS},
         padded_vocab_size=padded_vocab_size,
         orig_vocab_size=vocab_size,
         vocab_size=vocab_size,

@@ -95,6 +95,19 @@ def placement_json(shape: tuple[int, ...], split: str, tp_rank: int, tp_size: in
     }
 
 
+def expert_placement(placement: dict, expert: int, num_experts: int) -> dict:
+    """One expert's TP-shard ``placement`` (of its ``[rows, cols]`` matrix) as a placement in the
+    stacked ``[E, rows, cols]`` logical tensor: a leading expert axis of length 1 at ``expert``."""
+    dim = placement["partition_dim"]
+    return {
+        **placement,
+        "global_shape": [num_experts, *placement["global_shape"]],
+        "partition_dim": None if dim is None else dim + 1,
+        "boxes": [[[expert, *offsets], [1, *lengths]] for offsets, lengths in placement["boxes"]],
+        "local_shape": [1, *placement["local_shape"]],
+    }
+
+
 def qkv_to_version2(t: torch.Tensor, version: float, heads: int) -> torch.Tensor:
     """A TP shard's fused QKV weight/bias in the version-2 ``[np, 3, hn]`` row layout."""
     if version >= 2.0:
@@ -156,8 +169,8 @@ def _rank_dirs(iter_dir: Path) -> list[str]:
     for sub in subs:
         if _RANK_DIR.match(sub).group(3) is not None:
             raise CheckpointError(
-                f"{iter_dir / sub}: expert-parallel rank directories: mixture-of-experts models are not "
-                "implemented in mcore"
+                f"{iter_dir / sub}: expert-parallel rank directories (EP > 1): mcore reads Megatron "
+                "mixture-of-experts checkpoints saved at expert_model_parallel_size=1"
             )
     return subs
 
@@ -170,7 +183,7 @@ def _checked_args(head: dict, first: Path) -> Any:
             f"{first}: no 'args' in the checkpoint: the model configuration is unknown (Megatron "
             "checkpoints saved by Megatron-LM's training loop carry it)"
         )
-    check_supported(args, str(first))
+    check_supported(args, str(first), moe=True)
     return args
 
 
@@ -232,6 +245,7 @@ def _param_records(
     swiglu = bool(getattr(args, "swiglu", False))
     tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
     records, files = [], {}
+    experts_seen = False
     rank_params: dict[tuple[int, int], list[RankParam]] = {}
     for (t, p), (fname, state) in sorted(states.items()):
         files[fname] = {"size": (iter_dir / fname).stat().st_size}
@@ -250,20 +264,41 @@ def _param_records(
                     f"{iter_dir / fname}: {key!r} is a {type(value).__name__}, not a tensor"
                 )
             local_heads = heads // tp
+            placement = placement_json(tuple(value.shape), target.split, t, tp)
+            if target.expert is not None:
+                placement = expert_placement(
+                    placement, target.expert, _num_experts(args, iter_dir / fname, key)
+                )
+                experts_seen = True
             record = {
                 "name": target.name,
                 "kind": "param",
                 "file": fname,
                 "key": key,
                 "dtype": str(value.dtype).removeprefix("torch."),
-                **placement_json(tuple(value.shape), target.split, t, tp),
+                **placement,
             }
             if target.split == QKV and version < 2.0:
                 record["qkv_version"] = version
                 record["qkv_heads"] = local_heads
             records.append(record)
             params.append(RankParam(key, tuple(value.shape), record))
+    if getattr(args, "num_experts", None) and not experts_seen:
+        raise CheckpointError(
+            f"{iter_dir}: args.num_experts={args.num_experts}: mixture-of-experts args, but no layer has "
+            "expert tensors (mlp.experts.*)"
+        )
     return records, files, rank_params
+
+
+def _num_experts(args: Any, path: Path, key: str) -> int:
+    """``args.num_experts`` for an expert tensor ``key``, or the error naming both."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        raise CheckpointError(
+            f"{path}: tensor {key!r} is a mixture-of-experts tensor, but args.num_experts={experts!r}"
+        )
+    return int(experts)
 
 
 def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank_params: dict, loaded: dict):
