@@ -2,11 +2,14 @@
 real megatron-core: its GPTModel with the local MoE spec (4 SwiGLU experts, top 2, a gated shared
 expert, QK layernorm) saved at TP=1 loads into mcore with equal logits; ``mcore-export-megatron``
 writes it back (``mlp.experts.local_experts.N.*``) and megatron-core loads the export (strict) with
-mcore's logits. One spawned process runs megatron-core's side."""
+mcore's logits; the same checkpoint rewritten as Megatron's EP=2 rank files (``mp_rank_00_EEE``, local
+and grouped expert names) reads the same tensors. One spawned process runs megatron-core's side."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 
 import pytest
@@ -58,3 +61,43 @@ def test_a_megatron_moe_checkpoint_loads_and_exports_back(tmp_path):
 
     with pytest.raises(CheckpointError, match="num_experts=4: mixture-of-experts models are written"):
         export_to_megatron(str(out / "torch"), str(tmp_path / "dist"), "torch_dist", tp=1, pp=1)
+
+    # Expert parallelism: the same checkpoint laid out as Megatron saves it at EP=2 (mp_rank_00_EEE, each
+    # holding its 2 local experts; EP rank 1 with the grouped linear_fcK.weightN names) reads the same.
+    ep2 = _as_expert_parallel(out / "torch", tmp_path / "ep2")
+    again, _ = load_logical_model_state(str(ep2))
+    assert again.keys() == original.keys()
+    assert all(torch.equal(again[k], original[k]) for k in original)
+    shutil.rmtree(next(ep2.glob("iter_*")) / "mp_rank_00_001")
+    with pytest.raises(
+        CheckpointError, match=r"mp_rank_00_001/model_optim_rng\.pt is missing.*expert_model_parallel_size=2"
+    ):
+        load_logical_model_state(str(ep2))
+
+
+def _as_expert_parallel(src, dst):
+    """``src`` (EP=1, TP=1, PP=1) rewritten as megatron-core's EP=2 rank files."""
+    shutil.copytree(src, dst)
+    iter_dir = next(dst.glob("iter_*"))
+    data = torch.load(iter_dir / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    shutil.rmtree(iter_dir / "mp_rank_00")
+    data["args"].expert_model_parallel_size = 2
+    for e in range(2):
+        model = {}
+        for key, value in data["model"].items():
+            match = re.search(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$", key)
+            if match is None:
+                model[key] = value  # dense tensors: replicated over EP
+                continue
+            n, fc, kind = int(match.group(1)), match.group(2), match.group(3)
+            if n // 2 != e:
+                continue
+            base = key[: match.start()]
+            if e == 1 and kind == "weight":  # TEGroupedMLP's spelling
+                model[f"{base}{fc}.weight{n % 2}"] = value
+            elif kind == "weight":
+                model[f"{base}local_experts.{n % 2}.{fc}.weight"] = value
+        folder = iter_dir / f"mp_rank_00_{e:03d}"
+        folder.mkdir()
+        torch.save({**data, "model": model}, folder / "model_optim_rng.pt")
+    return dst
