@@ -37,8 +37,10 @@ FAMILIES = {
         tied=True,
         rotary_base=10000,
         norm_epsilon=1e-5,
+        qk_layernorm=False,
     ),
-    # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (8 heads, 2 groups), no biases, untied output layer.
+    # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (8 heads, 2 groups), no biases, untied output layer,
+    # per-head QK layernorm (Qwen3-style; megatron-core's self_attention.{q,k}_layernorm.weight).
     "llama": dict(
         num_layers=4,
         hidden_size=64,
@@ -54,8 +56,20 @@ FAMILIES = {
         tied=False,
         rotary_base=5000,
         norm_epsilon=1e-6,
+        qk_layernorm=True,
     ),
 }
+# Mixture of experts (Qwen2-MoE-like): the llama family's attention, 4 SwiGLU experts (top 2) and a
+# gated shared expert in every layer (megatron-core's SequentialMLP: local_experts.N names).
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=24,
+    moe_shared_expert_intermediate_size=40,
+    moe_shared_expert_gate=True,
+    moe_token_dispatcher_type="allgather",
+)
+FAMILIES["moe"] = {**FAMILIES["llama"], "num_layers": 2, "moe": MOE}
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -75,6 +89,11 @@ def shim_megatron_for_cpu() -> None:
             return contextlib.nullcontext()
 
     mdpa.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: _NoTracker()
+    # megatron-core 0.16's router GEMM names te_general_gemm, which is undefined without Transformer Engine
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def megatron_args(family: str, tp: int, pp: int, world: int, fmt: str) -> argparse.Namespace:
@@ -106,9 +125,9 @@ def megatron_args(family: str, tp: int, pp: int, world: int, fmt: str) -> argpar
         add_qkv_bias=f["add_bias_linear"],
         untie_embeddings_and_output_weights=not f["tied"],
         apply_residual_connection_post_layernorm=False,
-        qk_layernorm=False,
+        qk_layernorm=f["qk_layernorm"],
         multi_latent_attention=False,
-        num_experts=None,
+        **{"num_experts": None, **f.get("moe", {})},
         padded_vocab_size=padded_vocab(f["vocab_size"], tp),
         make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=tp,
@@ -163,12 +182,18 @@ def build_megatron_model(family: str, tp: int, pp: int):
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,
         init_method_std=0.02,
+        qk_layernorm=f["qk_layernorm"],
+        **{("num_moe_experts" if k == "num_experts" else k): v for k, v in f.get("moe", {}).items()},
         **kwargs,
     )
     rope = f["position_embedding_type"] == "rope"
     model = GPTModel(
         cfg,
-        get_gpt_layer_local_spec(normalization=f["normalization"]),
+        get_gpt_layer_local_spec(
+            num_experts=f.get("moe", {}).get("num_experts"),
+            normalization=f["normalization"],
+            qk_layernorm=f["qk_layernorm"],
+        ),
         vocab_size=padded_vocab(f["vocab_size"], tp),
         max_sequence_length=f["max_position_embeddings"],
         pre_process=ps.is_pipeline_first_stage(),
@@ -281,22 +306,25 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
     }
     torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
 
-    # --ckpt-format torch_dist (megatron.core.dist_checkpointing.save of the sharded state dict)
+    # --ckpt-format torch_dist (megatron.core.dist_checkpointing.save of the sharded state dict);
+    # mcore does not read MoE torch_dist checkpoints yet, so the MoE family saves torch only
     dist_root = os.path.join(out_dir, "torch_dist")
+    moe = "moe" in FAMILIES[family]
     dist_dir = os.path.join(dist_root, f"iter_{ITERATION:07d}")
     if dist.get_rank() == 0:
         os.makedirs(dist_dir, exist_ok=True)
     dist.barrier()
-    sharded = {
-        "args": megatron_args(family, tp, pp, world, "torch_dist"),
-        "checkpoint_version": 3.0,
-        "iteration": ITERATION,
-        "model": model.sharded_state_dict(),
-    }
-    save_dist_checkpoint(sharded, dist_dir)
+    if not moe:
+        sharded = {
+            "args": megatron_args(family, tp, pp, world, "torch_dist"),
+            "checkpoint_version": 3.0,
+            "iteration": ITERATION,
+            "model": model.sharded_state_dict(),
+        }
+        save_dist_checkpoint(sharded, dist_dir)
     dist.barrier()
     if dist.get_rank() == 0:
-        for r in (root, dist_root):
+        for r in (root,) if moe else (root, dist_root):
             with open(os.path.join(r, "latest_checkpointed_iteration.txt"), "w") as fh:
                 fh.write(str(ITERATION))
     logits = megatron_logits(model, family, tp, pp)

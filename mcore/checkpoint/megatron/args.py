@@ -8,9 +8,14 @@ the arg, what mcore lacks. :func:`args_from_model_config` writes the Namespace a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from mcore.checkpoint.format import CheckpointError
+from mcore.models.transformer.moe.config import MoEFlags
+
+MOE_FLAGS = tuple(f.name for f in dataclasses.fields(MoEFlags))
+"""The mixture-of-experts fields: Megatron's arg names (``--num-experts``, ``--moe-*``)."""
 
 MODEL_FLAGS = (
     "num_layers",
@@ -31,9 +36,11 @@ MODEL_FLAGS = (
     "openai_gelu",
     "disable_bias_linear",
     "add_qkv_bias",
+    "qk_layernorm",
     "untie_embeddings_and_output_weights",
     "apply_residual_connection_post_layernorm",
     "make_vocab_size_divisible_by",
+    *MOE_FLAGS,
 )
 """The ``ModelConfig`` fields a checkpoint's args determine (Megatron's ``load_args_from_checkpoint``
 overrides the same architecture args)."""
@@ -42,7 +49,6 @@ overrides the same architecture args)."""
 _REFUSED = (
     ("num_experts", (None, 0, 1), "mixture-of-experts models"),
     ("multi_latent_attention", (None, False), "multi-latent attention"),
-    ("qk_layernorm", (None, False), "QK layernorm"),
     ("rotary_interleaved", (None, False), "interleaved RoPE"),
     ("squared_relu", (None, False), "the squared-ReLU MLP"),
     ("apply_layernorm_1p", (None, False), "zero-centred norm weights (--apply-layernorm-1p)"),
@@ -56,13 +62,15 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
-def check_supported(args: Any, where: str) -> None:
+def check_supported(args: Any, where: str, moe: bool = False) -> None:
     """Refuse a Megatron model mcore cannot load, naming the arg and its value.
 
     Raises:
         CheckpointError: e.g. ``args.num_experts=8: mixture-of-experts models are not implemented``.
     """
     for name, fine, what in _REFUSED:
+        if moe and name == "num_experts":  # the reader takes experts (EP=1 torch format)
+            continue
         value = _get(args, name)
         if value not in fine:
             raise CheckpointError(f"{where}: args.{name}={value!r}: {what} are not implemented in mcore")
@@ -110,12 +118,15 @@ def model_flags_from_args(args: Any) -> dict[str, Any]:
         "openai_gelu": tanh_gelu,
         "disable_bias_linear": not add_bias_linear,
         "add_qkv_bias": bool(_get(args, "add_qkv_bias", False)) and not add_bias_linear,
+        "qk_layernorm": bool(_get(args, "qk_layernorm", False)),
         "untie_embeddings_and_output_weights": bool(_get(args, "untie_embeddings_and_output_weights", False)),
         "apply_residual_connection_post_layernorm": bool(
             _get(args, "apply_residual_connection_post_layernorm", False)
         ),
         "make_vocab_size_divisible_by": _get(args, "make_vocab_size_divisible_by", 128),
     }
+    if _get(args, "num_experts"):  # Megatron's MoE args have mcore's names
+        flags.update({name: _get(args, name) for name in MOE_FLAGS})
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -164,9 +175,9 @@ def args_from_model_config(
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=cfg.apply_residual_connection_post_layernorm,
         apply_query_key_layer_scaling=False,
-        qk_layernorm=False,
+        qk_layernorm=cfg.qk_layernorm,
         multi_latent_attention=False,
-        num_experts=None,
+        **{name: getattr(cfg, name) for name in MOE_FLAGS},
         padded_vocab_size=padded_vocab_size,
         orig_vocab_size=vocab_size,
         vocab_size=vocab_size,

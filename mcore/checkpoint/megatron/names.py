@@ -12,11 +12,15 @@ Megatron (``--ckpt-format torch``, stage-local layer ``i``)   mcore logical name
 ``...self_attention.linear_qkv.layer_norm_{weight,bias}``     ``...input_layernorm.*`` (TE spelling)
 ``...self_attention.linear_qkv.{weight,bias}``                same (per-group ``[q_1..q_r, k, v]``, dim 0)
 ``...self_attention.linear_proj.weight`` / ``.bias``          same (TP dim 1 / replicated)
+``...self_attention.{q,k}_layernorm.*`` (``--qk-layernorm``)   same (``[kv_channels]``, replicated)
 ``...pre_mlp_layernorm.*``, ``...mlp.linear_fc1.layer_norm_*``  ``...pre_mlp_layernorm.*``
 ``...mlp.linear_fc1.{weight,bias}``                           same (dim 0; SwiGLU: ``[gate; up]`` per rank)
 ``...mlp.linear_fc2.weight`` / ``.bias``                      same (TP dim 1 / replicated)
 ``decoder.final_layernorm.*``                                 same
 ``output_layer.weight``                                       same when untied; the tied copy is skipped
+``...mlp.router.weight`` / ``.expert_bias``, ``...mlp.shared_experts.*``  same (replicated; shared MLP split as an MLP)
+``...mlp.experts.local_experts.N.linear_fcK.weight``          ``...mlp.experts.linear_fcK.weight[e]`` (``[E, ...]``,
+``...mlp.experts.linear_fcK.weightN`` (grouped)                 ``e`` = EP rank x local experts + ``N``)
 ``*._extra_state``                                            skipped (Transformer-Engine FP8 metadata)
 ==========================================================  ===========================================
 
@@ -41,7 +45,7 @@ REPLICATED, COLUMN, ROW, VOCAB, QKV, SWIGLU = "replicated", "column", "row", "vo
 
 
 class UnsupportedTensor(ValueError):
-    """A Megatron tensor mcore has no place for (MoE experts, QK layernorm, MLA, ...)."""
+    """A Megatron tensor mcore has no place for (MoE experts, MLA, ...)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class Target:
 
     name: str
     split: str
+    expert: int | None = None
+    """A routed expert's tensor: its (local) expert index, dim 0 of the logical ``[E, ...]`` tensor."""
 
 
 _LAYER_PARAMS = {
@@ -60,8 +66,21 @@ _LAYER_PARAMS = {
     "self_attention.linear_qkv.bias": ("self_attention.linear_qkv.bias", QKV),
     "self_attention.linear_proj.weight": ("self_attention.linear_proj.weight", ROW),
     "self_attention.linear_proj.bias": ("self_attention.linear_proj.bias", REPLICATED),
+    # --qk-layernorm: one [kv_channels] weight per layer, shared by all heads (local and TE specs)
+    "self_attention.q_layernorm.weight": ("self_attention.q_layernorm.weight", REPLICATED),
+    "self_attention.q_layernorm.bias": ("self_attention.q_layernorm.bias", REPLICATED),
+    "self_attention.k_layernorm.weight": ("self_attention.k_layernorm.weight", REPLICATED),
+    "self_attention.k_layernorm.bias": ("self_attention.k_layernorm.bias", REPLICATED),
     "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight", REPLICATED),
     "pre_mlp_layernorm.bias": ("pre_mlp_layernorm.bias", REPLICATED),
+    # mixture of experts (--num-experts): the router, the shared expert, mcore's stacked expert tensors
+    "mlp.router.weight": ("mlp.router.weight", REPLICATED),
+    "mlp.router.expert_bias": ("mlp.router.expert_bias", REPLICATED),
+    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_experts.linear_fc1.weight", COLUMN),
+    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.linear_fc2.weight", ROW),
+    "mlp.shared_experts.gate_weight": ("mlp.shared_experts.gate_weight", REPLICATED),
+    "mlp.experts.linear_fc1.weight": ("mlp.experts.linear_fc1.weight", COLUMN),
+    "mlp.experts.linear_fc2.weight": ("mlp.experts.linear_fc2.weight", ROW),
     "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", COLUMN),
     "mlp.linear_fc1.bias": ("mlp.linear_fc1.bias", COLUMN),
     "mlp.linear_fc2.weight": ("mlp.linear_fc2.weight", ROW),
@@ -104,16 +123,18 @@ _LEGACY_TOP = {
 }
 
 _UNSUPPORTED = (
-    ("experts", "mixture-of-experts layers (--num-experts)"),
-    ("router", "mixture-of-experts layers (--num-experts)"),
-    ("shared_expert", "mixture-of-experts layers (--num-experts)"),
-    ("q_layernorm", "QK layernorm (--qk-layernorm)"),
-    ("k_layernorm", "QK layernorm (--qk-layernorm)"),
+    ("experts", "this mixture-of-experts tensor layout"),
     ("linear_q_down_proj", "multi-latent attention (--multi-latent-attention)"),
     ("linear_kv_down_proj", "multi-latent attention (--multi-latent-attention)"),
     ("mtp", "multi-token prediction (--mtp-num-layers)"),
 )
 
+_EXPERT_PARAM = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(?P<n>\d+)\.(?P<fc>linear_fc[12])\.weight"
+    r"|(?P<gfc>linear_fc[12])\.weight(?P<gn>\d+))$"
+)
+"""megatron-core's routed experts: ``local_experts.N.linear_fcK.weight`` (SequentialMLP) or the
+grouped ``linear_fcK.weightN`` (TEGroupedMLP); ``N`` is the expert's index on its EP rank."""
 _MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LEGACY_LAYER = re.compile(r"^language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)$")
 _LEGACY_FINAL = re.compile(
@@ -140,9 +161,21 @@ def map_layer_param(rest: str, swiglu: bool) -> tuple[str, str]:
     if found is None:
         raise _refuse_unknown(rest)
     suffix, split = found
-    if swiglu and suffix.startswith("mlp.linear_fc1.") and split == COLUMN:
+    fc1 = suffix.startswith("mlp.linear_fc1.") or suffix.endswith("experts.linear_fc1.weight")
+    if swiglu and fc1 and split == COLUMN:
         split = SWIGLU
     return suffix, split
+
+
+def map_expert_param(rest: str, swiglu: bool) -> tuple[str, str, int] | None:
+    """``(mcore suffix, split kind, local expert index)`` of a routed expert's Megatron name, else None."""
+    match = _EXPERT_PARAM.match(rest)
+    if match is None:
+        return None
+    fc = match.group("fc") or match.group("gfc")
+    n = int(match.group("n") if match.group("n") is not None else match.group("gn"))
+    split = ROW if fc == "linear_fc2" else SWIGLU if swiglu else COLUMN
+    return f"mlp.experts.{fc}.weight", split, n
 
 
 def map_name(key: str, layer_offset: int, *, swiglu: bool, tied: bool) -> Target | None:
@@ -156,6 +189,10 @@ def map_name(key: str, layer_offset: int, *, swiglu: bool, tied: bool) -> Target
         return None
     match = _MCORE_LAYER.match(key) or _LEGACY_LAYER.match(key)
     if match:
+        expert = map_expert_param(match.group(2), swiglu)
+        if expert is not None:
+            suffix, split, n = expert
+            return Target(f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}", split, n)
         suffix, split = map_layer_param(match.group(2), swiglu)
         return Target(f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}", split)
     legacy_final = _LEGACY_FINAL.match(key)

@@ -48,9 +48,11 @@ FILE_NAMES = ("model_optim_rng.pt", "model_rng.pt")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
-def rank_dir_name(tp: int, pp: int, pp_size: int) -> str:
-    """``mp_rank_TT`` (one pipeline stage) or ``mp_rank_TT_PPP`` (Megatron's ``get_checkpoint_name``)."""
-    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+def rank_dir_name(tp: int, pp: int, pp_size: int, ep: int = 0, ep_size: int = 1) -> str:
+    """``mp_rank_TT`` (one pipeline stage) or ``mp_rank_TT_PPP``, then ``_EEE`` with expert
+    parallelism (Megatron's ``get_checkpoint_name``)."""
+    name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return name if ep_size == 1 else f"{name}_{ep:03d}"
 
 
 def _rank_file(iter_dir: Path, sub: str) -> Path:
@@ -92,6 +94,19 @@ def placement_json(shape: tuple[int, ...], split: str, tp_rank: int, tp_size: in
         "local_shape": list(shape),
         "flat_range": [0, numel],
         "numel": numel,
+    }
+
+
+def expert_placement(placement: dict, expert: int, num_experts: int) -> dict:
+    """One expert's TP-shard ``placement`` (of its ``[rows, cols]`` matrix) as a placement in the
+    stacked ``[E, rows, cols]`` logical tensor: a leading expert axis of length 1 at ``expert``."""
+    dim = placement["partition_dim"]
+    return {
+        **placement,
+        "global_shape": [num_experts, *placement["global_shape"]],
+        "partition_dim": None if dim is None else dim + 1,
+        "boxes": [[[expert, *offsets], [1, *lengths]] for offsets, lengths in placement["boxes"]],
+        "local_shape": [1, *placement["local_shape"]],
     }
 
 
@@ -149,16 +164,10 @@ def read_torch_metadata(iter_dir: Path) -> dict[str, Any]:
 
 
 def _rank_dirs(iter_dir: Path) -> list[str]:
-    """The ``mp_rank_*`` directories (sorted); none, or expert-parallel ones, are an error."""
+    """The ``mp_rank_*`` directories (sorted); none is an error."""
     subs = sorted(p.name for p in iter_dir.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
     if not subs:
         raise CheckpointError(f"{iter_dir}: no mp_rank_* directories (not a Megatron torch checkpoint)")
-    for sub in subs:
-        if _RANK_DIR.match(sub).group(3) is not None:
-            raise CheckpointError(
-                f"{iter_dir / sub}: expert-parallel rank directories: mixture-of-experts models are not "
-                "implemented in mcore"
-            )
     return subs
 
 
@@ -170,44 +179,50 @@ def _checked_args(head: dict, first: Path) -> Any:
             f"{first}: no 'args' in the checkpoint: the model configuration is unknown (Megatron "
             "checkpoints saved by Megatron-LM's training loop carry it)"
         )
-    check_supported(args, str(first))
+    check_supported(args, str(first), moe=True)
     return args
 
 
-def _expected_rank_dirs(iter_dir: Path, subs: list[str], args: Any) -> tuple[dict[str, tuple[int, int]], int]:
-    """``{rank directory: (tp rank, pp rank)}`` the args' sizes call for, and the TP size; a missing
-    rank file or a directory too many is an error."""
+def _expected_rank_dirs(
+    iter_dir: Path, subs: list[str], args: Any
+) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """``{rank directory: (tp rank, pp rank, ep rank)}`` the args' sizes call for, and the TP size; a
+    missing rank file or a directory too many is an error."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1))
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
-    wanted = {rank_dir_name(t, p, pp): (t, p) for t in range(tp) for p in range(pp)}
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    wanted = {
+        rank_dir_name(t, p, pp, e, ep): (t, p, e) for e in range(ep) for t in range(tp) for p in range(pp)
+    }
     for sub in wanted:
         path = _rank_file(iter_dir, sub)
         if not path.is_file():
             raise CheckpointError(
                 f"Megatron checkpoint file {path} is missing (args say tensor_model_parallel_size={tp}, "
-                f"pipeline_model_parallel_size={pp})"
+                f"pipeline_model_parallel_size={pp}, expert_model_parallel_size={ep})"
             )
     extra = sorted(set(subs) - set(wanted))
     if extra:
         raise CheckpointError(
             f"{iter_dir}: rank directories {', '.join(extra)} do not fit the args' "
-            f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}"
+            f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+            f"expert_model_parallel_size={ep}"
         )
     return wanted, tp
 
 
 def _model_states(
-    iter_dir: Path, wanted: dict[str, tuple[int, int]], first: Path, head: dict
-) -> tuple[dict[tuple[int, int], tuple[str, dict]], dict[str, dict]]:
-    """``{(t, p): (rank file, its model state)}`` and ``{rank file: its whole dict}`` (the optimizer
+    iter_dir: Path, wanted: dict[str, tuple[int, int, int]], first: Path, head: dict
+) -> tuple[dict[tuple[int, int, int], tuple[str, dict]], dict[str, dict]]:
+    """``{(t, p, e): (rank file, its model state)}`` and ``{rank file: its whole dict}`` (the optimizer
     state is read from it)."""
-    states: dict[tuple[int, int], tuple[str, dict]] = {}
+    states: dict[tuple[int, int, int], tuple[str, dict]] = {}
     loaded: dict[str, dict] = {}  # rank file -> its whole dict (the optimizer state is read from it)
-    for sub, (t, p) in wanted.items():
+    for sub, rank in wanted.items():
         path = _rank_file(iter_dir, sub)
         data = head if path == first else load_megatron_file(path)
-        states[(t, p)] = (str(path.relative_to(iter_dir)), _model_state(data, path))
-        loaded[states[(t, p)][0]] = data
+        states[rank] = (str(path.relative_to(iter_dir)), _model_state(data, path))
+        loaded[states[rank][0]] = data
     return states, loaded
 
 
@@ -215,7 +230,7 @@ def _stage_layer_offsets(iter_dir: Path, states: dict, args: Any) -> list[int]:
     """The global index of each pipeline stage's first layer (the stages' layers must add up to
     ``args.num_layers``)."""
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
-    counts = [local_layer_count(states[(0, p)][1]) for p in range(pp)]
+    counts = [local_layer_count(states[(0, p, 0)][1]) for p in range(pp)]
     if sum(counts) != int(args.num_layers):
         raise CheckpointError(
             f"{iter_dir}: the stages hold {counts} layers ({sum(counts)} in all), "
@@ -228,19 +243,26 @@ def _param_records(
     iter_dir: Path, states: dict, offsets: list[int], args: Any, tp: int, heads: int, version: float
 ) -> tuple[list[dict], dict[str, dict], dict[tuple[int, int], list[RankParam]]]:
     """The loader's records of the model tensors (mapped to mcore's names and placements), the rank
-    files with their sizes, and each rank's parameters in order (for its optimizer state)."""
+    files with their sizes, and each (EP rank 0) rank's parameters in order (for its optimizer state).
+    EP rank ``e`` > 0 adds only its routed experts (global index ``e * E/ep + N``): the rest of its
+    file replicates EP rank 0's."""
     swiglu = bool(getattr(args, "swiglu", False))
     tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     records, files = [], {}
     rank_params: dict[tuple[int, int], list[RankParam]] = {}
-    for (t, p), (fname, state) in sorted(states.items()):
+    for (t, p, e), (fname, state) in sorted(states.items()):
         files[fname] = {"size": (iter_dir / fname).stat().st_size}
-        params = rank_params[(t, p)] = []
+        params: list[RankParam] = []  # EP rank 0's file order (its optimizer state follows it)
+        if e == 0:
+            rank_params[(t, p)] = params
         for key, value in state.items():
             try:
                 target = map_name(key, offsets[p], swiglu=swiglu, tied=tied)
             except UnsupportedTensor as err:
                 raise CheckpointError(f"{iter_dir / fname}: {err}") from None
+            if e > 0 and (target is None or target.expert is None):
+                continue  # an EP replica of what EP rank 0 holds
             if target is None or (target.split == REPLICATED and t != 0):
                 if not is_skipped(key) and isinstance(value, torch.Tensor):
                     params.append(RankParam(key, tuple(value.shape), None))  # still in the optimizer
@@ -249,21 +271,46 @@ def _param_records(
                 raise CheckpointError(
                     f"{iter_dir / fname}: {key!r} is a {type(value).__name__}, not a tensor"
                 )
-            local_heads = heads // tp
-            record = {
-                "name": target.name,
-                "kind": "param",
-                "file": fname,
-                "key": key,
-                "dtype": str(value.dtype).removeprefix("torch."),
-                **placement_json(tuple(value.shape), target.split, t, tp),
-            }
+            record = _record(target, key, value, fname, t, tp, e, ep, args, iter_dir)
             if target.split == QKV and version < 2.0:
                 record["qkv_version"] = version
-                record["qkv_heads"] = local_heads
+                record["qkv_heads"] = heads // tp
             records.append(record)
             params.append(RankParam(key, tuple(value.shape), record))
+    if getattr(args, "num_experts", None) and not any("mlp.experts." in r["name"] for r in records):
+        raise CheckpointError(
+            f"{iter_dir}: args.num_experts={args.num_experts}: mixture-of-experts args, but no layer has "
+            "expert tensors (mlp.experts.*)"
+        )
     return records, files, rank_params
+
+
+def _record(
+    target, key: str, value: torch.Tensor, fname: str, t: int, tp: int, e: int, ep: int, args, iter_dir
+):
+    """The loader's record of one stored tensor (a routed expert's placed in the ``[E, ...]`` tensor)."""
+    placement = placement_json(tuple(value.shape), target.split, t, tp)
+    if target.expert is not None:
+        experts = _num_experts(args, iter_dir / fname, key)
+        placement = expert_placement(placement, e * (experts // ep) + target.expert, experts)
+    return {
+        "name": target.name,
+        "kind": "param",
+        "file": fname,
+        "key": key,
+        "dtype": str(value.dtype).removeprefix("torch."),
+        **placement,
+    }
+
+
+def _num_experts(args: Any, path: Path, key: str) -> int:
+    """``args.num_experts`` for an expert tensor ``key``, or the error naming both."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        raise CheckpointError(
+            f"{path}: tensor {key!r} is a mixture-of-experts tensor, but args.num_experts={experts!r}"
+        )
+    return int(experts)
 
 
 def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank_params: dict, loaded: dict):
@@ -276,6 +323,12 @@ def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
     records = []
     try:
+        if int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+            raise CheckpointError(
+                f"{iter_dir}: the optimizer state of an expert-parallel checkpoint "
+                f"(args.expert_model_parallel_size={args.expert_model_parallel_size}) is not read (load "
+                "with --no-load-optim)"
+            )
         if optimizer != "adam":
             raise CheckpointError(
                 f"{iter_dir}: the optimizer state is {optimizer!r} (args.optimizer); mcore reads Megatron's "

@@ -46,7 +46,7 @@ from mcore.checkpoint.format import (
     write_tracker,
 )
 from mcore.checkpoint.megatron.args import args_from_model_config
-from mcore.checkpoint.megatron.names import REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param
+from mcore.checkpoint.megatron.names import COLUMN, REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param
 from mcore.checkpoint.megatron.read_torch import rank_dir_name
 from mcore.utils.console import configure_console
 
@@ -103,6 +103,11 @@ def check_exportable(cfg, tp: int, pp: int) -> None:
     """Refuse what Megatron cannot hold or the target layout cannot split, naming the value."""
     if cfg.position_embedding_type == "alibi":
         raise CheckpointError("position_embedding_type='alibi': megatron-core's GPTModel has no ALiBi")
+    if cfg.qk_layernorm_full_width:
+        raise CheckpointError(
+            "qk_layernorm_full_width=True: megatron-core's --qk-layernorm normalizes each head; the "
+            "full-width (OLMoE) q/k norm has no Megatron name"
+        )
     n, g, f = cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size
     if n % tp or (g % tp and tp % g) or f % tp:
         raise CheckpointError(
@@ -136,13 +141,7 @@ def megatron_rank_states(
                         "embedding.position_embeddings.weight"
                     ]
             for g in layers:
-                prefix = f"decoder.layers.{g}."
-                for name in sorted(k for k in state if k.startswith(prefix)):
-                    rest = name[len(prefix) :]
-                    local = f"decoder.layers.{g - layers.start}.{rest}"
-                    flat[local] = shard(state[name], split_kind(name, cfg.swiglu), t, tp)
-                for module in LINEARS:
-                    flat[f"decoder.layers.{g - layers.start}.{module}._extra_state"] = None
+                _layer_state(state, cfg, g, f"decoder.layers.{g - layers.start}.", t, tp, flat)
             if last:
                 for name in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
                     if name in state:
@@ -153,6 +152,31 @@ def megatron_rank_states(
                 flat["output_layer._extra_state"] = None
             out[(t, p)] = flat if names == "mcore" else legacy_model_state(flat, tied=tied, first=first)
     return out
+
+
+def _layer_state(state: dict, cfg, g: int, local: str, t: int, tp: int, flat: dict) -> None:
+    """Global layer ``g``'s tensors for TP rank ``t`` under stage-local names ``local`` + suffix, with
+    the ``_extra_state`` entries of its linears; routed experts as megatron-core's SequentialMLP
+    ``mlp.experts.local_experts.N.linear_fcK.weight`` (EP=1: ``N`` is the global expert)."""
+    prefix = f"decoder.layers.{g}."
+    modules = [m for m in LINEARS if not m.startswith("mlp.")]
+    for name in sorted(k for k in state if k.startswith(prefix)):
+        rest = name[len(prefix) :]
+        if rest in _EXPERT_TENSORS:
+            fc = rest.split(".")[2]
+            kind = ROW if fc == "linear_fc2" else SWIGLU if cfg.swiglu else COLUMN
+            for e in range(state[name].shape[0]):
+                flat[f"{local}mlp.experts.local_experts.{e}.{fc}.weight"] = shard(state[name][e], kind, t, tp)
+                modules.append(f"mlp.experts.local_experts.{e}.{fc}")
+            continue
+        flat[local + rest] = shard(state[name], split_kind(name, cfg.swiglu), t, tp)
+        if rest.endswith("linear_fc1.weight") or rest.endswith("linear_fc2.weight"):
+            modules.append(rest.removesuffix(".weight"))
+    for module in sorted(set(modules)):
+        flat[f"{local}{module}._extra_state"] = None
+
+
+_EXPERT_TENSORS = ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight")
 
 
 def legacy_model_state(flat: dict[str, Any], *, tied: bool, first: bool) -> dict[str, Any]:
@@ -251,6 +275,13 @@ def export_to_megatron(
     except (ConfigError, ValueError, TypeError) as err:
         raise CheckpointError(f"{load}: the checkpoint's model configuration cannot be used: {err}") from None
     check_exportable(cfg, tp, pp)
+    if names == "legacy" and cfg.qk_layernorm:
+        raise CheckpointError("--megatron-names legacy: Megatron-LM's legacy model has no QK layernorm")
+    if cfg.num_experts and (names == "legacy" or ckpt_format != "torch"):
+        raise CheckpointError(
+            f"num_experts={cfg.num_experts}: mixture-of-experts models are written with --ckpt-format torch "
+            "and megatron-core names only (the legacy model has no experts; torch_dist experts are not written)"
+        )
     vocab = _vocab_size(meta, state, vocab_size)
     padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
