@@ -141,7 +141,9 @@ def flags_from_hf(moe: str, name: str, hf: Mapping[str, Any], where: str) -> dic
     flags.update(
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         ffn_hidden_size=hf["intermediate_size"],
-        moe_layer_freq=1 if all(sparse) else "[" + ",".join(map(str, sparse)) + "]",  # as Megatron spells it
+        moe_layer_freq=1
+        if all(sparse)
+        else tuple(int(s) for s in sparse),  # a 0/1 list, as --moe-layer-freq takes it
     )
     if hf.get("shared_expert_intermediate_size"):
         flags.update(

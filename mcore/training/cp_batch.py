@@ -61,8 +61,9 @@ def masked_token_mean(
 
 
 def refuse_context_parallel(groups, family: str) -> None:
-    """Raise :class:`ConfigError` for a model family that has no context parallelism (BERT, T5)."""
-    if groups.cp_size > 1:
+    """Raise :class:`ConfigError` for a model family that has no context parallelism (BERT, T5);
+    ``groups`` None is a single process."""
+    if groups is not None and groups.cp_size > 1:
         raise ConfigError(
             f"context_parallel_size={groups.cp_size}: context parallelism is not built for {family}; "
             "use --context-parallel-size 1"

@@ -110,6 +110,18 @@ class MoEFlags:
     )
 
 
+def canonical_layer_freq(value, num_layers: int) -> int | tuple[int, ...]:
+    """``--moe-layer-freq`` in one spelling, so configs that mean the same compare equal: an int N,
+    else the 0/1 tuple of every layer (Megatron's string forms and the command line's list expanded)."""
+    if isinstance(value, tuple | list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return tuple(int(p) for p in parse_layer_freq(value, num_layers))
+
+
 def parse_layer_freq(value, num_layers: int) -> tuple[bool, ...]:
     """Which of ``num_layers`` layers are MoE layers, from ``--moe-layer-freq``.
 
@@ -231,6 +243,9 @@ def check_moe(config) -> None:
         )
         return
     check(isinstance(e, int) and e >= 1, f"num_experts={e} (--num-experts) must be a positive integer")
+    object.__setattr__(
+        config, "moe_layer_freq", canonical_layer_freq(config.moe_layer_freq, config.num_layers)
+    )
     k = config.moe_router_topk
     check(k >= 1, f"moe_router_topk={k} (--moe-router-topk) must be >= 1")
     check(k <= e, f"moe_router_topk={k} exceeds num_experts={e} (--moe-router-topk, --num-experts)")
