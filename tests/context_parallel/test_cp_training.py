@@ -50,6 +50,11 @@ PP2 = [
     "1",
 ]
 DISTOPT = ["--use-distributed-optimizer"]
+MOE = [
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+    "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall",
+    "--expert-model-parallel-size", "2",
+]  # fmt: skip
 RECOMPUTE = [
     "--recompute-granularity",
     "full",
@@ -78,6 +83,9 @@ CASES = [
     ("llama cp2xdp2 p2p distopt", LLAMA + DISTOPT + FOUR, LLAMA + DISTOPT + FOUR + _cp(2, "p2p")),
     ("llama tp2 sp cp2 p2p", LLAMA + TP2, LLAMA + TP2 + _cp(2, "p2p")),
     ("gpt pp2 interleaved cp2 p2p", GPT + PP2, GPT + PP2 + _cp(2, "p2p")),
+    # MoE under CP: each CP rank routes its own tokens, the aux loss's counts are summed over CP and
+    # its gradient scaled by cp (Megatron's), experts over EP=2 carved out of dp x cp
+    ("moe llama ep2 cp2xdp2 p2p", LLAMA + MOE, LLAMA + MOE + _cp(2, "p2p")),
 ]
 
 
