@@ -201,10 +201,6 @@ def test_layout_checks_name_expert_parallel_values():
         ConfigError, match="moe_ffn_hidden_size=8 is not divisible by expert_tensor_parallel_size=3"
     ):
         validate_model_parallel(_config(), ParallelConfig(expert_tensor_parallel_size=3))
-    with pytest.raises(ConfigError, match="alltoall needs expert_tensor_parallel_size=1 \\(got 2\\)"):
-        validate_model_parallel(
-            _config(moe_token_dispatcher_type="alltoall"), ParallelConfig(expert_tensor_parallel_size=2)
-        )
     with pytest.raises(ConfigError, match="needs --sequence-parallel"):
         validate_model_parallel(
             ModelConfig(**{**BASE, "num_attention_heads": 2}, num_experts=4),
