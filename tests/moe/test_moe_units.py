@@ -201,10 +201,6 @@ def test_layout_checks_name_expert_parallel_values():
         ConfigError, match="moe_ffn_hidden_size=8 is not divisible by expert_tensor_parallel_size=3"
     ):
         validate_model_parallel(_config(), ParallelConfig(expert_tensor_parallel_size=3))
-    with pytest.raises(ConfigError, match="alltoall needs expert_tensor_parallel_size=1 \\(got 2\\)"):
-        validate_model_parallel(
-            _config(moe_token_dispatcher_type="alltoall"), ParallelConfig(expert_tensor_parallel_size=2)
-        )
     with pytest.raises(ConfigError, match="needs --sequence-parallel"):
         validate_model_parallel(
             ModelConfig(**{**BASE, "num_attention_heads": 2}, num_experts=4),
@@ -345,3 +341,13 @@ def test_global_aux_loss_uses_the_running_counts_of_the_step():
     )
     router.reset_step_state()
     assert router.ga_steps == 0 and router.global_tokens_per_expert.sum() == 0 and router.stats == {}
+
+
+def test_router_state_stays_fp32_in_a_bf16_model():
+    from mcore.models.transformer.moe.moe_layer import MoELayer
+
+    cfg = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, swiglu=True)
+    layer = MoELayer(cfg, BuildContext(params_dtype=torch.bfloat16))
+    assert layer.router.weight.dtype == torch.float32 and layer.router.expert_bias.dtype == torch.float32
+    assert layer.experts.linear_fc1.weight.dtype == torch.bfloat16
+    assert "router.expert_bias" in layer.state_dict()  # persistent, under Megatron's name
