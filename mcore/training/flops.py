@@ -47,7 +47,17 @@ def gpt_flops(
 
 def gpt_flops_per_sample(model, vocab_size: int) -> float:
     """:func:`gpt_flops` of one sample (``seq_length`` tokens) for a model config
-    (:class:`mcore.models.transformer.model_config.ModelConfig`) and padded vocabulary."""
+    (:class:`mcore.models.transformer.model_config.ModelConfig`) and padded vocabulary.
+
+    MoE (Megatron's formula, active parameters): an MoE layer's MLP counts ``topk`` experts of
+    ``moe_ffn_hidden_size`` plus the shared experts' size; the MLP term being linear in the FFN size,
+    the layers' mean FFN size gives the exact sum (the router's ``h x E`` GEMM is left out, as Megatron's)."""
+    ffn = model.ffn_hidden_size
+    moe = getattr(model, "moe", None)
+    if moe is not None:
+        active = moe.ffn_hidden_size * moe.topk + (moe.moe_shared_expert_intermediate_size or 0)
+        n_moe = sum(moe.moe_layers)
+        ffn = ((model.num_layers - n_moe) * ffn + n_moe * active) / model.num_layers
     return gpt_flops(
         batch_size=1,
         seq_length=model.seq_length,
@@ -56,7 +66,7 @@ def gpt_flops_per_sample(model, vocab_size: int) -> float:
         vocab_size=vocab_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups if model.group_query_attention else None,
-        ffn_hidden_size=model.ffn_hidden_size,
+        ffn_hidden_size=ffn,
         swiglu=model.swiglu,
         kv_channels=model.kv_channels,
     )

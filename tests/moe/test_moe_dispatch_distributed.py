@@ -1,5 +1,5 @@
 """Dispatchers on 4 real gloo processes (one launch, several layouts): dispatch -> combine returns the
-input exactly (all-gather and all-to-all, EP=2 and EP=4, ETP=2 x EP=2 for all-gather), also when a
+input exactly (all-gather and all-to-all, EP=2, EP=4 and ETP=2 x EP=2), also when a
 rank or an expert receives no token; the MoE layer at EP>1 with either dispatcher equals the EP=1
 layer computed in the same process on the same tokens (outputs, input/router/expert gradients)."""
 
@@ -97,7 +97,7 @@ def _cases():
     rank = dist.get_rank()
     out = {}
     for name, groups, ep, etp in _layouts():
-        kinds = [AllGatherDispatcher] + ([AllToAllDispatcher] if etp == 1 else [])
+        kinds = [AllGatherDispatcher, AllToAllDispatcher]
         for starve in (False, True):
             x, routing_map = _tokens(rank, starve)  # every rank its own tokens (ETP ranks: sequence shards)
             for kind in kinds:
@@ -116,7 +116,7 @@ def _cases():
         experts = slice(ep_rank * E // ep, (ep_rank + 1) * E // ep)
         cols = slice(etp_rank * F // etp, (etp_rank + 1) * F // etp)
         want = (*ref[:3], fc1_ref[experts, :, cols].reshape(E // ep, -1, H), fc2_ref[experts, :, cols])
-        for dispatcher in ["allgather"] + (["alltoall"] if etp == 1 else []):
+        for dispatcher in ["allgather", "alltoall"]:
             got = _grads(_layer(groups, dispatcher, etp_rank, etp, ep_rank, ep), x)
             out[f"layer {name} {dispatcher}"] = [
                 torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(got, want)
@@ -127,6 +127,6 @@ def _cases():
 def test_dispatch_combine_and_layer_equivalence_on_four_processes():
     results = run_distributed(_cases, 4, timeout=300)
     for rank, result in enumerate(results):
-        assert len(result) == 15, result
+        assert len(result) == 18, result
         for case, value in result.items():
             assert all(value), (rank, case, value)

@@ -201,10 +201,6 @@ def test_layout_checks_name_expert_parallel_values():
         ConfigError, match="moe_ffn_hidden_size=8 is not divisible by expert_tensor_parallel_size=3"
     ):
         validate_model_parallel(_config(), ParallelConfig(expert_tensor_parallel_size=3))
-    with pytest.raises(ConfigError, match="alltoall needs expert_tensor_parallel_size=1 \\(got 2\\)"):
-        validate_model_parallel(
-            _config(moe_token_dispatcher_type="alltoall"), ParallelConfig(expert_tensor_parallel_size=2)
-        )
     with pytest.raises(ConfigError, match="needs --sequence-parallel"):
         validate_model_parallel(
             ModelConfig(**{**BASE, "num_attention_heads": 2}, num_experts=4),
@@ -283,3 +279,75 @@ def test_device_graphs_refuse_moe_by_name():
     )
     with pytest.raises(ConfigError, match="--cuda-graph-impl local and --num-experts=4"):
         check_layer_graphs(cfg, backend)
+
+
+def test_flops_count_the_active_experts():
+    from mcore.training.flops import gpt_flops_per_sample
+
+    dense = ModelConfig(**{**BASE, "ffn_hidden_size": 2 * 8 + 5})  # topk 2 x moe FFN 8 + shared 5
+    moe = _config(moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=5)
+    assert gpt_flops_per_sample(moe, 64) == pytest.approx(gpt_flops_per_sample(dense, 64))
+    half = _config(moe_ffn_hidden_size=8, moe_layer_freq=2)  # layer 1 MoE (16), layer 2 dense (8)
+    mixed = ModelConfig(**{**BASE, "ffn_hidden_size": 12})
+    assert gpt_flops_per_sample(half, 64) == pytest.approx(gpt_flops_per_sample(mixed, 64))
+
+
+def test_input_jitter_only_while_training_and_replayed_by_recompute():
+    router = _router(torch.randn(4, 4), moe_input_jitter_eps=0.5, moe_router_pre_softmax=True)
+    x = torch.randn(6, 1, 4)
+    torch.manual_seed(1)
+    a, _ = router(x)
+    torch.manual_seed(1)
+    b, _ = router(x)
+    c, _ = router(x)
+    assert torch.equal(a, b) and not torch.equal(b, c)  # the noise follows the RNG
+    router.eval()
+    assert torch.equal(router(x)[0], router(x)[0])  # no noise in evaluation
+
+
+def test_router_passes_megatron_routing_options_to_the_op():
+    x = torch.randn(8, 1, 4)
+    w = torch.randn(4, 4)
+    logits = x.reshape(-1, 4) @ w.T
+    # pre-softmax: softmax over all experts, then top-k, not renormalised; scaled by the factor
+    probs, routing_map = _router(w, moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.5)(x)
+    full = torch.softmax(logits, -1)
+    assert torch.allclose(probs, 2.5 * full * routing_map, atol=1e-6)
+    assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, full.topk(2).indices, True))
+    # group-limited: 2 groups of 2 experts, tokens choose inside the best group only
+    _, routing_map = _router(w, moe_router_num_groups=2, moe_router_group_topk=1)(x)
+    assert (routing_map[:, :2].all(1) ^ routing_map[:, 2:].all(1)).all()
+
+
+def test_global_aux_loss_uses_the_running_counts_of_the_step():
+    router = _router(
+        torch.randn(4, 4), moe_router_load_balancing_type=("global_aux_loss",), moe_aux_loss_coeff=(1.0,)
+    )
+    xs = [torch.randn(4, 1, 4) for _ in range(2)]
+    for x in xs:
+        router(x)
+    counts = []
+    for x in xs:
+        m, _ = aux_losses.scores_for_aux_loss(x.reshape(-1, 4) @ router.weight.detach().T, 2, "softmax")
+        counts.append(m.sum(0).float())
+    _, s = aux_losses.scores_for_aux_loss(xs[1].reshape(-1, 4) @ router.weight.detach().T, 2, "softmax")
+    first = aux_losses.switch_load_balancing_loss(
+        aux_losses.scores_for_aux_loss(xs[0].reshape(-1, 4) @ router.weight.detach().T, 2, "softmax")[1],
+        counts[0], 4, 2, 4, 1.0,
+    )  # fmt: skip
+    second = aux_losses.switch_load_balancing_loss(s, (counts[0] + counts[1]) / 2, 4, 2, 4, 1.0)
+    assert router.stats["global_load_balancing_loss"].item() == pytest.approx(
+        (first + second).item(), rel=1e-6
+    )
+    router.reset_step_state()
+    assert router.ga_steps == 0 and router.global_tokens_per_expert.sum() == 0 and router.stats == {}
+
+
+def test_router_state_stays_fp32_in_a_bf16_model():
+    from mcore.models.transformer.moe.moe_layer import MoELayer
+
+    cfg = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, swiglu=True)
+    layer = MoELayer(cfg, BuildContext(params_dtype=torch.bfloat16))
+    assert layer.router.weight.dtype == torch.float32 and layer.router.expert_bias.dtype == torch.float32
+    assert layer.experts.linear_fc1.weight.dtype == torch.bfloat16
+    assert "router.expert_bias" in layer.state_dict()  # persistent, under Megatron's name

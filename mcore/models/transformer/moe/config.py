@@ -339,11 +339,6 @@ def check_moe_parallel(config, expert_model_parallel_size: int, expert_tensor_pa
         ffn % etp == 0,
         f"moe_ffn_hidden_size={ffn} is not divisible by expert_tensor_parallel_size={etp}",
     )
-    check(
-        etp == 1 or config.moe_token_dispatcher_type == "allgather",
-        f"--moe-token-dispatcher-type {config.moe_token_dispatcher_type} needs expert_tensor_parallel_size=1 "
-        f"(got {etp}); use --moe-token-dispatcher-type allgather",
-    )
 
 
 __all__ = [
