@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mcore.checkpoint.buffers import load_buffers
 from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, vocab_rows_kept
 from mcore.checkpoint.format import (
     TRACKER,
@@ -382,6 +383,7 @@ def _load_model(reader: ShardReader, model: list) -> set[str]:
                 vocab_padded=spec.vocab_padded,
             )
             used.add(spec.name)
+        load_buffers(reader, module)
         _load_fp8_state(reader, module)
     return used
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mcore.checkpoint.buffers import BUFFER, logical_buffers
 from mcore.checkpoint.format import (
     FORMAT,
     METADATA,
@@ -189,6 +190,12 @@ def _model_payload(model, file: str, *, experts: bool, fp8_state: bool) -> _File
             t = _host_copy(params[local_name])
             tensors[spec.name] = t
             records.append(_record(spec.name, "param", file, spec.name, t, placement_from_spec(spec), spec))
+        if fp8_state:  # persistent buffers (the router's expert_bias): replicated, once per stage
+            for name, value in logical_buffers(module).items():
+                tensors[f"{name}/{BUFFER}"] = t = _host_copy(value)
+                records.append(
+                    _record(name, BUFFER, file, f"{name}/{BUFFER}", t, full_placement(t.shape), None)
+                )
         if fp8_state:  # FP8 delayed-scaling state: replicated over TP and DP, written once per stage
             for local_name, value in fp8_extra_state(module).items():
                 name = module._logical_name(local_name)

@@ -34,6 +34,7 @@ MOE_ARGV = [
 # the variants of the model each layout is compared under (one single-process reference each)
 VARIANTS = {
     "dropless": [],
+    "four-layers": ["--num-layers", "4"],  # for the interleaved pipeline (pp=2 x vp=2)
     "capacity": ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
     "sigmoid-bias-shared": [
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",

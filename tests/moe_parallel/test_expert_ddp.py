@@ -42,9 +42,12 @@ PRECISIONS = {"fp16": dict(fp16=True), "bf16": dict(bf16=True)}
 
 
 def _run(kwargs, groups):
+    from mcore.training.params_norm import params_l2_norm
+
     model, optimizer = build(groups, **kwargs)
     history = train(model, optimizer, groups, STEPS)
-    return history, logical_weights(model, groups)
+    norm = float(params_l2_norm([model], groups, torch.device("cpu")))  # --log-params-norm: experts once
+    return history, logical_weights(model, groups), norm
 
 
 def _references():
@@ -71,16 +74,17 @@ def test_expert_parallel_layouts_match_one_process():
     refs = _references()
     results = run_distributed(_layouts, 4, timeout=600)
     for rank, result in enumerate(results):
-        for (ep, etp, name), (history, final, sizes) in result.items():
+        for (ep, etp, name), (history, final, params_norm, sizes) in result.items():
             assert sizes == (ep, etp, 4 // (ep * etp), 4)
             ref_key = name if name in PRECISIONS or name == "sgd" else "fp32"
-            ref_history, ref_weights = refs[ref_key]
+            ref_history, ref_weights, ref_params_norm = refs[ref_key]
             tol = dict(rel=2e-2, abs=1e-3) if ref_key in PRECISIONS else dict(rel=1e-5, abs=1e-6)
             for (loss, ok, norm, _), (ref_loss, ref_ok, ref_norm, _) in zip(history, ref_history):
                 assert ok == ref_ok, (rank, ep, etp, name)
                 assert loss == pytest.approx(ref_loss, **tol), (rank, ep, etp, name)
                 if ref_norm is not None:
                     assert norm == pytest.approx(ref_norm, **tol), (rank, ep, etp, name)
+            assert params_norm == pytest.approx(ref_params_norm, rel=tol["rel"]), (rank, ep, etp, name)
             wtol = dict(rtol=3e-2, atol=3e-2) if ref_key in PRECISIONS else dict(rtol=1e-5, atol=1e-6)
             for key, value in final.items():
                 torch.testing.assert_close(

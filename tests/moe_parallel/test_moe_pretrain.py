@@ -31,6 +31,10 @@ LAYOUTS = {
     "tp2-sp-ep2": ("dropless", [*TP2_SP, *EP2, "--expert-tensor-parallel-size", "1"]),
     "tp2-sp-ep2-etp2-allgather": ("dropless", [*TP2_SP, *EP2, *ALLGATHER]),
     "pp2-ep2": ("dropless", ["--pipeline-model-parallel-size", "2", *EP2]),
+    "pp2-vp2-ep2": (
+        "four-layers",
+        ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", *EP2],
+    ),
     "ep2-distopt-overlap": ("dropless", [*EP2, *DISTOPT, "--overlap-grad-reduce", "--overlap-param-gather"]),
     "capacity-ep2": ("capacity", EP2),
     "capacity-ep4-allgather": ("capacity", [*EP4, *ALLGATHER]),
@@ -38,7 +42,8 @@ LAYOUTS = {
 }
 
 # checkpoint: 4 iterations at EP=2 with the distributed optimizer, saved at 2; then continue from 2
-CKPT_ITERS = ["--train-iters", "4", "--lr-decay-style", "constant"]
+# (the sigmoid router with expert bias: the bias, a persistent buffer, must come back too)
+CKPT_ITERS = ["--train-iters", "4", "--lr-decay-style", "constant", *VARIANTS["sigmoid-bias-shared"]]
 
 
 def _ckpt_cases(save: str) -> list[tuple[str, list[str]]]:
@@ -107,6 +112,11 @@ def _check_saved_experts(iter_dir: Path) -> None:
     # distributed optimizer: the expert moments sharded over edp=2 cover each ep rank's block once
     moments = [r for r in meta["records"] if r["name"] == name and r["kind"] == "exp_avg"]
     assert sum(r["numel"] for r in moments) == 4 * 32 * 16
+    # the router's expert bias (a buffer, moved by the token counts) is stored once, and has moved
+    bias = [r for r in meta["records"] if r["name"] == "decoder.layers.1.mlp.router.expert_bias"]
+    assert [r["kind"] for r in bias] == ["buffer"]
+    stored = ShardReader(iter_dir, meta).tensor(bias[0])
+    assert stored.shape == (4,) and stored.abs().sum() > 0
     out = io.StringIO()
     assert describe(iter_dir, out=out) == 0
     text = out.getvalue()
