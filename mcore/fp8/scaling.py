@@ -8,8 +8,8 @@ Recipes (``--fp8-recipe``, :class:`mcore.fp8.config.Recipe`), as Transformer Eng
   history of earlier steps (``--fp8-amax-history-len``, ``--fp8-amax-compute-algo max|most_recent``).
   During a step the scales stay fixed; every quantization records its amax (a running max, so a
   recomputed forward records nothing new) and :func:`update_fp8_scales` closes the step: it
-  all-reduces (max) the recorded amaxes over the amax-reduction group (tensor x data parallel, as
-  Megatron's ``get_amax_reduction_group``), pushes them into the histories and recomputes the
+  all-reduces (max) the recorded amaxes over the amax-reduction group (tensor x data x context
+  parallel, as Megatron's ``get_amax_reduction_group(with_context_parallel=True)``), pushes them into the histories and recomputes the
   scales. The histories and scales are saved in checkpoints (:func:`fp8_extra_state`).
 * ``rowwise`` (current scaling, one scale per row of each NT operand, i.e. per token for
   activations and per output feature for weights; torchao's rowwise recipe). It needs the
@@ -107,8 +107,8 @@ def delayed_states(modules) -> list[tuple[str, Fp8DelayedState]]:
 
 class DelayedScaleUpdate:
     """The delayed recipe's step boundary for one model: reduce the step's amaxes (max) over each
-    amax-reduction group (Megatron reduces over tensor x data parallel: ``groups.tp`` and
-    ``groups.dp``), push them into the histories and recompute the scales.
+    amax-reduction group (Megatron reduces over tensor x data x context parallel: ``groups.tp`` and
+    ``groups.dp_cp``), push them into the histories and recompute the scales.
 
     Per config the states are updated as one stacked tensor: one collective per group and a dozen
     kernels for all layers of this rank, with no host-device synchronisation. Everything that does not

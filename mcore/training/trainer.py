@@ -206,7 +206,8 @@ class Trainer:
             moe_logs = finish_moe_step(
                 self.routers, self.moe, self.groups, self.batches.num_microbatches, self.device
             )
-        self.fp8_scales((self.groups.tp, self.groups.dp))  # delayed FP8 recipe only
+        # delayed FP8 recipe only; over dp x cp (Megatron's amax-reduction group with context parallelism)
+        self.fp8_scales((self.groups.tp, self.groups.dp_cp))
         if self.cfg.training.empty_unused_memory_level >= 1:
             release_unused_device_memory(self.backend.device_type)
         # The previous step's flags: the device has this step's forward and backward queued behind
