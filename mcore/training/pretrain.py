@@ -60,6 +60,7 @@ from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.timers import Timers
 from mcore.training.trainer import Trainer, print_rank_0, print_rank_last
 from mcore.utils.console import configure_console
+from mcore.utils.outputs import OutputError, check_not_input, check_writable, relation
 
 __all__ = [
     "GRAPH_SAFE_RECOMPUTE_MODULES",
@@ -121,6 +122,7 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
         raise ConfigError("--lr is required")
     if training.device_graph_impl == "local":
         check_layer_graphs(cfg, backend)
+    check_save_dir(cfg.checkpoint.save, cfg.checkpoint.load)
     if "fp8" in cfg.as_dict():
         cfg.fp8.check_with(
             model.num_layers,
@@ -129,6 +131,20 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         )
     return cfg.replace(training=training)
+
+
+def check_save_dir(save: str | None, load: str | None) -> None:
+    """``--save`` can be written (not under a file, not in a read-only directory): found now, not at
+    the first save hours later. ``--save`` equal to ``--load`` is Megatron's resume; one nested in the
+    other is refused (the output rule of :mod:`mcore.utils.outputs`)."""
+    if not save:
+        return
+    try:
+        check_writable("--save", save, directory=True)
+        if load and relation(save, load) not in (None, "is"):
+            check_not_input("--save", save, {"--load": load})
+    except OutputError as err:
+        raise ConfigError(str(err)) from None
 
 
 def build_model(

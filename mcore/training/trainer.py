@@ -263,7 +263,10 @@ class Trainer:
         )
         checkpointer = Checkpointer(
             self.cfg, self.model, self.optimizer, self.scheduler, self.groups,
-            metadata={"tokenizer_vocab_size": ctx.tokenizer_vocab_size, "padded_vocab_size": ctx.padded_vocab_size},
+            metadata={
+                "tokenizer_vocab_size": ctx.tokenizer_vocab_size, "padded_vocab_size": ctx.padded_vocab_size,
+                "tokenizer_identity": getattr(ctx.tokenizer, "identity", None),  # compared on resume
+            },
             before_save=stats.flush,  # the saved state counts every step, and no NaN step is saved
         )  # fmt: skip
 
