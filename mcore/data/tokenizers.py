@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mcore.data.errors import DataError
+from mcore.utils.outputs import with_umask
 
 if TYPE_CHECKING:
     from mcore.data.config import TokenizerConfig
@@ -563,6 +564,7 @@ def train_wordpiece_vocab(
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.writelines(token + "\n" for token, _ in vocab)
+        with_umask(staging)  # mkstemp makes it 0600
         os.replace(staging, final)
     except BaseException:
         if os.path.exists(staging):

@@ -194,7 +194,9 @@ def export_checkpoint(
         raise ConversionError(
             f"{load_dir}: the checkpoint records no run configuration; cannot tell the model"
         )
-    saved_vocab = ((metadata or {}).get("extra") or {}).get("tokenizer_vocab_size")
+    saved_vocab = ((metadata or {}).get("extra") or {}).get("tokenizer_vocab_size") or (
+        (metadata or {}).get("megatron") or {}
+    ).get("vocab_size")  # a Megatron checkpoint's args
     if kwargs.get("vocab_size") is None and kwargs.get("tokenizer_config") is None and saved_vocab:
         # The run's tokenizer decides; the recorded size lets the export go on if its files moved.
         kwargs["fallback_vocab_size"] = int(saved_vocab)

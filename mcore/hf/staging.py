@@ -22,7 +22,7 @@ import torch
 
 from mcore.data.config import TokenizerConfig
 from mcore.hf.errors import ConversionError
-from mcore.utils.outputs import OutputError, check_output_dir, staged_dir
+from mcore.utils.outputs import OutputError, check_output_dir, staged_dir, with_umask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -94,6 +94,7 @@ def _save_shard(save_file, tensors: Mapping[str, torch.Tensor], path: str) -> No
     OSError) as one line naming the file; the caller's staging removes what was written."""
     try:
         save_file(tensors, path, metadata={"format": "pt"})
+        with_umask(path)  # safetensors writes 0600
     except Exception as err:  # noqa: BLE001 - SafetensorError, OSError: one line, not a traceback
         raise ConversionError(f"cannot write {path}: {err}") from None
 
@@ -228,7 +229,9 @@ def tokenizer_staging_dir(save_dir: str) -> str:
     succeeds (the caller removes what is left of it)."""
     parent = os.path.dirname(os.path.abspath(save_dir))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    with_umask(staging, directory=True)  # it becomes CKPT_DIR/tokenizer: mkdtemp makes it 0700
+    return staging
 
 
 def move_tokenizer_files(staging: str, out_dir: str, save_dir: str) -> str:

@@ -166,23 +166,20 @@ def load_generator(
     reads only its own shards (:func:`mcore.checkpoint.load_checkpoint` with ``--finetune``
     semantics), whatever layout the checkpoint was saved at.
     """
-    from mcore.checkpoint import (
-        CheckpointConfig,
-        CheckpointError,
-        load_checkpoint,
-        read_metadata,
-        resolve_iteration_dir,
-    )
+    from mcore.checkpoint import CheckpointConfig, CheckpointError, load_checkpoint, resolve_iteration_dir
+    from mcore.checkpoint.megatron.detect import read_any_metadata
 
     path = resolve_iteration_dir(load, iteration)
     if path is None:
         raise CheckpointError(f"{load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    metadata = read_metadata(path)
+    metadata = read_any_metadata(path)  # mcore's, or a Megatron-LM torch / torch_dist checkpoint
     run_config = metadata.get("run_config") or {}
     cfg = model_config_from_run_config(run_config)
     tok_config = tokenizer_config or tokenizer_config_from_run_config(run_config)
     tokenizer = build_tokenizer(tok_config) if tok_config is not None else None
-    vocab_size = (metadata.get("extra") or {}).get("tokenizer_vocab_size")
+    vocab_size = (metadata.get("extra") or {}).get("tokenizer_vocab_size") or (
+        metadata.get("megatron") or {}
+    ).get("vocab_size")
     if tokenizer is not None:
         vocab_size = tokenizer.vocab_size
     if vocab_size is None:

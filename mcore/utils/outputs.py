@@ -194,3 +194,16 @@ def check_output_files(
     for out in outputs:
         check_writable(flag, out, directory=False, value=value)
         check_not_input(flag, out, inputs)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def with_umask(path: str | os.PathLike, *, directory: bool = False) -> None:
+    """Give ``path`` the mode a plain ``open``/``mkdir`` would under the user's umask: files that a
+    library writes through a private temporary file (safetensors, ``tempfile``) come out 0600, which a
+    shared cluster's other users cannot read."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())

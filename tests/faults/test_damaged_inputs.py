@@ -66,3 +66,37 @@ def test_a_truncated_safetensors_is_one_line_naming_it(tiny, tmp_path):
         import_from_hf(str(hf), str(tmp_path / "ckpt"), check_parity=False)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "ckpt").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_a_megatron_checkpoint_naming_its_tokenizer_exports_without_vocab_size(tiny, tmp_path, capsys):
+    from mcore.hf.export import main as export_main
+
+    root, _ = tiny
+    meg = tmp_path / "megatron"
+    assert megatron_main(["--load", str(root / "ckpt"), "--save", str(meg), "--ckpt-format", "torch"]) == 0
+    (pt,) = meg.rglob("model_optim_rng.pt")
+    saved = torch.load(pt, weights_only=False)
+    saved["args"].tokenizer_type, saved["args"].vocab_size = "NullTokenizer", 63  # as Megatron-LM writes them
+    del saved["args"].orig_vocab_size
+    torch.save(saved, pt)
+    assert export_main(["--load", str(meg), "--save", str(tmp_path / "hf"), "--no-parity-check"]) == 0
+    assert '"vocab_size": 64' in (tmp_path / "hf" / "config.json").read_text()
+    # mcore-generate reads the Megatron checkpoint directly (it said "convert them first").
+    from mcore.inference.generate import load_generator
+
+    generator, tokenizer = load_generator(str(meg), ProcessGroups.single(), device=torch.device("cpu"))
+    assert tokenizer.vocab_size == 64 and generator is not None
+    from mcore.checkpoint.inspect import main as inspect_main
+
+    capsys.readouterr()
+    assert inspect_main([str(meg)]) == 0  # and so does mcore-inspect-checkpoint
+    assert "a Megatron-LM checkpoint (megatron-torch)" in capsys.readouterr().out
+    saved["args"].tokenizer_type = None  # the vocabulary really is unknown: the flags that supply it
+    saved["args"].vocab_size = saved["args"].padded_vocab_size = None
+    torch.save(saved, pt)
+    capsys.readouterr()
+    assert export_main(["--load", str(meg), "--save", str(tmp_path / "hf2"), "--no-parity-check"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "the checkpoint names no tokenizer" in err and "--vocab-size" in err and "--tokenizer-type" in err
+    ), err

@@ -173,3 +173,19 @@ def test_export_megatron_refuses_bert_and_t5_by_name_before_writing(tmp_path, ca
     err = capsys.readouterr().err
     assert f"the checkpoint is {family}" in err and "GPT models only" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_written_files_follow_the_umask(tmp_path, tiny_state):
+    """model.safetensors (safetensors writes 0600) and a trained vocab.txt (mkstemp: 0600) get the mode
+    of the other files, so a shared cluster's users can read them."""
+    from mcore.data.tokenizers import train_wordpiece_vocab
+
+    state, run_config = tiny_state
+    old = os.umask(0o022)
+    try:
+        export_to_hf(state, run_config, str(tmp_path / "hf"), check_parity=False)
+        vocab = train_wordpiece_vocab(["a b c d e f g"] * 4, 40, str(tmp_path / "wp"))
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "config.json", Path(vocab)):
+        assert oct(path.stat().st_mode & 0o777) == "0o644", path
