@@ -6,8 +6,9 @@ Two tokenizers of the same type and size can still give every id another token (
     {"tokenizer_type": "GPT2BPETokenizer", "sha256": "<first 16 hex digits>"}
 
 the SHA-256 over the contents of the files that define the ids (``--vocab-file``, ``--merge-file``,
-``--tokenizer-model``: a file, or the tokenizer files of a directory), plus the type and the settings
-that add ids (``--vocab-extra-ids``); NullTokenizer's identity is its ``--vocab-size``. It depends on
+``--tokenizer-model``: a file, or the tokenizer files of a directory) and the type (not
+``--vocab-extra-ids``: its sentinels follow every id of the files); NullTokenizer's identity is its
+``--vocab-size``. It depends on
 the contents only, so a copy of the files elsewhere (an imported checkpoint's ``tokenizer/``) is the
 same vocabulary. None when the files cannot be read (a hub name): nothing is then compared.
 
@@ -56,7 +57,9 @@ def tokenizer_identity(config: Any) -> dict[str, Any] | None:
     paths = _files(config)
     if paths is None:
         return None
-    digest = hashlib.sha256(f"{kind}:{getattr(config, 'vocab_extra_ids', 0) or 0}".encode())
+    # Not --vocab-extra-ids: the sentinels go after every id the files define (T5 data preprocessed
+    # without them is the same vocabulary); the size, which they change, is compared on its own.
+    digest = hashlib.sha256(kind.encode())
     for path in paths:
         with open(path, "rb") as f:
             digest.update(hashlib.sha256(f.read()).digest())

@@ -49,6 +49,7 @@ from mcore.inference.loading import (
     tokenizer_config_from_run_config,
 )
 from mcore.inference.t5_generation import T5TextGenerator
+from mcore.utils.outputs import check_writable, write_text_atomic
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "generation runs one model chunk per pipeline stage: drop the virtual-pipeline flags",
         )
         params = gen.sampling()
+        if gen.output_json:  # found now, not after the model is loaded and the text generated
+            check_writable("--output-json", gen.output_json, directory=False)
         backend = select_backend(parallel.device_backend)
         groups = initialize_parallel(replace(parallel, sequence_parallel=False), backend)
     except (ConfigError, ValueError, BackendSelectionError, PluginError) as err:
@@ -318,8 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             body = r["text"] if r["text"] is not None else " ".join(map(str, r["generated_ids"]))
             print(f"{shown!r} -> {body!r} ({FINISH_REASONS[r['finish_reason']]})", flush=True)
         if gen.output_json:
-            with open(gen.output_json, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=2)
+            write_text_atomic(gen.output_json, json.dumps(results, indent=2))
     del generator, groups  # they hold the group handles that destroy_parallel must free
     destroy_parallel()
     return 0

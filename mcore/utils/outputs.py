@@ -207,3 +207,17 @@ def with_umask(path: str | os.PathLike, *, directory: bool = False) -> None:
     library writes through a private temporary file (safetensors, ``tempfile``) come out 0600, which a
     shared cluster's other users cannot read."""
     os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """``text`` into ``path`` under a temporary name in its directory, renamed when complete."""
+    final = os.path.abspath(os.fspath(path))
+    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

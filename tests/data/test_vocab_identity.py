@@ -98,3 +98,11 @@ def test_a_sequence_too_short_to_mask_any_token_is_refused(bpe_files):
     ):
         BERTMaskedWordPieceDatasetConfig(random_seed=1, sequence_length=8, tokenizer=tokenizer)
     BERTMaskedWordPieceDatasetConfig(random_seed=1, sequence_length=10, tokenizer=tokenizer)
+
+
+def test_extra_sentinel_ids_are_the_same_vocabulary(two_vocabs):
+    """T5 data is preprocessed without --vocab-extra-ids and trained with 100 sentinels after the ids."""
+    import dataclasses
+
+    a, _ = two_vocabs
+    assert tokenizer_identity(dataclasses.replace(a, vocab_extra_ids=100)) == tokenizer_identity(a)

@@ -100,3 +100,20 @@ def test_a_megatron_checkpoint_naming_its_tokenizer_exports_without_vocab_size(t
     assert (
         "the checkpoint names no tokenizer" in err and "--vocab-size" in err and "--tokenizer-type" in err
     ), err
+
+
+def test_export_megatron_to_a_full_disk_is_one_line_and_leaves_nothing(tiny, tmp_path, capsys, monkeypatch):
+    import errno
+
+    root, _ = tiny
+
+    def full(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(torch, "save", full)
+    out = tmp_path / "megatron"
+    assert megatron_main(["--load", str(root / "ckpt"), "--save", str(out), "--ckpt-format", "torch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --save {out}: cannot write") and "No space left" in err, err
+    assert not [p for p in out.rglob("*") if p.name.startswith("iter_")]

@@ -189,3 +189,13 @@ def test_written_files_follow_the_umask(tmp_path, tiny_state):
         os.umask(old)
     for path in (tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "config.json", Path(vocab)):
         assert oct(path.stat().st_mode & 0o777) == "0o644", path
+
+
+def test_generate_output_json_under_a_file_is_refused_before_loading(tmp_path, capsys):
+    from mcore.inference.generate import main as generate_main
+
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "out.json"
+    assert generate_main(["--load", str(tmp_path / "none"), "--prompt", "a", "--output-json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --output-json {out}: cannot write") and len(err.splitlines()) == 1, err

@@ -323,6 +323,9 @@ def export_to_megatron(
             _write_torch_dist(tmp, torch_dist_state(state, cfg), common)
         os.replace(tmp, final)
         fsync_dir(root)
+    except (OSError, RuntimeError) as err:  # a full disk (torch.save says RuntimeError): one line
+        shutil.rmtree(tmp, ignore_errors=True)  # the space back, nothing half-written left
+        raise CheckpointError(f"--save {save}: cannot write {tmp}: {err}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
