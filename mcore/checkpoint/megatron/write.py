@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,14 +40,13 @@ from mcore.checkpoint.format import (
     CheckpointError,
     fsync_dir,
     iter_dir_name,
-    new_tmp_token,
     write_tracker,
 )
 from mcore.checkpoint.megatron.args import args_from_model_config
 from mcore.checkpoint.megatron.names import REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param
 from mcore.checkpoint.megatron.read_torch import rank_dir_name
 from mcore.utils.console import configure_console
-from mcore.utils.outputs import OutputError, check_output_dir, read_marker, write_marker
+from mcore.utils.outputs import OutputError, check_output_dir, read_marker, staged_dir, write_marker
 
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 """Modules whose ``_extra_state`` megatron-core's local spec emits (value None)."""
@@ -311,24 +308,19 @@ def export_to_megatron(
     final = root / iter_dir_name(iteration)
     if final.exists():
         raise CheckpointError(f"--save {save}: {final} exists already (choose another --save)")
-    tmp = root / f"{final.name}.tmp-{new_tmp_token()}"
-    tmp.mkdir()
-    try:
-        if ckpt_format == "torch":
-            for (t, p), model_state in megatron_rank_states(state, cfg, tp, pp, names).items():
-                folder = tmp / rank_dir_name(t, p, pp)
-                folder.mkdir()
-                torch.save({**common, "model": model_state}, folder / "model_optim_rng.pt")
-        else:
-            _write_torch_dist(tmp, torch_dist_state(state, cfg), common)
-        os.replace(tmp, final)
+    try:  # the output rule's staging (mcore.utils.outputs): a temporary sibling renamed when complete
+        with staged_dir(final) as staging:
+            tmp = Path(staging)
+            if ckpt_format == "torch":
+                for (t, p), model_state in megatron_rank_states(state, cfg, tp, pp, names).items():
+                    folder = tmp / rank_dir_name(t, p, pp)
+                    folder.mkdir()
+                    torch.save({**common, "model": model_state}, folder / "model_optim_rng.pt")
+            else:
+                _write_torch_dist(tmp, torch_dist_state(state, cfg), common)
         fsync_dir(root)
     except (OSError, RuntimeError) as err:  # a full disk (torch.save says RuntimeError): one line
-        shutil.rmtree(tmp, ignore_errors=True)  # the space back, nothing half-written left
-        raise CheckpointError(f"--save {save}: cannot write {tmp}: {err}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise CheckpointError(f"--save {save}: cannot write {final}: {err}") from None
     write_tracker(root, iteration)
     return final
 
