@@ -3,12 +3,26 @@
 #   bash examples/quickstart.sh                        # CPU, 2 processes
 #   bash examples/quickstart.sh --device-backend cuda  # GPUs
 #   bash examples/quickstart.sh --quick                # a short run
+# It installs into a virtual environment: the active one, $PYTHON's, or else .venv/ in this checkout
+# (created on the first run). The first run spends most of its time installing (torch, the Hugging Face
+# extras: a few minutes on a fresh machine); later runs reuse the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then
+  PY=python3  # the active environment's
+else
+  if [ ! -x .venv/bin/python ]; then
+    echo "quickstart: creating the virtual environment .venv/ (set PYTHON=... to use another interpreter)"
+    python3 -m venv .venv
+  fi
+  PY=.venv/bin/python
+fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
   # No torch yet: the CPU build (a CUDA machine brings its own torch).
+  echo "quickstart: installing torch and mcore into $("$PY" -c 'import sys; print(sys.prefix)') (the first run's longest step)"
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[hf,logging]" matplotlib

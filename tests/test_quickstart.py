@@ -64,6 +64,42 @@ def test_quickstart_quick_mode_produces_every_artifact(tmp_path):
     # the loss curve
     assert (work / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # The docs' next steps, as written, where they say they run (the quickstart's output folder).
+    for page, heading in (
+        ("docs/hugging_face.md", "## The commands"),
+        ("docs/megatron_checkpoints.md", "(run in `quickstart-output/`"),
+    ):
+        for command in doc_commands(REPO / page, heading):
+            assert run_in(work, command) == 0, (page, command)
+    assert (work / "my_hf_model" / "model.safetensors").is_file() and (work / "imported").is_dir()
+
+
+def doc_commands(page, after: str) -> list[list[str]]:
+    """The commands of the first ``bash`` block after the text ``after`` (continuation lines joined)."""
+    import shlex
+
+    text = page.read_text()
+    block = text[text.index("```bash", text.index(after)) + len("```bash") :]
+    block = block[: block.index("```")].replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+
+
+def run_in(folder, command: list[str]) -> int:
+    """``command`` (an ``mcore-*`` console script) in-process, in ``folder``."""
+    from mcore.checkpoint.megatron.write import main as export_megatron
+    from mcore.hf.export import main as export_hf
+    from mcore.hf.importer import main as import_hf
+    from mcore.inference.generate import main as generate
+
+    mains = {"mcore-export-hf": export_hf, "mcore-import-hf": import_hf, "mcore-generate": generate,
+             "mcore-export-megatron": export_megatron}  # fmt: skip
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        return mains[command[0]](command[1:])
+    finally:
+        os.chdir(cwd)
+
 
 def _quickstart_module():
     import importlib.util

@@ -10,7 +10,10 @@ them with this run's and refuses, naming every differing value::
     checkpoint .../iter_0000010 is not compatible with this model: num_attention_heads: the
     checkpoint has 4, this run 8; kv_channels: the checkpoint has 8, this run 4
 
-A vocabulary change (tokenizer size or type) is allowed only with ``--allow-vocab-resize``; the
+The vocabulary's identity (a digest of the tokenizer's files, ``extra["tokenizer_identity"]``,
+:mod:`mcore.data.vocab_identity`) is compared too: another ``vocab.json`` of the same type and size is
+a vocabulary change. A checkpoint without it loads with a warning line.
+A vocabulary change (tokenizer size, type or files) is allowed only with ``--allow-vocab-resize``; the
 word embedding and output layer then keep the rows of the ids both vocabularies have
 (``min(V_saved, V_now)`` rows), and every other row (new ids and padding) starts at zero, weights,
 fp32 masters and Adam moments alike (:func:`zero_rows_from`); rows beyond the new size are dropped.
@@ -147,6 +150,7 @@ def check_compatible(
         vocab.append(
             f"tokenizer vocabulary size: the checkpoint has {int(saved_vocab)}, this run {int(tokenizer_vocab_size)}"
         )
+    vocab += _identity_change(meta, run_config, vocab)
     if vocab and not allow_vocab_resize:
         problems += [
             f"{v} (every token id would read another row; pass {VOCAB_FLAG} to keep the rows of the "
@@ -156,6 +160,35 @@ def check_compatible(
     if problems:
         raise CheckpointError(f"checkpoint {path} is not compatible with this model: " + "; ".join(problems))
     return vocab
+
+
+IDENTITY_KEY = "tokenizer_identity"
+"""``extra[IDENTITY_KEY]``: which token each id means (:mod:`mcore.data.vocab_identity`)."""
+
+
+def _identity_change(meta: dict, run_config: Any, found: list[str]) -> list[str]:
+    """The vocabulary's identity (a digest of its files) when type and size agree but the files differ:
+    another ``vocab.json``/``merges.txt`` of the same size gives every id another token."""
+    from mcore.data.vocab_identity import describe, same_vocab, tokenizer_identity
+
+    saved = (meta.get("extra") or {}).get(IDENTITY_KEY)
+    tokenizer = getattr(run_config, "tokenizer", None)
+    if found or saved is None or tokenizer is None:
+        return []
+    now = tokenizer_identity(tokenizer)
+    if same_vocab(saved, now):
+        return []
+    return [f"vocabulary files: the checkpoint's are {describe(saved)}, this run's {describe(now)}"]
+
+
+def identity_note(path: Any, meta: dict, run_config: Any) -> str | None:
+    """The warning line for a checkpoint that records no vocabulary identity (saved before it was)."""
+    if IDENTITY_KEY in (meta.get("extra") or {}) or getattr(run_config, "tokenizer", None) is None:
+        return None
+    return (
+        f"warning: checkpoint {path} records no vocabulary identity (saved by an older mcore or imported): "
+        "only the tokenizer type and size are compared"
+    )
 
 
 def zero_rows_from(dest: torch.Tensor, wanted: Placement, first_row: int) -> None:

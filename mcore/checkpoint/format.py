@@ -269,7 +269,8 @@ def read_metadata(iter_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         legacy = sorted(p.name for p in iter_dir.glob("mp_rank_*"))
         hint = (
-            f" (it holds Megatron legacy shards {', '.join(legacy[:3])}: convert them first)"
+            f" (it holds Megatron-LM shards {', '.join(legacy[:3])}: --load, mcore-export-hf, mcore-generate and "
+            "mcore-inspect-checkpoint read it directly)"
             if legacy
             else " (an incomplete save?)"
         )

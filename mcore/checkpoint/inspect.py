@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from mcore.checkpoint.format import (
+    FORMAT,
     METADATA,
     TRACKER,
     CheckpointError,
@@ -89,10 +90,17 @@ def describe(root: Path, iteration: int | str | None = None, *, verify: bool = F
         iter_dir = _describe_root(root, iteration, say)
         if iter_dir is None:
             return 1
-    meta = read_metadata(iter_dir)
+    from mcore.checkpoint.megatron.detect import read_any_metadata
+
+    meta = read_any_metadata(iter_dir)  # mcore's, or a Megatron-LM torch / torch_dist checkpoint
+    if meta.get("format") != FORMAT:
+        say(
+            f"a Megatron-LM checkpoint ({meta.get('format')}): --load, mcore-export-hf, mcore-export-megatron"
+        )
+        say("and mcore-generate read it directly (no conversion needed)")
     _describe_iteration(iter_dir, meta, say)
     _describe_tensors(meta, say)
-    if verify:
+    if verify and meta.get("format") == FORMAT:  # a Megatron checkpoint records no checksums
         return _describe_verification(iter_dir, meta, say)
     return 0
 
@@ -166,8 +174,8 @@ def _describe_iteration(iter_dir: Path, meta: dict, say) -> None:
         say("model: " + " ".join(f"{k}={model_cfg[k]}" for k in _MODEL_KEYS if k in model_cfg))
     if meta.get("extra"):
         say("extra: " + " ".join(f"{k}={v}" for k, v in meta["extra"].items()))
-    files = meta.get("files", {})
-    say(f"files: {len(files)} + {METADATA}, {_size(sum(f['size'] for f in files.values()))}")
+    files = meta.get("files") or {}
+    say(f"files: {len(files)} + {METADATA}, {_size(sum(f.get('size', 0) for f in files.values()))}")
 
 
 def _describe_tensors(meta: dict, say) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mcore.checkpoint.buffers import load_buffers
-from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, vocab_rows_kept
+from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, identity_note, vocab_rows_kept
 from mcore.checkpoint.format import (
     TRACKER,
     CheckpointError,
@@ -263,6 +263,9 @@ def check(
             tokenizer_vocab_size=tokenizer_vocab_size,
             allow_vocab_resize=bool(getattr(config, "allow_vocab_resize", False)),
         )
+        note = identity_note(path, meta, run_config)
+        if note:
+            log0(note)
     reader = open_reader(path, meta)
     if resized:
         reader.vocab_rows_kept = vocab_rows_kept(meta, tokenizer_vocab_size)

@@ -70,6 +70,7 @@ class BERTMaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
         super().__post_init__()
         if self.sequence_length < 5:
             raise ConfigError(f"--seq-length {self.sequence_length}: BERT samples need at least 5 tokens")
+        self.check_maskable("--seq-length", 3)  # one [CLS] and two [SEP]
 
 
 class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):

@@ -29,6 +29,7 @@ from mcore.data.indexed_dataset import IndexedDataset, check_token_ids
 from mcore.data.mock_dataset import MockGPTDataset, MockLowLevelDataset
 from mcore.data.splits import SPLIT_NAMES, normalize, parse_blend, parse_split, split_matrix, split_ranges
 from mcore.data.tokenizers import Tokenizer
+from mcore.data.vocab_identity import check_dataset_vocab
 
 Sizes = Sequence[int | None]
 Datasets = tuple[
@@ -150,6 +151,7 @@ def _split_datasets(cls, low, path, matrix, sizes, config: GPTDatasetConfig) -> 
 def _open(prefix: str, config: GPTDatasetConfig) -> IndexedDataset:
     dataset = IndexedDataset(prefix, multimodal=False, mmap=config.mmap_bin_files)
     if config.tokenizer is not None:  # ids the model cannot embed: fail here, naming the file
+        check_dataset_vocab(prefix, getattr(config.tokenizer, "identity", None))  # another vocabulary
         check_token_ids(dataset, config.tokenizer.vocab_size)
     return dataset
 

@@ -28,6 +28,7 @@ so its samples are not reproducible, and no Megatron model script turns it on.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -88,6 +89,21 @@ class MaskedWordPieceDatasetConfig:
     """Favour long n-grams (``P(n) ∝ 1/(max + 1 - n)``)."""
     masking_use_geometric_distribution: bool = False
     """Draw the n-gram size from geometric(0.2) (SpanBERT)."""
+
+    def check_maskable(self, flag: str, room: int) -> None:
+        """Refuse a configuration under which no token is ever masked (the loss would be zero and the
+        run would exit 0 having learned nothing): a sample masks at most ``--mask-prob`` x its target
+        length (``sequence_length - room``: the special tokens) tokens, rounded down in effect, as
+        in Megatron's budget; below 1 it masks none."""
+        target = self.sequence_length - room
+        if self.masking_probability * target < 1.0:
+            need = math.ceil(1.0 / self.masking_probability) + room
+            raise ConfigError(
+                f"{flag} {self.sequence_length} with --mask-prob {self.masking_probability}: a sample of at most "
+                f"{target} tokens can mask {self.masking_probability} x {target} < 1 token, so no token is ever "
+                f"masked and the loss cannot train; raise {flag} to at least {need} or --mask-prob to at least "
+                f"{1.0 / max(target, 1):.3g}"
+            )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.masking_probability < 1.0:

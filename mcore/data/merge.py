@@ -20,7 +20,9 @@ from mcore.config.cli import parse_config
 from mcore.config.fields import check, flag
 from mcore.data.errors import DataError
 from mcore.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path
+from mcore.data.vocab_identity import describe, read_dataset_vocab, write_dataset_vocab
 from mcore.utils.console import configure_console
+from mcore.utils.outputs import OutputError, check_output_files
 
 PROG = "mcore-merge-datasets"
 
@@ -74,6 +76,8 @@ def merge_datasets(prefixes: Sequence[str], out_prefix: str) -> IndexedDataset:
     """
     if not prefixes:
         raise DataError("nothing to merge")
+    _check_output(prefixes, out_prefix)
+    identity = _common_vocab(prefixes)
     first = IndexedDataset(prefixes[0])
     out_dir = os.path.dirname(out_prefix)
     if out_dir:
@@ -82,7 +86,32 @@ def merge_datasets(prefixes: Sequence[str], out_prefix: str) -> IndexedDataset:
         for prefix in prefixes:
             builder.add_index(prefix)
         builder.finalize(idx_path(out_prefix))
+    write_dataset_vocab(out_prefix, identity)
     return IndexedDataset(out_prefix)
+
+
+def _common_vocab(prefixes: Sequence[str]) -> dict | None:
+    """The tokenizer identity the inputs record (:mod:`mcore.data.vocab_identity`); inputs made with
+    different tokenizers are refused, naming two of them (one that records none is not compared)."""
+    known = [(p, v) for p in prefixes if (v := read_dataset_vocab(p)) is not None]
+    for prefix, identity in known[1:]:
+        if identity != known[0][1]:
+            raise DataError(
+                f"--input {prefix} was made with another tokenizer ({describe(identity)}) than "
+                f"{known[0][0]} ({describe(known[0][1])}): the merged ids would mean different tokens"
+            )
+    return known[0][1] if known and len(known) == len(prefixes) else None
+
+
+def _check_output(prefixes: Sequence[str], out_prefix: str) -> None:
+    """The output rule (:mod:`mcore.utils.outputs`): the merged pair is none of the inputs' files."""
+    inputs = [path for p in prefixes for path in (bin_path(p), idx_path(p))]
+    try:
+        check_output_files(
+            "--output-prefix", out_prefix, [bin_path(out_prefix), idx_path(out_prefix)], {"--input": inputs}
+        )
+    except OutputError as err:
+        raise DataError(str(err)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

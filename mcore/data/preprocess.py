@@ -65,7 +65,9 @@ from mcore.data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path
 from mcore.data.parquet_input import PARQUET_SUFFIX, check_parquet_file, is_parquet, parquet_json_lines
 from mcore.data.sentences import split_sentences
 from mcore.data.tokenizers import Tokenizer, build_tokenizer
+from mcore.data.vocab_identity import tokenizer_identity, write_dataset_vocab
 from mcore.utils.console import configure_console
+from mcore.utils.outputs import OutputError, check_output_files
 
 PROG = "mcore-preprocess-data"
 _INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", PARQUET_SUFFIX)
@@ -405,6 +407,11 @@ def preprocess(
     dtype = optimal_dtype(tokenizer.vocab_size)
     level = "sentence" if config.split_sentences else "document"
     prefixes = {key: output_prefix(config.output_prefix, key, level) for key in config.json_keys}
+    try:  # the output rule (mcore.utils.outputs): creatable, and none of the input files
+        outputs = [path for p in prefixes.values() for path in (bin_path(p), idx_path(p))]
+        check_output_files("--output-prefix", config.output_prefix, outputs, {"--input": files})
+    except OutputError as err:
+        raise DataError(str(err)) from None
     builders = _open_builders(config, prefixes, dtype)
     progress = _Progress(config.log_interval, sys.stderr if stream is None else stream)
     consume = _Consumer(config, builders, progress)
@@ -416,8 +423,10 @@ def preprocess(
                 f"--input {config.input}: --bad-lines skip skipped every line ({len(consume.skipped)}; the "
                 f"first, {path}:{line_no}: {reason}): no document to write, so no dataset is written"
             )
+        identity = tokenizer_identity(tokenizer_config)
         for key, builder in builders.items():
             builder.finalize(idx_path(prefixes[key]))
+            write_dataset_vocab(prefixes[key], identity)  # which tokenizer: checked when opened, merged
     except OSError as err:  # writing the outputs (reading the inputs fails earlier or as DataError)
         for builder in builders.values():
             builder.abort()
@@ -550,7 +559,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path, line_no, reason in result.skipped_lines[:5]:
             print(f"  {path}:{line_no}: {reason}", file=sys.stderr)
     for key, prefix in result.outputs.items():
-        print(f"{PROG}: wrote {prefix}.bin and {prefix}.idx (--json-keys {key})", file=sys.stderr)
+        print(
+            f"{PROG}: wrote {prefix}.bin and {prefix}.idx, and the tokenizer's identity {prefix}.tokenizer.json "
+            f"(--json-keys {key})",
+            file=sys.stderr,
+        )
     return 0
 
 

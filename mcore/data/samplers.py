@@ -30,6 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
+from mcore.data.errors import DataError
+
 
 def check_sampler_layout(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:
     """Raise ``ValueError`` unless the sizes are positive and the rank is in ``[0, data_parallel_size)``."""
@@ -60,9 +62,10 @@ class PretrainingSampler:
         if total_samples <= 0:
             raise ValueError(f"the dataset has no samples (total_samples={total_samples})")
         if not 0 <= consumed_samples < total_samples:
-            raise ValueError(
+            raise DataError(  # a user error: one line, no traceback (a ValueError subclass)
                 f"consumed_samples={consumed_samples} leaves no samples in a dataset of {total_samples}; "
-                "the run has used all the data it was built for (ask for more samples)"
+                "the run has used all the data it was built for (ask for more samples: --train-iters/"
+                "--train-samples, --eval-iters)"
             )
         check_sampler_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples

@@ -158,6 +158,7 @@ class T5DatasetConfig(MaskedWordPieceDatasetConfig):
             raise DataError(f"--decoder-seq-length {self.sequence_length_decoder} must be at least 2")
         object.__setattr__(self, "tokenizer", t5_tokenizer(self.tokenizer))
         super().__post_init__()
+        self.check_maskable("--encoder-seq-length", 2)  # BOS and EOS
 
 
 class T5Dataset(MaskedWordPieceDataset):

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mcore.data.errors import DataError
+from mcore.utils.outputs import with_umask
 
 if TYPE_CHECKING:
     from mcore.data.config import TokenizerConfig
@@ -61,6 +62,8 @@ class Tokenizer:
 
     vocab_size: int
     pad: int | None = None
+    identity: dict | None = None
+    """Which token each id means (:mod:`mcore.data.vocab_identity`); set by :func:`build_tokenizer`."""
 
     @property
     def eod(self) -> int:
@@ -414,7 +417,16 @@ class NullTokenizer(Tokenizer):
 
 
 def build_tokenizer(config: TokenizerConfig) -> Tokenizer:
-    """The tokenizer ``config.tokenizer_type`` names, from the files/sizes the config gives."""
+    """The tokenizer ``config.tokenizer_type`` names, from the files/sizes the config gives, with the
+    identity of its vocabulary (:mod:`mcore.data.vocab_identity`) as ``identity``."""
+    from mcore.data.vocab_identity import tokenizer_identity
+
+    tokenizer = _build_tokenizer(config)
+    tokenizer.identity = tokenizer_identity(config)
+    return tokenizer
+
+
+def _build_tokenizer(config: TokenizerConfig) -> Tokenizer:
     kind = config.tokenizer_type
     if kind == "GPT2BPETokenizer":
         assert config.vocab_file is not None and config.merge_file is not None
@@ -552,6 +564,7 @@ def train_wordpiece_vocab(
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.writelines(token + "\n" for token, _ in vocab)
+        with_umask(staging)  # mkstemp makes it 0600
         os.replace(staging, final)
     except BaseException:
         if os.path.exists(staging):

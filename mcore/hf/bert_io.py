@@ -70,6 +70,7 @@ from mcore.hf.staging import (
     move_tokenizer_files,
     prepare_output,
     read_hf_weights,
+    staged_import_dir,
     staged_output_dir,
     tokenizer_staging_dir,
     write_json,
@@ -294,11 +295,12 @@ def export_bert_to_hf(
     tolerance: float = DEFAULT_TOLERANCE,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
+    replace_foreign: bool = False,
 ) -> ExportReport:
     """:func:`mcore.hf.export.export_to_hf` for a BERT checkpoint (same arguments and report)."""
     cfg = model_config_from_run_config(run_config)
     check_bert_exportable(cfg)
-    prepare_output(output_dir, overwrite)
+    prepare_output(output_dir, overwrite, replace_foreign=replace_foreign)
     files, generic_tokenizer, size = _export_tokenizer(
         run_config, tokenizer_config, vocab_size, fallback_vocab_size
     )
@@ -433,27 +435,28 @@ def _save_bert_checkpoint(
     """Commit: the ``vocab.txt`` next to the checkpoint, then the checkpoint; return the moved files."""
     from mcore import checkpoint
 
-    os.makedirs(save_dir, exist_ok=True)
     tokenizer_group: dict[str, Any] = {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1}
-    if files is not None:
-        final = move_tokenizer_files(staging, save_dir)
-        files = dataclasses.replace(files, vocab_file=os.path.join(final, "vocab.txt"))
-        tokenizer_group = {"tokenizer_type": files.tokenizer_type, "vocab_file": files.vocab_file}
-    run_config = {
-        "model": dataclasses.asdict(cfg),
-        "tokenizer": tokenizer_group,
-        "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
-    }
-    checkpoint.save_logical_model_checkpoint(
-        save_dir,
-        state,
-        run_config,
-        metadata={
-            "tokenizer_vocab_size": len(files.tokens()) if files is not None else vocab_size,
-            "bert_binary_head": heads.add_binary_head,
-            "imported_from": os.path.abspath(hf_dir),
-        },
-    )
+    tokens = len(files.tokens()) if files is not None else vocab_size  # read while the files are staged
+    with staged_import_dir(save_dir) as out:  # the whole --save appears at once, or not at all
+        if files is not None:
+            final = move_tokenizer_files(staging, out, save_dir)
+            files = dataclasses.replace(files, vocab_file=os.path.join(final, "vocab.txt"))
+            tokenizer_group = {"tokenizer_type": files.tokenizer_type, "vocab_file": files.vocab_file}
+        run_config = {
+            "model": dataclasses.asdict(cfg),
+            "tokenizer": tokenizer_group,
+            "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
+        }
+        checkpoint.save_logical_model_checkpoint(
+            out,
+            state,
+            run_config,
+            metadata={
+                "tokenizer_vocab_size": tokens,
+                "bert_binary_head": heads.add_binary_head,
+                "imported_from": os.path.abspath(hf_dir),
+            },
+        )
     return files
 
 

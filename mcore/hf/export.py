@@ -42,6 +42,7 @@ from mcore.hf.reports import ExportReport
 from mcore.hf.staging import (
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
+    REPLACE_FOREIGN_FLAG,
     dtype_name,
     export_dtype,
     prepare_output,
@@ -75,6 +76,7 @@ def export_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     architecture: str | None = None,
+    replace_foreign: bool = False,
 ) -> ExportReport:
     """Write the Hugging Face directory of a logical model state (see the module docstring).
 
@@ -92,6 +94,9 @@ def export_to_hf(
         tolerance: the largest allowed fp32 logit difference.
         architecture: the GPT-style class to write (``Qwen2ForCausalLM``, ``MistralForCausalLM``, ...;
             default: the one the model config implies, :func:`mcore.hf.gpt_state.hf_family`).
+        overwrite: replace an earlier export of this tool in ``output_dir`` (it has the marker file).
+        replace_foreign: replace a non-empty ``output_dir`` that is not an earlier export
+            (``--overwrite-non-export``); never one that is, holds or lies inside the checkpoint.
     """
     family = family_of_state(state)  # BERT or T5 by their tensors; else GPT-2 / Llama by the config
     if family is not None and family.export_to_hf is not None:  # BERT: its heads and WordPiece files
@@ -107,11 +112,12 @@ def export_to_hf(
             tolerance=tolerance,
             max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
+            replace_foreign=replace_foreign,
         )
     cfg = model_config_from_run_config(run_config)
     family = family or FAMILIES[hf_family(cfg, architecture)]
     family.check_exportable(cfg)
-    prepare_output(output_dir, overwrite)
+    prepare_output(output_dir, overwrite, replace_foreign=replace_foreign)
     tokenizer, info = _export_tokenizer(run_config, tokenizer_config, vocab_size, fallback_vocab_size)
     dtype = export_dtype(dtype, state)
     tensors = {k: v.to(dtype) for k, v in family.mcore_to_hf(state, cfg, info.vocab_size).items()}
@@ -174,6 +180,13 @@ def export_checkpoint(
     """:func:`export_to_hf` of the checkpoint in ``load_dir`` (latest iteration, or ``iteration``)."""
     from mcore import checkpoint
 
+    # Before anything is read: never into or around the checkpoint, never over a foreign directory.
+    prepare_output(
+        output_dir,
+        kwargs.get("overwrite", False),
+        replace_foreign=kwargs.get("replace_foreign", False),
+        load_dir=load_dir,
+    )
     if not hasattr(checkpoint, "load_logical_model_state"):
         raise ConversionError(
             "this mcore has no checkpoint reader (mcore.checkpoint.load_logical_model_state)"
@@ -185,7 +198,9 @@ def export_checkpoint(
             f"{load_dir}: the checkpoint records no run configuration; cannot tell the model"
         )
     extra = (metadata or {}).get("extra") or {}
-    saved_vocab = extra.get("tokenizer_vocab_size")
+    saved_vocab = extra.get("tokenizer_vocab_size") or ((metadata or {}).get("megatron") or {}).get(
+        "vocab_size"
+    )  # a Megatron checkpoint's args
     if kwargs.get("architecture") is None and extra.get("hf_architecture") in FAMILY_OF_ARCHITECTURE:
         # An imported model goes back to its own class (Qwen2, Mistral: subsets of what Llama holds).
         kwargs["architecture"] = extra["hf_architecture"]
@@ -233,7 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="Largest fp32 logit difference."
     )
     parser.add_argument("--no-parity-check", action="store_true", help="Skip the logit-parity check.")
-    parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --save directory.")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="Replace an earlier export of this tool in --save."
+    )
+    parser.add_argument(
+        REPLACE_FOREIGN_FLAG,
+        action="store_true",
+        help="Replace a non-empty --save that is not an earlier export (never the --load checkpoint).",
+    )
     parser.add_argument(
         "--architecture",
         default=None,
@@ -301,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tolerance=args.tolerance,
             overwrite=args.overwrite,
             architecture=args.architecture,
+            replace_foreign=args.overwrite_non_export,
         )
     )
 

@@ -40,6 +40,7 @@ import torch
 
 from mcore.config.fields import ConfigError
 from mcore.data.config import TokenizerConfig
+from mcore.data.vocab_identity import tokenizer_identity
 from mcore.hf.errors import ConversionError
 from mcore.hf.families import family_of_hf
 from mcore.hf.family import HfFamily
@@ -48,6 +49,7 @@ from mcore.hf.parity import DEFAULT_TOLERANCE
 from mcore.hf.reports import ImportReport
 from mcore.hf.staging import (
     DTYPES,
+    check_import_output,
     check_import_target,
     check_word_rows,
     import_dtype,
@@ -55,6 +57,7 @@ from mcore.hf.staging import (
     read_hf_config,
     read_hf_weights,
     relocate_tokenizer,
+    staged_import_dir,
     tokenizer_staging_dir,
 )
 from mcore.hf.tokenizer import check_tokenizer_matches, import_hf_tokenizer, load_tokenizer
@@ -87,6 +90,7 @@ def import_from_hf(
 ) -> ImportReport:
     """Convert ``hf_dir`` into a model-only mcore checkpoint in ``save_dir`` (see the module docstring)."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    check_import_output(hf_dir, save_dir)  # before anything is read
     hf = read_hf_config(hf_dir)
     where = os.path.join(hf_dir, "config.json")
     family = family_of_hf(hf, where)
@@ -152,29 +156,32 @@ def _save_checkpoint(
     from mcore import checkpoint
 
     cfg, vocab_size = report.model_config, report.vocab_size
-    os.makedirs(save_dir, exist_ok=True)
     tok_config = report.tokenizer_config
-    if tok_config is not None:
-        final = move_tokenizer_files(staging, save_dir)
-        tok_config = relocate_tokenizer(tok_config, staging, final)
-        report.tokenizer_config = tok_config
-    run_config = {
-        "model": dataclasses.asdict(cfg),
-        "tokenizer": dataclasses.asdict(tok_config)
-        if tok_config is not None
-        else {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1},
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
-    }
-    checkpoint.save_logical_model_checkpoint(
-        save_dir,
-        state,
-        run_config,
-        metadata={
-            "tokenizer_vocab_size": vocab_size,
-            "imported_from": os.path.abspath(hf_dir),
-            "hf_architecture": report.architecture,
-        },
-    )
+    null = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=vocab_size - 1)
+    identity = tokenizer_identity(tok_config or null)  # the staged files' contents: compared on resume
+    with staged_import_dir(save_dir) as out:  # the whole --save appears at once, or not at all
+        if tok_config is not None:
+            final = move_tokenizer_files(staging, out, save_dir)
+            tok_config = relocate_tokenizer(tok_config, staging, final)
+            report.tokenizer_config = tok_config
+        run_config = {
+            "model": dataclasses.asdict(cfg),
+            "tokenizer": dataclasses.asdict(tok_config)
+            if tok_config is not None
+            else {"tokenizer_type": "NullTokenizer", "vocab_size": vocab_size - 1},
+            "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        }
+        checkpoint.save_logical_model_checkpoint(
+            out,
+            state,
+            run_config,
+            metadata={
+                "tokenizer_vocab_size": vocab_size,
+                "tokenizer_identity": identity,
+                "imported_from": os.path.abspath(hf_dir),
+                "hf_architecture": report.architecture,
+            },
+        )
 
 
 def import_flags(report: ImportReport) -> list[str]:

@@ -10,11 +10,9 @@ checkpoint is written.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -24,6 +22,7 @@ import torch
 
 from mcore.data.config import TokenizerConfig
 from mcore.hf.errors import ConversionError
+from mcore.utils.outputs import OutputError, check_output_dir, staged_dir, with_umask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -76,18 +75,28 @@ def write_safetensors(
         shards[-1][name] = tensor.detach().cpu().contiguous()
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        _save_shard(save_file, shards[0], os.path.join(out_dir, "model.safetensors"))
         return ["model.safetensors"]
     files, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        _save_shard(save_file, shard, os.path.join(out_dir, name))
         files.append(name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return [*files, "model.safetensors.index.json"]
+
+
+def _save_shard(save_file, tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """``save_file`` (safetensors), its errors (a full disk raises safetensors' own error, not an
+    OSError) as one line naming the file; the caller's staging removes what was written."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+        with_umask(path)  # safetensors writes 0600
+    except Exception as err:  # noqa: BLE001 - SafetensorError, OSError: one line, not a traceback
+        raise ConversionError(f"cannot write {path}: {err}") from None
 
 
 def write_json(path: str, obj) -> None:
@@ -97,33 +106,37 @@ def write_json(path: str, obj) -> None:
         f.write("\n")
 
 
-@contextlib.contextmanager
+EXPORT_TOOL = "mcore-export-hf"
+IMPORT_TOOL = "mcore-import-hf"
+REPLACE_FOREIGN_FLAG = "--overwrite-non-export"
+"""export-hf's flag that replaces a non-empty ``--save`` which is not an earlier export of it."""
+
+
 def staged_output_dir(output_dir: str):
     """A fresh directory beside ``output_dir`` (absolute) to write the export into: when the block
-    ends without an error it replaces ``output_dir``; on any error it is removed and ``output_dir``
-    is left as it was."""
-    parent = os.path.dirname(output_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(output_dir)}.tmp-{secrets.token_hex(4)}")
-    os.makedirs(staging)
+    ends without an error it gets the export's marker and replaces ``output_dir``; on any error it is
+    removed and ``output_dir`` is left as it was (:func:`mcore.utils.outputs.staged_dir`)."""
+    return staged_dir(output_dir, tool=EXPORT_TOOL)
+
+
+def prepare_output(
+    output_dir: str, overwrite: bool, *, replace_foreign: bool = False, load_dir: str | None = None
+) -> None:
+    """Refuse an export into a file, into or around ``load_dir``, into a non-empty directory without
+    ``overwrite``, or over a directory that is not an earlier export without ``replace_foreign``
+    (:func:`mcore.utils.outputs.check_output_dir`)."""
     try:
-        yield staging
-        if os.path.isdir(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(staging, output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def prepare_output(output_dir: str, overwrite: bool) -> None:
-    """Refuse an export into a file, or into a non-empty directory without ``overwrite``."""
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ConversionError(f"--save {output_dir}: exists and is not a directory")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise ConversionError(
-            f"--save {output_dir}: the directory is not empty (give --overwrite to replace it)"
+        check_output_dir(
+            "--save",
+            output_dir,
+            tool=EXPORT_TOOL,
+            inputs={"--load": load_dir} if load_dir else None,
+            overwrite=overwrite,
+            replace_flag=REPLACE_FOREIGN_FLAG,
+            replace_foreign=replace_foreign,
         )
+    except OutputError as err:
+        raise ConversionError(str(err)) from None
 
 
 # -- import: reading a directory --------------------------------------------------------------------
@@ -150,10 +163,18 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     """The state dict in ``model.safetensors`` (or its sharded index), else ``pytorch_model.bin``."""
     from safetensors.torch import load_file
 
+    def load(path: str) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(path)
+        except Exception as err:  # noqa: BLE001 - SafetensorError: a truncated or foreign file, one line
+            raise ConversionError(
+                f"--hf-dir {hf_dir}: {path} cannot be read (truncated or damaged?): {err}"
+            ) from None
+
     single = os.path.join(hf_dir, "model.safetensors")
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(single):
-        return load_file(single)
+        return load(single)
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map", {})
@@ -162,7 +183,7 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
             path = os.path.join(hf_dir, name)
             if not os.path.isfile(path):
                 raise ConversionError(f"{index} names {name}, which is missing")
-            state.update(load_file(path))
+            state.update(load(path))
         return state
     binary = os.path.join(hf_dir, "pytorch_model.bin")
     if os.path.isfile(binary):
@@ -188,9 +209,19 @@ def check_import_target(hf: Mapping[str, Any], where: str, save_dir: str) -> int
     vocab_size = hf.get("vocab_size")
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ConversionError(f"{where}: vocab_size={vocab_size!r} must be a positive integer")
-    if os.path.isdir(save_dir) and os.listdir(save_dir):
-        raise ConversionError(f"--save {save_dir}: the directory is not empty")
+    check_import_output(os.path.dirname(where), save_dir)
     return vocab_size
+
+
+def check_import_output(hf_dir: str, save_dir: str) -> None:
+    """An import never overwrites, and never writes into or around ``--hf-dir``
+    (:func:`mcore.utils.outputs.check_output_dir`)."""
+    try:
+        check_output_dir(
+            "--save", save_dir, tool=IMPORT_TOOL, inputs={"--hf-dir": hf_dir}, overwrite_flag=None
+        )
+    except OutputError as err:
+        raise ConversionError(str(err)) from None
 
 
 def tokenizer_staging_dir(save_dir: str) -> str:
@@ -198,14 +229,22 @@ def tokenizer_staging_dir(save_dir: str) -> str:
     succeeds (the caller removes what is left of it)."""
     parent = os.path.dirname(os.path.abspath(save_dir))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    staging = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    with_umask(staging, directory=True)  # it becomes CKPT_DIR/tokenizer: mkdtemp makes it 0700
+    return staging
 
 
-def move_tokenizer_files(staging: str, save_dir: str) -> str:
-    """Move the staged tokenizer files to ``save_dir/tokenizer``; return that directory."""
-    final = os.path.join(os.path.abspath(save_dir), TOKENIZER_SUBDIR)
-    shutil.move(staging, final)
-    return final
+def move_tokenizer_files(staging: str, out_dir: str, save_dir: str) -> str:
+    """Move the staged tokenizer files to ``out_dir/tokenizer`` (``out_dir``: the staged ``save_dir``);
+    return where they will be once ``out_dir`` is renamed to ``save_dir``."""
+    shutil.move(staging, os.path.join(out_dir, TOKENIZER_SUBDIR))
+    return os.path.join(os.path.abspath(save_dir), TOKENIZER_SUBDIR)
+
+
+def staged_import_dir(save_dir: str):
+    """The staged directory of an import (:func:`mcore.utils.outputs.staged_dir`): renamed to
+    ``save_dir`` once the checkpoint is complete."""
+    return staged_dir(save_dir, tool=IMPORT_TOOL)
 
 
 def relocate_tokenizer(config: TokenizerConfig, old: str, new: str) -> TokenizerConfig:

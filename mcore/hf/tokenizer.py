@@ -49,8 +49,9 @@ def load_tokenizer(config: TokenizerConfig | None) -> Tokenizer | None:
         return build_tokenizer(config)
     except (DataError, AssertionError) as err:
         raise ConversionError(
-            f"cannot load the run's tokenizer ({config.tokenizer_type}): {err}; point to its files with "
-            "--vocab-file/--merge-file or --tokenizer-model, or give --vocab-size to export without one"
+            f"cannot load the checkpoint's tokenizer ({config.tokenizer_type}): {err}; point to its files with "
+            "--tokenizer-type and --vocab-file/--merge-file or --tokenizer-model, or give --vocab-size to export "
+            "without one"
         ) from None
 
 
@@ -59,7 +60,8 @@ def tokenizer_info(tokenizer: Tokenizer | None, vocab_size: int | None = None) -
     if tokenizer is None:
         if vocab_size is None:
             raise ConversionError(
-                "the run names no tokenizer, so the real vocabulary size is unknown: give --vocab-size"
+                "the checkpoint names no tokenizer, so its real vocabulary size is unknown: give --vocab-size, "
+                "or --tokenizer-type with its files (--vocab-file/--merge-file or --tokenizer-model)"
             )
         return TokenizerInfo(vocab_size, None, None, None)
     size = vocab_size if vocab_size is not None else tokenizer.vocab_size

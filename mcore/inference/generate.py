@@ -49,6 +49,7 @@ from mcore.inference.loading import (
     tokenizer_config_from_run_config,
 )
 from mcore.inference.t5_generation import T5TextGenerator
+from mcore.utils.outputs import check_writable, write_text_atomic
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,23 +167,20 @@ def load_generator(
     reads only its own shards (:func:`mcore.checkpoint.load_checkpoint` with ``--finetune``
     semantics), whatever layout the checkpoint was saved at.
     """
-    from mcore.checkpoint import (
-        CheckpointConfig,
-        CheckpointError,
-        load_checkpoint,
-        read_metadata,
-        resolve_iteration_dir,
-    )
+    from mcore.checkpoint import CheckpointConfig, CheckpointError, load_checkpoint, resolve_iteration_dir
+    from mcore.checkpoint.megatron.detect import read_any_metadata
 
     path = resolve_iteration_dir(load, iteration)
     if path is None:
         raise CheckpointError(f"{load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    metadata = read_metadata(path)
+    metadata = read_any_metadata(path)  # mcore's, or a Megatron-LM torch / torch_dist checkpoint
     run_config = metadata.get("run_config") or {}
     cfg = model_config_from_run_config(run_config)
     tok_config = tokenizer_config or tokenizer_config_from_run_config(run_config)
     tokenizer = build_tokenizer(tok_config) if tok_config is not None else None
-    vocab_size = (metadata.get("extra") or {}).get("tokenizer_vocab_size")
+    vocab_size = (metadata.get("extra") or {}).get("tokenizer_vocab_size") or (
+        metadata.get("megatron") or {}
+    ).get("vocab_size")
     if tokenizer is not None:
         vocab_size = tokenizer.vocab_size
     if vocab_size is None:
@@ -300,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "context parallelism; use --context-parallel-size 1 (a checkpoint trained with it loads at 1)",
         )
         params = gen.sampling()
+        if gen.output_json:  # found now, not after the model is loaded and the text generated
+            check_writable("--output-json", gen.output_json, directory=False)
         backend = select_backend(parallel.device_backend)
         groups = initialize_parallel(replace(parallel, sequence_parallel=False), backend)
     except (ConfigError, ValueError, BackendSelectionError, PluginError) as err:
@@ -326,8 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             body = r["text"] if r["text"] is not None else " ".join(map(str, r["generated_ids"]))
             print(f"{shown!r} -> {body!r} ({FINISH_REASONS[r['finish_reason']]})", flush=True)
         if gen.output_json:
-            with open(gen.output_json, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=2)
+            write_text_atomic(gen.output_json, json.dumps(results, indent=2))
     del generator, groups  # they hold the group handles that destroy_parallel must free
     destroy_parallel()
     return 0

@@ -17,8 +17,10 @@ optimizer -> LR schedule -> load checkpoint -> data loaders (:func:`build_traini
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -61,6 +63,7 @@ from mcore.training.run_config import RunConfig, parse_run_config
 from mcore.training.timers import Timers
 from mcore.training.trainer import Trainer, print_rank_0, print_rank_last
 from mcore.utils.console import configure_console
+from mcore.utils.outputs import OutputError, check_not_input, check_writable, relation
 
 __all__ = [
     "GRAPH_SAFE_RECOMPUTE_MODULES",
@@ -146,6 +149,7 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
     )
     if training.device_graph_impl == "local":
         check_layer_graphs(cfg, backend)
+    check_save_dir(cfg.checkpoint.save, cfg.checkpoint.load)
     if "fp8" in cfg.as_dict():
         cfg.fp8.check_with(
             model.num_layers,
@@ -154,6 +158,20 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         )
     return cfg.replace(training=training)
+
+
+def check_save_dir(save: str | None, load: str | None) -> None:
+    """``--save`` can be written (not under a file, not in a read-only directory): found now, not at
+    the first save hours later. ``--save`` equal to ``--load`` is Megatron's resume; one nested in the
+    other is refused (the output rule of :mod:`mcore.utils.outputs`)."""
+    if not save:
+        return
+    try:
+        check_writable("--save", save, directory=True)
+        if load and relation(save, load) not in (None, "is"):
+            check_not_input("--save", save, {"--load": load})
+    except OutputError as err:
+        raise ConfigError(str(err)) from None
 
 
 def build_model(
@@ -214,17 +232,29 @@ def pipeline_tensor_shapes(cfg: RunConfig, groups: ProcessGroups, model_type: Mo
     )
 
 
-def train_valid_test_num_samples(cfg: RunConfig) -> tuple[int, int, int]:
-    """Samples each split must provide (Megatron's formula)."""
+def train_valid_test_num_samples(cfg: RunConfig, state: TrainState | None = None) -> tuple[int, int, int]:
+    """Samples each split must provide (Megatron's formula).
+
+    On a resume (``state``) each split also covers the samples already consumed plus what the rest of
+    the run reads at *this* run's batch settings: a smaller ``--global-batch-size`` or ``--eval-iters``
+    than the checkpoint's run otherwise leaves the consumed position past the end of the split. The
+    positions continue from the consumed counts, as in Megatron; unchanged settings give Megatron's
+    counts exactly."""
     t = cfg.training
+    gbs = t.global_batch_size
     if t.train_samples is not None:
         train = t.train_samples
-        iters = math.ceil(train / t.global_batch_size)
+        iters = math.ceil(train / gbs)
     else:
         iters = t.train_iters or 0
-        train = iters * t.global_batch_size
+        train = iters * gbs
     evals = (iters // t.eval_interval + 1) * t.eval_iters
-    return train, evals * t.global_batch_size, t.eval_iters * t.global_batch_size
+    valid = evals * gbs
+    if state is not None and state.iteration > 0:
+        left = max(iters - state.iteration, 0)
+        train = max(train, state.consumed_train_samples + left * gbs)
+        valid = max(valid, state.consumed_valid_samples + (left // t.eval_interval + 1) * t.eval_iters * gbs)
+    return train, valid, t.eval_iters * gbs
 
 
 def build_data_iterators(
@@ -241,7 +271,7 @@ def build_data_iterators(
     last pipeline stage; every stage with ``every_stage``, as an encoder's padding mask and an
     encoder-decoder model's masks are needed by every layer), one iterator per model chunk (each chunk
     reads the same micro-batches)."""
-    datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg))
+    datasets = datasets_provider(cfg, tokenizer, train_valid_test_num_samples(cfg, state))
     # A split asked for no samples (--eval-iters 0) may hold none (a tiny test share): no loader then.
     datasets = [ds if ds is not None and len(ds) > 0 else None for ds in datasets]
     exists = tuple(ds is not None for ds in datasets)
@@ -341,14 +371,16 @@ def pretrain(
     """
     configure_console()
     try:
-        cfg = cfg or parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
+        cfg = cfg or _parse_once(argv, extra_config_groups, args_defaults)
         backend = setup_backend(cfg)
         world_size = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
         cfg = check_run_config(cfg, backend, world_size)
         owns_process_group = not dist.is_initialized()
         groups = initialize_parallel(cfg.parallel, backend)
     except (ConfigError, BackendSelectionError, PluginError) as err:
-        logger.error(f"error: {err}")
+        # The flags are the same on every rank, and so is the error: one line (rank 0's), not one per rank.
+        if _launch_rank() == 0:
+            logger.error(f"error: {err}")
         raise SystemExit(2) from None
     try:
         with watch_job(groups, cfg.parallel, user_errors=USER_ERRORS):
@@ -365,6 +397,25 @@ def pretrain(
         if owns_process_group:
             groups = None  # noqa: F841 - the last handle of every subgroup must go before the collection
             destroy_parallel()
+
+
+def _parse_once(argv, extra_config_groups, args_defaults) -> RunConfig:
+    """:func:`parse_run_config`, whose usage errors and ``--help`` (argparse prints them) only rank 0
+    shows: the flags are the same on every rank, so a torchrun job shows one message, not one per rank."""
+    if _launch_rank() == 0:
+        return parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        return parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
+
+
+def _launch_rank() -> int:
+    """This process's rank before the process groups exist (0 when it cannot be told)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return LaunchEnv.from_environ().rank
+    except Exception:  # noqa: BLE001 - an unusable launch environment: say the error anyway
+        return 0
 
 
 def _pretrain(

@@ -104,6 +104,12 @@ class Trainer:
         """The built run that :meth:`train` trains (set by :meth:`from_context`)."""
         self.model_flops_per_sample: Callable = gpt_flops_per_sample
         """``(model_config, padded_vocab_size) -> FLOPs`` of one training sample (the throughput line)."""
+        self.stop_evaluating: Callable[[], bool] | None = None
+        """With ``--exit-signal-handler``: whether the ranks agree a signal came (a collective, asked
+        after every evaluation step, so a preemption notice is acted on within one step, not after
+        the whole evaluation that the launcher's grace period may not cover)."""
+        self.eval_steps_done = 0
+        """Steps the last :meth:`evaluate` ran (fewer than asked when a signal stopped it)."""
 
     @classmethod
     def from_context(
@@ -233,14 +239,17 @@ class Trainer:
     def evaluate(self, data_iterator, iters: int) -> dict[str, float]:
         for chunk in self.model:
             chunk.eval()
-        steps = [
-            self._average_logs(self._run_schedule(data_iterator, forward_only=True)) for _ in range(iters)
-        ]
+        steps = []
+        for _ in range(iters):
+            steps.append(self._average_logs(self._run_schedule(data_iterator, forward_only=True)))
+            if self.stop_evaluating is not None and self.stop_evaluating():
+                break  # every rank agreed after the same step
+        self.eval_steps_done = len(steps)
         self.token_ids.stage(f"an evaluation after iteration {self.iteration}")
         totals: dict[str, float] = {}
         for logs in self.reduce_logs(steps):
             for key, value in logs.items():
-                totals[key] = totals.get(key, 0.0) + value / iters
+                totals[key] = totals.get(key, 0.0) + value / len(steps)
         self.token_ids.check()  # the device is past the evaluation: its logs were read
         for chunk in self.model:
             chunk.train()
@@ -269,12 +278,17 @@ class Trainer:
         train_losses: list[float] = []
         handler = SignalHandler() if t.exit_signal_handler else contextlib.nullcontext()
         exit_flags = ExitFlags(t, handler, self.device, time.time())
+        if t.exit_signal_handler:
+            self.stop_evaluating = lambda: handler.received(self.device)
         stats = StepStats(
             state, self.scheduler, train_losses, reduce_logs=self.reduce_logs, checks=self._deferred_checks()
         )
         checkpointer = Checkpointer(
             self.cfg, self.model, self.optimizer, self.scheduler, self.groups,
-            metadata={"tokenizer_vocab_size": ctx.tokenizer_vocab_size, "padded_vocab_size": ctx.padded_vocab_size},
+            metadata={
+                "tokenizer_vocab_size": ctx.tokenizer_vocab_size, "padded_vocab_size": ctx.padded_vocab_size,
+                "tokenizer_identity": getattr(ctx.tokenizer, "identity", None),  # compared on resume
+            },
             before_save=stats.flush,  # the saved state counts every step, and no NaN step is saved
         )  # fmt: skip
 
@@ -287,9 +301,11 @@ class Trainer:
                     self._log_interval(state, stats, timer, writer, train_iters)
                 if ctx.has_valid and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
                     self.evaluate_and_log(ctx.valid_iter, state, writer, "validation")
-                    state.consumed_valid_samples += t.eval_iters * t.global_batch_size
+                    state.consumed_valid_samples += self.eval_steps_done * t.global_batch_size
+                    if self.eval_steps_done < t.eval_iters:  # a signal stopped it: save and exit now
+                        stop = "signal"
                 checkpointer.maybe_save(state)
-                stop = exit_reason(t, state.iteration, exit_flags)
+                stop = exit_reason(t, state.iteration, exit_flags) or stop
             stats.flush()
             checkpointer.maybe_save(state, final=True)
         checkpointer.finalize(blocking=True)
@@ -298,10 +314,11 @@ class Trainer:
             print_rank_0(self.groups, exit_message(stop, state.iteration, saved, t, handler))
 
         valid_loss = test_loss = None
-        if not stop and t.eval_iters > 0:
-            if ctx.has_valid:
+        with handler:  # the checkpoint is saved: a signal now only ends the final evaluation, exit 0
+            if not stop and t.eval_iters > 0 and ctx.has_valid:
                 valid_loss = self.evaluate_and_log(ctx.valid_iter, state, writer, "validation", final=True)
-            if ctx.has_test:
+                stop = "signal" if self.eval_steps_done < t.eval_iters else None
+            if not stop and t.eval_iters > 0 and ctx.has_test:
                 test_loss = self.evaluate_and_log(ctx.test_iter, state, writer, "test", final=True)
         writer.close()
         return TrainResult(state, train_losses, valid_loss, test_loss, exit_reason=stop or "finished")
@@ -353,7 +370,15 @@ class Trainer:
     ) -> float | None:
         """Evaluate ``--eval-iters`` batches of ``split``, print Megatron's line, log the losses;
         returns the ``lm loss`` (None off the ranks that have it)."""
-        results = self.evaluate(data_iter, self.cfg.training.eval_iters)
+        iters = self.cfg.training.eval_iters
+        results = self.evaluate(data_iter, iters)
+        if self.eval_steps_done < iters:
+            print_rank_0(
+                self.groups,
+                f" {split} evaluation stopped after {self.eval_steps_done} of {iters} iterations: a signal "
+                "was received (--exit-signal-handler)",
+            )
+            return None
         if not results:
             return None
         parts = [f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}" for k, v in results.items()]

@@ -78,7 +78,11 @@ def test_sentence_dataset_is_megatron_bytes_and_workers_agree(vocab, tmp_path):
     inp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     _run(vocab, inp, tmp_path / "w1" / "bert", "--workers", "1")
     _run(vocab, inp, tmp_path / "w2" / "bert", "--workers", "2", "--chunk-size", "2")
-    assert sorted(os.listdir(tmp_path / "w1")) == ["bert_text_sentence.bin", "bert_text_sentence.idx"]
+    assert sorted(os.listdir(tmp_path / "w1")) == [
+        "bert_text_sentence.bin",
+        "bert_text_sentence.idx",
+        "bert_text_sentence.tokenizer.json",
+    ]
 
     # What Megatron's tools/preprocess_data.py writes for these sentences: per JSON line one document
     # whose items are the non-empty tokenized sentences, through megatron-core's builder.

@@ -55,7 +55,11 @@ def test_round_trip(bpe_files, tmp_path, workers):
             continue
         assert ds[seq].tolist() == tok.tokenize(record["text"]) + [tok.eod]
         seq += 1
-    assert _files(tmp_path / "out") == ["my-gpt2_text_document.bin", "my-gpt2_text_document.idx"]
+    assert _files(tmp_path / "out") == [  # the .tokenizer.json: the vocabulary's identity (vocab_identity)
+        "my-gpt2_text_document.bin",
+        "my-gpt2_text_document.idx",
+        "my-gpt2_text_document.tokenizer.json",
+    ]
 
 
 def test_worker_counts_give_identical_bytes(bpe_files, tmp_path):

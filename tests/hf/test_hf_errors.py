@@ -138,7 +138,7 @@ def test_export_errors(source, tmp_path, capsys):
         **source["run_config"],
         "tokenizer": {**source["run_config"]["tokenizer"], "vocab_file": "/gone/vocab.json"},
     }
-    with pytest.raises(ConversionError, match="cannot load the run's tokenizer"):
+    with pytest.raises(ConversionError, match="cannot load the checkpoint's tokenizer"):
         export_to_hf(source["state"], moved, str(tmp_path / "hf"))
     # With the vocabulary size given, the export goes on without tokenizer files.
     report = export_to_hf(source["state"], moved, str(tmp_path / "hf"), vocab_size=300)

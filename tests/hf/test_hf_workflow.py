@@ -82,6 +82,7 @@ def test_export_matches_transformers_logits(trained, exported, family):
     assert config["architectures"] == [ARCH[family]]
     assert sorted(os.listdir(hf_dir)) == sorted(
         [
+            ".mcore-output.json",  # the marker: --overwrite replaces only an earlier export
             "config.json",
             "generation_config.json",
             "model.safetensors",

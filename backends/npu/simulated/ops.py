@@ -60,18 +60,18 @@ _ROTARY_INTERLEAVE_PATTERNS = {(0, 0, 1), (0, 1, 0), (1, 0, 0)}
 
 
 def npu_rotary_mul(
-    self: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002 - the real op's parameter name
     r1: torch.Tensor,
     r2: torch.Tensor,
     rotary_mode: str = "half",
     rotate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``r1*x + r2*rot(x)`` with ``r1 = cos``, ``r2 = sin``; ``rot`` = rotate-half or interleave."""
-    for name, t in (("self", self), ("r1", r1), ("r2", r2)):
+    for name, t in (("input", input), ("r1", r1), ("r2", r2)):
         _check_dtype("npu_rotary_mul", name, t)
-    if self.dim() != 4:
-        raise RuntimeError(f"npu_rotary_mul: self must be 4-D (BNSD, BSND or SBND), got {self.dim()}-D")
-    d = self.shape[-1]
+    if input.dim() != 4:
+        raise RuntimeError(f"npu_rotary_mul: input must be 4-D (BNSD, BSND or SBND), got {input.dim()}-D")
+    d = input.shape[-1]
     if d % 2 or d >= 896:
         raise RuntimeError(f"npu_rotary_mul: the last dim must be even and < 896, got {d}")
     if r1.shape != r2.shape or r1.dim() != 4 or r1.shape[-1] != d:
@@ -79,13 +79,13 @@ def npu_rotary_mul(
             f"npu_rotary_mul: r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} must be equal 4-D shapes "
             f"ending in {d}"
         )
-    if r1.dtype != self.dtype or r2.dtype != self.dtype:
-        raise TypeError("npu_rotary_mul: r1 and r2 must have the dtype of self")
+    if r1.dtype != input.dtype or r2.dtype != input.dtype:
+        raise TypeError("npu_rotary_mul: r1 and r2 must have the dtype of input")
     pattern = []
-    for size, full in zip(r1.shape[:3], self.shape[:3]):
+    for size, full in zip(r1.shape[:3], input.shape[:3]):
         if size not in (1, full):
             raise RuntimeError(
-                f"npu_rotary_mul: r1 {tuple(r1.shape)} does not broadcast to {tuple(self.shape)}"
+                f"npu_rotary_mul: r1 {tuple(r1.shape)} does not broadcast to {tuple(input.shape)}"
             )
         pattern.append(int(size == full and full != 1))
     allowed = _ROTARY_HALF_PATTERNS if rotary_mode == "half" else _ROTARY_INTERLEAVE_PATTERNS
@@ -94,17 +94,17 @@ def npu_rotary_mul(
     if tuple(pattern) not in allowed and any(pattern):
         raise RuntimeError(
             f"npu_rotary_mul: cos/sin shape {tuple(r1.shape)} is not a supported broadcast of "
-            f"{tuple(self.shape)} in {rotary_mode} mode"
+            f"{tuple(input.shape)} in {rotary_mode} mode"
         )
     if rotate is not None:
-        rot = self @ rotate
+        rot = input @ rotate
     elif rotary_mode == "half":
-        x1, x2 = self.chunk(2, dim=-1)
+        x1, x2 = input.chunk(2, dim=-1)
         rot = torch.cat((-x2, x1), dim=-1)
     else:
-        x1, x2 = self[..., 0::2], self[..., 1::2]
+        x1, x2 = input[..., 0::2], input[..., 1::2]
         rot = torch.stack((-x2, x1), dim=-1).flatten(-2)
-    return r1 * self + r2 * rot
+    return r1 * input + r2 * rot
 
 
 # --- SwiGLU -------------------------------------------------------------------------------------
@@ -287,12 +287,10 @@ def npu_fusion_attention(
     gen_mask_parallel: bool = True,
     sync: bool = False,
     softmax_layout: str = "",
-    sink: torch.Tensor | None = None,
-    dropout_mask: torch.Tensor | None = None,
-    seed: int = 0,
-    offset: int = 0,
 ):
     """FlashAttention: returns ``(out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``.
+    The parameters are the real op's (torch_npu 2.13's ``_op_plugin_docs.py``; ``sink``, ``dropout_mask``,
+    ``seed`` and ``offset`` belong to ``npu_fusion_attention_v2`` only: tests/npu/test_npu_api_docs.py).
 
     ``head_num`` is the number of *query* heads; K/V may carry fewer (GQA, ``Nq % Nkv == 0``).
     ``atten_mask`` is bool/uint8 with True = masked; ``scale`` multiplies QK^T (default 1.0, so the
@@ -300,13 +298,13 @@ def npu_fusion_attention(
     """
     _check_fusion_arguments(
         query, key, value, input_layout, pse, padding_mask, atten_mask, keep_prob, prefix, sparse_mode,
-        softmax_layout, sink, dropout_mask,
+        softmax_layout, None, None,
     )  # fmt: skip
     nq, group = _fusion_heads(query, key, value, head_num, input_layout)
     if input_layout == "TND":
         return _fusion_attention_tnd(
             query, key, value, nq, group, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
-            actual_seq_qlen, actual_seq_kvlen, sparse_mode, seed, offset,
+            actual_seq_qlen, actual_seq_kvlen, sparse_mode, 0, 0,
         )  # fmt: skip
     q = _to_bnsd(query, input_layout, nq)
     k = _to_bnsd(key, input_layout, nq // group).repeat_interleave(group, dim=1)
@@ -320,7 +318,7 @@ def npu_fusion_attention(
     out = _from_bnsd(out.to(query.dtype), input_layout)
     softmax_max = m.unsqueeze(-1).expand(*m.shape, 8).contiguous().detach()
     softmax_sum = row_sum.unsqueeze(-1).expand(*row_sum.shape, 8).contiguous().detach()
-    return out, softmax_max, softmax_sum, torch.empty(0, dtype=query.dtype), seed, offset, 0
+    return out, softmax_max, softmax_sum, torch.empty(0, dtype=query.dtype), 0, 0, 0
 
 
 def _check_fusion_arguments(
@@ -475,6 +473,8 @@ def npu_fusion_attention_grad(
     without them (or in TND), through autograd of a recomputed forward."""
     if keep_prob != 1.0:
         raise NotImplementedError("simulated npu_fusion_attention_grad cannot replay the Philox dropout mask")
+    if sink is not None:
+        raise NotImplementedError("simulated npu_fusion_attention_grad: sink is not simulated")
     stats = (softmax_max, softmax_sum, attention_in)
     if input_layout != "TND" and all(t is not None for t in stats):
         from mcore.backends.npu.simulated.ring_ops import fusion_attention_grad_from_stats
@@ -500,7 +500,7 @@ def npu_fusion_attention_grad(
             q, k, v, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
             scale=scale_value, pre_tockens=pre_tockens, next_tockens=next_tockens, prefix=prefix,
             actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-            softmax_layout=softmax_layout, sink=sink,
+            softmax_layout=softmax_layout,
         )[0]  # fmt: skip
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dy)
     empty = torch.empty(0, dtype=query.dtype)

@@ -130,6 +130,30 @@ def model_flags_from_args(args: Any) -> dict[str, Any]:
     return {k: v for k, v in flags.items() if v is not None}
 
 
+_TOKENIZERS = (
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+)
+
+
+def tokenizer_flags_from_args(args: Any) -> dict[str, Any] | None:
+    """The tokenizer a Megatron checkpoint's ``args`` name, as mcore's ``tokenizer`` group (None: a type
+    mcore does not build, or none): an export then needs no ``--vocab-size`` when its files exist."""
+    kind = _get(args, "tokenizer_type")
+    if kind not in _TOKENIZERS:
+        return None
+    group: dict[str, Any] = {"tokenizer_type": kind}
+    for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_extra_ids"):
+        if _get(args, name) is not None:
+            group[name] = _get(args, name)
+    if kind == "NullTokenizer":
+        group["vocab_size"] = _get(args, "vocab_size")
+    return group
+
+
 def args_from_model_config(
     cfg,
     *,

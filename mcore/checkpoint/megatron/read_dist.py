@@ -277,11 +277,33 @@ def _optimizer_step(
     return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
 
 
+def check_distcp_sizes(iter_dir: Path) -> None:
+    """Refuse a truncated ``.distcp`` file by name: DCP's metadata records where each item ends, and a
+    short file otherwise fails deep in DCP with a multi-line error that names no file."""
+    needed: dict[str, int] = {}
+    for info in (getattr(_dcp_metadata(iter_dir), "storage_data", None) or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            needed[path] = max(needed.get(path, 0), int(info.offset) + int(info.length))
+    for name, need in sorted(needed.items()):
+        path = iter_dir / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path}: missing (the checkpoint's .metadata names it)") from None
+        if size < need:
+            raise CheckpointError(
+                f"{path}: truncated: {size} bytes, the checkpoint's .metadata needs {need} (an interrupted "
+                "copy or save?)"
+            )
+
+
 def load_dcp_tensors(iter_dir: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
     """Whole global tensors of the given DCP keys, read in this process alone (``no_dist``)."""
     import torch.distributed.checkpoint as dcp
 
     state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    check_distcp_sizes(iter_dir)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(iter_dir)), no_dist=True)
     except Exception as err:  # noqa: BLE001 - missing or damaged .distcp files fail in many ways

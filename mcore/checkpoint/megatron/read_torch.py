@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mcore.checkpoint.format import CheckpointError
-from mcore.checkpoint.megatron.args import check_supported, model_flags_from_args
+from mcore.checkpoint.megatron.args import check_supported, model_flags_from_args, tokenizer_flags_from_args
 from mcore.checkpoint.megatron.names import (
     QKV,
     REPLICATED,
@@ -380,7 +380,10 @@ def megatron_metadata(
         "scheduler": None,
         "optimizer": {"saved": False},
         "rng_saved": False,
-        "run_config": {"model": model_flags_from_args(args)},
+        "run_config": {
+            "model": model_flags_from_args(args),
+            **({"tokenizer": tok} if (tok := tokenizer_flags_from_args(args)) else {}),
+        },
         "megatron": {
             "checkpoint_version": checkpoint_version,
             "has_optimizer": has_optimizer,

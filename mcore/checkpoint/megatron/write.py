@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,13 +40,13 @@ from mcore.checkpoint.format import (
     CheckpointError,
     fsync_dir,
     iter_dir_name,
-    new_tmp_token,
     write_tracker,
 )
 from mcore.checkpoint.megatron.args import args_from_model_config
 from mcore.checkpoint.megatron.names import COLUMN, REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param
 from mcore.checkpoint.megatron.read_torch import rank_dir_name
 from mcore.utils.console import configure_console
+from mcore.utils.outputs import OutputError, check_output_dir, read_marker, staged_dir, write_marker
 
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 """Modules whose ``_extra_state`` megatron-core's local spec emits (value None)."""
@@ -118,6 +116,35 @@ def check_exportable(cfg, tp: int, pp: int) -> None:
         raise CheckpointError(
             f"--target-pipeline-model-parallel-size {pp} does not divide num_layers={cfg.num_layers}"
         )
+
+
+GPT_PREFIXES = (
+    "embedding.word_embeddings.",
+    "embedding.position_embeddings.",
+    "decoder.layers.",
+    "decoder.final_layernorm.",
+    "output_layer.",
+)
+"""The logical tensors of a GPT model: the only family this writer maps to megatron-core's names."""
+
+
+def check_gpt_state(state: dict[str, torch.Tensor], load: str) -> None:
+    """Refuse, by the family's name and before anything is written, a checkpoint that is not a GPT
+    model (BERT's heads, T5's encoder): writing only the tensors it knows would silently drop the rest.
+    Megatron's BERT and T5 checkpoints are not written (their layouts differ from GPTModel's)."""
+    extra = sorted(name for name in state if not name.startswith(GPT_PREFIXES))
+    if not extra:
+        return
+    if any(name.startswith(("lm_head.", "pooler.", "binary_head.", "embedding.tokentype")) for name in extra):
+        family = "a BERT model"
+    elif any(name.startswith("encoder.") for name in extra):
+        family = "a T5 (encoder-decoder) model"
+    else:
+        family = "a model with tensors GPTModel lacks"
+    raise CheckpointError(
+        f"--load {load}: the checkpoint is {family} ({extra[0]}, ...); mcore-export-megatron writes GPT "
+        "models only (export BERT and T5 to Hugging Face with mcore-export-hf)"
+    )
 
 
 def megatron_rank_states(
@@ -269,7 +296,9 @@ def export_to_megatron(
         raise CheckpointError(f"--megatron-names {names!r}: choose mcore or legacy")
     if ckpt_format == "torch_dist" and names != "mcore":
         raise CheckpointError("--megatron-names legacy is for --ckpt-format torch only")
+    _check_save(load, save)
     state, meta = load_logical_model_state(load, ckpt_step)
+    check_gpt_state(state, load)
     try:
         cfg = model_config_from_run_config(meta.get("run_config") or {})
     except (ConfigError, ValueError, TypeError) as err:
@@ -305,26 +334,38 @@ def export_to_megatron(
 
     root = Path(save)
     root.mkdir(parents=True, exist_ok=True)
+    if read_marker(root) is None:  # an earlier output of this tool may take more iterations
+        write_marker(root, TOOL)
     final = root / iter_dir_name(iteration)
     if final.exists():
         raise CheckpointError(f"--save {save}: {final} exists already (choose another --save)")
-    tmp = root / f"{final.name}.tmp-{new_tmp_token()}"
-    tmp.mkdir()
-    try:
-        if ckpt_format == "torch":
-            for (t, p), model_state in megatron_rank_states(state, cfg, tp, pp, names).items():
-                folder = tmp / rank_dir_name(t, p, pp)
-                folder.mkdir()
-                torch.save({**common, "model": model_state}, folder / "model_optim_rng.pt")
-        else:
-            _write_torch_dist(tmp, torch_dist_state(state, cfg), common)
-        os.replace(tmp, final)
+    try:  # the output rule's staging (mcore.utils.outputs): a temporary sibling renamed when complete
+        with staged_dir(final) as staging:
+            tmp = Path(staging)
+            if ckpt_format == "torch":
+                for (t, p), model_state in megatron_rank_states(state, cfg, tp, pp, names).items():
+                    folder = tmp / rank_dir_name(t, p, pp)
+                    folder.mkdir()
+                    torch.save({**common, "model": model_state}, folder / "model_optim_rng.pt")
+            else:
+                _write_torch_dist(tmp, torch_dist_state(state, cfg), common)
         fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except (OSError, RuntimeError) as err:  # a full disk (torch.save says RuntimeError): one line
+        raise CheckpointError(f"--save {save}: cannot write {final}: {err}") from None
     write_tracker(root, iteration)
     return final
+
+
+TOOL = "mcore-export-megatron"
+
+
+def _check_save(load: str, save: str) -> None:
+    """The output rule (:mod:`mcore.utils.outputs`): not into or around ``--load``, not into a
+    non-empty directory other than an earlier output of this tool (which takes more iterations)."""
+    try:
+        check_output_dir("--save", save, tool=TOOL, inputs={"--load": load}, overwrite=True)
+    except OutputError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def _write_torch_dist(folder: Path, tensors: dict[str, Any], common: dict[str, Any]) -> None:
