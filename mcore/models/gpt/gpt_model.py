@@ -50,11 +50,11 @@ from mcore.models.transformer.block import TransformerBlock
 from mcore.models.transformer.embeddings import LanguageModelEmbedding
 from mcore.models.transformer.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
 from mcore.models.transformer.layer import TransformerLayer, TransformerLayerSubmodules
+from mcore.models.transformer.mla.attention import rotary_embedding_for, self_attention_or_mla
 from mcore.models.transformer.mlp import MLP, MLPSubmodules
 from mcore.models.transformer.model_config import ModelConfig
 from mcore.models.transformer.moe.moe_layer import mlp_or_moe
 from mcore.models.transformer.norms import Norm
-from mcore.models.transformer.positions import RotaryEmbedding
 from mcore.models.transformer.spec import ModuleSpec
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -62,7 +62,9 @@ from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
 
 
 def gpt_layer_spec() -> ModuleSpec:
-    """The GPT transformer layer: norm, self-attention (QKV, core attention, proj), norm, MLP (an
+    """The GPT transformer layer: norm, self-attention (QKV, core attention, proj; multi-latent
+    attention with ``--multi-latent-attention``:
+    :func:`~mcore.models.transformer.mla.attention.self_attention_or_mla`), norm, MLP (an
     MoE layer where ``--num-experts`` and ``--moe-layer-freq`` put one:
     :func:`~mcore.models.transformer.moe.moe_layer.mlp_or_moe`)."""
     return ModuleSpec(
@@ -70,12 +72,17 @@ def gpt_layer_spec() -> ModuleSpec:
         submodules=TransformerLayerSubmodules(
             input_layernorm=ModuleSpec(Norm),
             self_attention=ModuleSpec(
-                SelfAttention,
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=CoreAttention,
-                    linear_proj=RowParallelLinear,
-                ),
+                self_attention_or_mla,
+                params={
+                    "standard": ModuleSpec(
+                        SelfAttention,
+                        submodules=SelfAttentionSubmodules(
+                            linear_qkv=ColumnParallelLinear,
+                            core_attention=CoreAttention,
+                            linear_proj=RowParallelLinear,
+                        ),
+                    )
+                },
             ),
             pre_mlp_layernorm=ModuleSpec(Norm),
             mlp=ModuleSpec(
@@ -162,7 +169,7 @@ class GPTModel(LanguageModule):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.ctx, vocab_size)
         if config.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+            self.rotary_pos_emb = rotary_embedding_for(config)  # MLA: its d_r channels, YaRN
         self.decoder = TransformerBlock(
             config,
             self.ctx,

@@ -1,0 +1,119 @@
+"""DeepSeek parts over real processes (one 2-rank gloo launch): multi-latent attention at TP=2, with
+and without sequence parallelism and with ``mla_up_proj`` recompute, gives the single-process loss
+and gradients; its initial weights are the TP=1 slices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore.config.parallel import ParallelConfig
+from mcore.distributed.groups import ProcessGroups, initialize_parallel
+from mcore.models.gpt.gpt_model import GPTModel
+from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
+from mcore.testing.distributed import run_distributed
+
+VOCAB, SEQ, BATCH, SEED = 64, 8, 2, 1234
+MLA = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=SEQ,
+    ffn_hidden_size=48,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    make_vocab_size_divisible_by=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    multi_latent_attention=True,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    rotary_scaling_factor=4.0,
+    original_max_position_embeddings=4,
+    mscale_all_dim=0.8,
+)
+CASES = {
+    "mla": {},
+    "mla-no-q-lora": dict(q_lora_rank=None),
+    "mla-up-proj-recompute": dict(
+        recompute_granularity="selective", recompute_modules=("mla_up_proj", "core_attn")
+    ),
+}
+TOL = 1e-5
+
+
+def _rel_err(actual, expected) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    return (actual - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(
+        0, VOCAB, (BATCH, SEQ), generator=gen
+    )
+
+
+def _model(case, groups, sp=False):
+    cfg = ModelConfig(**{**MLA, **CASES[case]})
+    vocab = padded_vocab_size(VOCAB, 32, groups.tp_size)
+    return GPTModel(cfg, groups, vocab, sequence_parallel=sp, seed=SEED)
+
+
+def _step(model):
+    tokens, labels = _batch()
+    loss = model(tokens, labels=labels)
+    loss.mean().backward()
+    model.all_reduce_sequence_parallel_grads()
+    params = dict(model.named_parameters())
+    return loss.detach(), {spec.name: params[n].grad for n, spec in model.sharded_parameters().items()}
+
+
+def _tp_cases(groups: ProcessGroups, references) -> dict:
+    out = {}
+    for case, (ref_model, ref_loss, ref_grads) in references.items():
+        ref_weights = {
+            s.name: p for s, p in zip(ref_model.sharded_parameters().values(), ref_model.parameters())
+        }
+        for sp in (False, True):
+            model = _model(case, groups, sp)
+            params = dict(model.named_parameters())
+            specs = model.sharded_parameters()
+            same_init = all(torch.equal(params[n], s.shard(ref_weights[s.name])) for n, s in specs.items())
+            loss, grads = _step(model)
+            worst = max((_rel_err(grads[s.name], s.shard(ref_grads[s.name])), s.name) for s in specs.values())
+            out[(case, sp)] = (same_init, _rel_err(loss, ref_loss), *worst)
+    return out
+
+
+def _all_cases():
+    references = {}
+    for case in CASES:
+        model = _model(case, ProcessGroups.single())
+        references[case] = (model, *_step(model))
+    groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
+    return {"tp": _tp_cases(groups, references)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_cases, 2, timeout=600)
+
+
+def test_mla_tp2_equals_tp1(results):
+    failures = []
+    for rank, r in enumerate(results):
+        for (case, sp), (same_init, loss_err, grad_err, name) in r["tp"].items():
+            if not same_init or loss_err > TOL or grad_err > TOL:
+                failures.append(
+                    f"rank {rank} {case} sp={sp}: init {same_init}, loss {loss_err:.1e}, {name} {grad_err:.1e}"
+                )
+    assert not failures, "\n".join(failures)
+    assert len(results[0]["tp"]) == 2 * len(CASES)
