@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from mcore.distributed.ddp import unwrap_model
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.training.run_config import RunConfig
@@ -64,7 +65,9 @@ def forward_step(data_iterator, model: torch.nn.Module):
         return model(None), functools.partial(loss_func, torch.ones(1))
     device = _model_device(model)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    # multi-token prediction counts the loss mask's positions (shifted per depth)
+    extra = {"loss_mask": batch["loss_mask"]} if getattr(unwrap_model(model), "mtp", None) is not None else {}
     output = model(
-        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"], **extra
     )
     return output, functools.partial(loss_func, batch["loss_mask"])

@@ -1,16 +1,24 @@
 """DeepSeek parts over real processes (one 2-rank gloo launch): multi-latent attention at TP=2, with
 and without sequence parallelism and with ``mla_up_proj`` recompute, gives the single-process loss
-and gradients; its initial weights are the TP=1 slices."""
+and gradients (its initial weights are the TP=1 slices); multi-token prediction at PP=2 (MTP on the
+last stage, with its copy of the word embedding, tied and untied) gives the PP=1 losses, gradients
+and logged ``mtp_k loss``."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from mcore.config.parallel import ParallelConfig
+from mcore.distributed.finalize import finalize_model_grads
 from mcore.distributed.groups import ProcessGroups, initialize_parallel
 from mcore.models.gpt.gpt_model import GPTModel
 from mcore.models.transformer.model_config import ModelConfig, padded_vocab_size
+from mcore.models.transformer.mtp.block import mtp_step_logs
+from mcore.pipeline import get_forward_backward_func
+from mcore.pipeline.layout import build_model_chunks
 from mcore.testing.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, SEED = 64, 8, 2, 1234
@@ -99,7 +107,71 @@ def _all_cases():
         model = _model(case, ProcessGroups.single())
         references[case] = (model, *_step(model))
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
-    return {"tp": _tp_cases(groups, references)}
+    out = {"tp": _tp_cases(groups, references)}
+    out["pp"] = {}
+    pp = ParallelConfig(pipeline_model_parallel_size=2)
+    pp_groups = initialize_parallel(pp)
+    for tied in (False, True):
+        ref = _mtp_step(ProcessGroups.single(), ParallelConfig(), tied)
+        out["pp"][tied] = (pp_groups.is_last_stage, _mtp_step(pp_groups, pp, tied), ref)
+    return out
+
+
+MTP = dict(
+    num_layers=2,
+    hidden_size=16,
+    num_attention_heads=2,
+    seq_length=SEQ,
+    ffn_hidden_size=24,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    make_vocab_size_divisible_by=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    mtp_num_layers=2,
+    mtp_loss_scaling_factor=0.3,
+)
+MICRO = 2
+
+
+def _mtp_forward_step(data_iterator, model):
+    tokens, labels, mask = next(data_iterator)
+    output = model(tokens, labels=labels, loss_mask=mask)
+
+    def loss_func(per_token):
+        loss = (per_token * mask).sum() / mask.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _mtp_step(groups, parallel, tied):
+    config = ModelConfig(**MTP, untie_embeddings_and_output_weights=not tied)
+    provider = functools.partial(GPTModel, config, groups, VOCAB + 0, seed=SEED)
+    chunks = build_model_chunks(provider, groups, parallel, config.num_layers)
+    gen = torch.Generator().manual_seed(11)
+    batches = [(*_batch(), (torch.rand(BATCH, SEQ, generator=gen) > 0.25).float()) for _ in range(MICRO)]
+    logs = get_forward_backward_func(groups.pp_size, len(chunks))(
+        forward_step_func=_mtp_forward_step,
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=MICRO,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        hidden_size=config.hidden_size,
+        groups=groups,
+        finalize_grads_func=lambda model_chunks: finalize_model_grads(model_chunks, groups),
+        timeout_s=60,
+    )
+    mtp_logs = {k: float(v) for k, v in mtp_step_logs(chunks, groups, MICRO, 2, torch.device("cpu")).items()}
+    grads = {}
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for local, spec in chunk.sharded_parameters().items():
+            grads[(spec.name, local)] = params[local].grad
+    return [float(log["lm loss"]) for log in logs], mtp_logs, grads
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +189,23 @@ def test_mla_tp2_equals_tp1(results):
                 )
     assert not failures, "\n".join(failures)
     assert len(results[0]["tp"]) == 2 * len(CASES)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mtp_pp2_equals_pp1(results, tied):
+    seen = set()
+    for is_last, (losses, mtp_logs, grads), (ref_losses, ref_mtp_logs, ref_grads) in (
+        r["pp"][tied] for r in results
+    ):
+        reference = {name: g for (name, _), g in ref_grads.items()}
+        if is_last:
+            assert losses == pytest.approx(ref_losses, rel=1e-6)
+            assert set(mtp_logs) == {"mtp_1 loss", "mtp_2 loss"}
+            assert mtp_logs == pytest.approx(ref_mtp_logs, rel=1e-6)
+        else:
+            assert losses == [] and mtp_logs == {}
+        for (name, local), grad in grads.items():
+            seen.add(name)
+            torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-7, msg=f"{name} ({local})")
+    assert seen == set(reference)
+    assert any(name.startswith("mtp.layers.1.") for name in seen)

@@ -28,6 +28,25 @@ def check_mtp(config) -> None:
         isinstance(d, int) and d >= 1, f"mtp_num_layers={d!r} (--mtp-num-layers) must be a positive integer"
     )
     check(
+        config.position_embedding_type != "learned_absolute",
+        f"mtp_num_layers={d} (--mtp-num-layers) does not take learned_absolute positions (as Megatron); "
+        "use --position-embedding-type rope or none",
+    )
+    check(
         config.mtp_loss_scaling_factor >= 0,
         f"mtp_loss_scaling_factor={config.mtp_loss_scaling_factor} (--mtp-loss-scaling-factor) must be >= 0",
+    )
+
+
+def refuse_mla_mtp(config, family: str) -> None:
+    """BERT and T5 have no multi-latent attention and no shared output layer for MTP: one error naming the flags."""
+    flags = []
+    if getattr(config, "multi_latent_attention", False):
+        flags.append("--multi-latent-attention")
+    if getattr(config, "mtp_num_layers", None):
+        flags.append(
+            f"--mtp-num-layers {config.mtp_num_layers} (MTP needs a GPT model's shared embedding and output layer)"
+        )
+    check(
+        not flags, f"{family} does not support {', '.join(flags)}; these are GPT-family (DeepSeek) features"
     )
