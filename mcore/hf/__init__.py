@@ -1,4 +1,5 @@
-"""Hugging Face interoperability: GPT-2, Llama, BERT and T5 v1.1 export/import with self-checking parity.
+"""Hugging Face interoperability: GPT-2, Llama-style (Llama, Mistral, Qwen2/3, Mixtral, Qwen2/3-MoE, OLMoE),
+BERT and T5 v1.1 export/import with self-checking parity.
 
 Commands::
 

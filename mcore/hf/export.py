@@ -36,7 +36,7 @@ from mcore.data.config import TokenizerConfig
 from mcore.data.tokenizers import Tokenizer
 from mcore.hf.errors import ConversionError, ParityError
 from mcore.hf.families import FAMILIES, family_of_state
-from mcore.hf.gpt_state import hf_family
+from mcore.hf.gpt_state import ARCHITECTURES, FAMILY_OF_ARCHITECTURE, hf_family
 from mcore.hf.parity import DEFAULT_TOLERANCE
 from mcore.hf.reports import ExportReport
 from mcore.hf.staging import (
@@ -74,6 +74,7 @@ def export_to_hf(
     tolerance: float = DEFAULT_TOLERANCE,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    architecture: str | None = None,
 ) -> ExportReport:
     """Write the Hugging Face directory of a logical model state (see the module docstring).
 
@@ -89,6 +90,8 @@ def export_to_hf(
         dtype: weights dtype (default: the checkpoint's).
         check_parity: run the logit-parity check before the directory is put in place.
         tolerance: the largest allowed fp32 logit difference.
+        architecture: the GPT-style class to write (``Qwen2ForCausalLM``, ``MistralForCausalLM``, ...;
+            default: the one the model config implies, :func:`mcore.hf.gpt_state.hf_family`).
     """
     family = family_of_state(state)  # BERT or T5 by their tensors; else GPT-2 / Llama by the config
     if family is not None and family.export_to_hf is not None:  # BERT: its heads and WordPiece files
@@ -106,7 +109,7 @@ def export_to_hf(
             overwrite=overwrite,
         )
     cfg = model_config_from_run_config(run_config)
-    family = family or FAMILIES[hf_family(cfg)]
+    family = family or FAMILIES[hf_family(cfg, architecture)]
     family.check_exportable(cfg)
     prepare_output(output_dir, overwrite)
     tokenizer, info = _export_tokenizer(run_config, tokenizer_config, vocab_size, fallback_vocab_size)
@@ -181,7 +184,11 @@ def export_checkpoint(
         raise ConversionError(
             f"{load_dir}: the checkpoint records no run configuration; cannot tell the model"
         )
-    saved_vocab = ((metadata or {}).get("extra") or {}).get("tokenizer_vocab_size")
+    extra = (metadata or {}).get("extra") or {}
+    saved_vocab = extra.get("tokenizer_vocab_size")
+    if kwargs.get("architecture") is None and extra.get("hf_architecture") in FAMILY_OF_ARCHITECTURE:
+        # An imported model goes back to its own class (Qwen2, Mistral: subsets of what Llama holds).
+        kwargs["architecture"] = extra["hf_architecture"]
     if kwargs.get("vocab_size") is None and kwargs.get("tokenizer_config") is None and saved_vocab:
         # The run's tokenizer decides; the recorded size lets the export go on if its files moved.
         kwargs["fallback_vocab_size"] = int(saved_vocab)
@@ -191,7 +198,8 @@ def export_checkpoint(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.export",
-        description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2, Llama or T5 v1.1), "
+        description="Export an mcore checkpoint to a Hugging Face model directory (GPT-2, Llama, Mistral, "
+        "Qwen2/3, Mixtral, Qwen2/3-MoE, OLMoE, BERT or T5 v1.1), "
         "checking logit parity.",
     )
     parser.add_argument(
@@ -226,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-parity-check", action="store_true", help="Skip the logit-parity check.")
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty --save directory.")
+    parser.add_argument(
+        "--architecture",
+        default=None,
+        choices=list(ARCHITECTURES.values()),
+        help="The class to write (default: the one the checkpoint was imported from, else GPT2LMHeadModel "
+        "for learned positions, Qwen3ForCausalLM for RoPE with --qk-layernorm, LlamaForCausalLM for RoPE).",
+    )
     return parser
 
 
@@ -285,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_parity=not args.no_parity_check,
             tolerance=args.tolerance,
             overwrite=args.overwrite,
+            architecture=args.architecture,
         )
     )
 

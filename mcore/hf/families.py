@@ -1,17 +1,18 @@
 """The Hugging Face families mcore converts, in one table, and the entry points that look one up.
 
 :data:`FAMILIES` maps a name to the :class:`~mcore.hf.family.HfFamily` its module builds
-(:mod:`mcore.hf.gpt2`, :mod:`mcore.hf.llama`, :mod:`mcore.hf.t5`, :mod:`mcore.hf.bert_io`). A family
-is recognized
+(:mod:`mcore.hf.gpt2`, :mod:`mcore.hf.llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`mcore.hf.t5`,
+:mod:`mcore.hf.bert_io`). A family is recognized
 
 * from an mcore logical state: BERT, then T5, by their tensors (:func:`family_of_state`); otherwise
-  GPT-2 or Llama by the model config's positions (:func:`mcore.hf.gpt_state.hf_family`);
-* from a ``config.json``: BERT, then T5 (:func:`family_of_hf`); otherwise GPT-2 or Llama by
+  a GPT-style one by the architecture asked for, else by the model config (positions, QK layernorm:
+  :func:`mcore.hf.gpt_state.hf_family`);
+* from a ``config.json``: BERT, then T5 (:func:`family_of_hf`); otherwise a GPT-style one by
   ``architectures`` / ``model_type`` (:func:`mcore.hf.gpt_state.family_of_hf_config`).
 
 The library's GPT-family functions (:func:`check_exportable`, :func:`hf_config_dict`,
-:func:`model_config_from_hf`, :func:`mcore_to_hf`, :func:`hf_to_mcore`) pick GPT-2 or Llama the
-same way and call that family's own.
+:func:`model_config_from_hf`, :func:`mcore_to_hf`, :func:`hf_to_mcore`) pick the GPT-style family
+from the model config the same way and call that family's own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mcore.hf.family import HfFamily
 from mcore.hf.gpt_state import family_of_hf_config, hf_family
 from mcore.models.transformer.model_config import ModelConfig
 
-FAMILIES: dict[str, HfFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, t5.FAMILY, bert_io.FAMILY)}
+FAMILIES: dict[str, HfFamily] = {f.name: f for f in (gpt2.FAMILY, *llama.FAMILIES, t5.FAMILY, bert_io.FAMILY)}
 """Every family, by name."""
 _BY_TENSORS = (bert_io.FAMILY.name, t5.FAMILY.name)
 """The families recognized before the GPT ones, in this order."""

@@ -34,16 +34,14 @@ from mcore.hf.gpt_state import (
     ARCHITECTURES,
     GPT2,
     POSITION,
-    WORD,
     check_family_exportable,
     common_config_fields,
-    finish_export,
-    finish_import,
-    open_export,
+    convert_from_hf,
+    convert_to_hf,
     read_layer,
 )
 from mcore.hf.parity import check_logit_parity
-from mcore.hf.tensors import TensorSource, merge_qkv, pad_vocab_rows, split_qkv, zeros
+from mcore.hf.tensors import TensorSource, merge_qkv, split_qkv, zeros
 from mcore.models.transformer.model_config import ModelConfig
 
 ARCHITECTURE = ARCHITECTURES[GPT2]
@@ -180,21 +178,20 @@ def _layer_to_hf(src: TensorSource, cfg: ModelConfig, i: int, out: dict[str, tor
     out[hp + "mlp.c_proj.bias"] = t["fc2_b"] if t["fc2_b"] is not None else zeros(h, fc2_w)
 
 
+def _top_to_hf(src: TensorSource, word: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    out["transformer.wte.weight"] = word
+    out["transformer.wpe.weight"] = src.get(POSITION)
+    out["transformer.ln_f.weight"] = src.get("decoder.final_layernorm.weight")
+    out["transformer.ln_f.bias"] = src.get("decoder.final_layernorm.bias")
+
+
 def mcore_to_hf(
     state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int
 ) -> dict[str, torch.Tensor]:
     """The ``GPT2LMHeadModel`` state dict (contiguous tensors) of an mcore logical state dict
     (see :func:`mcore.hf.families.mcore_to_hf`)."""
     check_exportable(cfg)
-    src, word, head = open_export(state, cfg, vocab_size)
-    out: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_layers):
-        _layer_to_hf(src, cfg, i, out)
-    out["transformer.wte.weight"] = word
-    out["transformer.wpe.weight"] = src.get(POSITION)
-    out["transformer.ln_f.weight"] = src.get("decoder.final_layernorm.weight")
-    out["transformer.ln_f.bias"] = src.get("decoder.final_layernorm.bias")
-    return finish_export(src, out, head, GPT2)
+    return convert_to_hf(state, cfg, vocab_size, GPT2, _layer_to_hf, _top_to_hf)
 
 
 def _layer_from_hf(src: TensorSource, cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]) -> None:
@@ -231,17 +228,7 @@ def _layer_from_hf(src: TensorSource, cfg: ModelConfig, i: int, out: dict[str, t
             )
 
 
-def hf_to_mcore(
-    hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab_size: int
-) -> dict[str, torch.Tensor]:
-    """The mcore logical state dict of a ``GPT2LMHeadModel`` state dict
-    (see :func:`mcore.hf.families.hf_to_mcore`)."""
-    check_exportable(cfg)
-    src = TensorSource(hf_state, "the Hugging Face model")
-    out: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_layers):
-        _layer_from_hf(src, cfg, i, out)
-    out[WORD] = pad_vocab_rows(src.get(HF_WORD_KEY), padded_vocab_size)
+def _top_from_hf(src: TensorSource, cfg: ModelConfig, _: int, out: dict[str, torch.Tensor]) -> None:
     out[POSITION] = src.get("transformer.wpe.weight")
     if out[POSITION].shape[0] != cfg.max_position_embeddings:
         raise ConversionError(
@@ -250,7 +237,15 @@ def hf_to_mcore(
         )
     out["decoder.final_layernorm.weight"] = src.get("transformer.ln_f.weight")
     out["decoder.final_layernorm.bias"] = src.get("transformer.ln_f.bias")
-    return finish_import(src, out, cfg, padded_vocab_size, HF_WORD_KEY, GPT2)
+
+
+def hf_to_mcore(
+    hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """The mcore logical state dict of a ``GPT2LMHeadModel`` state dict
+    (see :func:`mcore.hf.families.hf_to_mcore`)."""
+    check_exportable(cfg)
+    return convert_from_hf(hf_state, cfg, padded_vocab_size, GPT2, HF_WORD_KEY, _layer_from_hf, _top_from_hf)
 
 
 FAMILY = HfFamily(

@@ -11,15 +11,17 @@ The result is a model-only checkpoint (:func:`mcore.checkpoint.save_logical_mode
 reason: give them to the training run that loads it). ``--dtype bfloat16|float16`` rounds the weights;
 the parity check then rounds the Hugging Face weights the same way and keeps the fp32 tolerance
 (:mod:`mcore.hf.parity`). The tokenizer files are copied to ``CKPT_DIR/tokenizer`` and recorded in the run
-config. The command prints the Megatron flags that build the same model.
+config, and the class in the checkpoint's metadata (``hf_architecture``: the export writes the same
+class back). The command prints the Megatron flags that build the same model.
 
 The family comes from the table of :mod:`mcore.hf.families`. Refused
 (:class:`~mcore.hf.errors.ConversionError`, exit status 2): a directory without ``config.json`` or
-weights, an architecture other than ``GPT2LMHeadModel``/``LlamaForCausalLM``/
-``T5ForConditionalGeneration``/``MegatronBertForPreTraining``/``MegatronBertForMaskedLM``
+weights, an architecture other than ``GPT2LMHeadModel``/``LlamaForCausalLM``/``MistralForCausalLM``/
+``Qwen2ForCausalLM``/``Qwen3ForCausalLM``/``T5ForConditionalGeneration``/``MegatronBertForPreTraining``/``MegatronBertForMaskedLM``
 (:mod:`mcore.hf.bert_io`; the post-LN ``BertForPreTraining`` is refused with the reason), settings
 mcore cannot express (:func:`mcore.hf.gpt2.model_config_from_hf`,
-:func:`mcore.hf.llama.model_config_from_hf`), a tokenizer whose size differs from ``vocab_size``,
+:func:`mcore.hf.llama.model_config_from_hf`: RoPE scaling, a sliding window shorter than the positions,
+...), a tokenizer whose size differs from ``vocab_size``,
 embedding rows that differ from ``vocab_size``. A failed parity check exits with status 1 and writes
 nothing.
 """
@@ -167,7 +169,11 @@ def _save_checkpoint(
         save_dir,
         state,
         run_config,
-        metadata={"tokenizer_vocab_size": vocab_size, "imported_from": os.path.abspath(hf_dir)},
+        metadata={
+            "tokenizer_vocab_size": vocab_size,
+            "imported_from": os.path.abspath(hf_dir),
+            "hf_architecture": report.architecture,
+        },
     )
 
 
@@ -197,7 +203,8 @@ _LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore.hf.importer",
-        description="Import a local Hugging Face GPT-2, Llama or T5 v1.1 model as an mcore checkpoint, checking parity.",
+        description="Import a local Hugging Face GPT-2, Llama, Mistral, Qwen2/3, Mixtral, Qwen2/3-MoE, OLMoE, BERT or T5 model as an "
+        "mcore checkpoint, checking parity.",
     )
     parser.add_argument(
         "--hf-dir", required=True, help="Local Hugging Face model directory (nothing is downloaded)."

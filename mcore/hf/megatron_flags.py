@@ -34,8 +34,10 @@ def megatron_model_flags(cfg: ModelConfig) -> list[str]:
         if isinstance(value, bool):
             if value != turns_off(spelling):
                 flags.append(spelling)
-        elif isinstance(value, (tuple, list)):  # nargs="+" (--recompute-modules)
+        elif isinstance(value, (tuple, list)) and field.metadata.get("nargs"):  # --recompute-modules
             flags.extend([spelling, *map(str, value)])
+        elif isinstance(value, (tuple, list)):  # one list value (--moe-layer-freq [1,0,1], Megatron's)
+            flags.extend([spelling, "[" + ",".join(map(str, value)) + "]"])
         else:
             flags.extend([spelling, f"{value:g}" if isinstance(value, float) else str(value)])
     return flags

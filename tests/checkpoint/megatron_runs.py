@@ -37,8 +37,10 @@ FAMILIES = {
         tied=True,
         rotary_base=10000,
         norm_epsilon=1e-5,
+        qk_layernorm=False,
     ),
-    # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (8 heads, 2 groups), no biases, untied output layer.
+    # Llama-style: RoPE, RMSNorm, SwiGLU, GQA (8 heads, 2 groups), no biases, untied output layer,
+    # per-head QK layernorm (Qwen3-style; megatron-core's self_attention.{q,k}_layernorm.weight).
     "llama": dict(
         num_layers=4,
         hidden_size=64,
@@ -54,6 +56,7 @@ FAMILIES = {
         tied=False,
         rotary_base=5000,
         norm_epsilon=1e-6,
+        qk_layernorm=True,
     ),
 }
 
@@ -106,7 +109,7 @@ def megatron_args(family: str, tp: int, pp: int, world: int, fmt: str) -> argpar
         add_qkv_bias=f["add_bias_linear"],
         untie_embeddings_and_output_weights=not f["tied"],
         apply_residual_connection_post_layernorm=False,
-        qk_layernorm=False,
+        qk_layernorm=f["qk_layernorm"],
         multi_latent_attention=False,
         num_experts=None,
         padded_vocab_size=padded_vocab(f["vocab_size"], tp),
@@ -163,12 +166,13 @@ def build_megatron_model(family: str, tp: int, pp: int):
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,
         init_method_std=0.02,
+        qk_layernorm=f["qk_layernorm"],
         **kwargs,
     )
     rope = f["position_embedding_type"] == "rope"
     model = GPTModel(
         cfg,
-        get_gpt_layer_local_spec(normalization=f["normalization"]),
+        get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=f["qk_layernorm"]),
         vocab_size=padded_vocab(f["vocab_size"], tp),
         max_sequence_length=f["max_position_embeddings"],
         pre_process=ps.is_pipeline_first_stage(),

@@ -198,7 +198,7 @@ LLAMA_HF = dict(
     "config, named",
     [
         (dict(architectures=["BertModel"], model_type="bert"), "unsupported architecture"),
-        (dict(model_type="mistral"), "unsupported architecture"),
+        (dict(model_type="falcon"), "unsupported architecture"),
         ({**LLAMA_HF, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
         ({**LLAMA_HF, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
         (
@@ -230,8 +230,24 @@ def test_hf_config_fields_map_both_ways():
     assert gpt2.openai_gelu and gpt2.ffn_hidden_size == 256 and gpt2.add_bias_linear
 
 
+QWEN2_MOE_HF = {
+    **LLAMA_HF,
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "num_hidden_layers": 3,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 40,
+    "mlp_only_layers": [1],
+}
+OLMOE_HF = {**LLAMA_HF, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "num_experts": 4}
+
+
 @pytest.mark.parametrize(
-    "hf", [GPT2_HF, {**LLAMA_HF, "attention_bias": True, "head_dim": 32}], ids=["gpt2", "llama"]
+    "hf",
+    [GPT2_HF, {**LLAMA_HF, "attention_bias": True, "head_dim": 32}, QWEN2_MOE_HF, OLMOE_HF],
+    ids=["gpt2", "llama", "qwen2-moe-dense-layer", "olmoe"],
 )
 def test_printed_megatron_flags_build_the_same_model(hf):
     from mcore.config.cli import parse_config

@@ -8,7 +8,8 @@ One 4-process launch trains a GPT-2-style and a Llama-style model for a few iter
 * transformers' greedy ``generate`` (and ``pipeline("text-generation")``) produce the same tokens as
   mcore's greedy generation at TP=2 x PP=2;
 * round trip: HF -> ``python -m mcore.hf.importer`` -> ``pretrain --load --finetune`` at TP=2 (one
-  step with lr 0, using the flags the importer printed) -> export gives identical weights and config.
+  step with lr 0, using the flags the importer printed) -> export gives identical weights and config;
+  also for a Qwen3 and a Mistral model saved by transformers without tokenizer files.
 """
 
 from __future__ import annotations
@@ -150,19 +151,52 @@ def finetune_one_step(argvs: list[list[str]]) -> list[int]:
     return train_models(argvs)
 
 
+def _saved_by_transformers(root: Path) -> dict[str, tuple[str, str]]:
+    """Tiny Qwen3 (per-head q/k norms) and Mistral models saved by transformers without tokenizer
+    files: family -> (directory, class)."""
+    import transformers
+
+    tiny = dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0,
+    )  # fmt: skip
+    out = {}
+    for family, arch, config in (
+        ("qwen3", "Qwen3ForCausalLM", transformers.Qwen3Config(**tiny, head_dim=16)),
+        ("mistral", "MistralForCausalLM", transformers.MistralConfig(**tiny, sliding_window=None)),
+    ):
+        torch.manual_seed(0)
+        model = getattr(transformers, arch)(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(0.1 * torch.randn_like(param))
+        model.save_pretrained(root / family)
+        out[family] = (str(root / family), arch)
+    return out
+
+
 def test_hf_to_mcore_tp2_to_hf_roundtrip_is_identical(trained, exported, tmp_path):
+    """docs/model_families.md's sequence: import (Qwen3 and Mistral without tokenizer files:
+    ``--no-tokenizer``), continue at TP=2 with the printed flags, export back to the same class."""
     from safetensors.torch import load_file
 
     from mcore.hf.export import main as export_main
     from mcore.hf.importer import import_from_hf
     from mcore.testing.distributed import test_backend_name
 
+    sources = {f: (exported[f], ARCH[f]) for f in FAMILIES}
+    sources.update(_saved_by_transformers(tmp_path))
     runs, resaved = [], {}
-    for family in FAMILIES:
+    for family, (hf_dir, _) in sources.items():
         imported = tmp_path / f"{family}_imported"
-        report = import_from_hf(exported[family], str(imported), tensor_model_parallel_size=2)
+        with_tokenizer = family in FAMILIES
+        report = import_from_hf(
+            hf_dir, str(imported), tensor_model_parallel_size=2, use_tokenizer=with_tokenizer
+        )
         assert report.parity.max_abs_diff < 1e-4, report.describe()
         assert "--finetune" in report.flags and "--load" in report.flags
+        assert ("--qk-layernorm" in report.flags) == (family == "qwen3")
         resaved[family] = tmp_path / f"{family}_tp2"
         # Continue "training" at TP=2 with the printed flags: one step with lr 0 leaves the weights alone.
         runs.append(
@@ -172,15 +206,21 @@ def test_hf_to_mcore_tp2_to_hf_roundtrip_is_identical(trained, exported, tmp_pat
                 "--save", str(resaved[family]), "--seq-length", "32",
             ]
         )  # fmt: skip
-    assert run_distributed(finetune_one_step, 2, runs, timeout=300)[0] == [1, 1]
-    for family in FAMILIES:
+    assert run_distributed(finetune_one_step, 2, runs, timeout=300)[0] == [1] * len(sources)
+    for family, (hf_dir, arch) in sources.items():
         again = tmp_path / f"{family}_hf_again"
-        assert export_main(["--load", str(resaved[family]), "--save", str(again)]) == 0
-        before = load_file(os.path.join(exported[family], "model.safetensors"))
+        assert (
+            export_main(["--load", str(resaved[family]), "--save", str(again), "--architecture", arch]) == 0
+        )
+        before = load_file(os.path.join(hf_dir, "model.safetensors"))
         after = load_file(os.path.join(again, "model.safetensors"))
         assert before.keys() == after.keys()
         for key in before:
             assert torch.equal(before[key], after[key]), f"{family}: {key} changed in the round trip"
-        config_before = json.load(open(os.path.join(exported[family], "config.json")))
+        config_before = json.load(open(os.path.join(hf_dir, "config.json")))
         config_after = json.load(open(os.path.join(again, "config.json")))
-        assert config_before == config_after
+        if family in FAMILIES:
+            assert config_before == config_after
+        else:  # transformers writes its own defaults (token ids, dtype ...); the model's fields agree
+            for key in ("architectures", "hidden_size", "num_key_value_heads", "head_dim", "rms_norm_eps"):
+                assert config_before[key] == config_after[key], (family, key)

@@ -2,7 +2,7 @@
 
 One 4-process launch (a module-scoped fixture) covers every case: for a GPT-2-style config (learned
 positions, LayerNorm, GeLU, biases, tied embeddings), a Llama-style config (RoPE, RMSNorm, SwiGLU,
-GQA, no biases, untied) and an ALiBi config, each rank builds the TP=1 model and the TP=p model from
+GQA, no biases, untied, per-head QK layernorm) and an ALiBi config, each rank builds the TP=1 model and the TP=p model from
 the same seed and checks that
 
 * its initial weights are exactly its slices of the TP=1 weights (layout-independent init),
@@ -52,6 +52,7 @@ CONFIGS = {
         swiglu=True,
         disable_bias_linear=True,
         untie_embeddings_and_output_weights=True,
+        qk_layernorm=True,  # per-head q/k norms: replicated over TP, gradients summed over TP
     ),
     "alibi": dict(
         num_attention_heads=8,

@@ -1,6 +1,6 @@
 """FP8 linears under tensor, sequence, pipeline and data parallelism, recomputation, and resume.
 
-1. In-model (2 gloo processes): a Llama-style GPT (RoPE, RMSNorm, SwiGLU, GQA) with FP8 linears at
+1. In-model (2 gloo processes): a Llama-style GPT (RoPE, RMSNorm, SwiGLU, GQA, QK layernorm) with FP8 linears at
    TP=2 (with and without sequence parallelism) gives TP=1's per-token losses and gradients, for the
    tensorwise, rowwise and delayed recipes (delayed: the second step, after one scale update).
    Why they agree: every amax of a TP-split tensor is all-reduced (max) over TP before its scale is
@@ -44,6 +44,7 @@ MODEL = dict(
     ffn_hidden_size=128, seq_length=SEQ, position_embedding_type="rope", normalization="RMSNorm",
     swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
     make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0,
+    qk_layernorm=True,  # the q/k norms sit between the FP8 QKV projection (fused with its norm) and RoPE
 )  # fmt: skip
 RECOMPUTE = {
     "none": {},

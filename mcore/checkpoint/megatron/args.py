@@ -31,6 +31,7 @@ MODEL_FLAGS = (
     "openai_gelu",
     "disable_bias_linear",
     "add_qkv_bias",
+    "qk_layernorm",
     "untie_embeddings_and_output_weights",
     "apply_residual_connection_post_layernorm",
     "make_vocab_size_divisible_by",
@@ -42,7 +43,6 @@ overrides the same architecture args)."""
 _REFUSED = (
     ("num_experts", (None, 0, 1), "mixture-of-experts models"),
     ("multi_latent_attention", (None, False), "multi-latent attention"),
-    ("qk_layernorm", (None, False), "QK layernorm"),
     ("rotary_interleaved", (None, False), "interleaved RoPE"),
     ("squared_relu", (None, False), "the squared-ReLU MLP"),
     ("apply_layernorm_1p", (None, False), "zero-centred norm weights (--apply-layernorm-1p)"),
@@ -110,6 +110,7 @@ def model_flags_from_args(args: Any) -> dict[str, Any]:
         "openai_gelu": tanh_gelu,
         "disable_bias_linear": not add_bias_linear,
         "add_qkv_bias": bool(_get(args, "add_qkv_bias", False)) and not add_bias_linear,
+        "qk_layernorm": bool(_get(args, "qk_layernorm", False)),
         "untie_embeddings_and_output_weights": bool(_get(args, "untie_embeddings_and_output_weights", False)),
         "apply_residual_connection_post_layernorm": bool(
             _get(args, "apply_residual_connection_post_layernorm", False)
@@ -164,7 +165,7 @@ def args_from_model_config(
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=cfg.apply_residual_connection_post_layernorm,
         apply_query_key_layer_scaling=False,
-        qk_layernorm=False,
+        qk_layernorm=cfg.qk_layernorm,
         multi_latent_attention=False,
         num_experts=None,
         padded_vocab_size=padded_vocab_size,

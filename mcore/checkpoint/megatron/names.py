@@ -12,6 +12,7 @@ Megatron (``--ckpt-format torch``, stage-local layer ``i``)   mcore logical name
 ``...self_attention.linear_qkv.layer_norm_{weight,bias}``     ``...input_layernorm.*`` (TE spelling)
 ``...self_attention.linear_qkv.{weight,bias}``                same (per-group ``[q_1..q_r, k, v]``, dim 0)
 ``...self_attention.linear_proj.weight`` / ``.bias``          same (TP dim 1 / replicated)
+``...self_attention.{q,k}_layernorm.*`` (``--qk-layernorm``)   same (``[kv_channels]``, replicated)
 ``...pre_mlp_layernorm.*``, ``...mlp.linear_fc1.layer_norm_*``  ``...pre_mlp_layernorm.*``
 ``...mlp.linear_fc1.{weight,bias}``                           same (dim 0; SwiGLU: ``[gate; up]`` per rank)
 ``...mlp.linear_fc2.weight`` / ``.bias``                      same (TP dim 1 / replicated)
@@ -41,7 +42,7 @@ REPLICATED, COLUMN, ROW, VOCAB, QKV, SWIGLU = "replicated", "column", "row", "vo
 
 
 class UnsupportedTensor(ValueError):
-    """A Megatron tensor mcore has no place for (MoE experts, QK layernorm, MLA, ...)."""
+    """A Megatron tensor mcore has no place for (MoE experts, MLA, ...)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ _LAYER_PARAMS = {
     "self_attention.linear_qkv.bias": ("self_attention.linear_qkv.bias", QKV),
     "self_attention.linear_proj.weight": ("self_attention.linear_proj.weight", ROW),
     "self_attention.linear_proj.bias": ("self_attention.linear_proj.bias", REPLICATED),
+    # --qk-layernorm: one [kv_channels] weight per layer, shared by all heads (local and TE specs)
+    "self_attention.q_layernorm.weight": ("self_attention.q_layernorm.weight", REPLICATED),
+    "self_attention.q_layernorm.bias": ("self_attention.q_layernorm.bias", REPLICATED),
+    "self_attention.k_layernorm.weight": ("self_attention.k_layernorm.weight", REPLICATED),
+    "self_attention.k_layernorm.bias": ("self_attention.k_layernorm.bias", REPLICATED),
     "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight", REPLICATED),
     "pre_mlp_layernorm.bias": ("pre_mlp_layernorm.bias", REPLICATED),
     "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", COLUMN),
@@ -107,8 +113,6 @@ _UNSUPPORTED = (
     ("experts", "mixture-of-experts layers (--num-experts)"),
     ("router", "mixture-of-experts layers (--num-experts)"),
     ("shared_expert", "mixture-of-experts layers (--num-experts)"),
-    ("q_layernorm", "QK layernorm (--qk-layernorm)"),
-    ("k_layernorm", "QK layernorm (--qk-layernorm)"),
     ("linear_q_down_proj", "multi-latent attention (--multi-latent-attention)"),
     ("linear_kv_down_proj", "multi-latent attention (--multi-latent-attention)"),
     ("mtp", "multi-token prediction (--mtp-num-layers)"),

@@ -103,6 +103,11 @@ def check_exportable(cfg, tp: int, pp: int) -> None:
     """Refuse what Megatron cannot hold or the target layout cannot split, naming the value."""
     if cfg.position_embedding_type == "alibi":
         raise CheckpointError("position_embedding_type='alibi': megatron-core's GPTModel has no ALiBi")
+    if cfg.qk_layernorm_full_width:
+        raise CheckpointError(
+            "qk_layernorm_full_width=True: megatron-core's --qk-layernorm normalizes each head; the "
+            "full-width (OLMoE) q/k norm has no Megatron name"
+        )
     n, g, f = cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size
     if n % tp or (g % tp and tp % g) or f % tp:
         raise CheckpointError(
@@ -251,6 +256,8 @@ def export_to_megatron(
     except (ConfigError, ValueError, TypeError) as err:
         raise CheckpointError(f"{load}: the checkpoint's model configuration cannot be used: {err}") from None
     check_exportable(cfg, tp, pp)
+    if names == "legacy" and cfg.qk_layernorm:
+        raise CheckpointError("--megatron-names legacy: Megatron-LM's legacy model has no QK layernorm")
     vocab = _vocab_size(meta, state, vocab_size)
     padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):

@@ -18,11 +18,22 @@ object with ``update_kv(layer_number, key, value) -> (keys, values)`` (for insta
 ``[s_new, b, g_p, d]`` (after RoPE) and attends over what it returns, ``[s_past + s_new, b, g_p, d]``;
 the causal mask of the attention op is aligned at the end, so the new queries see every cached key.
 Positions come from ``position_ids``, which the caller sets to the tokens' absolute positions.
+
+QK layernorm (``--qk-layernorm``, Megatron's placement, Qwen3): after the split and before RoPE,
+``q_h = norm(q_h; w_q)`` and ``k_j = norm(k_j; w_k)`` for every query head ``h`` and key head ``j``,
+over its ``d`` channels, with the model's ``--normalization`` and epsilon; ``q_layernorm.weight`` and
+``k_layernorm.weight`` are ``[d]`` (+ ``.bias`` for LayerNorm), shared by all heads, so replicated over
+TP; each rank applies them to its own heads, so their gradients are summed over TP (their layouts say
+``sequence_parallel=True``, the flag :func:`mcore.distributed.finalize.finalize_model_grads` reads).
+``--qk-layernorm-full-width`` (OLMoE) normalizes all ``n d`` query channels of a token together
+(weight ``[n d]``) and all ``g d`` key channels (``[g d]``): it needs TP=1. The norm sits in
+:meth:`SelfAttention.forward_from_split`, which every path (plain, FP8 fused norm and QKV) goes through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +43,7 @@ import torch
 from mcore.backend import get_ops
 from mcore.models.transformer.build_context import BuildContext
 from mcore.models.transformer.model_config import ModelConfig
+from mcore.models.transformer.norms import Norm
 from mcore.models.transformer.positions import alibi_bias, alibi_slopes
 from mcore.models.transformer.spec import build_module
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -154,6 +166,13 @@ class SelfAttention(torch.nn.Module):
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
+        self.qk_full_width = config.qk_layernorm_full_width
+        if config.qk_layernorm:
+            q_width, k_width = (n * d, g * d) if self.qk_full_width else (d, d)
+            self.q_layernorm = _qk_norm(config, ctx, q_width)
+            self.k_layernorm = _qk_norm(config, ctx, k_width)
+        else:
+            self.q_layernorm = self.k_layernorm = None
         if config.position_embedding_type == "alibi":
             first = ctx.tp_rank * self.num_heads
             slopes = alibi_slopes(n)[first : first + self.num_heads]
@@ -201,6 +220,15 @@ class SelfAttention(torch.nn.Module):
         r, d = self.heads_per_group, self.head_dim
         return self.num_groups, (r * d, d, d)
 
+    def _qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query [s, b, n_p, d]``, ``key [s, b, g_p, d]`` normalized per head (or over all heads)."""
+        if not self.qk_full_width:
+            return self.q_layernorm(query), self.k_layernorm(key)
+        s, b = query.shape[:2]
+        query = self.q_layernorm(query.reshape(s, b, -1)).view(query.shape)
+        key = self.k_layernorm(key.reshape(s, b, -1)).view(key.shape)
+        return query, key
+
     def forward_from_split(
         self,
         query: torch.Tensor,
@@ -216,6 +244,8 @@ class SelfAttention(torch.nn.Module):
         :class:`~mcore.fp8.fused.OutputSplit`)."""
         s, b = query.shape[:2]
         query = query.reshape(s, b, self.num_heads, self.head_dim)
+        if self.q_layernorm is not None:
+            query, key = self._qk_norm(query, key)
         if rotary_freqs is not None:
             ops = get_ops()
             query = ops.rotary_embedding(query, rotary_freqs)
@@ -230,3 +260,11 @@ class SelfAttention(torch.nn.Module):
         else:
             context = self.core_attention(query, key, value, attention_mask, bias)
         return self.linear_proj(context)
+
+
+def _qk_norm(config: ModelConfig, ctx: BuildContext, width: int) -> Norm:
+    """A q/k norm over ``width`` channels whose gradient is summed over TP (each rank has other heads)."""
+    norm = Norm(config, ctx, hidden_size=width)
+    for param in norm.parameters():
+        param.shard_layout = dataclasses.replace(param.shard_layout, sequence_parallel=ctx.tp_size > 1)
+    return norm

@@ -202,8 +202,9 @@ class LanguageModule(torch.nn.Module):
         return [params[name] for name, spec in self._shard_specs.items() if spec.sequence_parallel]
 
     def all_reduce_sequence_parallel_grads(self) -> None:
-        """Sum the sequence-parallel parameters' gradients over TP (call after backward; no-op without SP)."""
-        if self.sequence_parallel:
+        """Sum the sequence-parallel parameters' gradients over TP (call after backward). Without SP only
+        the per-head q/k norms (``--qk-layernorm``) are flagged: each rank applies them to its own heads."""
+        if self.groups.tp_size > 1:
             all_reduce_sequence_parallel_grads(self.sequence_parallel_parameters(), self.groups.tp)
 
     def _output_linear(self) -> torch.nn.Module:

@@ -88,6 +88,18 @@ class ModelConfig(MTPFlags, MLAFlags, MoEFlags):
     openai_gelu: bool = flag(False, "GeLU with the tanh approximation (GPT-2's gelu_new).")
     disable_bias_linear: bool = flag(False, "No biases in the linear layers.")
     add_qkv_bias: bool = flag(False, "Bias on the QKV projection even with --disable-bias-linear.")
+    qk_layernorm: bool = flag(
+        False,
+        "Normalize each query and key head (--normalization over the head dim, weights "
+        "self_attention.q_layernorm / k_layernorm [kv_channels]) after the QKV projection and before "
+        "RoPE (Megatron's placement; Qwen3).",
+    )
+    qk_layernorm_full_width: bool = flag(
+        False,
+        "With --qk-layernorm: one norm over all query heads together (weight [heads x kv_channels]) and "
+        "one over all key heads ([query groups x kv_channels]) instead of per head (OLMoE, OLMo 2); "
+        "needs --tensor-model-parallel-size 1 (the norm spans every TP rank's heads).",
+    )
     untie_embeddings_and_output_weights: bool = flag(
         False, "Separate output-layer weight instead of the word-embedding table."
     )
@@ -246,6 +258,10 @@ class ModelConfig(MTPFlags, MLAFlags, MoEFlags):
                 "must be an even integer (the rotated channels come in pairs)",
             )
             check(self.rotary_base > 0, f"rotary_base={self.rotary_base} must be positive")
+        check(
+            self.qk_layernorm or not self.qk_layernorm_full_width,
+            "qk_layernorm_full_width=True (--qk-layernorm-full-width) needs qk_layernorm=True (--qk-layernorm)",
+        )
         check(self.norm_epsilon > 0, f"norm_epsilon={self.norm_epsilon} must be positive")
         check(self.init_method_std > 0, f"init_method_std={self.init_method_std} must be positive")
         check(
@@ -365,6 +381,11 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
     check(
         config.ffn_hidden_size % tp == 0,
         f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}",
+    )
+    check(
+        tp == 1 or not config.qk_layernorm_full_width,
+        f"qk_layernorm_full_width=True (--qk-layernorm-full-width) needs tensor_model_parallel_size=1 "
+        f"(got {tp}): its norm spans the heads of every TP rank; per-head --qk-layernorm splits over TP",
     )
     if config.num_experts is not None and tp > 1:
         check(
