@@ -368,8 +368,22 @@ def _load_model(reader: ShardReader, model: list) -> set[str]:
                 vocab_padded=spec.vocab_padded,
             )
             used.add(spec.name)
+        _load_buffers(reader, module, used)
         _load_fp8_state(reader, module)
     return used
+
+
+def _load_buffers(reader: ShardReader, module, used: set[str]) -> None:
+    """Persistent model-state buffers (``sharded_buffers``: the routers' expert_bias) the checkpoint
+    has; a checkpoint written before they were saved leaves their fresh values."""
+    method = getattr(module, "sharded_buffers", None)
+    if not callable(method):
+        return
+    buffers = dict(module.named_buffers())
+    for local_name, spec in method().items():
+        if reader.has(spec.name, "param"):
+            reader.fill(spec.name, "param", placement_from_spec(spec), buffers[local_name].view(-1))
+            used.add(spec.name)
 
 
 def _load_fp8_state(reader: ShardReader, module) -> None:

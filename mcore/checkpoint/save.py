@@ -139,6 +139,13 @@ def optimizer_key_specs(model: list) -> dict[str, Any]:
     return out
 
 
+def _model_tensor_specs(module) -> dict[str, Any]:
+    """The specs of a chunk's parameters and of its persistent model-state buffers (``sharded_buffers``:
+    the MoE routers' expert_bias), which are written as parameters are."""
+    buffers = getattr(module, "sharded_buffers", None)
+    return {**module.sharded_parameters(), **(buffers() if callable(buffers) else {})}
+
+
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A compact CPU copy (never a view: ``torch.save`` of a view writes its whole storage)."""
     out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="cpu")
@@ -215,7 +222,8 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
         for chunk in model:
             module = unwrap_model(chunk)
             params = dict(module.named_parameters())
-            for local_name, spec in module.sharded_parameters().items():
+            params.update(module.named_buffers())  # persistent model-state buffers (expert_bias)
+            for local_name, spec in _model_tensor_specs(module).items():
                 if not spec.is_main_replica:
                     continue
                 t = _host_copy(params[local_name])

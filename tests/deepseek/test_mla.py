@@ -192,3 +192,25 @@ def test_mla_model_names_and_training_step():
 def test_bad_mla_input_names_the_flag(changes, message):
     with pytest.raises(ConfigError, match=message):
         check_tensor_parallel(ModelConfig(**{**MLA, **changes}), 2)
+
+
+def test_mla_linears_run_in_fp8():
+    from mcore.fp8.config import Fp8Config
+
+    cfg = ModelConfig(**{**MLA, "num_layers": 1}, q_lora_rank=16)
+    model = GPTModel(cfg, ProcessGroups.single(), 64, seed=1, fp8=Fp8Config(fp8_format="hybrid"))
+    attention = model.decoder.layers[0].self_attention
+    parts = (
+        "linear_q_down_proj",
+        "linear_q_up_proj",
+        "linear_kv_down_proj",
+        "linear_kv_up_proj",
+        "linear_proj",
+    )
+    assert all(getattr(attention, p)._fp8_call is not None for p in parts)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = model(tokens, labels=tokens).mean()
+    loss.backward()
+    ref = GPTModel(cfg, ProcessGroups.single(), 64, seed=1)(tokens, labels=tokens).mean()
+    assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 0.05 * ref.item()
+    assert all(getattr(attention, p).weight.grad.abs().sum() > 0 for p in parts)
