@@ -1,6 +1,8 @@
 """DeepSeek parts over real processes (one 2-rank gloo launch): multi-latent attention at TP=2, with
 and without sequence parallelism and with ``mla_up_proj`` recompute, gives the single-process loss
-and gradients (its initial weights are the TP=1 slices); multi-token prediction at PP=2 (MTP on the
+and gradients (its initial weights are the TP=1 slices), and so does a DeepSeek-V3-style model (MLA,
+first layer dense, sigmoid group-limited router with scaling and expert bias, a shared expert,
+seq_aux_loss, MTP) at TP=2 x EP=2 with SP; multi-token prediction at PP=2 (MTP on the
 last stage, with its copy of the word embedding, tied and untied) gives the PP=1 losses, gradients
 and logged ``mtp_k loss``."""
 
@@ -53,6 +55,22 @@ CASES = {
         recompute_granularity="selective", recompute_modules=("mla_up_proj", "core_attn")
     ),
 }
+FAMILY = dict(  # DeepSeek-V3-style: first layer dense, sigmoid router, 2 groups / 1 chosen, scaling,
+    num_experts=4,  # expert bias, one shared expert, seq_aux_loss, MTP
+    moe_ffn_hidden_size=16,
+    moe_router_topk=2,
+    moe_router_score_function="sigmoid",
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_enable_expert_bias=True,
+    moe_router_load_balancing_type=("seq_aux_loss",),
+    moe_aux_loss_coeff=(1e-2,),
+    moe_shared_expert_intermediate_size=16,
+    moe_layer_freq="[0,1]",
+    moe_token_dispatcher_type="alltoall",
+    mtp_num_layers=1,
+)
 TOL = 1e-5
 
 
@@ -70,7 +88,7 @@ def _batch():
 
 
 def _model(case, groups, sp=False):
-    cfg = ModelConfig(**{**MLA, **CASES[case]})
+    cfg = ModelConfig(**{**MLA, **(FAMILY if case == "family" else CASES[case])})
     vocab = padded_vocab_size(VOCAB, 32, groups.tp_size)
     return GPTModel(cfg, groups, vocab, sequence_parallel=sp, seed=SEED)
 
@@ -84,13 +102,13 @@ def _step(model):
     return loss.detach(), {spec.name: params[n].grad for n, spec in model.sharded_parameters().items()}
 
 
-def _tp_cases(groups: ProcessGroups, references) -> dict:
+def _tp_cases(groups: ProcessGroups, references, sps=(False, True)) -> dict:
     out = {}
     for case, (ref_model, ref_loss, ref_grads) in references.items():
         ref_weights = {
             s.name: p for s, p in zip(ref_model.sharded_parameters().values(), ref_model.parameters())
         }
-        for sp in (False, True):
+        for sp in sps:
             model = _model(case, groups, sp)
             params = dict(model.named_parameters())
             specs = model.sharded_parameters()
@@ -108,6 +126,15 @@ def _all_cases():
         references[case] = (model, *_step(model))
     groups = initialize_parallel(ParallelConfig(tensor_model_parallel_size=2))
     out = {"tp": _tp_cases(groups, references)}
+    family_ref = _model("family", ProcessGroups.single())
+    family_ref = (family_ref, *_step(family_ref))
+    ep = ParallelConfig(
+        tensor_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=True,
+    )
+    out["tp"].update(_tp_cases(initialize_parallel(ep), {"family": family_ref}, sps=(True,)))
     out["pp"] = {}
     pp = ParallelConfig(pipeline_model_parallel_size=2)
     pp_groups = initialize_parallel(pp)
@@ -188,7 +215,7 @@ def test_mla_tp2_equals_tp1(results):
                     f"rank {rank} {case} sp={sp}: init {same_init}, loss {loss_err:.1e}, {name} {grad_err:.1e}"
                 )
     assert not failures, "\n".join(failures)
-    assert len(results[0]["tp"]) == 2 * len(CASES)
+    assert len(results[0]["tp"]) == 2 * len(CASES) + 1  # + the family at TP2 x EP2 with SP
 
 
 @pytest.mark.parametrize("tied", [False, True])
