@@ -214,3 +214,40 @@ def test_mla_linears_run_in_fp8():
     ref = GPTModel(cfg, ProcessGroups.single(), 64, seed=1)(tokens, labels=tokens).mean()
     assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 0.05 * ref.item()
     assert all(getattr(attention, p).weight.grad.abs().sum() > 0 for p in parts)
+
+
+def test_mla_and_mtp_refuse_context_parallelism():
+    from types import SimpleNamespace
+
+    from mcore.models.transformer.model_config import validate_model_parallel
+
+    # (ParallelConfig itself refuses CP until context parallelism lands; the model check stays)
+    cp2 = SimpleNamespace(tensor_model_parallel_size=1, sequence_parallel=False, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="multi_latent_attention=True with context_parallel_size=2"):
+        validate_model_parallel(ModelConfig(**MLA), cp2)
+
+
+def test_flops_count_mla_active_experts_and_mtp():
+    from mcore.training.flops import gpt_flops_per_sample, layerwise_flops_per_sample
+
+    dense = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, swiglu=True, ffn_hidden_size=40
+    )
+    assert layerwise_flops_per_sample(dense, 64) == pytest.approx(gpt_flops_per_sample(dense, 64))
+    cfg = ModelConfig(**{**MLA, "num_layers": 2}, q_lora_rank=16, num_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=10, moe_shared_expert_intermediate_size=10, moe_layer_freq="[0,1]",
+                      mtp_num_layers=1)  # fmt: skip
+    attention = (
+        H * 16
+        + 16 * N * (DN + DR)
+        + H * (CKV + DR)
+        + CKV * N * (DN + DV)
+        + N * DV * H
+        + 8 * N * (DN + DR + DV)
+    )
+    dense_layer, moe_layer = (
+        attention + 3 * H * 64,
+        attention + 3 * H * (2 * 10 + 10) + H * 4,
+    )  # ffn 64 (swiglu default)
+    expected = 6 * 8 * (dense_layer + moe_layer + H * 64 + (moe_layer + 2 * H * H + H * 64))
+    assert cfg.ffn_hidden_size == 64 and gpt_flops_per_sample(cfg, 64) == pytest.approx(expected)

@@ -365,6 +365,16 @@ def validate_model_parallel(config: ModelConfig, parallel: ParallelConfig) -> No
     ep = getattr(parallel, "expert_model_parallel_size", 1)
     etp = getattr(parallel, "expert_tensor_parallel_size", None) or parallel.tensor_model_parallel_size
     check_moe_parallel(config, ep, etp)
+    cp = getattr(parallel, "context_parallel_size", 1) or 1
+    for name, on in (
+        ("multi_latent_attention", config.multi_latent_attention),
+        ("mtp_num_layers", config.mtp_num_layers),
+    ):
+        check(
+            not on or cp == 1,
+            f"{name}={on} with context_parallel_size={cp}: multi-latent attention and multi-token "
+            "prediction do not run under context parallelism yet",
+        )
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
