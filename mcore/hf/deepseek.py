@@ -98,7 +98,7 @@ def check_exportable(name: str, cfg: ModelConfig) -> str:
         ("swiglu", True, "a SwiGLU MLP"),
         ("add_bias_linear", False, "no linear biases"),
         ("add_qkv_bias", False, "no attention biases"),
-        ("qk_layernorm", False, "no q/k norms"),
+        ("qk_layernorm", True, "the latent norms q_a_layernorm / kv_a_layernorm (--qk-layernorm)"),
     ):
         if getattr(cfg, field, value) != value:
             p.append(f"{field}={getattr(cfg, field)!r} ({arch} has {why})")
@@ -335,6 +335,7 @@ def model_config_from_hf(
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=hf.get("initializer_range", 0.02),
         multi_latent_attention=True,
+        qk_layernorm=True,  # the latent norms (megatron-core's MLA has them with --qk-layernorm)
         q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=hf["kv_lora_rank"],
         qk_head_dim=hf["qk_nope_head_dim"],

@@ -50,7 +50,13 @@ ARCHITECTURES = {
     DEEPSEEK_V2: "DeepseekV2ForCausalLM",
 }
 """The GPT-style families by their ``model_type``; the families' names are these keys."""
-QK_NORMS = {QWEN3: "per head", QWEN3_MOE: "per head", OLMOE: "full width"}
+QK_NORMS = {
+    QWEN3: "per head",
+    QWEN3_MOE: "per head",
+    OLMOE: "full width",
+    DEEPSEEK_V3: "latent",
+    DEEPSEEK_V2: "latent",
+}
 """The families with q/k norms, and which kind (``--qk-layernorm``, ``--qk-layernorm-full-width``)."""
 FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
 
@@ -327,7 +333,7 @@ def expected_logical_shapes(cfg: ModelConfig, padded_vocab_size: int) -> dict[st
             if cfg.add_bias_linear or cfg.add_qkv_bias:
                 shapes[p + "self_attention.linear_qkv.bias"] = ((n + 2 * g) * d,)
             shapes[p + "self_attention.linear_proj.weight"] = (h, n * d)
-        if cfg.qk_layernorm:
+        if cfg.qk_layernorm and not cfg.multi_latent_attention:  # MLA: its latent norms (mla_shapes)
             full = cfg.qk_layernorm_full_width
             for name, width in (("q_layernorm", n * d if full else d), ("k_layernorm", g * d if full else d)):
                 shapes[p + f"self_attention.{name}.weight"] = (width,)

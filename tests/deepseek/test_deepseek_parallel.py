@@ -39,6 +39,7 @@ MLA = dict(
     hidden_dropout=0.0,
     attention_dropout=0.0,
     multi_latent_attention=True,
+    qk_layernorm=True,
     q_lora_rank=16,
     kv_lora_rank=12,
     qk_head_dim=8,

@@ -27,6 +27,7 @@ MLA = dict(
     disable_bias_linear=True,
     swiglu=True,
     multi_latent_attention=True,
+    qk_layernorm=True,  # the latent norms (megatron-core's MLA: IdentityOp without it)
     kv_lora_rank=CKV,
     qk_head_dim=DN,
     qk_pos_emb_head_dim=DR,
@@ -43,6 +44,8 @@ MLA = dict(
 
 
 def _rms(x, w, eps=1e-5):
+    if w is None:  # no --qk-layernorm: no latent norm
+        return x
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -106,9 +109,9 @@ def reference_mla(x, w, cfg):
     return out @ w["linear_proj.weight"].T
 
 
-@pytest.mark.parametrize("q_lora_rank", [16, None])
-def test_mla_equals_the_fp64_reference(q_lora_rank):
-    cfg = ModelConfig(**MLA, q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize("q_lora_rank, qk_layernorm", [(16, True), (None, True), (16, False)])
+def test_mla_equals_the_fp64_reference(q_lora_rank, qk_layernorm):
+    cfg = ModelConfig(**{**MLA, "qk_layernorm": qk_layernorm}, q_lora_rank=q_lora_rank)
     layer = MLASelfAttention(cfg, BuildContext(params_dtype=torch.float64), layer_number=1).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -124,6 +127,9 @@ def test_mla_equals_the_fp64_reference(q_lora_rank):
     out, bias = layer(x, None, freqs)
     assert bias is None
     weights = dict(layer.named_parameters())
+    assert ("kv_layernorm.weight" in weights) == qk_layernorm
+    weights.setdefault("q_layernorm.weight", None)
+    weights.setdefault("kv_layernorm.weight", None)
     expected = reference_mla(x.transpose(0, 1), weights, cfg).transpose(0, 1)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)  # angles are fp32 (as in every RoPE)
     # the latent cache: one token after s - 1 cached gives the last row

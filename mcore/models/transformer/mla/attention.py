@@ -5,17 +5,19 @@ qk_pos_emb_head_dim``, ``d_q = d_n + d_r``, ``d_v = v_head_dim``, ``c_q = q_lora
 ``c_kv = kv_lora_rank``. Parameters (megatron-core's names, so its checkpoints map)::
 
     linear_q_down_proj.weight  [c_q, h]              replicated  (with --q-lora-rank)
-    q_layernorm.weight         [c_q]                 replicated  (with --q-lora-rank)
+    q_layernorm.weight         [c_q]                 replicated  (with --q-lora-rank and --qk-layernorm)
     linear_q_up_proj.weight    [n d_q / p, c_q]      column      (with --q-lora-rank)
     linear_q_proj.weight       [n d_q / p, h]        column      (without: DeepSeek-V2-Lite)
     linear_kv_down_proj.weight [c_kv + d_r, h]       replicated  (HF kv_a_proj_with_mqa)
-    kv_layernorm.weight        [c_kv]                replicated
+    kv_layernorm.weight        [c_kv]                replicated  (with --qk-layernorm)
     linear_kv_up_proj.weight   [n (d_n + d_v) / p, c_kv]  column, per head [k_nope_j; v_j]
     linear_proj.weight         [h, n d_v / p]        row
 
 Per token ``x`` (``[s, b, h]``; ``[s/p, b, h]`` with SP)::
 
     q = up_q(norm_q(down_q(x)))  -> per head [q_nope (d_n) | q_pe (d_r)]
+    (the latent norms norm_q / norm_kv exist with ``--qk-layernorm``, as in megatron-core, whose MLA
+    spec puts IdentityOp there otherwise; DeepSeek's models have them)
     [c | k_pe] = down_kv(x);  kv = up_kv(norm_kv(c)) -> per head [k_nope (d_n) | v (d_v)]
     q_pe, k_pe = mscale * rope(q_pe), mscale * rope(k_pe)   (k_pe: one head, shared by all heads)
     out = proj(softmax([q_nope|q_pe] . [k_nope|k_pe] * scale) v),
@@ -176,9 +178,11 @@ class MLASelfAttention(torch.nn.Module):
         self.linear_kv_up_proj = build_module(
             sub.linear_kv_up_proj, self.kv_lora_rank, n * (self.dn + self.dv), **column, **common
         )
-        if self.q_lora_rank is not None:
+        self.q_layernorm = self.kv_layernorm = None  # megatron-core: IdentityOp without --qk-layernorm
+        if config.qk_layernorm and self.q_lora_rank is not None:
             self.q_layernorm = Norm(config, ctx, hidden_size=self.q_lora_rank)
-        self.kv_layernorm = Norm(config, ctx, hidden_size=self.kv_lora_rank)
+        if config.qk_layernorm:
+            self.kv_layernorm = Norm(config, ctx, hidden_size=self.kv_lora_rank)
         self.core_attention = build_module(sub.core_attention, config, ctx, layer_number=layer_number)
         self.core_attention.scale = mla_softmax_scale(config)
         self.linear_proj = build_module(
@@ -210,11 +214,13 @@ class MLASelfAttention(torch.nn.Module):
             raise ValueError("multi-latent attention takes no additive attention bias")
         q_in = hidden_states
         if self.q_lora_rank is not None:
-            q_c, _ = self.linear_q_down_proj(hidden_states)
-            q_in = self.q_layernorm(q_c)  # [s(/p), b, c_q]
+            q_in, _ = self.linear_q_down_proj(hidden_states)  # [s(/p), b, c_q]
+            if self.q_layernorm is not None:
+                q_in = self.q_layernorm(q_in)
         kv_combined, _ = self.linear_kv_down_proj(hidden_states)  # [s(/p), b, c_kv + d_r]
         kv_c, k_pe = torch.split(kv_combined, [self.kv_lora_rank, self.dr], dim=-1)
-        kv_c = self.kv_layernorm(kv_c)
+        if self.kv_layernorm is not None:
+            kv_c = self.kv_layernorm(kv_c)
         if self.sequence_parallel:  # every rank's heads read every token's k_pe
             k_pe = gather_from_sequence_parallel_region(k_pe, self.tp_group, tensor_parallel_output_grad=True)
         else:

@@ -114,6 +114,11 @@ def check_mla(config) -> None:
         f"original_max_position_embeddings={config.original_max_position_embeddings} must be positive",
     )
     check(config.position_embedding_type != "alibi", "multi_latent_attention does not take alibi positions")
+    check(
+        not config.qk_layernorm_full_width,
+        "qk_layernorm_full_width=True (--qk-layernorm-full-width) does not apply to multi_latent_attention "
+        "(--qk-layernorm norms its latents)",
+    )
 
 
 def check_mla_tensor_parallel(config, tp: int) -> None:
