@@ -103,3 +103,13 @@ def test_mtp_bad_input_names_the_flags():
         ConfigError, match="BERT does not support --mtp-num-layers 2 .*shared embedding and output layer"
     ):
         refuse_mla_mtp(ModelConfig(**CFG), "BERT")
+
+
+def test_the_megatron_export_refuses_mla_and_mtp_by_name():
+    from mcore.checkpoint.format import CheckpointError
+    from mcore.checkpoint.megatron.write import check_exportable
+
+    with pytest.raises(
+        CheckpointError, match="multi_latent_attention=False, mtp_num_layers=2: the Megatron export"
+    ):
+        check_exportable(ModelConfig(**CFG), 1, 1)
