@@ -46,6 +46,10 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "position_embedding_type",
     "rotary_percent",  # which channels of each head were rotated
     "apply_residual_connection_post_layernorm",
+    # mixture of experts: the stored expert tensors' expert axis and FFN size
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
 )
 """The ``--model`` flags whose change makes the stored tensors mean something else. Not among them:
 sequence length with RoPE, ``--rotary-base`` (context extension changes them on purpose), epsilons,

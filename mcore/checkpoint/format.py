@@ -70,6 +70,11 @@ def model_file(tp: int, pp: int) -> str:
     return f"model_tp{tp:02d}_pp{pp:03d}.pt"
 
 
+def expert_model_file(etp: int, ep: int, pp: int) -> str:
+    """The routed experts' weights of one (etp, ep, pp) slice, written by its edp rank 0."""
+    return f"model_experts_tp{etp:02d}_ep{ep:03d}_pp{pp:03d}.pt"
+
+
 def optim_file(tp: int, pp: int, dp: int) -> str:
     return f"optim_tp{tp:02d}_pp{pp:03d}_dp{dp:03d}.pt"
 

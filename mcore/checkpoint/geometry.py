@@ -4,7 +4,8 @@ A *placement* describes one rank's piece of a logical tensor in any layout:
 
 * the TP-local tensor is a list of logical *boxes* (offsets, lengths) concatenated along
   ``partition_dim`` (one box for a plain split, ``num_stacked`` boxes for SwiGLU's ``[gate; up]``, the
-  whole tensor when replicated);
+  whole tensor when replicated); a routed expert's weight (``expert_dim``) has boxes covering only
+  this ep rank's block of the global expert axis, so experts saved at one EP size load at any other;
 * the piece is the flat range ``[start, end)`` of the row-major flattened TP-local tensor (the whole
   of it for model weights; a distributed-optimizer shard holds part of it).
 
@@ -69,14 +70,17 @@ def placement_from_spec(spec, flat_range: tuple[int, int] | None = None) -> Plac
     """The placement of a :class:`~mcore.tensor_parallel.sharding.ShardSpec`'s local tensor (or of the
     flat piece ``flat_range`` of it)."""
     shape = tuple(spec.global_shape)
+    base_offsets, base_lengths = [0] * len(shape), list(shape)
+    expert_dim = getattr(spec, "expert_dim", None)
+    if expert_dim is not None:  # a routed expert's weight: this ep rank's block of the expert axis
+        base_offsets[expert_dim], base_lengths[expert_dim] = spec.expert_range()
     if spec.partition_dim is None:
-        boxes = (((0,) * len(shape), shape),)
+        boxes = ((tuple(base_offsets), tuple(base_lengths)),)
     else:
         d = spec.partition_dim
         boxes = []
         for _, start, length in spec.chunks():
-            offsets = [0] * len(shape)
-            lengths = list(shape)
+            offsets, lengths = list(base_offsets), list(base_lengths)
             offsets[d], lengths[d] = start, length
             boxes.append((tuple(offsets), tuple(lengths)))
         boxes = tuple(boxes)

@@ -40,6 +40,9 @@ _MODEL_KEYS = (
     "normalization",
     "swiglu",
     "untie_embeddings_and_output_weights",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
 )
 
 
@@ -138,7 +141,14 @@ def _describe_iteration(iter_dir: Path, meta: dict, say) -> None:
         f"saved with: tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
         f"dp={layout['data_parallel_size']} vp={layout['virtual_pipeline_model_parallel_size']} "
         f"world={layout['world_size']} order={layout.get('parallel_order')} "
-        f"distributed optimizer={'yes' if layout.get('use_distributed_optimizer') else 'no'}"
+        + (
+            f"ep={layout['expert_model_parallel_size']} etp={layout.get('expert_tensor_parallel_size')} "
+            if layout.get("expert_model_parallel_size", 1) > 1
+            or layout.get("expert_tensor_parallel_size", layout["tensor_model_parallel_size"])
+            != layout["tensor_model_parallel_size"]
+            else ""
+        )
+        + f"distributed optimizer={'yes' if layout.get('use_distributed_optimizer') else 'no'}"
         + (" (model-only checkpoint)" if meta.get("model_only") else "")
     )
     train = meta.get("train_state") or {}
@@ -176,7 +186,12 @@ def _describe_tensors(meta: dict, say) -> None:
         kinds = ", ".join(
             f"{k} x{n}" for k, n in sorted(shards[name].items(), key=lambda kv: kv[0] != "param")
         )
-        say(f"  {name:<{width}}  {shape:<14} {rec['dtype']:<9} {kinds}")
+        experts = (
+            f"  experts: {rec['global_shape'][rec['expert_dim']]} on dim {rec['expert_dim']}"
+            if rec.get("expert_dim") is not None
+            else ""
+        )
+        say(f"  {name:<{width}}  {shape:<14} {rec['dtype']:<9} {kinds}{experts}")
 
 
 def _describe_verification(iter_dir: Path, meta: dict, say) -> int:

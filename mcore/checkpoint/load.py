@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mcore.checkpoint.buffers import load_buffers
 from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, vocab_rows_kept
 from mcore.checkpoint.format import (
     TRACKER,
@@ -111,6 +112,18 @@ def _agree(error: str | None) -> None:
         raise CheckpointError(f"loading the checkpoint failed on rank {r}: {msg}")
 
 
+def saved_layout_value(layout: dict, key: str):
+    """A saved layout's value, with the default a checkpoint written before the key existed implies
+    (no expert parallelism: ep=1, etp=tp)."""
+    if key in layout:
+        return layout[key]
+    if key == "expert_model_parallel_size":
+        return 1
+    if key == "expert_tensor_parallel_size":
+        return layout.get("tensor_model_parallel_size")
+    return None
+
+
 def _describe(layout: dict) -> str:
     return (
         f"tp={layout['tensor_model_parallel_size']} pp={layout['pipeline_model_parallel_size']} "
@@ -194,7 +207,7 @@ class LoadPlan:
             load_optim=optimizer is not None and not (config.no_load_optim or finetune),
             load_rng=not (config.no_load_rng or finetune),
             now=now,
-            same_layout=all(meta["layout"].get(k) == v for k, v in now.items()),
+            same_layout=all(saved_layout_value(meta["layout"], k) == v for k, v in now.items()),
         )
 
 
@@ -368,22 +381,9 @@ def _load_model(reader: ShardReader, model: list) -> set[str]:
                 vocab_padded=spec.vocab_padded,
             )
             used.add(spec.name)
-        _load_buffers(reader, module, used)
+        load_buffers(reader, module)
         _load_fp8_state(reader, module)
     return used
-
-
-def _load_buffers(reader: ShardReader, module, used: set[str]) -> None:
-    """Persistent model-state buffers (``sharded_buffers``: the routers' expert_bias) the checkpoint
-    has; a checkpoint written before they were saved leaves their fresh values."""
-    method = getattr(module, "sharded_buffers", None)
-    if not callable(method):
-        return
-    buffers = dict(module.named_buffers())
-    for local_name, spec in method().items():
-        if reader.has(spec.name, "param"):
-            reader.fill(spec.name, "param", placement_from_spec(spec), buffers[local_name].view(-1))
-            used.add(spec.name)
 
 
 def _load_fp8_state(reader: ShardReader, module) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mcore.checkpoint.buffers import BUFFER, BUFFER_SUFFIXES
 from mcore.checkpoint.format import (
     FORMAT,
     METADATA,
@@ -71,7 +72,8 @@ def load_logical_model_state(
         ``(state, metadata)``: ``state`` maps logical names (global layer numbers, e.g.
         ``decoder.layers.3.mlp.linear_fc1.weight``, SwiGLU fc1 as ``[gate; up]``) to tensors in the
         saved dtype; padded-vocabulary tensors keep the saved padded rows (``metadata["extra"]``
-        holds ``tokenizer_vocab_size`` when the training loop saved it). ``metadata`` is the parsed
+        holds ``tokenizer_vocab_size`` when the training loop saved it); persistent buffers too (the MoE
+        router's ``decoder.layers.{L}.mlp.router.expert_bias``). ``metadata`` is the parsed
         ``metadata.json``: ``run_config`` (every config group as a dict), ``layout``, ``iteration``,
         ``train_state``, ... (``records``, the per-shard index, is included).
 
@@ -90,6 +92,11 @@ def load_logical_model_state(
         dtype = torch.float32 if kind == "main_param" else getattr(torch, reader.dtype(name))
         tensor = torch.empty(shape, dtype=dtype)
         reader.fill(name, kind, full_placement(shape), tensor.view(-1))
+        out[name] = tensor
+    for name in reader.names(BUFFER):  # persistent buffers (the MoE router's expert_bias)
+        shape = reader.global_shape(name, BUFFER)
+        tensor = torch.empty(shape, dtype=getattr(torch, reader.dtype(name, BUFFER)))
+        reader.fill(name, BUFFER, full_placement(shape), tensor.view(-1))
         out[name] = tensor
     reader.close()
     return out, meta
@@ -113,7 +120,8 @@ def save_logical_model_checkpoint(
             :meth:`mcore.models.gpt.gpt_model.GPTModel.sharded_parameters` (global layer numbers; QKV in
             mcore's per-group packed layout; SwiGLU fc1 as ``[gate; up]``; a word embedding with
             ``V`` or padded rows: the loader zero-fills or cuts rows to its padded vocabulary).
-            A tied model has no ``output_layer.weight``.
+            A tied model has no ``output_layer.weight``. Names ending in
+            :data:`mcore.checkpoint.buffers.BUFFER_SUFFIXES` (``.expert_bias``) are stored as buffers.
         run_config: the run configuration (``RunConfig`` or ``{group: dict}``) to store, e.g. the
             model flags the weights were converted for.
         iteration: the iteration number of the directory (0 by default).
@@ -134,7 +142,8 @@ def save_logical_model_checkpoint(
         t = torch.empty(tuple(value.shape), dtype=value.dtype)
         t.copy_(value.detach())
         tensors[name] = t
-        rec = _record(name, "param", fname, name, t, full_placement(t.shape), None)
+        kind = BUFFER if name.endswith(BUFFER_SUFFIXES) else "param"
+        rec = _record(name, kind, fname, name, t, full_placement(t.shape), None)
         rec["vocab_padded"] = name in VOCAB_PADDED_NAMES
         rec["crc32"] = tensor_crc32(t)
         records.append(rec)

@@ -111,6 +111,16 @@ class ShardReader:
             raise CheckpointError(f"{self.dir}: the checkpoint has no tensor {what}")
         saved_shape = entries[0][1].global_shape
         shape = tuple(wanted.global_shape)
+        expert_dim = entries[0][0].get("expert_dim")
+        if (
+            expert_dim is not None
+            and len(saved_shape) == len(shape)
+            and saved_shape[expert_dim] != shape[expert_dim]
+        ):
+            raise CheckpointError(
+                f"{self.dir}: num_experts mismatch for {what}: the checkpoint has {saved_shape[expert_dim]} "
+                f"experts, this model has {shape[expert_dim]} (--num-experts)"
+            )
         same = saved_shape[1:] == shape[1:] if vocab_padded else saved_shape == shape
         if not same or len(saved_shape) != len(shape):
             raise CheckpointError(

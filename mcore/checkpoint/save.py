@@ -35,11 +35,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mcore.checkpoint.buffers import BUFFER, logical_buffers
 from mcore.checkpoint.format import (
     FORMAT,
     METADATA,
     CheckpointError,
     dtype_name,
+    expert_model_file,
     file_crc32,
     fsync_dir,
     iter_dir_name,
@@ -56,9 +58,9 @@ from mcore.checkpoint.format import (
     write_tracker,
 )
 from mcore.checkpoint.geometry import full_placement, placement_from_spec
+from mcore.checkpoint.rng_state import rng_state_for_save, rng_state_from_file  # noqa: F401 (re-exported)
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.fp8.scaling import FP8_STATE, fp8_extra_state
-from mcore.tensor_parallel.random import get_all_rng_states
 
 # -- small distributed helpers (no-ops in a single process) ----------------------------------------
 
@@ -113,6 +115,8 @@ def parallel_layout(model: list, groups) -> dict[str, Any]:
         "pipeline_model_parallel_size": groups.pp_size,
         "data_parallel_size": groups.dp_size,
         "context_parallel_size": groups.cp_size,
+        "expert_model_parallel_size": groups.ep_size,
+        "expert_tensor_parallel_size": groups.etp_size,
         "virtual_pipeline_model_parallel_size": len(model),
         "world_size": groups.world_size,
         "parallel_order": groups.topology.order,
@@ -139,13 +143,6 @@ def optimizer_key_specs(model: list) -> dict[str, Any]:
     return out
 
 
-def _model_tensor_specs(module) -> dict[str, Any]:
-    """The specs of a chunk's parameters and of its persistent model-state buffers (``sharded_buffers``:
-    the MoE routers' expert_bias), which are written as parameters are."""
-    buffers = getattr(module, "sharded_buffers", None)
-    return {**module.sharded_parameters(), **(buffers() if callable(buffers) else {})}
-
-
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A compact CPU copy (never a view: ``torch.save`` of a view writes its whole storage)."""
     out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="cpu")
@@ -154,7 +151,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _record(name: str, kind: str, file: str, key: str, tensor: torch.Tensor, placement, spec) -> dict:
-    return {
+    record = {
         "name": name,
         "kind": kind,
         "file": file,
@@ -164,39 +161,49 @@ def _record(name: str, kind: str, file: str, key: str, tensor: torch.Tensor, pla
         "numel": int(tensor.numel()),
         "vocab_padded": bool(getattr(spec, "vocab_padded", False)),
     }
+    if getattr(spec, "expert_dim", None) is not None:  # a routed expert's weight: the global expert axis
+        record["expert_dim"] = spec.expert_dim
+    return record
 
 
-def rng_state_for_save() -> dict[str, Any]:
-    """This process's RNG states in types ``torch.load(weights_only=True)`` accepts."""
-    states = get_all_rng_states()
-    version, internal, gauss = states["random"]
-    kind, keys, pos, has_gauss, cached = states["numpy"]
-    return {
-        "random": [version, list(internal), gauss],
-        "numpy": [
-            kind,
-            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ],
-        "torch": states["torch"].clone(),
-        "device": states["device"].detach().cpu().clone(),
-        "tracker": {k: v.detach().cpu().clone() for k, v in states["tracker"].items()},
-    }
+def _writes_entry(spec, optimizer, groups, dp: int) -> bool:
+    """Whether this rank (data-parallel index ``dp``) writes the optimizer state of one parameter: every
+    rank its own shard with the distributed optimizer; else one replica: dp index 0 for dense
+    parameters, edp rank 0 for routed experts (each ep rank holds other experts)."""
+    if not spec.is_main_replica:
+        return False
+    if optimizer.distributed:
+        return True
+    return (groups.edp_rank if spec.is_expert else dp) == 0
 
 
-def rng_state_from_file(saved: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`rng_state_for_save`, for :func:`mcore.tensor_parallel.random.set_all_rng_states`."""
-    version, internal, gauss = saved["random"]
-    kind, keys, pos, has_gauss, cached = saved["numpy"]
-    return {
-        "random": (version, tuple(internal), gauss),
-        "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached),
-        "torch": saved["torch"],
-        "device": saved["device"],
-        "tracker": dict(saved["tracker"]),
-    }
+def _model_payload(model, file: str, *, experts: bool, fp8_state: bool) -> _FilePayload:
+    """The model tensors this rank writes to ``file``: the dense ones (``experts=False``) or the routed
+    experts' (each ep rank its block of the global expert axis), main replicas only."""
+    tensors, records = {}, []
+    for chunk in model:
+        module = unwrap_model(chunk)
+        params = dict(module.named_parameters())
+        for local_name, spec in module.sharded_parameters().items():
+            if not spec.is_main_replica or spec.is_expert != experts:
+                continue
+            t = _host_copy(params[local_name])
+            tensors[spec.name] = t
+            records.append(_record(spec.name, "param", file, spec.name, t, placement_from_spec(spec), spec))
+        if fp8_state:  # persistent buffers (the router's expert_bias): replicated, once per stage
+            for name, value in logical_buffers(module).items():
+                tensors[f"{name}/{BUFFER}"] = t = _host_copy(value)
+                records.append(
+                    _record(name, BUFFER, file, f"{name}/{BUFFER}", t, full_placement(t.shape), None)
+                )
+        if fp8_state:  # FP8 delayed-scaling state: replicated over TP and DP, written once per stage
+            for local_name, value in fp8_extra_state(module).items():
+                name = module._logical_name(local_name)
+                t = _host_copy(value)
+                key = f"{name}/{FP8_STATE}"
+                tensors[key] = t
+                records.append(_record(name, FP8_STATE, file, key, t, full_placement(t.shape), None))
+    return _FilePayload(file, tensors, records)
 
 
 @dataclass
@@ -217,36 +224,21 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
             if isinstance(chunk, DistributedDataParallel):
                 chunk.gather_full_precision_params()
     if dp == 0:
-        mfile = model_file(tp, pp)
-        tensors, records = {}, []
-        for chunk in model:
-            module = unwrap_model(chunk)
-            params = dict(module.named_parameters())
-            params.update(module.named_buffers())  # persistent model-state buffers (expert_bias)
-            for local_name, spec in _model_tensor_specs(module).items():
-                if not spec.is_main_replica:
-                    continue
-                t = _host_copy(params[local_name])
-                tensors[spec.name] = t
-                records.append(
-                    _record(spec.name, "param", mfile, spec.name, t, placement_from_spec(spec), spec)
-                )
-            if tp == 0:  # FP8 delayed-scaling state: replicated over TP and DP, written once per stage
-                for local_name, value in fp8_extra_state(module).items():
-                    name = module._logical_name(local_name)
-                    t = _host_copy(value)
-                    key = f"{name}/{FP8_STATE}"
-                    tensors[key] = t
-                    records.append(_record(name, FP8_STATE, mfile, key, t, full_placement(t.shape), None))
-        payloads.append(_FilePayload(mfile, tensors, records))
-    if optimizer is not None and not config.no_save_optim and (optimizer.distributed or dp == 0):
+        payloads.append(_model_payload(model, model_file(tp, pp), experts=False, fp8_state=tp == 0))
+    if groups.edp_rank == 0:  # routed experts: one writer per (etp, ep, pp), replicas over edp skipped
+        experts = _model_payload(
+            model, expert_model_file(groups.etp_rank, groups.ep_rank, pp), experts=True, fp8_state=False
+        )
+        if experts.records:
+            payloads.append(experts)
+    specs = optimizer_key_specs(model) if optimizer is not None else {}
+    if optimizer is not None and not config.no_save_optim:
         ofile = optim_file(tp, pp, dp)
-        specs = optimizer_key_specs(model)
         tensors, records = {}, []
         optimizer.sync_step_counters()  # Adam's t is counted on the device (skipped steps excluded)
         for entry in optimizer.main_params:
             spec = specs[entry.key]
-            if not spec.is_main_replica:
+            if not _writes_entry(spec, optimizer, groups, dp):
                 continue
             placement = placement_from_spec(spec, (entry.start, entry.end))
             stats = {k: v for k, v in entry.state.items() if isinstance(v, torch.Tensor)}
@@ -262,7 +254,8 @@ def _snapshot(config, model, optimizer, groups) -> list[_FilePayload]:
                 rec = _record(spec.name, kind, ofile, key, t, placement, spec)
                 rec.update({k: int(v) if isinstance(v, (int, np.integer)) else v for k, v in scalars.items()})
                 records.append(rec)
-        payloads.append(_FilePayload(ofile, tensors, records))
+        if optimizer.distributed or dp == 0 or records:
+            payloads.append(_FilePayload(ofile, tensors, records))
     if not config.no_save_rng:
         payloads.append(_FilePayload(rng_file(tp, pp, dp), rng_state_for_save(), [], whole_file_crc=True))
     return payloads

@@ -27,6 +27,7 @@ from typing import Any
 
 from mcore.config.fields import ConfigError, flag_name, turns_off
 from mcore.config.megatron_flags import (
+    IGNORED_MEGATRON_FLAG_VALUES,
     IGNORED_MEGATRON_FLAGS,
     LEGACY_FLAG_VALUES,
     LEGACY_MEGATRON_FLAGS,
@@ -161,12 +162,20 @@ def rewrite_legacy_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -
     return out, notes
 
 
-def ignored_flags_note(namespace: argparse.Namespace) -> str | None:
-    """One line naming each accepted-but-ignored Megatron flag that was given, with the reason."""
+def ignored_flags_note(namespace: argparse.Namespace, argv: Sequence[str] = ()) -> str | None:
+    """One line naming each accepted-but-ignored Megatron flag that was given, with the reason (and
+    each given flag value of :data:`IGNORED_MEGATRON_FLAG_VALUES`, found in ``argv``)."""
     given = [k[len(_IGNORED_DEST) :] for k in vars(namespace) if k.startswith(_IGNORED_DEST)]
-    if not given:
+    reasons = [f"{name} ({IGNORED_MEGATRON_FLAGS[name]})" for name in given]
+    for i, token in enumerate(argv):
+        spelling, eq, inline = token.partition("=")
+        value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+        reason = IGNORED_MEGATRON_FLAG_VALUES.get(spelling, {}).get(value)
+        if reason:
+            reasons.append(f"{spelling} {value} ({reason})")
+    if not reasons:
         return None
-    reasons = "; ".join(f"{name} ({IGNORED_MEGATRON_FLAGS[name]})" for name in given)
+    reasons = "; ".join(reasons)
     return f"NOTE: these Megatron-LM flags change nothing in mcore: {reasons}"
 
 
@@ -249,7 +258,7 @@ def parse_config(
         parser.error(str(err))
     for note in notes:
         _say(f"WARNING: {note}")
-    ignored = ignored_flags_note(namespace)
+    ignored = ignored_flags_note(namespace, argv)
     if ignored:
         _say(ignored)
     return configs

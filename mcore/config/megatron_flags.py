@@ -56,6 +56,14 @@ IGNORED_MEGATRON_FLAGS: dict[str, str] = {
     "--moe-router-padding-for-fp8": "the experts' grouped GEMM needs no padded token counts",
 }
 
+IGNORED_MEGATRON_FLAG_VALUES: dict[str, dict[str, str]] = {
+    "--moe-token-dispatcher-type": {
+        "flex": "DeepEP/HybridEP are CUDA kernel libraries; the alltoall dispatcher runs",
+    },
+}
+"""Values of implemented flags that select a kernel library mcore does not use: accepted, run as
+the reason says, and listed with the ignored flags at start-up."""
+
 UNSUPPORTED_MEGATRON_FLAGS: dict[str, str] = {
     "--fp8-hybrid": "use --fp8-format hybrid",
     "--fp8-e4m3": "use --fp8-format e4m3",

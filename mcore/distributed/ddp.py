@@ -24,6 +24,14 @@ The schedule runs all but the last micro-batch inside :meth:`DistributedDataPara
 gradient accumulation costs no communication until the last micro-batch. Gradients are averaged
 over ``groups.dp_cp`` (data x context parallel ranks).
 
+Expert-parallel parameters (routed experts, :func:`mcore.distributed.param_attrs.is_expert_parallel`)
+live in buffers of their own, reduced over ``groups.edp`` (the ranks holding the same experts; the
+distributed optimizer shards them over edp). They are scaled by ``1/(dp*cp)``, not ``1/edp``, as in
+Megatron: the token dispatcher brings every token of the dp x cp replicas to exactly one edp replica
+of its expert, so the sum over edp of the expert gradients is the sum over all dp x cp replicas'
+losses, and the dense average divides that sum by dp x cp. (At ep=1, etp=tp: edp = dp x cp and both
+are the same average.)
+
 Gradient-accumulation fusion (:func:`mcore.tensor_parallel.layers.linear_with_grad_accumulation_fusion`):
 a linear layer whose weight's ``main_grad`` has the weight's dtype computes ``main_grad += dY^T X`` in
 its backward GEMM and returns a placeholder gradient, so that this hook still fires (and marks the
@@ -63,7 +71,7 @@ import torch.distributed as dist
 from mcore.config.fields import check, flag
 from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
 from mcore.distributed.groups import ProcessGroups
-from mcore.distributed.param_attrs import is_pipeline_shared, is_shared_embedding
+from mcore.distributed.param_attrs import is_expert_parallel, is_pipeline_shared, is_shared_embedding
 from mcore.fp8.param_gather import Fp8ParamGather, fp8_gathered_layers
 from mcore.tensor_parallel.first_grad import is_unwritten, zero_if_unwritten
 
@@ -180,6 +188,15 @@ class DistributedDataParallel(torch.nn.Module):
             use_distributed_optimizer=ddp_config.use_distributed_optimizer,
         )
         self.comm = comm
+        self.expert_comm = CommSpec(
+            group=groups.edp,
+            size=groups.edp_size,
+            rank=0 if groups.edp is None else dist.get_rank(groups.edp),
+            average_in_collective=ddp_config.ddp_average_in_collective,
+            use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+            grad_scale=1.0 / dp_size,
+            expert=True,
+        )
 
         bucket_size = ddp_config.ddp_bucket_size
         if bucket_size is None and ddp_config.overlap_grad_reduce:
@@ -190,12 +207,15 @@ class DistributedDataParallel(torch.nn.Module):
         self._all_params = list(module.parameters())  # for zero_grad_buffer, without a module walk per step
         # --fp8-param-gather: the FP8 linears' weights get buffers of their own (gathered in FP8)
         fp8_layers = fp8_gathered_layers(module) if ddp_config.fp8_param_gather else {}
-        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[torch.nn.Parameter]] = {}
-        for param in reversed(list(module.parameters())):  # backward order, roughly
-            if not param.requires_grad:
-                continue
-            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype, id(param) in fp8_layers), []).append(param)
+        # key: (param dtype, grad dtype, FP8-gathered, expert-parallel); dense buffers first
+        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool, bool], list[torch.nn.Parameter]] = {}
+        for expert in (False, True):
+            for param in reversed(list(module.parameters())):  # backward order, roughly
+                if not param.requires_grad or is_expert_parallel(param) != expert:
+                    continue
+                grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+                key = (param.dtype, grad_dtype, id(param) in fp8_layers, expert)
+                by_dtype.setdefault(key, []).append(param)
 
         def own_bucket(param: torch.nn.Parameter) -> bool:
             # the tied embedding's two copies (first and last stage) must shard alike
@@ -206,11 +226,20 @@ class DistributedDataParallel(torch.nn.Module):
             )
 
         self.grad_buffers = [
-            GradBuffer(params, pdt, gdt, bucket_size, comm, own_bucket, names, ddp_config.contiguous_params)
-            for (pdt, gdt, _), params in by_dtype.items()
+            GradBuffer(
+                params,
+                pdt,
+                gdt,
+                bucket_size,
+                self.expert_comm if expert else comm,
+                own_bucket,
+                names,
+                ddp_config.contiguous_params,
+            )
+            for (pdt, gdt, _, expert), params in by_dtype.items()
         ]
         self._fp8_gathers: list[Fp8ParamGather] = []
-        for (_, _, fp8), buffer in zip(by_dtype, self.grad_buffers):
+        for (_, _, fp8, _), buffer in zip(by_dtype, self.grad_buffers):
             if fp8:
                 layers = [fp8_layers[id(p)] for p in buffer.params]
                 buffer.fp8_gather = Fp8ParamGather(buffer, layers, groups.tp)

@@ -45,6 +45,16 @@ class CommSpec:
     rank: int
     average_in_collective: bool
     use_distributed_optimizer: bool
+    grad_scale: float | None = None
+    """What the summed gradients are multiplied by; ``None`` is ``1 / size`` (the average over the
+    group). Expert buffers reduce over edp but average over the dense dp x cp size (see
+    :mod:`mcore.distributed.ddp`)."""
+    expert: bool = False
+    """The buffer holds expert-parallel parameters (reduced over ``groups.edp``)."""
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / self.size if self.grad_scale is None else self.grad_scale
 
     @property
     def active(self) -> bool:
@@ -130,6 +140,10 @@ class Bucket:
             self.nan_flag = torch.isnan(norm)
         comm = self.buffer.comm
         if not comm.active:
+            if comm.grad_scale is not None and comm.grad_scale != 1.0:
+                # an expert buffer with edp = 1: nothing to reduce, but still the 1/(dp*cp) average
+                self.grad_data.mul_(comm.grad_scale)
+                return
             if check_for_nan:
                 self.local_norm_sq = norm.square()
                 self.local_norm_version = self.grad_data._version
@@ -137,8 +151,10 @@ class Bucket:
         op = dist.ReduceOp.SUM
         if comm.average_in_collective:
             op = dist.ReduceOp.AVG
+            if comm.grad_scale is not None:  # AVG divides by size; the rest of the scale first
+                self.grad_data.mul_(comm.grad_scale * comm.size)
         else:
-            self.grad_data.mul_(1.0 / comm.size)
+            self.grad_data.mul_(comm.scale)
         if comm.use_distributed_optimizer:
             self.grad_handle = reduce_scatter_tensor(
                 self._local_view(self.grad_data), self.grad_data, op=op, group=comm.group, async_op=True

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from mcore.checkpoint.buffers import logical_buffer_name, logical_buffers, persistent_buffers
 from mcore.checkpoint.run_configs import (  # noqa: F401 (re-exported: the public names are here)
     RunConfigLike,
     model_config_from_run_config,
@@ -78,15 +79,10 @@ def load_logical_state(
         param.copy_(spec.shard(full.to(param.device)).to(param.dtype))
     if missing:
         raise KeyError(f"the model state has no tensor for: {', '.join(missing[:8])}")
-    buffers = dict(model.named_buffers())
-    for local_name, spec in _buffer_specs(model).items():  # the routers' expert_bias: kept when absent
-        if spec.name in state:
-            buffers[local_name].copy_(state[spec.name].to(buffers[local_name].device))
-
-
-def _buffer_specs(model) -> dict:
-    method = getattr(model, "sharded_buffers", None)
-    return method() if callable(method) else {}
+    for local_name, value in persistent_buffers(model).items():  # the routers' expert_bias (kept when absent)
+        name = logical_buffer_name(model, local_name)
+        if name in state:
+            value.copy_(state[name].to(value.device))
 
 
 def _gather_tp(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
@@ -112,9 +108,8 @@ def gather_logical_state(chunks: Sequence[torch.nn.Module], groups: ProcessGroup
             if spec.tied_copy:
                 continue
             state[spec.name] = _gather_tp(params[local_name].detach(), spec, groups.tp).cpu()
-        buffers = dict(chunk.named_buffers())
-        for local_name, spec in _buffer_specs(chunk).items():  # replicated model state (expert_bias)
-            state[spec.name] = buffers[local_name].detach().cpu().clone()
+        for name, value in logical_buffers(chunk).items():  # replicated model state (expert_bias)
+            state[name] = value.detach().cpu().clone()
     if groups.pp_size > 1:
         parts: list[dict[str, torch.Tensor] | None] = [None] * groups.pp_size
         dist.all_gather_object(parts, state, group=groups.pp)

@@ -16,6 +16,7 @@ import torch
 
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.grad_buffer import GradBuffer
+from mcore.distributed.param_attrs import is_expert_parallel
 from mcore.optimizer.clip_grads import counts_in_grad_norm
 
 
@@ -39,6 +40,8 @@ class MainParam:
     state: dict[str, Any] = field(default_factory=dict)
     buffer: GradBuffer | None = None
     """The DDP buffer of the parameter (None for a plain module)."""
+    expert: bool = False
+    """An expert-parallel parameter (its norm is summed over the expert grid)."""
 
     def model_view(self) -> torch.Tensor:
         return self.model_param.data.view(-1)[self.start : self.end]
@@ -108,9 +111,11 @@ def make_main_param(
     tp_rank: int,
     *,
     flat: bool,
+    etp_rank: int | None = None,
 ) -> MainParam | None:
     """``param``'s piece on this rank (None when it is empty: the distributed optimizer's other
-    shards); with ``flat`` its master is set later, a view into the flat buffers' masters."""
+    shards); with ``flat`` its master is set later, a view into the flat buffers' masters.
+    ``etp_rank`` (default: ``tp_rank``) decides whether an expert-parallel parameter counts."""
     buffer = chunk.buffer_of(param) if isinstance(chunk, DistributedDataParallel) else None
     if buffer is not None:
         local = buffer.local_range(param)
@@ -131,6 +136,7 @@ def make_main_param(
             return None if p.grad is None else p.grad.view(-1)
 
     view = param.data.view(-1)[start:end]
+    expert = is_expert_parallel(param)
     owns_copy = param.dtype != torch.float32
     if flat:
         main = None  # set by _init_flat_state: a view into the flat masters (or the remainders)
@@ -144,7 +150,8 @@ def make_main_param(
         main=main,
         grad_view=grad_view,
         owns_copy=owns_copy,
-        counts_in_norm=counts_in_grad_norm(param, tp_rank),
+        counts_in_norm=counts_in_grad_norm(param, tp_rank if not expert or etp_rank is None else etp_rank),
         group=group,
         buffer=buffer,
+        expert=expert,
     )

@@ -13,6 +13,8 @@ gradient                    ``param.main_grad`` (all-reduced) this rank's reduce
 Adam moments                full size                        piece size (1/dp of the total)
 after the step              nothing                          all-gather the parameter buckets
 gradient norm reduced over  ``groups.mp`` (tp x pp)           all ranks
+                            (experts: ``groups.expert_mp``)
+expert-parallel params      as above, over ``groups.edp``    sharded over ``groups.edp``
 ==========================  ===============================  =====================================
 
 ``step()``:
@@ -42,13 +44,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mcore.backend import get_ops
 from mcore.config.fields import ConfigError
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import ProcessGroups
-from mcore.optimizer.clip_grads import clip_grads_, global_grad_norm, unscale_and_check_
+from mcore.optimizer.clip_grads import (
+    clip_grads_,
+    global_grad_norm,
+    norm_groups,
+    reduce_norm_squared,
+    unscale_and_check_,
+)
 from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
 from mcore.optimizer.flat_state import FlatBufferState
 from mcore.optimizer.grad_scaler import build_grad_scaler, underflow_error
@@ -105,7 +112,9 @@ class MegatronOptimizer:
         self._zero_norm_seen: torch.Tensor | None = None  # see check_deferred_underflow
         self.main_params: list[MainParam] = []
         for key, _, param, chunk in named:
-            entry = make_main_param(key, param, chunk, group_of[id(param)], tp_rank, flat=self.flat)
+            entry = make_main_param(
+                key, param, chunk, group_of[id(param)], tp_rank, flat=self.flat, etp_rank=groups.etp_rank
+            )
             if entry is not None:
                 self.main_params.append(entry)
         self.flat_states: list[FlatBufferState] = []
@@ -204,7 +213,14 @@ class MegatronOptimizer:
     # the step
 
     def _norm_group(self):
-        return self.groups.world if self.distributed else self.groups.mp
+        return norm_groups(self.groups, self.distributed)[0]
+
+    def _grad_norm(self, present) -> float:
+        """The global norm of the counted gradients (dense and expert parts, see clip_grads)."""
+        group, expert_group = norm_groups(self.groups, self.distributed)
+        dense = [g for e, g in present if e.counts_in_norm and not (expert_group is not None and e.expert)]
+        expert = [g for e, g in present if e.counts_in_norm and expert_group is not None and e.expert]
+        return global_grad_norm(dense, group, self.device, expert, expert_group)
 
     def _main_grads(self) -> list[torch.Tensor | None]:
         grads = []
@@ -240,8 +256,7 @@ class MegatronOptimizer:
 
         grad_norm = None
         if self.config.clip_grad > 0.0:
-            counted = [g for e, g in present if e.counts_in_norm]
-            grad_norm = global_grad_norm(counted, self._norm_group(), self.device)
+            grad_norm = self._grad_norm(present)
             clip_grads_(grad_list, self.config.clip_grad, grad_norm)
         if self.grad_scaler is not None:
             self._refuse_underflowed_gradients(grad_norm, present)
@@ -271,8 +286,7 @@ class MegatronOptimizer:
         if grad_norm is None:
             if self._underflow_checked:
                 return
-            counted = [g for e, g in present if e.counts_in_norm]
-            grad_norm = global_grad_norm(counted, self._norm_group(), self.device)
+            grad_norm = self._grad_norm(present)
         self._underflow_checked = True
         if grad_norm == 0.0:
             raise underflow_error(self.grad_scaler)
@@ -302,13 +316,15 @@ class MegatronOptimizer:
         # On one rank no collective touches the gradients after DDP's NaN check, which has read them
         # already: its bucket norms give the clipping norm without a second read.
         single_rank = self.groups.world_size == 1
-        partial = [flat.grad_norm_squared(reuse_bucket_norms=single_rank) for flat in self.flat_states]
-        partial = [s for s in partial if s is not None]
-        norm_sq = torch.stack(partial).sum() if partial else torch.zeros((), device=self.device)
-        norm_sq = norm_sq.reshape(1)
-        group = self._norm_group()
-        if group is not None and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(norm_sq, group=group)
+        group, expert_group = norm_groups(self.groups, self.distributed)
+        sums = {False: [], True: []}  # expert buffers apart when their norm has a group of its own
+        for flat in self.flat_states:
+            part = flat.grad_norm_squared(reuse_bucket_norms=single_rank)
+            if part is not None:
+                sums[expert_group is not None and flat.buffer.comm.expert].append(part)
+        dense_sq = torch.stack(sums[False]).sum() if sums[False] else torch.zeros((), device=self.device)
+        expert_sq = torch.stack(sums[True]).sum() if sums[True] else None
+        norm_sq = reduce_norm_squared(dense_sq, expert_sq, group, expert_group)
         grad_norm = norm_sq.sqrt().reshape(())
         skip = ~torch.isfinite(grad_norm)
         for chunk in self.model_chunks:  # DDP's NaN flags of the local (pre-reduction) gradients

@@ -49,7 +49,7 @@ def layerwise_flops_per_sample(model, vocab_size: int) -> float:
     """Training FLOPs of one sample counted layer by layer, for what :func:`gpt_flops` does not hold
     (Megatron's ``num_floating_point_operations`` terms): multi-latent attention (down/up projections,
     scores over ``qk_head_dim + qk_pos_emb_head_dim``, values over ``v_head_dim``), MoE layers with
-    their *active* experts (``topk`` routed experts, the shared expert, the router), dense layers where
+    their *active* experts (``topk`` routed experts, the shared expert; the router left out, as Megatron), dense layers where
     ``--moe-layer-freq`` puts them, and ``--mtp-num-layers`` depths (``eh_proj``, a layer like the
     last, the output layer). ``6 * s * (multiply-adds per token)``; equals :func:`gpt_flops` for a model
     without them."""
@@ -70,7 +70,6 @@ def layerwise_flops_per_sample(model, vocab_size: int) -> float:
         moe_mlp = (
             gated * h * (moe.topk * moe.ffn_hidden_size + (model.moe_shared_expert_intermediate_size or 0))
         )
-        moe_mlp += h * model.num_experts
     layers = [attention + (moe_mlp if moe is not None and sparse else dense_mlp) for sparse in
               (moe.moe_layers if moe is not None else [False] * model.num_layers)]  # fmt: skip
     per_token = sum(layers) + h * vocab_size
@@ -81,10 +80,20 @@ def layerwise_flops_per_sample(model, vocab_size: int) -> float:
 
 def gpt_flops_per_sample(model, vocab_size: int) -> float:
     """:func:`gpt_flops` of one sample (``seq_length`` tokens) for a model config
-    (:class:`mcore.models.transformer.model_config.ModelConfig`) and padded vocabulary; MLA, MoE and
-    MTP models are counted by :func:`layerwise_flops_per_sample` (active parameters)."""
-    if model.multi_latent_attention or model.num_experts or model.mtp_num_layers:
+    (:class:`mcore.models.transformer.model_config.ModelConfig`) and padded vocabulary; MLA and MTP
+    models are counted by :func:`layerwise_flops_per_sample`.
+
+    MoE (Megatron's formula, active parameters): an MoE layer's MLP counts ``topk`` experts of
+    ``moe_ffn_hidden_size`` plus the shared experts' size; the MLP term being linear in the FFN size,
+    the layers' mean FFN size gives the exact sum (the router's ``h x E`` GEMM is left out, as Megatron's)."""
+    if model.multi_latent_attention or model.mtp_num_layers:
         return layerwise_flops_per_sample(model, vocab_size)
+    ffn = model.ffn_hidden_size
+    moe = getattr(model, "moe", None)
+    if moe is not None:
+        active = moe.ffn_hidden_size * moe.topk + (moe.moe_shared_expert_intermediate_size or 0)
+        n_moe = sum(moe.moe_layers)
+        ffn = ((model.num_layers - n_moe) * ffn + n_moe * active) / model.num_layers
     return gpt_flops(
         batch_size=1,
         seq_length=model.seq_length,
@@ -93,7 +102,7 @@ def gpt_flops_per_sample(model, vocab_size: int) -> float:
         vocab_size=vocab_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups if model.group_query_attention else None,
-        ffn_hidden_size=model.ffn_hidden_size,
+        ffn_hidden_size=ffn,
         swiglu=model.swiglu,
         kv_channels=model.kv_channels,
     )

@@ -71,7 +71,7 @@ def finish_moe_step(
         both = torch.cat([losses, counts], dim=1)
         _all_reduce(both, groups.pp)
         losses, counts = both[:, : len(names)], both[:, len(names) :]
-    if not groups.is_last_stage:
+    if not groups.is_last_stage or not any(moe.moe_layers):
         return {}
     moe_rows = torch.tensor(moe.moe_layers, device=device)
     imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-20)

@@ -93,6 +93,23 @@ def setup_backend(cfg: RunConfig) -> DeviceBackend:
     return backend
 
 
+def check_expert_layout(cfg: RunConfig, world_size: int) -> None:
+    """The expert grid tiles the world (every factor named), and expert parallelism has experts."""
+    from mcore.distributed.topology import Topology
+
+    par = cfg.parallel
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    if getattr(cfg.model, "num_experts", None) is None and (
+        ep > 1 or etp not in (None, par.tensor_model_parallel_size)
+    ):
+        raise ConfigError(
+            f"expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp} need --num-experts "
+            "(a dense model has no experts to split)"
+        )
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    Topology.create(world_size, 0, tp=tp, pp=pp, cp=cp, order=par.parallel_order, ep=ep, etp=etp)
+
+
 def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) -> RunConfig:
     """Cross-group validation and derived defaults, before any communication."""
     model, training = cfg.model, cfg.training
@@ -109,6 +126,7 @@ def check_run_config(cfg: RunConfig, backend: DeviceBackend, world_size: int) ->
             f"world_size={world_size} is not divisible by tensor_model_parallel_size={tp} x "
             f"pipeline_model_parallel_size={pp} x context_parallel_size={cp}"
         )
+    check_expert_layout(cfg, world_size)
     dp = world_size // (tp * pp * cp)
     if training.global_batch_size is None:
         training = dataclasses.replace(training, global_batch_size=training.micro_batch_size * dp)

@@ -96,7 +96,7 @@ class Trainer:
         """The delayed FP8 recipe's step boundary (amax reduction, histories, scales); a no-op without it."""
         self.token_ids = TokenIdCheck(model, getattr(cfg, "data", None))
         """The per-batch vocabulary check: staged every step, read with the deferred NaN check."""
-        self.moe = cfg.model.moe
+        self.moe = getattr(getattr(cfg, "model", None), "moe", None)
         self.routers = find_routers(model) if self.moe is not None else []
         """The MoE routers (expert-bias update and MoE logs after each step: :mod:`mcore.training.moe_step`)."""
         self.timers = Timers()

@@ -253,7 +253,7 @@ def test_flops_count_mla_active_experts_and_mtp():
     )
     dense_layer, moe_layer = (
         attention + 3 * H * 64,
-        attention + 3 * H * (2 * 10 + 10) + H * 4,
+        attention + 3 * H * (2 * 10 + 10),  # active experts + shared; router left out (Megatron)
     )  # ffn 64 (swiglu default)
     expected = 6 * 8 * (dense_layer + moe_layer + H * 64 + (moe_layer + 2 * H * H + H * 64))
     assert cfg.ffn_hidden_size == 64 and gpt_flops_per_sample(cfg, 64) == pytest.approx(expected)

@@ -18,7 +18,7 @@ Modules, in the order a layer uses them:
 
 The families (:mod:`mcore.models.gpt`, :mod:`mcore.models.bert`, :mod:`mcore.models.t5`) choose
 these parts through layer specs. Each slot of a layer spec takes any module that keeps the slot's
-call signature: the MLP slot (``TransformerLayerSubmodules.mlp``) is where a mixture-of-experts layer
-plugs in, and it will live in ``mcore/models/transformer/moe/``; new attention variants (e.g.
+call signature: the MLP slot (``TransformerLayerSubmodules.mlp``) is where the mixture-of-experts layer
+plugs in (``moe``: :mod:`mcore.models.transformer.moe`, chosen per layer by ``--moe-layer-freq``); new attention variants (e.g.
 multi-latent attention) go beside ``attention.py`` and plug into the ``self_attention`` slot.
 """

@@ -33,7 +33,6 @@ from mcore.models.transformer.model_config import ModelConfig, check_tensor_para
 from mcore.tensor_parallel.layers import ColumnParallelLinear
 from mcore.tensor_parallel.mappings import all_reduce_sequence_parallel_grads
 from mcore.tensor_parallel.sharding import (
-    ParamLayout,
     ShardSpec,
     build_shard_specs,
     init_method_normal,
@@ -196,22 +195,6 @@ class LanguageModule(torch.nn.Module):
         Hugging Face exporter are built on it.
         """
         return dict(self._shard_specs)
-
-    def sharded_buffers(self) -> dict[str, ShardSpec]:
-        """The persistent float buffers that are model state (the MoE routers' ``expert_bias``), by local
-        name: replicated tensors under their logical names, which checkpoints, the logical state
-        (:mod:`mcore.inference.loading`) and the Hugging Face converters carry like parameters."""
-        g, out = self.groups, {}
-        for prefix, module in self.named_modules():
-            for name, buf in module._buffers.items():
-                if buf is None or name in module._non_persistent_buffers_set or not buf.is_floating_point():
-                    continue
-                local = f"{prefix}.{name}" if prefix else name
-                layout = ParamLayout(tuple(buf.shape))
-                out[local] = ShardSpec.from_layout(
-                    layout, local, self._logical_name(local), g.tp_rank, g.tp_size
-                )
-        return out
 
     def sequence_parallel_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters whose gradients must be summed over TP with sequence parallelism (norms, row biases)."""

@@ -301,6 +301,11 @@ def check_layer_graphs(cfg, backend) -> None:
         )
     if cfg.training.compile_layers:
         raise ConfigError(f"{flag} and --compile-layers: choose one")
+    if model.num_experts is not None:
+        raise ConfigError(
+            f"{flag} and --num-experts={model.num_experts}: MoE layers route a varying number of tokens "
+            "to each expert (dynamic shapes a graph cannot replay)"
+        )
     captured_recompute = model.selective_recompute_modules - GRAPH_SAFE_RECOMPUTE_MODULES
     if model.recompute_granularity == "full" or captured_recompute:
         # The backward graph is captured with torch.autograd.grad; a checkpointed region backpropagates

@@ -278,6 +278,11 @@ class ModelConfig(MTPFlags, MLAFlags, MoEFlags):
             "(0: off, N: the output layer and loss over N chunks of tokens)",
         )
         check_recompute(self)
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple | list) and freq and all(isinstance(v, str) for v in freq):
+            # the command line's nargs list: one spelling ("[1,0,1]", "([0]*3+[1]*29)", "2") or 0/1 words,
+            # kept as Megatron's string so a printed flag parses back to an equal config
+            self._set("moe_layer_freq", freq[0] if len(freq) == 1 else "[" + ",".join(freq) + "]")
         check_moe(self)
         check_mla(self)
         check_mtp(self)

@@ -98,8 +98,9 @@ class MoEFlags:
     moe_shared_expert_gate: bool = flag(False, "Scale the shared experts' output by sigmoid(x @ gate).")
     moe_layer_freq: int | str | tuple[int, ...] = flag(
         1,
-        "MoE layer pattern: N (every N-th layer from the first) or a list, e.g. '([0]*3+[1]*29)'.",
+        "MoE layer pattern: N (every N-th layer from the first) or a list, e.g. '([0]*3+[1]*29)' or 0 1 1 1.",
         metavar="FREQ",
+        nargs="+",
     )
     moe_per_layer_logging: bool = flag(
         False, "Log the load-balancing losses and tokens-per-expert max/mean of every MoE layer."
@@ -112,6 +113,8 @@ def parse_layer_freq(value, num_layers: int) -> tuple[bool, ...]:
     ``value``: an int N (layer ``i`` (0-based) is MoE when ``i % N == 0``), a sequence of 0/1, or
     their string forms (``"2"``, ``"[1,0,1,0]"``, ``"([0]*3+[1]*29)"``: list literals, ``*``, ``+``).
     """
+    if isinstance(value, tuple | list) and all(isinstance(v, str) for v in value):  # from the command line
+        value = value[0] if len(value) == 1 else "[" + ",".join(value) + "]"
     text = value
     if isinstance(value, str):
         try:

@@ -8,14 +8,18 @@ the rows grouped by local expert (expert order), and ``combine(rows_out) -> [T, 
 each token's expert outputs weighted by its probs. EP rank ``r`` holds experts
 ``[r E_local, (r+1) E_local)``.
 
-* :class:`AllGatherDispatcher` (``allgather``, and the only one at EP = ETP = 1): all-gather ``x``,
+* :class:`AllGatherDispatcher` (``allgather``, the default): all-gather ``x``,
   ``probs`` and the map over ``tp_ep`` (ETP x EP ranks, ETP fastest), permute the gathered tokens
   to the local experts; combine unpermutes them (weighted) into the gathered shape and
   reduce-scatters over ``tp_ep``, which also sums the ETP ranks' partial FFN outputs.
 * :class:`AllToAllDispatcher` (``alltoall``): permute the local tokens by expert (rows ordered by
   destination EP rank), exchange the per-expert counts, then the rows (``all_to_all_single`` with
   those split sizes) over ``ep``, and regroup the received rows from source-major to local-expert
-  major. Combine runs the same steps backwards and unpermutes with the probs. Needs ETP = 1.
+  major. With ETP > 1 the received rows are then all-gathered over ``etp`` (unequal counts: each ETP
+  rank holds its own sequence shard's tokens), so every ETP rank computes its FFN slice for all of
+  them; combine sums the partial outputs over ``etp`` and keeps each rank's own rows. Combine runs
+  these steps backwards and unpermutes with the probs. The split sizes are read on the host (one
+  sync per layer and micro-batch).
 
 A rank or expert receiving no token gets empty tensors and works through (zero-row GEMMs).
 """
@@ -45,7 +49,6 @@ class AllGatherDispatcher:
 
     def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         group = self.groups.tp_ep
-        self.local_shape = x.shape
         if group_size(group) > 1:
             x = gather_from_sequence_parallel_region(x, group)
             probs = gather_from_sequence_parallel_region(probs, group)
@@ -74,35 +77,40 @@ class AllToAllDispatcher:
     """See module doc."""
 
     def __init__(self, num_experts: int, groups: MoEGroups):
-        if groups.etp_size > 1:
-            raise ValueError(
-                "--moe-token-dispatcher-type alltoall needs expert_tensor_parallel_size=1 "
-                f"(got {groups.etp_size}); use --moe-token-dispatcher-type allgather"
-            )
         self.groups = groups
         self.num_experts = num_experts
-        self.ep = groups.ep_size
+        self.ep, self.etp = groups.ep_size, groups.etp_size
         self.num_local_experts = num_experts // self.ep
 
     def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         self.shape, self.probs, self.routing_map = x.shape, probs, routing_map
         rows, _, self.sorted_indices = get_ops().moe_permute(x, routing_map)
-        if self.ep == 1:
+        if self.ep == 1 and self.etp == 1:
             return rows, routing_map.sum(dim=0)
         send_counts = routing_map.sum(dim=0).reshape(self.ep, self.num_local_experts)  # [dest, local e]
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.groups.ep)  # [src, local e]
+        recv_counts = send_counts
+        if self.ep > 1:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.groups.ep)  # [src, e]
         self.send_splits = send_counts.sum(dim=1).tolist()
         self.recv_splits = recv_counts.sum(dim=1).tolist()
+        if self.ep > 1:
+            rows = _AllToAll.apply(rows, self.recv_splits, self.send_splits, self.groups.ep)
+        if self.etp > 1:  # every ETP rank computes its FFN slice for the tokens of all of them
+            recv_counts = all_gather_along_sequence(recv_counts.contiguous(), self.groups.etp)
+            self.etp_sizes = recv_counts.reshape(self.etp, -1).sum(dim=1).tolist()
+            rows = _AllGatherV.apply(rows, self.etp_sizes, self.groups.etp)  # [(etp src, ep src), local e]
         self.recv_counts = recv_counts.tolist()
-        received = _AllToAll.apply(rows, self.recv_splits, self.send_splits, self.groups.ep)
         # source-major [src][local e] -> expert-major [local e][src]
-        return _regroup(received, self.recv_counts, transpose=True), recv_counts.sum(dim=0)
+        return _regroup(rows, self.recv_counts), recv_counts.sum(dim=0)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.ep > 1:
+        if self.ep > 1 or self.etp > 1:
             counts_t = [list(c) for c in zip(*self.recv_counts, strict=True)]  # [local e][src]
-            rows = _regroup(rows, counts_t, transpose=True)  # back to [src][local e]
+            rows = _regroup(rows, counts_t)  # back to [src][local e]
+        if self.etp > 1:  # sum the ETP ranks' partial outputs, keep this rank's tokens
+            rows = _ReduceScatterV.apply(rows, self.etp_sizes, self.groups.etp)
+        if self.ep > 1:
             rows = _AllToAll.apply(rows, self.send_splits, self.recv_splits, self.groups.ep)
         out = get_ops().moe_unpermute(
             rows, self.sorted_indices, tuple(self.shape), probs=self.probs, routing_map=self.routing_map
@@ -111,12 +119,11 @@ class AllToAllDispatcher:
         return out
 
 
-def _regroup(rows: torch.Tensor, counts: list[list[int]], transpose: bool) -> torch.Tensor:
-    """Rows in chunks ``counts[i][j]`` (i-major) -> the same chunks in j-major order."""
+def _regroup(rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+    """Rows in chunks of ``counts[i][j]`` rows, i-major -> the same chunks, j-major."""
     chunks = rows.split([c for row in counts for c in row])
     n_i, n_j = len(counts), len(counts[0])
-    order = [i * n_j + j for j in range(n_j) for i in range(n_i)] if transpose else range(len(chunks))
-    return torch.cat([chunks[k] for k in order]) if chunks else rows
+    return torch.cat([chunks[i * n_j + j] for j in range(n_j) for i in range(n_i)])
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -140,6 +147,54 @@ class _AllToAll(torch.autograd.Function):
         out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.group)
         return out, None, None, None
+
+
+def _all_gather_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` [sizes[r], ...] in rank order (padded to the largest)."""
+    most = max(sizes)
+    if most == 0:
+        return x
+    padded = x.new_zeros((most, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def _reduce_scatter_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Sum ``x`` [sum(sizes), ...] over the ranks and keep this rank's ``sizes[rank]`` rows."""
+    if sum(sizes) == 0:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    start = sum(sizes[: dist.get_rank(group)])
+    return x[start : start + sizes[dist.get_rank(group)]]
+
+
+class _AllGatherV(torch.autograd.Function):
+    """All-gather of unequal row counts; backward: the gradients summed, this rank's rows kept."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_v(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    """Sum over the ranks and keep this rank's rows; backward: all-gather of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_v(grad, ctx.sizes, ctx.group), None, None
 
 
 def build_dispatcher(kind: str, num_experts: int, groups: MoEGroups):

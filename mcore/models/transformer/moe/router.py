@@ -88,7 +88,7 @@ class TopKRouter(torch.nn.Module):
         is token ``(i // b, i % b)``)."""
         seq, batch = x.shape[0], x.shape[1]
         training = self.training and torch.is_grad_enabled()
-        if training and self.moe.moe_input_jitter_eps:
+        if self.training and self.moe.moe_input_jitter_eps:  # (a recomputation replays the RNG: same noise)
             eps = self.moe.moe_input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         dtype = torch.float64 if self.moe.moe_router_dtype == "fp64" else torch.float32
