@@ -1,7 +1,8 @@
 """The Hugging Face families mcore converts, in one table, and the entry points that look one up.
 
 :data:`FAMILIES` maps a name to the :class:`~mcore.hf.family.HfFamily` its module builds
-(:mod:`mcore.hf.gpt2`, :mod:`mcore.hf.llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`mcore.hf.t5`,
+(:mod:`mcore.hf.gpt2`, :mod:`mcore.hf.llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`mcore.hf.deepseek`
+(DeepSeek-V3, -V2), :mod:`mcore.hf.t5`,
 :mod:`mcore.hf.bert_io`). A family is recognized
 
 * from an mcore logical state: BERT, then T5, by their tensors (:func:`family_of_state`); otherwise
@@ -22,12 +23,14 @@ from typing import Any
 
 import torch
 
-from mcore.hf import bert_io, gpt2, llama, t5
+from mcore.hf import bert_io, deepseek, gpt2, llama, t5
 from mcore.hf.family import HfFamily
 from mcore.hf.gpt_state import family_of_hf_config, hf_family
 from mcore.models.transformer.model_config import ModelConfig
 
-FAMILIES: dict[str, HfFamily] = {f.name: f for f in (gpt2.FAMILY, *llama.FAMILIES, t5.FAMILY, bert_io.FAMILY)}
+FAMILIES: dict[str, HfFamily] = {
+    f.name: f for f in (gpt2.FAMILY, *llama.FAMILIES, *deepseek.FAMILIES, t5.FAMILY, bert_io.FAMILY)
+}
 """Every family, by name."""
 _BY_TENSORS = (bert_io.FAMILY.name, t5.FAMILY.name)
 """The families recognized before the GPT ones, in this order."""

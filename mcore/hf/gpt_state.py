@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mcore.hf.deepseek_shapes import mla_shapes
 from mcore.hf.errors import ConversionError
 from mcore.hf.moe_mapping import expected_moe_shapes
 from mcore.hf.tensors import TensorSource, pad_vocab_rows, split_qkv, vocab_rows
@@ -33,6 +34,8 @@ MIXTRAL = "mixtral"
 QWEN2_MOE = "qwen2_moe"
 QWEN3_MOE = "qwen3_moe"
 OLMOE = "olmoe"
+DEEPSEEK_V3 = "deepseek_v3"
+DEEPSEEK_V2 = "deepseek_v2"
 ARCHITECTURES = {
     GPT2: "GPT2LMHeadModel",
     LLAMA: "LlamaForCausalLM",
@@ -43,9 +46,17 @@ ARCHITECTURES = {
     QWEN2_MOE: "Qwen2MoeForCausalLM",
     QWEN3_MOE: "Qwen3MoeForCausalLM",
     OLMOE: "OlmoeForCausalLM",
+    DEEPSEEK_V3: "DeepseekV3ForCausalLM",
+    DEEPSEEK_V2: "DeepseekV2ForCausalLM",
 }
 """The GPT-style families by their ``model_type``; the families' names are these keys."""
-QK_NORMS = {QWEN3: "per head", QWEN3_MOE: "per head", OLMOE: "full width"}
+QK_NORMS = {
+    QWEN3: "per head",
+    QWEN3_MOE: "per head",
+    OLMOE: "full width",
+    DEEPSEEK_V3: "latent",
+    DEEPSEEK_V2: "latent",
+}
 """The families with q/k norms, and which kind (``--qk-layernorm``, ``--qk-layernorm-full-width``)."""
 FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
 
@@ -73,6 +84,8 @@ def hf_family(cfg: ModelConfig, architecture: str | None = None) -> str:
             raise ConversionError(f"architecture {architecture!r} is not exported; supported: {supported}")
         return FAMILY_OF_ARCHITECTURE[architecture]
     kind = cfg.position_embedding_type
+    if cfg.multi_latent_attention:  # DeepSeek's attention (mcore.hf.deepseek)
+        return DEEPSEEK_V3
     if kind == "learned_absolute":
         return GPT2
     if kind == "rope" and cfg.num_experts:
@@ -313,11 +326,14 @@ def expected_logical_shapes(cfg: ModelConfig, padded_vocab_size: int) -> dict[st
             shapes[p + norm + ".weight"] = (h,)
             if layer_norm:
                 shapes[p + norm + ".bias"] = (h,)
-        shapes[p + "self_attention.linear_qkv.weight"] = ((n + 2 * g) * d, h)
-        if cfg.add_bias_linear or cfg.add_qkv_bias:
-            shapes[p + "self_attention.linear_qkv.bias"] = ((n + 2 * g) * d,)
-        shapes[p + "self_attention.linear_proj.weight"] = (h, n * d)
-        if cfg.qk_layernorm:
+        if cfg.multi_latent_attention:
+            shapes.update(mla_shapes(cfg, i))
+        else:
+            shapes[p + "self_attention.linear_qkv.weight"] = ((n + 2 * g) * d, h)
+            if cfg.add_bias_linear or cfg.add_qkv_bias:
+                shapes[p + "self_attention.linear_qkv.bias"] = ((n + 2 * g) * d,)
+            shapes[p + "self_attention.linear_proj.weight"] = (h, n * d)
+        if cfg.qk_layernorm and not cfg.multi_latent_attention:  # MLA: its latent norms (mla_shapes)
             full = cfg.qk_layernorm_full_width
             for name, width in (("q_layernorm", n * d if full else d), ("k_layernorm", g * d if full else d)):
                 shapes[p + f"self_attention.{name}.weight"] = (width,)

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from mcore.checkpoint.buffers import logical_buffer_name, logical_buffers, persistent_buffers
 from mcore.checkpoint.run_configs import (  # noqa: F401 (re-exported: the public names are here)
     RunConfigLike,
     model_config_from_run_config,
@@ -78,6 +79,10 @@ def load_logical_state(
         param.copy_(spec.shard(full.to(param.device)).to(param.dtype))
     if missing:
         raise KeyError(f"the model state has no tensor for: {', '.join(missing[:8])}")
+    for local_name, value in persistent_buffers(model).items():  # the routers' expert_bias (kept when absent)
+        name = logical_buffer_name(model, local_name)
+        if name in state:
+            value.copy_(state[name].to(value.device))
 
 
 def _gather_tp(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
@@ -103,6 +108,8 @@ def gather_logical_state(chunks: Sequence[torch.nn.Module], groups: ProcessGroup
             if spec.tied_copy:
                 continue
             state[spec.name] = _gather_tp(params[local_name].detach(), spec, groups.tp).cpu()
+        for name, value in logical_buffers(chunk).items():  # replicated model state (expert_bias)
+            state[name] = value.detach().cpu().clone()
     if groups.pp_size > 1:
         parts: list[dict[str, torch.Tensor] | None] = [None] * groups.pp_size
         dist.all_gather_object(parts, state, group=groups.pp)

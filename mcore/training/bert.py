@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from mcore.distributed.ddp import unwrap_model
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.transformer.moe.config import refuse_moe
+from mcore.models.transformer.mtp.config import refuse_mla_mtp
 from mcore.training.cp_batch import refuse_context_parallel
 from mcore.training.flops import bert_flops_per_sample
 from mcore.training.run_config import RunConfig
@@ -50,6 +51,7 @@ def model_provider(
 
     refuse_context_parallel(groups, "BERT")
     refuse_moe(cfg.model, "BERT")
+    refuse_mla_mtp(cfg.model, "BERT")
 
     return BertModel(
         cfg.model,

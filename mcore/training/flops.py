@@ -45,13 +45,49 @@ def gpt_flops(
     return 6 * batch_size * s * h * h * (L * per_layer + vocab_size / h)
 
 
+def layerwise_flops_per_sample(model, vocab_size: int) -> float:
+    """Training FLOPs of one sample counted layer by layer, for what :func:`gpt_flops` does not hold
+    (Megatron's ``num_floating_point_operations`` terms): multi-latent attention (down/up projections,
+    scores over ``qk_head_dim + qk_pos_emb_head_dim``, values over ``v_head_dim``), MoE layers with
+    their *active* experts (``topk`` routed experts, the shared expert; the router left out, as Megatron), dense layers where
+    ``--moe-layer-freq`` puts them, and ``--mtp-num-layers`` depths (``eh_proj``, a layer like the
+    last, the output layer). ``6 * s * (multiply-adds per token)``; equals :func:`gpt_flops` for a model
+    without them."""
+    h, s, n = model.hidden_size, model.seq_length, model.num_attention_heads
+    gated = 3 if model.swiglu else 2
+    if model.multi_latent_attention:
+        dq, dv, c = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim, model.kv_lora_rank
+        q = h * n * dq if model.q_lora_rank is None else h * model.q_lora_rank + model.q_lora_rank * n * dq
+        kv = h * (c + model.qk_pos_emb_head_dim) + c * n * (model.qk_head_dim + dv)
+        attention = q + kv + n * dv * h + s * n * (dq + dv)
+    else:
+        d, g = model.kv_channels, model.num_query_groups
+        attention = 2 * n * d * h + 2 * g * d * h + 2 * s * n * d
+    moe = model.moe
+    dense_mlp = gated * h * model.ffn_hidden_size
+    moe_mlp = 0
+    if moe is not None:
+        moe_mlp = (
+            gated * h * (moe.topk * moe.ffn_hidden_size + (model.moe_shared_expert_intermediate_size or 0))
+        )
+    layers = [attention + (moe_mlp if moe is not None and sparse else dense_mlp) for sparse in
+              (moe.moe_layers if moe is not None else [False] * model.num_layers)]  # fmt: skip
+    per_token = sum(layers) + h * vocab_size
+    if model.mtp_num_layers:
+        per_token += model.mtp_num_layers * (layers[-1] + 2 * h * h + h * vocab_size)
+    return 6.0 * s * per_token
+
+
 def gpt_flops_per_sample(model, vocab_size: int) -> float:
     """:func:`gpt_flops` of one sample (``seq_length`` tokens) for a model config
-    (:class:`mcore.models.transformer.model_config.ModelConfig`) and padded vocabulary.
+    (:class:`mcore.models.transformer.model_config.ModelConfig`) and padded vocabulary; MLA and MTP
+    models are counted by :func:`layerwise_flops_per_sample`.
 
     MoE (Megatron's formula, active parameters): an MoE layer's MLP counts ``topk`` experts of
     ``moe_ffn_hidden_size`` plus the shared experts' size; the MLP term being linear in the FFN size,
     the layers' mean FFN size gives the exact sum (the router's ``h x E`` GEMM is left out, as Megatron's)."""
+    if model.multi_latent_attention or model.mtp_num_layers:
+        return layerwise_flops_per_sample(model, vocab_size)
     ffn = model.ffn_hidden_size
     moe = getattr(model, "moe", None)
     if moe is not None:

@@ -72,7 +72,9 @@ def forward_step(data_iterator, model: torch.nn.Module):
     groups = getattr(unwrap_model(model), "groups", None)
     if groups is not None and groups.cp_size > 1:
         batch = slice_batch_for_cp(batch, groups.topology.coordinate("cp"), groups.cp_size)
+    # multi-token prediction counts the loss mask's positions (shifted per depth)
+    extra = {"loss_mask": batch["loss_mask"]} if getattr(unwrap_model(model), "mtp", None) is not None else {}
     output = model(
-        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"], **extra
     )
     return output, functools.partial(loss_func, batch["loss_mask"], groups=groups)

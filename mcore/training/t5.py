@@ -36,6 +36,7 @@ from mcore.data.t5_dataset import build_t5_datasets
 from mcore.distributed.groups import ProcessGroups
 from mcore.models.t5.t5_model import T5Model
 from mcore.models.transformer.moe.config import refuse_moe
+from mcore.models.transformer.mtp.config import refuse_mla_mtp
 from mcore.training.cp_batch import refuse_context_parallel
 from mcore.training.gpt import loss_func
 from mcore.training.run_config import RunConfig
@@ -117,6 +118,7 @@ def model_provider(
     refuse_context_parallel(groups, "T5")
     model = cfg.model
     refuse_moe(cfg.model, "T5")
+    refuse_mla_mtp(cfg.model, "T5")
     fp8 = cfg.as_dict().get("fp8")
     if fp8 is not None and fp8.enabled:
         # T5's layers (cross-attention, relative bias) have no FP8 path yet: refuse rather than train bf16

@@ -29,6 +29,7 @@ from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.watchdog import note_step
 from mcore.fp8.scaling import DelayedScaleUpdate
 from mcore.models.transformer.layer_graphs import arm_after_warmup, layer_graphs_of
+from mcore.models.transformer.mtp.block import mtp_step_logs
 from mcore.pipeline.schedules import ForwardBackwardArgs, get_forward_backward_func
 from mcore.training.checkpointer import Checkpointer
 from mcore.training.context import TrainContext, TrainResult, TrainState
@@ -211,6 +212,16 @@ class Trainer:
         if self.moe is not None:  # once per step, after gradient accumulation
             moe_logs = finish_moe_step(
                 self.routers, self.moe, self.groups, self.batches.num_microbatches, self.device
+            )
+        if self.cfg.model.mtp_num_layers:  # Megatron's "mtp_k loss" logs, once per step
+            moe_logs.update(
+                mtp_step_logs(
+                    self.model,
+                    self.groups,
+                    self.batches.num_microbatches,
+                    self.cfg.model.mtp_num_layers,
+                    self.device,
+                )
             )
         # delayed FP8 recipe only; over dp x cp (Megatron's amax-reduction group with context parallelism)
         self.fp8_scales((self.groups.tp, self.groups.dp_cp))

@@ -151,11 +151,11 @@ def test_recompute_modules_defaults_and_flags():
         (
             dict(recompute_granularity="selective", recompute_modules=("layernorm", "attn")),
             "recompute_modules=['layernorm', 'attn'] (--recompute-modules): 'attn' is unknown; "
-            "choose from core_attn, layernorm, mlp_act, mlp, moe_act, moe",
+            "choose from core_attn, layernorm, mlp_act, mlp, moe_act, moe, mla_up_proj",
         ),
         (
             dict(recompute_granularity="selective", recompute_modules=("mla_up_proj",)),
-            "'mla_up_proj' is a Megatron-LM module mcore does not have (mcore has no multi-latent attention)",
+            "recompute_modules=['mla_up_proj'] (--recompute-modules): 'mla_up_proj' needs --multi-latent-attention",
         ),
         (
             dict(recompute_modules=("layernorm",)),

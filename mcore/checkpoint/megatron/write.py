@@ -101,6 +101,11 @@ def check_exportable(cfg, tp: int, pp: int) -> None:
     """Refuse what Megatron cannot hold or the target layout cannot split, naming the value."""
     if cfg.position_embedding_type == "alibi":
         raise CheckpointError("position_embedding_type='alibi': megatron-core's GPTModel has no ALiBi")
+    if getattr(cfg, "multi_latent_attention", False) or getattr(cfg, "mtp_num_layers", None):
+        raise CheckpointError(
+            f"multi_latent_attention={cfg.multi_latent_attention}, mtp_num_layers={cfg.mtp_num_layers}: the "
+            "Megatron export does not write multi-latent attention or multi-token prediction tensors yet"
+        )
     if cfg.qk_layernorm_full_width:
         raise CheckpointError(
             "qk_layernorm_full_width=True: megatron-core's --qk-layernorm normalizes each head; the "

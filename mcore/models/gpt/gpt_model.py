@@ -48,13 +48,19 @@ from mcore.fp8.config import Fp8Config
 from mcore.models.transformer.attention import CoreAttention, SelfAttention, SelfAttentionSubmodules
 from mcore.models.transformer.block import TransformerBlock
 from mcore.models.transformer.embeddings import LanguageModelEmbedding
-from mcore.models.transformer.language_module import LanguageModule, chunk_layer_count, vocab_output_layer
+from mcore.models.transformer.language_module import (
+    LanguageModule,
+    chunk_layer_count,
+    mark_tied_output_copy,
+    vocab_output_layer,
+)
 from mcore.models.transformer.layer import TransformerLayer, TransformerLayerSubmodules
+from mcore.models.transformer.mla.attention import rotary_embedding_for, self_attention_or_mla
 from mcore.models.transformer.mlp import MLP, MLPSubmodules
 from mcore.models.transformer.model_config import ModelConfig
 from mcore.models.transformer.moe.moe_layer import mlp_or_moe
+from mcore.models.transformer.mtp.block import MultiTokenPredictionBlock
 from mcore.models.transformer.norms import Norm
-from mcore.models.transformer.positions import RotaryEmbedding
 from mcore.models.transformer.spec import ModuleSpec
 from mcore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -62,7 +68,9 @@ from mcore.tensor_parallel.output_loss import output_layer_cross_entropy
 
 
 def gpt_layer_spec() -> ModuleSpec:
-    """The GPT transformer layer: norm, self-attention (QKV, core attention, proj), norm, MLP (an
+    """The GPT transformer layer: norm, self-attention (QKV, core attention, proj; multi-latent
+    attention with ``--multi-latent-attention``:
+    :func:`~mcore.models.transformer.mla.attention.self_attention_or_mla`), norm, MLP (an
     MoE layer where ``--num-experts`` and ``--moe-layer-freq`` put one:
     :func:`~mcore.models.transformer.moe.moe_layer.mlp_or_moe`)."""
     return ModuleSpec(
@@ -70,12 +78,17 @@ def gpt_layer_spec() -> ModuleSpec:
         submodules=TransformerLayerSubmodules(
             input_layernorm=ModuleSpec(Norm),
             self_attention=ModuleSpec(
-                SelfAttention,
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=CoreAttention,
-                    linear_proj=RowParallelLinear,
-                ),
+                self_attention_or_mla,
+                params={
+                    "standard": ModuleSpec(
+                        SelfAttention,
+                        submodules=SelfAttentionSubmodules(
+                            linear_qkv=ColumnParallelLinear,
+                            core_attention=CoreAttention,
+                            linear_proj=RowParallelLinear,
+                        ),
+                    )
+                },
             ),
             pre_mlp_layernorm=ModuleSpec(Norm),
             mlp=ModuleSpec(
@@ -166,7 +179,7 @@ class GPTModel(LanguageModule):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.ctx, vocab_size)
         if config.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.rotary_dim, config.rotary_base)
+            self.rotary_pos_emb = rotary_embedding_for(config)  # MLA: its d_r channels, YaRN
         self.decoder = TransformerBlock(
             config,
             self.ctx,
@@ -182,7 +195,45 @@ class GPTModel(LanguageModule):
             # The labels' vocabulary check (the inputs' is the embedding's): a label appears in no
             # input when it is a sample's last token. -100 is the loss's ignore index.
             self.token_id_range = TokenIdRange(vocab_size, "label", ignore_index=-100)
+        self.mtp = None
+        if config.mtp_num_layers:
+            self._build_mtp(vocab_size, layer_spec or gpt_layer_spec())
         self._finish_build(seed)
+
+    def _build_mtp(self, vocab_size: int, layer_spec: ModuleSpec) -> None:
+        """Multi-token prediction (:mod:`mcore.models.transformer.mtp.block`) on the last stage, with the
+        word embedding it shares: on a last stage that is not the first, a copy of the table (the tied
+        output weight itself, or with untied weights a copy whose gradient is summed with the first
+        stage's over ``groups.embedding``, as the tied output copy's is)."""
+        untied = not self.config.share_embeddings_and_output_weights
+        if self.pre_process and not self.post_process and untied:
+            self.embedding.word_embeddings.weight.shared_embedding = True  # the MTP copy's original
+        if not self.post_process:
+            return
+        if not self.pre_process:
+            self.embedding = LanguageModelEmbedding(self.config, self.ctx, vocab_size)
+            if untied:
+                mark_tied_output_copy(self.embedding.word_embeddings.weight)
+            else:  # the output layer's weight is the table's copy already: look up in it
+                self.embedding.word_embeddings.weight = self.output_layer.weight
+        self.mtp = MultiTokenPredictionBlock(self.config, self.ctx, layer_spec)
+
+    def _mtp(self, hidden_states, tokens, labels, loss_mask, attention_mask, rotary_freqs, weight):
+        """The MTP depths' losses joined to ``hidden_states``' backward (ignored by generation/export)."""
+        if tokens is None:
+            raise ValueError(
+                "--mtp-num-layers: the last pipeline stage needs the input tokens (pass tokens=)"
+            )
+        return self.mtp(
+            hidden_states,
+            tokens,
+            labels,
+            loss_mask,
+            lambda ids: self.embedding(ids),
+            lambda h: self.output_layer(h, weight=weight)[0],
+            attention_mask,
+            rotary_freqs,
+        )
 
     def _layer_offsets(self) -> dict[str, int]:
         return {"decoder": self.layer_offset}
@@ -195,6 +246,7 @@ class GPTModel(LanguageModule):
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
         inference_context=None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run this chunk.
 
@@ -211,6 +263,8 @@ class GPTModel(LanguageModule):
                 value)``, e.g. :class:`mcore.inference.kv_cache.KVCache`): each layer appends this
                 call's keys and values and attends over all of them. Give ``position_ids`` (the
                 tokens' absolute positions) with it.
+            loss_mask: ``[b, s]`` (last chunk, with ``--mtp-num-layers``): the positions the
+                multi-token-prediction losses count (shifted per depth); None: all.
 
         Returns:
             last chunk with labels: per-token fp32 loss ``[b, s]``;
@@ -236,6 +290,10 @@ class GPTModel(LanguageModule):
             return hidden_states
 
         weight = self.output_weight()
+        if self.mtp is not None and labels is not None and inference_context is None and self.training:
+            hidden_states = self._mtp(
+                hidden_states, tokens, labels, loss_mask, attention_mask, rotary_freqs, weight
+            )
         if labels is not None:
             labels = self.token_id_range.observe(labels)
         if labels is not None and self.config.output_layer_loss_chunks > 0:

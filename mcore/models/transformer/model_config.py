@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 from mcore.config.fields import ConfigError, check, flag
 from mcore.config.parallel import ParallelConfig
+from mcore.models.transformer.mla.config import MLAFlags, check_mla, check_mla_tensor_parallel
 from mcore.models.transformer.moe.config import MoEConfig, MoEFlags, check_moe, check_moe_parallel, moe_view
+from mcore.models.transformer.mtp.config import MTPFlags, check_mtp
 from mcore.models.transformer.recompute_options import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
@@ -49,9 +51,11 @@ def padded_vocab_size(
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig(MoEFlags):
+class ModelConfig(MTPFlags, MLAFlags, MoEFlags):
     """GPT-style decoder: sizes, positions, attention, MLP, norms, initialization, dropout, recompute
-    (and the mixture-of-experts flags of :class:`~mcore.models.transformer.moe.config.MoEFlags`)."""
+    (and the mixture-of-experts flags of :class:`~mcore.models.transformer.moe.config.MoEFlags`, the
+    multi-latent attention flags of :class:`~mcore.models.transformer.mla.config.MLAFlags`, the
+    multi-token prediction flags of :class:`~mcore.models.transformer.mtp.config.MTPFlags`)."""
 
     # sizes
     num_layers: int | None = flag(None, "Number of transformer layers.")
@@ -210,6 +214,8 @@ class ModelConfig(MoEFlags):
             self._set("ffn_hidden_size", int((4 * h * 2 / 3) / 64) * 64 if self.swiglu else 4 * h)
         check(self.ffn_hidden_size >= 1, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
 
+        if self.kv_channels is None and self.multi_latent_attention:  # MLA's query/key head dim
+            self._set("kv_channels", self.qk_head_dim + self.qk_pos_emb_head_dim)
         if self.kv_channels is None:
             check(
                 h % n == 0,
@@ -244,7 +250,7 @@ class ModelConfig(MoEFlags):
             )
 
         check(0.0 < self.rotary_percent <= 1.0, f"rotary_percent={self.rotary_percent} must be in (0, 1]")
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention:
             rot = self.kv_channels * self.rotary_percent
             check(
                 rot == int(rot) and int(rot) % 2 == 0,
@@ -272,7 +278,14 @@ class ModelConfig(MoEFlags):
             "(0: off, N: the output layer and loss over N chunks of tokens)",
         )
         check_recompute(self)
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple | list) and freq and all(isinstance(v, str) for v in freq):
+            # the command line's nargs list: one spelling ("[1,0,1]", "([0]*3+[1]*29)", "2") or 0/1 words,
+            # kept as Megatron's string so a printed flag parses back to an equal config
+            self._set("moe_layer_freq", freq[0] if len(freq) == 1 else "[" + ",".join(freq) + "]")
         check_moe(self)
+        check_mla(self)
+        check_mtp(self)
 
     def _resolve_encoder_decoder(self) -> None:
         """T5's layer counts and lengths, as Megatron's ``validate_args``: ``--num-layers`` and
@@ -357,10 +370,21 @@ def validate_model_parallel(config: ModelConfig, parallel: ParallelConfig) -> No
     ep = getattr(parallel, "expert_model_parallel_size", 1)
     etp = getattr(parallel, "expert_tensor_parallel_size", None) or parallel.tensor_model_parallel_size
     check_moe_parallel(config, ep, etp)
+    cp = getattr(parallel, "context_parallel_size", 1) or 1
+    for name, on in (
+        ("multi_latent_attention", config.multi_latent_attention),
+        ("mtp_num_layers", config.mtp_num_layers),
+    ):
+        check(
+            not on or cp == 1,
+            f"{name}={on} with context_parallel_size={cp}: multi-latent attention and multi-token "
+            "prediction do not run under context parallelism yet",
+        )
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
     """The TP part of :func:`validate_model_parallel` (the model calls it with its group's size)."""
+    check_mla_tensor_parallel(config, tp)
     check(
         config.num_attention_heads % tp == 0,
         f"num_attention_heads={config.num_attention_heads} is not divisible by tensor_model_parallel_size={tp}",

@@ -9,7 +9,7 @@ from mcore.config.fields import check
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp", "moe_act", "moe")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp", "moe_act", "moe", "mla_up_proj")
 """``--recompute-modules`` names (with ``--recompute-granularity selective``; default ``core_attn``).
 
 Megatron-core's meanings: ``core_attn`` and ``mlp`` recompute the core attention / the whole dense
@@ -18,10 +18,11 @@ output-discarding checkpoint. ``mlp_act`` (not a Megatron name: Megatron's ``moe
 MoE experts only) recomputes the dense MLP's activation (GeLU / SwiGLU) output, fc2's input, the
 same way. ``moe`` checkpoints a whole MoE layer (router, dispatch, experts, combine); ``moe_act``
 recomputes the routed experts' activation output (:mod:`mcore.models.transformer.moe.experts`).
+``mla_up_proj`` recomputes multi-latent attention's up projections and RoPE (its query, key and value)
+in backward (:mod:`mcore.models.transformer.mla.attention`).
 """
 MEGATRON_ONLY_RECOMPUTE_MODULES = {
     "shared_experts": "the shared experts are recomputed with 'moe'",
-    "mla_up_proj": "mcore has no multi-latent attention",
     "gdn_norm_out": "mcore has no gated-delta-net layers",
     "gdp_in_proj": "mcore has no gated-delta-product layers",
     "gdp_qkv": "mcore has no gated-delta-product layers",

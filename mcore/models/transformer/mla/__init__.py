@@ -1,0 +1,1 @@
+"""Multi-latent attention (DeepSeek-V2/V3): flags (:mod:`.config`) and the layer (:mod:`.attention`)."""

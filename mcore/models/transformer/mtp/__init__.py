@@ -1,0 +1,1 @@
+"""Multi-token prediction (DeepSeek-V3; megatron-core's ``MultiTokenPredictionBlock``)."""

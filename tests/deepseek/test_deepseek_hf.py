@@ -1,0 +1,145 @@
+"""DeepseekV3ForCausalLM and DeepseekV2ForCausalLM (V2-Lite-shaped: no q_lora_rank) in and out: tiny
+random models built with transformers on the CPU, imported with the logit self-check (eager and sdpa,
+1e-4 fp32; YaRN RoPE with the mscale corrections, sigmoid group-limited routing with the expert bias
+and routed scaling, first-k-dense layers, a shared expert) and exported back with identical tensors;
+unsupported settings are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mcore.hf import ConversionError, export_checkpoint, import_from_hf
+from mcore.hf.families import model_config_from_hf
+
+V = 100
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=12,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=8,
+    v_head_dim=6,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+)
+YARN = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8,
+)  # fmt: skip
+MODELS = {
+    "DeepseekV3ForCausalLM": (
+        "DeepseekV3Config",
+        dict(q_lora_rank=16, n_group=2, topk_group=1, norm_topk_prob=True, rope_parameters=YARN),
+    ),
+    "DeepseekV2ForCausalLM": (
+        "DeepseekV2Config",
+        dict(
+            q_lora_rank=None,
+            topk_method="greedy",
+            num_experts=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    ),
+}
+
+
+def _save_hf_model(architecture: str, path, **overrides) -> None:
+    import transformers
+
+    config_class, settings = MODELS[architecture]
+    config = getattr(transformers, config_class)(**{**COMMON, **settings, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():  # norms and router away from their initial values, experts non-trivial
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+            if name.endswith("gate.weight") or "experts" in name:
+                param.normal_(0.0, 0.2)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn_like(buf))
+    model.save_pretrained(path)
+
+
+@pytest.mark.parametrize("architecture", list(MODELS))
+def test_import_then_export_gives_back_the_same_model(architecture, tmp_path):
+    from safetensors.torch import load_file
+
+    _save_hf_model(architecture, tmp_path / "hf")
+    report = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), use_tokenizer=False)
+    assert report.parity.max_abs_diff < 1e-4, report.parity.describe()
+    assert set(report.parity.per_implementation) == {"eager", "sdpa"}
+    cfg = report.model_config
+    assert cfg.multi_latent_attention and cfg.moe.moe_layers == (False, True)
+    assert cfg.moe_shared_expert_intermediate_size == 16 and cfg.moe_router_topk_scaling_factor == 2.5
+    if architecture == "DeepseekV3ForCausalLM":
+        assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.mscale_all_dim) == ("yarn", 4.0, 0.8)
+        assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
+        assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (2, 1)
+    else:
+        assert cfg.q_lora_rank is None and cfg.rope_type == "rope" and cfg.moe_router_pre_softmax
+    back = export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    assert back.architecture == architecture and back.parity.max_abs_diff < 1e-4
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    before = load_file(tmp_path / "hf" / "model.safetensors")
+    after = load_file(tmp_path / "again" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key].float(), after[key].float()), key
+
+
+def _hf_dict(architecture, **overrides):
+    import transformers
+
+    config_class, settings = MODELS[architecture]
+    return getattr(transformers, config_class)(**{**COMMON, **settings, **overrides}).to_dict()
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (dict(rope_parameters={**YARN, "rope_type": "linear", "factor": 2.0}), "rope_type='linear' is not supported"),
+        (dict(num_experts_per_tok=4, topk_group=1), "num_experts_per_tok=4, topk_group=1"),
+        (dict(rope_interleave=False), "rope_interleave=False"),
+    ],
+)  # fmt: skip
+def test_unsupported_deepseek_configs_are_refused_naming_the_field(overrides, named):
+    with pytest.raises(ConversionError, match=named):
+        model_config_from_hf(_hf_dict("DeepseekV3ForCausalLM", **overrides))
+
+
+def test_greedy_generation_from_an_imported_deepseek_v3_is_transformers(tmp_path):
+    """mcore's generator (MLA's latent key/value cache, YaRN, the sigmoid router with its expert bias)
+    on the imported checkpoint gives transformers' greedy ``generate`` tokens."""
+    import transformers
+
+    from mcore.distributed.groups import ProcessGroups
+    from mcore.inference.generate import load_generator
+    from mcore.inference.generation import SamplingParams
+
+    _save_hf_model("DeepseekV3ForCausalLM", tmp_path / "hf")
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), use_tokenizer=False, check_parity=False)
+    generator, _ = load_generator(str(tmp_path / "ckpt"), ProcessGroups.single(), device=torch.device("cpu"))
+    prompts = [[5, 17, 42, 8], [63, 2, 11, 90]]
+    ours = generator.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True, stop_at_eod=False))
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    for prompt, tokens in zip(prompts, ours.tokens):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+        assert out[0, len(prompt) :].tolist() == tokens
