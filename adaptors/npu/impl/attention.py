@@ -68,6 +68,7 @@ def fused_sbh_core_attention(forward: Callable) -> Callable:
         g = key.shape[2]
         if (
             torch_npu is None
+            or getattr(self, "cp_group", None) is not None  # context parallel: the core's ring/a2a path
             or attention_bias is not None
             or get_ops().provider("attention") != PROVIDER
             or not (query.dtype == key.dtype == value.dtype)

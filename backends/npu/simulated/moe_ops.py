@@ -171,7 +171,6 @@ def npu_moe_token_unpermute_with_routing_map_grad(
     unpermuted_tokens_grad: torch.Tensor,
     out_index: torch.Tensor,
     permuted_token_id: torch.Tensor,
-    *,
     routing_map: torch.Tensor | None = None,
     permuted_tokens: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
@@ -245,6 +244,7 @@ def npu_grouped_matmul(
     group_list_type: int = 0,
     act_type: int = 0,
     output_dtype=None,
+    tuning_config=None,
 ) -> list[torch.Tensor]:
     """The training forms: ``group_type=0``: ``x [M, K]`` rows in groups, ``weight [E, K, N]``,
     ``y[rows of g] = x[rows of g] @ weight[g]`` -> ``[y [M, N]]``; ``group_type=2``: ``x [K, M]`` and

@@ -69,8 +69,8 @@ class CoreAttention(torch.nn.Module):
         self.dropout = config.attention_dropout
         self.scale = 1.0 / math.sqrt(config.kv_channels)
         # Context parallelism: the sequence is split over ctx.cp_group (zigzag layout).
-        self.cp_group = ctx.cp_group if ctx.cp_size > 1 else None
-        self.cp_comm_type = ctx.cp_comm_type
+        self.cp_group = ctx.cp_group if ctx is not None and ctx.cp_size > 1 else None
+        self.cp_comm_type = getattr(ctx, "cp_comm_type", "p2p")
 
     def forward(
         self,
