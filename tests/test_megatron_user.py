@@ -162,8 +162,12 @@ def test_unambiguous_prefixes_in_both_tools(tmp_path, capsys):
         "v.json",
     )
     # Ambiguous and unknown spellings stay errors that name the candidates / the closest flag.
-    proc = _run([BIN / "mcore-preprocess-data", "--vocab-s", "3", "--tok", "x"], tmp_path, check=False)
-    assert proc.returncode == 2 and "ambiguous option: --tok could match" in proc.stderr
+    # In process: the blog fixture runs the console script itself (one interpreter start less).
+    from mcore.data.preprocess import main as preprocess_main
+
+    with pytest.raises(SystemExit) as err:
+        preprocess_main(["--vocab-s", "3", "--tok", "x"])
+    assert err.value.code == 2 and "ambiguous option: --tok could match" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_run_config(["--num-layres", "2"])
     assert "unknown flag --num-layres (did you mean --num-layers?)" in capsys.readouterr().err
@@ -236,9 +240,11 @@ def test_megatron_gpt3_script_scaled_down(tmp_path):
         for doc in docs:
             f.write(json.dumps({"text": doc}) + "\n")
     train_bpe_tokenizer(docs, 400, tmp_path)
-    _run([BIN / "mcore-preprocess-data", "--input", "corpus.json", "--output-prefix", "gpt3",
-          "--vocab-file", "vocab.json", "--merge-file", "merges.txt", "--append-eod",
-          "--tokenizer-type", "GPT2BPETokenizer"], tmp_path)  # fmt: skip
+    from mcore.data.preprocess import main as preprocess_main  # in process: the script is the subject here
+
+    assert preprocess_main(["--input", str(tmp_path / "corpus.json"), "--output-prefix", str(tmp_path / "gpt3"),
+                            "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt"),
+                            "--append-eod", "--tokenizer-type", "GPT2BPETokenizer"]) == 0  # fmt: skip
     script = f"""
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 GPUS_PER_NODE=1
@@ -557,8 +563,9 @@ def test_from_pretrained_with_device_map_auto(blog):
     assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 512)
 
 
-def test_import_in_half_precision_passes_its_parity_check(blog, tmp_path):
+def test_import_in_half_precision_passes_its_parity_check(blog, tmp_path, capsys):
     from mcore.hf import import_from_hf
+    from mcore.hf.importer import main as import_main
 
     report = import_from_hf(str(blog["exported"]), str(tmp_path / "fp16"), dtype="float16")
     assert report.parity.ok and report.parity.weights_dtype == "float16"
@@ -567,6 +574,8 @@ def test_import_in_half_precision_passes_its_parity_check(blog, tmp_path):
                  "--dtype", dtype], tmp_path)  # fmt: skip
     assert f"both sides' weights rounded to {dtype}, computed in fp32" in proc.stdout
     assert "tolerance 0.0001" in proc.stdout
-    refused = _run([BIN / "mcore-import-hf", "--hf-dir", blog["exported"], "--save", tmp_path / "c2",
-                    "--tensor-model-parallel-size", "2"], tmp_path, check=False)  # fmt: skip
-    assert refused.returncode == 2 and "layout-free" in refused.stderr and not (tmp_path / "c2").exists()
+    capsys.readouterr()
+    # The refusal in process (the console script ran above).
+    refused = import_main(["--hf-dir", str(blog["exported"]), "--save", str(tmp_path / "c2"),
+                           "--tensor-model-parallel-size", "2"])  # fmt: skip
+    assert refused == 2 and "layout-free" in capsys.readouterr().err and not (tmp_path / "c2").exists()
