@@ -23,6 +23,23 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
 PROMPT = "def hello_world():"
 
+# The mock dataset is Megatron's (100,000 documents): building its indices costs ~3 s of CPU a run, most
+# of a tiny run. The module's runs pass one --data-cache-path (the product's index cache, keyed by the
+# dataset's full description: seed, sizes, samples, split, tokenizer), so each distinct dataset is built
+# once and later runs read the same arrays back; the directory goes with the module.
+_INDEX_CACHE: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_index_cache(tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("index_cache")
+    _INDEX_CACHE.append(str(path))
+    yield
+    _INDEX_CACHE.remove(str(path))
+    shutil.rmtree(path, ignore_errors=True)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -351,7 +368,8 @@ def _tiny(tmp_path, *extra, iters=4):
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-workers", "0", "--seed", "5",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "1", *extra,
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "1",
+        *(["--data-cache-path", _INDEX_CACHE[-1]] if _INDEX_CACHE else []), *extra,
     ]  # fmt: skip
 
 
