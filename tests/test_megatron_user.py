@@ -23,6 +23,23 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
 PROMPT = "def hello_world():"
 
+# The mock dataset is Megatron's (100,000 documents): building its indices costs ~3 s of CPU a run, most
+# of a tiny run. The module's runs pass one --data-cache-path (the product's index cache, keyed by the
+# dataset's full description: seed, sizes, samples, split, tokenizer), so each distinct dataset is built
+# once and later runs read the same arrays back; the directory goes with the module.
+_INDEX_CACHE: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_index_cache(tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("index_cache")
+    _INDEX_CACHE.append(str(path))
+    yield
+    _INDEX_CACHE.remove(str(path))
+    shutil.rmtree(path, ignore_errors=True)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -162,8 +179,12 @@ def test_unambiguous_prefixes_in_both_tools(tmp_path, capsys):
         "v.json",
     )
     # Ambiguous and unknown spellings stay errors that name the candidates / the closest flag.
-    proc = _run([BIN / "mcore-preprocess-data", "--vocab-s", "3", "--tok", "x"], tmp_path, check=False)
-    assert proc.returncode == 2 and "ambiguous option: --tok could match" in proc.stderr
+    # In process: the blog fixture runs the console script itself (one interpreter start less).
+    from mcore.data.preprocess import main as preprocess_main
+
+    with pytest.raises(SystemExit) as err:
+        preprocess_main(["--vocab-s", "3", "--tok", "x"])
+    assert err.value.code == 2 and "ambiguous option: --tok could match" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_run_config(["--num-layres", "2"])
     assert "unknown flag --num-layres (did you mean --num-layers?)" in capsys.readouterr().err
@@ -236,9 +257,11 @@ def test_megatron_gpt3_script_scaled_down(tmp_path):
         for doc in docs:
             f.write(json.dumps({"text": doc}) + "\n")
     train_bpe_tokenizer(docs, 400, tmp_path)
-    _run([BIN / "mcore-preprocess-data", "--input", "corpus.json", "--output-prefix", "gpt3",
-          "--vocab-file", "vocab.json", "--merge-file", "merges.txt", "--append-eod",
-          "--tokenizer-type", "GPT2BPETokenizer"], tmp_path)  # fmt: skip
+    from mcore.data.preprocess import main as preprocess_main  # in process: the script is the subject here
+
+    assert preprocess_main(["--input", str(tmp_path / "corpus.json"), "--output-prefix", str(tmp_path / "gpt3"),
+                            "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt"),
+                            "--append-eod", "--tokenizer-type", "GPT2BPETokenizer"]) == 0  # fmt: skip
     script = f"""
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 GPUS_PER_NODE=1
@@ -345,7 +368,8 @@ def _tiny(tmp_path, *extra, iters=4):
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-workers", "0", "--seed", "5",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "1", *extra,
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "1",
+        *(["--data-cache-path", _INDEX_CACHE[-1]] if _INDEX_CACHE else []), *extra,
     ]  # fmt: skip
 
 
@@ -557,8 +581,9 @@ def test_from_pretrained_with_device_map_auto(blog):
     assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 512)
 
 
-def test_import_in_half_precision_passes_its_parity_check(blog, tmp_path):
+def test_import_in_half_precision_passes_its_parity_check(blog, tmp_path, capsys):
     from mcore.hf import import_from_hf
+    from mcore.hf.importer import main as import_main
 
     report = import_from_hf(str(blog["exported"]), str(tmp_path / "fp16"), dtype="float16")
     assert report.parity.ok and report.parity.weights_dtype == "float16"
@@ -567,6 +592,8 @@ def test_import_in_half_precision_passes_its_parity_check(blog, tmp_path):
                  "--dtype", dtype], tmp_path)  # fmt: skip
     assert f"both sides' weights rounded to {dtype}, computed in fp32" in proc.stdout
     assert "tolerance 0.0001" in proc.stdout
-    refused = _run([BIN / "mcore-import-hf", "--hf-dir", blog["exported"], "--save", tmp_path / "c2",
-                    "--tensor-model-parallel-size", "2"], tmp_path, check=False)  # fmt: skip
-    assert refused.returncode == 2 and "layout-free" in refused.stderr and not (tmp_path / "c2").exists()
+    capsys.readouterr()
+    # The refusal in process (the console script ran above).
+    refused = import_main(["--hf-dir", str(blog["exported"]), "--save", str(tmp_path / "c2"),
+                           "--tensor-model-parallel-size", "2"])  # fmt: skip
+    assert refused == 2 and "layout-free" in capsys.readouterr().err and not (tmp_path / "c2").exists()

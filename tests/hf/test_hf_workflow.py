@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -50,11 +51,16 @@ def trained(tmp_path_factory):
         "llama": make_hf_tokenizer(str(root / "llama_tokenizer")),
     }
     parallel = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    # --data-cache-path: rank 0 builds the mock dataset's indices (~3 s of CPU), the others read them.
+    cache = ["--data-cache-path", str(root / "index_cache")]
     runs = [
-        pretrain_argv(f, tokenizers[f], *parallel, "--train-iters", "6", "--save", str(root / f"{f}_ckpt"))
+        pretrain_argv(
+            f, tokenizers[f], *parallel, *cache, "--train-iters", "6", "--save", str(root / f"{f}_ckpt")
+        )
         for f in FAMILIES
     ]
     iterations = run_distributed(train_models, 4, runs, timeout=300)
+    shutil.rmtree(root / "index_cache", ignore_errors=True)
     assert iterations[0] == [6, 6]
     return {"root": root, "tokenizers": tokenizers, **{f: str(root / f"{f}_ckpt") for f in FAMILIES}}
 
@@ -205,9 +211,11 @@ def test_hf_to_mcore_tp2_to_hf_roundtrip_is_identical(trained, exported, tmp_pat
                 "--device-backend", test_backend_name(), *report.flags, *TRAIN,
                 "--lr", "0", "--train-iters", "1", "--tensor-model-parallel-size", "2",
                 "--save", str(resaved[family]), "--seq-length", "32",
+                "--data-cache-path", str(tmp_path / "index_cache"),  # rank 0 builds the indices
             ]
         )  # fmt: skip
     assert run_distributed(finetune_one_step, 2, runs, timeout=300)[0] == [1] * len(sources)
+    shutil.rmtree(tmp_path / "index_cache", ignore_errors=True)
     for family, (hf_dir, arch) in sources.items():
         again = tmp_path / f"{family}_hf_again"
         assert (

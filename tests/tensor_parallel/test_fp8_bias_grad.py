@@ -296,13 +296,24 @@ def _traced_pretrain(argv):
     return recorder.bda_bias_needs_grad, recorder.dbias_widths
 
 
+@pytest.fixture(scope="module")
+def index_cache(tmp_path_factory):
+    """One --data-cache-path for the module's pretrain launches: the first builds the mock dataset's
+    indices (~3 s of CPU), the next reads the same arrays back (the product's cache)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("index_cache")
+    yield ["--data-cache-path", str(path)]
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_pretrain_routes_the_bias_grad_to_the_cast(recipe):
+def test_pretrain_routes_the_bias_grad_to_the_cast(recipe, index_cache):
     """``pretrain`` (the backend's op table, DDP, the layers as built for training): no training
     ``bias_dropout_add`` sums a bias gradient, and ``fp8_cast_dbias`` runs on proj's and fc2's output
     gradients (the delayed recipe: fc2's inside the fused MLP)."""
     ((needs_grad, widths),) = run_distributed(
-        _traced_pretrain, 1, [*PRETRAIN_ARGV, "--fp8-recipe", recipe], timeout=300
+        _traced_pretrain, 1, [*PRETRAIN_ARGV, *index_cache, "--fp8-recipe", recipe], timeout=300
     )
     # 2 layers x 2 bias-dropout-adds x 2 steps x 2 micro-batches
     assert needs_grad == [False] * 16

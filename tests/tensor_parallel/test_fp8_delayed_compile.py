@@ -195,14 +195,25 @@ PRETRAIN_ARGV = [
 ``fullgraph=True`` cannot trace), bf16, 3 steps of 2 micro-batches, the delayed recipe."""
 
 
-def test_pretrain_compile_layers_with_delayed_scaling():
+@pytest.fixture(scope="module")
+def index_cache(tmp_path_factory):
+    """One --data-cache-path for the module's pretrain launches: the first builds the mock dataset's
+    indices (~3 s of CPU), the next reads the same arrays back (the product's cache)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("index_cache")
+    yield ["--data-cache-path", str(path)]
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_pretrain_compile_layers_with_delayed_scaling(index_cache):
     """``pretrain --compile-layers --fp8-recipe delayed`` gives the eager run's losses bit for bit (the
     CPU backend does not declare ``compile_layers``: a test plugin's backend that does)."""
     assert "compile_layers" not in CPUBackend().capabilities()
 
     def losses(*extra):
         (result,) = run_distributed(
-            training_rank, 1, [*PRETRAIN_ARGV, *extra], backend=CompilingCPUBackend.name,
+            training_rank, 1, [*PRETRAIN_ARGV, *index_cache, *extra], backend=CompilingCPUBackend.name,
             rank_setup=_register_compiling_cpu, timeout=300,
         )  # fmt: skip
         return result

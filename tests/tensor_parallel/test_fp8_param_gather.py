@@ -171,29 +171,53 @@ def train_recording(extra: list[str]) -> dict:
     }
 
 
-def _run(recipe: str, *extra: str, nprocs: int = 2) -> dict:
-    argv = [*COMMON, "--fp8-recipe", recipe, *extra]
-    return run_distributed(train_recording, nprocs, argv, timeout=300)[-1]
+def train_many(runs: list[tuple[str, list[str]]]) -> list[dict]:
+    """Rank function: ``("recording", argv)``/``("plain", argv)`` runs (:func:`train_recording`,
+    ``train``) one after another; each ``pretrain`` builds its model, optimizer and data anew."""
+    return [(train_recording if kind == "recording" else train)(argv) for kind, argv in runs]
+
+
+def _launch(nprocs: int, runs: list[tuple[str, list[str]]]) -> list[list[dict]]:
+    """The runs in a row in ONE launch of ``nprocs`` ranks (starting the ranks costs more than a run):
+    per run, the per-rank results."""
+    per_rank = run_distributed(train_many, nprocs, runs, timeout=300)
+    return [[rank[i] for rank in per_rank] for i in range(len(runs))]
+
+
+def _rec(recipe: str, *extra: str) -> tuple[str, list[str]]:
+    return ("recording", [*COMMON, "--fp8-recipe", recipe, *extra])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = tmp_path_factory.mktemp("fp8_param_gather") / "ckpt"
-    out = {"tensorwise": (_run("tensorwise", *NO_CLIP), _run("tensorwise", *NO_CLIP, *GATHER))}
     saving = ["--save", str(save), "--save-interval", "2"]
     saving_ref = ["--save", str(save.parent / "ref"), "--save-interval", "2"]
-    out["delayed"] = (_run("delayed", *NO_CLIP, *saving_ref), _run("delayed", *NO_CLIP, *GATHER, *saving))
-    resume = [*COMMON, "--fp8-recipe", "delayed", *NO_CLIP, "--load", str(save), "--ckpt-step", "2"]
-    out["resumed"] = run_distributed(train_recording, 2, [*resume, *GATHER], timeout=300)
-    # the weights alone (fresh optimizer): the FP8 copies must be made from the loaded weights
-    out["weights_only"] = [run_distributed(train, 2, [*resume, *flag, "--no-load-optim"], timeout=300)[-1]
-                           for flag in ([], GATHER)]  # fmt: skip
-    out["ckpt"] = save.parent
-    out["clipped"] = (_run("tensorwise"), _run("tensorwise", *GATHER))
-    out["overlap"] = _run("tensorwise", *NO_CLIP, *GATHER, "--overlap-param-gather")
     tp2 = ["--tensor-model-parallel-size", "2", *NO_CLIP]
-    out["tp2"] = (_run("tensorwise", *tp2), _run("tensorwise", *tp2, *GATHER))
-    out["dp1"] = (_run("delayed", *NO_CLIP, nprocs=1), _run("delayed", *NO_CLIP, *GATHER, nprocs=1))
+    dp2 = _launch(
+        2,
+        [
+            _rec("tensorwise", *NO_CLIP), _rec("tensorwise", *NO_CLIP, *GATHER),
+            _rec("delayed", *NO_CLIP, *saving_ref), _rec("delayed", *NO_CLIP, *GATHER, *saving),
+            _rec("tensorwise"), _rec("tensorwise", *GATHER),  # with clipping
+            _rec("tensorwise", *NO_CLIP, *GATHER, "--overlap-param-gather"),
+            _rec("tensorwise", *tp2), _rec("tensorwise", *tp2, *GATHER),
+        ],
+    )  # fmt: skip
+    last = [ranks[-1] for ranks in dp2]
+    out = {"tensorwise": (last[0], last[1]), "delayed": (last[2], last[3])}
+    out.update(clipped=(last[4], last[5]), overlap=last[6], tp2=(last[7], last[8]))
+    # The resumes in other processes than the ones that saved: only the checkpoint passes between them.
+    resume = [*COMMON, "--fp8-recipe", "delayed", *NO_CLIP, "--load", str(save), "--ckpt-step", "2"]
+    # the weights alone (fresh optimizer): the FP8 copies must be made from the loaded weights
+    resumed, *weights_only = _launch(
+        2, [("recording", [*resume, *GATHER])] + [("plain", [*resume, *flag, "--no-load-optim"]) for flag in ([], GATHER)]
+    )  # fmt: skip
+    out["resumed"] = resumed
+    out["weights_only"] = [ranks[-1] for ranks in weights_only]
+    out["ckpt"] = save.parent
+    dp1 = _launch(1, [_rec("delayed", *NO_CLIP), _rec("delayed", *NO_CLIP, *GATHER)])
+    out["dp1"] = (dp1[0][-1], dp1[1][-1])
     return out
 
 

@@ -349,6 +349,11 @@ def train_gathered(extra: list[str]) -> dict:
     }
 
 
+def train_gathered_runs(runs: list[list[str]]) -> list[dict]:
+    """Rank function: :func:`train_gathered` of each argv, one after another."""
+    return [train_gathered(extra) for extra in runs]
+
+
 def test_pretrain_flag_reaches_the_linears_and_gathered_losses_are_equal():
     """``--no-fp8-keep-weight-transpose`` through the real flag parsing, at DP=2 with the distributed
     optimizer and ``--fp8-param-gather`` (delayed, fused producers): the flag reached every FP8 linear
@@ -363,8 +368,10 @@ def test_pretrain_flag_reaches_the_linears_and_gathered_losses_are_equal():
 
     common = ["--bf16", "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
     common += ["--fp8-param-gather", "--clip-grad", "0", "--train-iters", "3"]
-    kept = run_distributed(train_gathered, 2, common, timeout=300)[-1]
-    dropped = run_distributed(train_gathered, 2, [*common, "--no-fp8-keep-weight-transpose"], timeout=300)[-1]
+    # both runs in a row in one launch (each pretrain builds its model and optimizer anew)
+    kept, dropped = run_distributed(
+        train_gathered_runs, 2, [common, [*common, "--no-fp8-keep-weight-transpose"]], timeout=300
+    )[-1]
     assert kept["keep"] == [True] and dropped["keep"] == [False]
     assert dropped["gathered"] and dropped["fused"]
     assert len(dropped["losses"]) == 3 and dropped["losses"] == kept["losses"]

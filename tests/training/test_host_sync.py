@@ -15,6 +15,23 @@ from mcore.training.gpt import forward_step, model_provider
 from mcore.training.pretrain import Trainer, pretrain
 from mcore.utils.async_host import HostValue, host_floats, stage_to_host
 
+# The mock dataset is Megatron's (100,000 documents): building its indices costs ~3 s of CPU a run, most
+# of a tiny run. The module's runs pass one --data-cache-path (the product's index cache, keyed by the
+# dataset's full description: seed, sizes, samples, split, tokenizer), so each distinct dataset is built
+# once and later runs read the same arrays back; the directory goes with the module.
+_INDEX_CACHE: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_index_cache(tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("index_cache")
+    _INDEX_CACHE.append(str(path))
+    yield
+    _INDEX_CACHE.remove(str(path))
+    shutil.rmtree(path, ignore_errors=True)
+
 
 def _argv(*extra, iters=6):
     return [
@@ -57,6 +74,7 @@ def _argv(*extra, iters=6):
         "0",
         "--seed",
         "5",
+        *(["--data-cache-path", _INDEX_CACHE[-1]] if _INDEX_CACHE else []),
         *extra,
     ]
 

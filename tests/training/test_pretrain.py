@@ -361,6 +361,7 @@ def test_pretrain_under_torchrun_leaves_no_communication_threads(tmp_path):
         "--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--lr", "1e-3",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-workers", "0",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--data-cache-path", str(tmp_path / "index_cache"),  # rank 0 builds the mock indices, rank 1 reads
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), *argv],
