@@ -176,27 +176,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.ddp_config = ddp_config
         self.groups = groups
-        dp_size = groups.dp_size * groups.cp_size
-        dp_rank = 0
-        if groups.dp_cp is not None:
-            dp_rank = dist.get_rank(groups.dp_cp)
-        comm = CommSpec(
-            group=groups.dp_cp,
-            size=dp_size,
-            rank=dp_rank,
-            average_in_collective=ddp_config.ddp_average_in_collective,
-            use_distributed_optimizer=ddp_config.use_distributed_optimizer,
-        )
+        comm, self.expert_comm = _comm_specs(ddp_config, groups)
         self.comm = comm
-        self.expert_comm = CommSpec(
-            group=groups.edp,
-            size=groups.edp_size,
-            rank=0 if groups.edp is None else dist.get_rank(groups.edp),
-            average_in_collective=ddp_config.ddp_average_in_collective,
-            use_distributed_optimizer=ddp_config.use_distributed_optimizer,
-            grad_scale=1.0 / dp_size,
-            expert=True,
-        )
+        dp_size = comm.size
 
         bucket_size = ddp_config.ddp_bucket_size
         if bucket_size is None and ddp_config.overlap_grad_reduce:
@@ -207,15 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._all_params = list(module.parameters())  # for zero_grad_buffer, without a module walk per step
         # --fp8-param-gather: the FP8 linears' weights get buffers of their own (gathered in FP8)
         fp8_layers = fp8_gathered_layers(module) if ddp_config.fp8_param_gather else {}
-        # key: (param dtype, grad dtype, FP8-gathered, expert-parallel); dense buffers first
-        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool, bool], list[torch.nn.Parameter]] = {}
-        for expert in (False, True):
-            for param in reversed(list(module.parameters())):  # backward order, roughly
-                if not param.requires_grad or is_expert_parallel(param) != expert:
-                    continue
-                grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-                key = (param.dtype, grad_dtype, id(param) in fp8_layers, expert)
-                by_dtype.setdefault(key, []).append(param)
+        by_dtype = _params_by_buffer(module, ddp_config, fp8_layers)
 
         def own_bucket(param: torch.nn.Parameter) -> bool:
             # the tied embedding's two copies (first and last stage) must shard alike
@@ -526,3 +500,42 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, DistributedDataParallel):
         model = model.module
     return model
+
+
+def _comm_specs(ddp_config: DDPConfig, groups: ProcessGroups) -> tuple[CommSpec, CommSpec]:
+    """The dense gradients' reduction (over DP x CP) and the experts' (over EDP, scaled by
+    ``1 / (DP x CP)`` as Megatron's ``expert_gradient_scaling_factor``)."""
+    dp_size = groups.dp_size * groups.cp_size
+    dense = CommSpec(
+        group=groups.dp_cp,
+        size=dp_size,
+        rank=0 if groups.dp_cp is None else dist.get_rank(groups.dp_cp),
+        average_in_collective=ddp_config.ddp_average_in_collective,
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+    )
+    expert = CommSpec(
+        group=groups.edp,
+        size=groups.edp_size,
+        rank=0 if groups.edp is None else dist.get_rank(groups.edp),
+        average_in_collective=ddp_config.ddp_average_in_collective,
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        grad_scale=1.0 / dp_size,
+        expert=True,
+    )
+    return dense, expert
+
+
+def _params_by_buffer(
+    module: torch.nn.Module, ddp_config: DDPConfig, fp8_layers: dict
+) -> dict[tuple[torch.dtype, torch.dtype, bool, bool], list[torch.nn.Parameter]]:
+    """The trainable parameters grouped into gradient buffers, keyed by (param dtype, grad dtype,
+    FP8-gathered, expert-parallel); dense buffers first, each in backward order (roughly)."""
+    by_buffer: dict[tuple[torch.dtype, torch.dtype, bool, bool], list[torch.nn.Parameter]] = {}
+    for expert in (False, True):
+        for param in reversed(list(module.parameters())):
+            if not param.requires_grad or is_expert_parallel(param) != expert:
+                continue
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            key = (param.dtype, grad_dtype, id(param) in fp8_layers, expert)
+            by_buffer.setdefault(key, []).append(param)
+    return by_buffer

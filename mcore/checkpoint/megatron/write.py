@@ -295,12 +295,7 @@ def export_to_megatron(
     from mcore.config.fields import ConfigError
     from mcore.models.transformer.model_config import padded_vocab_size
 
-    if ckpt_format not in ("torch", "torch_dist"):
-        raise CheckpointError(f"--ckpt-format {ckpt_format!r}: choose torch or torch_dist")
-    if names not in ("mcore", "legacy"):
-        raise CheckpointError(f"--megatron-names {names!r}: choose mcore or legacy")
-    if ckpt_format == "torch_dist" and names != "mcore":
-        raise CheckpointError("--megatron-names legacy is for --ckpt-format torch only")
+    _check_format_options(ckpt_format, names)
     _check_save(load, save)
     state, meta = load_logical_model_state(load, ckpt_step)
     check_gpt_state(state, load)
@@ -309,13 +304,7 @@ def export_to_megatron(
     except (ConfigError, ValueError, TypeError) as err:
         raise CheckpointError(f"{load}: the checkpoint's model configuration cannot be used: {err}") from None
     check_exportable(cfg, tp, pp)
-    if names == "legacy" and cfg.qk_layernorm:
-        raise CheckpointError("--megatron-names legacy: Megatron-LM's legacy model has no QK layernorm")
-    if cfg.num_experts and (names == "legacy" or ckpt_format != "torch"):
-        raise CheckpointError(
-            f"num_experts={cfg.num_experts}: mixture-of-experts models are written with --ckpt-format torch "
-            "and megatron-core names only (the legacy model has no experts; torch_dist experts are not written)"
-        )
+    _check_model_for_format(cfg, ckpt_format, names)
     vocab = _vocab_size(meta, state, vocab_size)
     padded = padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, tp)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -359,6 +348,28 @@ def export_to_megatron(
         raise CheckpointError(f"--save {save}: cannot write {final}: {err}") from None
     write_tracker(root, iteration)
     return final
+
+
+def _check_format_options(ckpt_format: str, names: str) -> None:
+    """``--ckpt-format`` and ``--megatron-names`` on their own and together."""
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise CheckpointError(f"--ckpt-format {ckpt_format!r}: choose torch or torch_dist")
+    if names not in ("mcore", "legacy"):
+        raise CheckpointError(f"--megatron-names {names!r}: choose mcore or legacy")
+    if ckpt_format == "torch_dist" and names != "mcore":
+        raise CheckpointError("--megatron-names legacy is for --ckpt-format torch only")
+
+
+def _check_model_for_format(cfg, ckpt_format: str, names: str) -> None:
+    """What the chosen Megatron format cannot hold of this model (QK layernorm in the legacy model;
+    experts outside megatron-core's ``torch`` format)."""
+    if names == "legacy" and cfg.qk_layernorm:
+        raise CheckpointError("--megatron-names legacy: Megatron-LM's legacy model has no QK layernorm")
+    if cfg.num_experts and (names == "legacy" or ckpt_format != "torch"):
+        raise CheckpointError(
+            f"num_experts={cfg.num_experts}: mixture-of-experts models are written with --ckpt-format torch "
+            "and megatron-core names only (the legacy model has no experts; torch_dist experts are not written)"
+        )
 
 
 TOOL = "mcore-export-megatron"

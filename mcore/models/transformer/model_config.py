@@ -199,7 +199,6 @@ class ModelConfig(MTPFlags, MLAFlags, MoEFlags):
             flag_ = "--" + name.replace("_", "-")
             check(value is not None, f"{name} must be given ({flag_})")
             check(isinstance(value, int) and value >= 1, f"{name}={value} must be a positive integer")
-        h, n = self.hidden_size, self.num_attention_heads
         check(
             self.position_embedding_type in POSITION_EMBEDDING_TYPES,
             f"position_embedding_type={self.position_embedding_type!r} is unknown; "
@@ -210,45 +209,8 @@ class ModelConfig(MTPFlags, MLAFlags, MoEFlags):
             f"normalization={self.normalization!r} is unknown; choose one of {', '.join(NORMALIZATIONS)}",
         )
 
-        if self.ffn_hidden_size is None:
-            self._set("ffn_hidden_size", int((4 * h * 2 / 3) / 64) * 64 if self.swiglu else 4 * h)
-        check(self.ffn_hidden_size >= 1, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
-
-        if self.kv_channels is None and self.multi_latent_attention:  # MLA's query/key head dim
-            self._set("kv_channels", self.qk_head_dim + self.qk_pos_emb_head_dim)
-        if self.kv_channels is None:
-            check(
-                h % n == 0,
-                f"hidden_size={h} is not divisible by num_attention_heads={n}; give --kv-channels",
-            )
-            self._set("kv_channels", h // n)
-        check(self.kv_channels >= 1, f"kv_channels={self.kv_channels} must be positive")
-
-        if not self.group_query_attention:
-            check(
-                self.num_query_groups in (None, n),
-                f"num_query_groups={self.num_query_groups} needs --group-query-attention",
-            )
-            self._set("num_query_groups", n)
-        elif self.num_query_groups is None:
-            self._set("num_query_groups", 1)
-        g = self.num_query_groups
-        check(g >= 1, f"num_query_groups={g} must be positive")
-        check(n % g == 0, f"num_attention_heads={n} is not divisible by num_query_groups={g}")
-
-        if self.max_position_embeddings is None:
-            self._set("max_position_embeddings", self.seq_length)
-        if self.position_embedding_type == "learned_absolute":
-            check(
-                self.max_position_embeddings is not None,
-                "learned_absolute positions need --max-position-embeddings (or --seq-length)",
-            )
-        if self.seq_length is not None and self.max_position_embeddings is not None:
-            check(
-                self.seq_length <= self.max_position_embeddings,
-                f"seq_length={self.seq_length} exceeds max_position_embeddings={self.max_position_embeddings}",
-            )
-
+        self._resolve_widths()
+        self._resolve_positions()
         check(0.0 < self.rotary_percent <= 1.0, f"rotary_percent={self.rotary_percent} must be in (0, 1]")
         if self.position_embedding_type == "rope" and not self.multi_latent_attention:
             rot = self.kv_channels * self.rotary_percent
@@ -278,14 +240,54 @@ class ModelConfig(MTPFlags, MLAFlags, MoEFlags):
             "(0: off, N: the output layer and loss over N chunks of tokens)",
         )
         check_recompute(self)
-        freq = self.moe_layer_freq
-        if isinstance(freq, tuple | list) and freq and all(isinstance(v, str) for v in freq):
-            # the command line's nargs list: one spelling ("[1,0,1]", "([0]*3+[1]*29)", "2") or 0/1 words,
-            # kept as Megatron's string so a printed flag parses back to an equal config
-            self._set("moe_layer_freq", freq[0] if len(freq) == 1 else "[" + ",".join(freq) + "]")
-        check_moe(self)
+        check_moe(self)  # also puts --moe-layer-freq in one spelling (printed flags parse back equal)
         check_mla(self)
         check_mtp(self)
+
+    def _resolve_widths(self) -> None:
+        """Megatron's derived widths: ``ffn_hidden_size`` (4h, or SwiGLU's 8h/3 rounded to 64),
+        ``kv_channels`` (h/n, or MLA's query/key head dim), ``num_query_groups`` (n without GQA)."""
+        h, n = self.hidden_size, self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self._set("ffn_hidden_size", int((4 * h * 2 / 3) / 64) * 64 if self.swiglu else 4 * h)
+        check(self.ffn_hidden_size >= 1, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
+
+        if self.kv_channels is None and self.multi_latent_attention:  # MLA's query/key head dim
+            self._set("kv_channels", self.qk_head_dim + self.qk_pos_emb_head_dim)
+        if self.kv_channels is None:
+            check(
+                h % n == 0,
+                f"hidden_size={h} is not divisible by num_attention_heads={n}; give --kv-channels",
+            )
+            self._set("kv_channels", h // n)
+        check(self.kv_channels >= 1, f"kv_channels={self.kv_channels} must be positive")
+
+        if not self.group_query_attention:
+            check(
+                self.num_query_groups in (None, n),
+                f"num_query_groups={self.num_query_groups} needs --group-query-attention",
+            )
+            self._set("num_query_groups", n)
+        elif self.num_query_groups is None:
+            self._set("num_query_groups", 1)
+        g = self.num_query_groups
+        check(g >= 1, f"num_query_groups={g} must be positive")
+        check(n % g == 0, f"num_attention_heads={n} is not divisible by num_query_groups={g}")
+
+    def _resolve_positions(self) -> None:
+        """``max_position_embeddings`` defaults to ``seq_length``; learned positions need it."""
+        if self.max_position_embeddings is None:
+            self._set("max_position_embeddings", self.seq_length)
+        if self.position_embedding_type == "learned_absolute":
+            check(
+                self.max_position_embeddings is not None,
+                "learned_absolute positions need --max-position-embeddings (or --seq-length)",
+            )
+        if self.seq_length is not None and self.max_position_embeddings is not None:
+            check(
+                self.seq_length <= self.max_position_embeddings,
+                f"seq_length={self.seq_length} exceeds max_position_embeddings={self.max_position_embeddings}",
+            )
 
     def _resolve_encoder_decoder(self) -> None:
         """T5's layer counts and lengths, as Megatron's ``validate_args``: ``--num-layers`` and
