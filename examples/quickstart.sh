@@ -16,7 +16,10 @@ elif [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then
 else
   if [ ! -x .venv/bin/python ]; then
     echo "quickstart: creating the virtual environment .venv/ (set PYTHON=... to use another interpreter)"
-    python3 -m venv .venv
+    # the system's interpreter only creates the environment (BASE_PYTHON overrides it); everything
+    # after runs the environment's own python
+    BASE_PYTHON=${BASE_PYTHON:-python3}
+    "$BASE_PYTHON" -m venv .venv
   fi
   PY=.venv/bin/python
 fi
