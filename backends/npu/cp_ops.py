@@ -40,7 +40,7 @@ import torch
 
 from mcore.ops import reference
 
-from .ops import FLOAT_DTYPES, compressed_causal_mask
+from .fusion_masks import FLOAT_DTYPES, compressed_causal_mask
 
 LSE_FLOOR = -1e30
 """The finite stand-in for an lse of -inf sent to ``npu_ring_attention_update``."""

@@ -51,13 +51,12 @@ import torch
 
 from mcore.ops import reference
 
+from .cp_ops import BUILDERS as CP_BUILDERS
+from .fusion_masks import FLOAT_DTYPES, MAX_TOCKENS, compressed_causal_mask
 from .moe_ops import MOE_BUILDERS
 
 PROVIDER = "npu"
 """The provider name the NPU plugin registers its ops under (``table.provider(op)``)."""
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_TOCKENS = 2147483647
-COMPRESSED_MASK_SIZE = 2048
 
 # cos/sin broadcast patterns npu_rotary_mul accepts in "half" mode (1 = full leading dim, 0 = size 1):
 # BNSD -> 11SD, B1SD, BNSD; BSND -> 1S1D, BS1D, BSND; SBND -> S11D, SB1D, SBND (npu_fusion_attention's mask shapes).
@@ -87,18 +86,6 @@ class _CosSinCache:
         if not freqs.requires_grad:  # a cached graph would be freed by the first backward
             self._freqs, self._key, self._value = weakref.ref(freqs), key, value
         return value
-
-
-_compressed_masks: dict[torch.device, torch.Tensor] = {}
-
-
-def compressed_causal_mask(device: torch.device) -> torch.Tensor:
-    """The 2048x2048 ``triu(ones, 1)`` bool mask sparse modes 2/3/4 require (one per device)."""
-    mask = _compressed_masks.get(device)
-    if mask is None:
-        mask = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device).triu(1)
-        _compressed_masks[device] = mask
-    return mask
 
 
 def fusion_attention_mask(
@@ -334,8 +321,6 @@ _BUILDERS: tuple[tuple[str, Callable[[ModuleType], dict[str, Callable]]], ...] =
 def build_npu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
     """The op-table overrides torch_npu can serve, bound to ``torch_npu`` (real or simulated): the
     adapters of every kernel it has (:data:`_BUILDERS`)."""
-    from .cp_ops import BUILDERS as CP_BUILDERS  # context parallelism (imports this module)
-
     ops: dict[str, Callable] = {}
     for kernel, build in (*_BUILDERS, *CP_BUILDERS):
         if hasattr(torch_npu, kernel):

@@ -26,13 +26,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from mcore.backends.npu.ops import (
-    FLOAT_DTYPES,
-    MAX_TOCKENS,
-    PROVIDER,
-    compressed_causal_mask,
-    fusion_attention_mask,
-)
+from mcore.backends.npu.fusion_masks import FLOAT_DTYPES, MAX_TOCKENS, compressed_causal_mask
+from mcore.backends.npu.ops import PROVIDER, fusion_attention_mask
 
 from mcore.backend import get_ops
 from mcore.tensor_parallel.random import get_rng_tracker
