@@ -17,12 +17,12 @@ times it before mcore's model is built and reports mcore's tokens/s over its.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from plain_reference import timed_training  # benchmarks/, next to this file
 
 
 @dataclass(frozen=True)
@@ -124,49 +124,18 @@ class PlainMoEGPT(nn.Module):
 
 
 def time_moe_reference(shape: MoEReferenceShape, backend, *, compile: bool, warmup: int, iters: int) -> dict:
-    """Train the reference for ``warmup`` then ``iters`` timed steps on one fixed random batch; tokens/s,
-    step time, the timed steps' memory peak and the active-parameter TFLOP/s. Frees what it allocated."""
-    device = backend.device(0)
-    result = _train(shape, backend, device, compile, warmup, iters)
-    empty_cache = getattr(torch.get_device_module(device.type), "empty_cache", None)
-    if empty_cache is not None:  # the model and optimizer are gone: give their memory back to mcore
-        empty_cache()
-    return result
-
-
-def _train(shape: MoEReferenceShape, backend, device, compile: bool, warmup: int, iters: int) -> dict:
-    with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(1234)
-        model = PlainMoEGPT(shape).to(device, torch.bfloat16)
-    gen = torch.Generator().manual_seed(1234)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type != "cpu")
-    forward = torch.compile(model) if compile else model
-    data = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=gen).to(device)
-    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-
-    def step() -> torch.Tensor:
-        loss = forward(tokens, labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    for _ in range(warmup):
-        step()
-    backend.synchronize()
-    backend.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(iters):
-        loss = step()
-    backend.synchronize()
-    step_s = (time.perf_counter() - start) / iters
-    mem = backend.memory_stats()
-    result = {
+    """Train the reference for ``warmup`` then ``iters`` timed steps on one fixed random batch
+    (:func:`plain_reference.timed_training`); tokens/s, step time, the timed steps' memory peak and the
+    active-parameter TFLOP/s."""
+    step_s, mem, loss = timed_training(
+        lambda: PlainMoEGPT(shape), shape.vocab, shape.micro_batch, shape.seq, backend,
+        compile=compile, warmup=warmup, iters=iters,
+    )  # fmt: skip
+    return {
         "peer": "plain-moe+compile" if compile else "plain-moe-eager",
         "step_s": step_s,
         "tokens_per_s": shape.micro_batch * shape.seq / step_s,
         "tflops_per_s": shape.flops_per_step() / step_s / 1e12,
         "peak_mem_gib": mem["peak_allocated"] / 2**30,
-        "lm_loss": float(loss.detach()),
+        "lm_loss": loss,
     }
-    return result

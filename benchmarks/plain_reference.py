@@ -76,22 +76,42 @@ def time_reference(shape: ReferenceShape, backend, *, compile: bool, warmup: int
     Returns tokens/s, the step time, the memory peaks of the timed steps (``backend.memory_stats``)
     and the last loss. Everything it allocated is freed before it returns.
     """
+    step_s, mem, loss = timed_training(
+        lambda: PlainGPT(shape), shape.vocab, shape.micro_batch, shape.seq, backend,
+        compile=compile, warmup=warmup, iters=iters,
+    )  # fmt: skip
+    return {
+        "peer": "plain+compile" if compile else "plain-eager",
+        "step_s": step_s,
+        "tokens_per_s": shape.micro_batch * shape.seq / step_s,
+        "peak_mem_gib": mem["peak_allocated"] / 2**30,
+        "peak_reserved_gib": mem.get("peak_reserved", 0) / 2**30,
+        "lm_loss": loss,
+    }
+
+
+def timed_training(
+    make_model, vocab: int, micro_batch: int, seq: int, backend, *, compile: bool, warmup: int, iters: int
+) -> tuple[float, dict, float]:
+    """``(seconds per step, backend.memory_stats() of the timed steps, last loss)`` of a plain model
+    (``make_model()`` -> a module ``(tokens, labels) -> loss``) in bf16 with torch's AdamW (fused on a
+    device), under ``torch.compile`` if asked, on one fixed random batch; its memory is freed after."""
     device = backend.device(0)
-    result = _train(shape, backend, device, compile, warmup, iters)
+    result = _train(make_model, vocab, micro_batch, seq, backend, device, compile, warmup, iters)
     empty_cache = getattr(torch.get_device_module(device.type), "empty_cache", None)
     if empty_cache is not None:  # the model and optimizer are gone: give their memory back to mcore
         empty_cache()
     return result
 
 
-def _train(shape: ReferenceShape, backend, device, compile: bool, warmup: int, iters: int) -> dict:
+def _train(make_model, vocab, micro_batch, seq, backend, device, compile, warmup, iters):
     with torch.random.fork_rng(devices=[]):  # torch's default init; the caller's RNG state stays as it was
         torch.random.default_generator.manual_seed(1234)  # the CPU generator only
-        model = PlainGPT(shape).to(device, torch.bfloat16)
+        model = make_model().to(device, torch.bfloat16)
     gen = torch.Generator().manual_seed(1234)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type != "cpu")
     forward = torch.compile(model) if compile else model
-    data = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=gen).to(device)
+    data = torch.randint(0, vocab, (micro_batch, seq + 1), generator=gen).to(device)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
     def step() -> torch.Tensor:
@@ -109,14 +129,4 @@ def _train(shape: ReferenceShape, backend, device, compile: bool, warmup: int, i
     for _ in range(iters):
         loss = step()
     backend.synchronize()
-    step_s = (time.perf_counter() - start) / iters
-    mem = backend.memory_stats()
-    result = {
-        "peer": "plain+compile" if compile else "plain-eager",
-        "step_s": step_s,
-        "tokens_per_s": shape.micro_batch * shape.seq / step_s,
-        "peak_mem_gib": mem["peak_allocated"] / 2**30,
-        "peak_reserved_gib": mem.get("peak_reserved", 0) / 2**30,
-        "lm_loss": float(loss.detach()),
-    }
-    return result
+    return (time.perf_counter() - start) / iters, backend.memory_stats(), float(loss.detach())
