@@ -43,10 +43,12 @@ gradient for it, so the hook adds the embedding's gradient alone.
 
 A step's first weight gradient may be written instead of added (:mod:`mcore.tensor_parallel.first_grad`):
 :meth:`DistributedDataParallel.zero_grad_buffer` skips the ``main_grad`` regions of the weights whose
-layers opt in (the FP8 linears, whose ``torch._scaled_mm`` cannot add into its output) and flags them
-unwritten; the first wgrad GEMM of the step writes its result there, later ones add. A flagged region
-still unwritten when its bucket's reduction starts (the weight got no gradient) is zeroed then, and
-the hook below zeroes it before adding a gradient autograd produced.
+layers opt in and flags them unwritten: the FP8 linears, whose ``torch._scaled_mm`` cannot add into its
+output (the first wgrad GEMM of the step writes its result there, later ones add), and the MoE
+experts' grouped weights, whose gradient autograd produces (the hook below copies the step's first
+gradient over the region instead of zeroing it and adding: for OLMoE's 6.4 B expert parameters that is
+one pass over the buffer instead of three). A flagged region still unwritten when its bucket's
+reduction starts (the weight got no gradient) is zeroed then.
 
 Small gradients (at most ``_BATCHED_ADD_MAX_ELEMENTS``, with ``main_grad``'s dtype): a GPT layer has
 eight bias and norm-weight vectors, whose adds are each a kernel launch shorter than its own launch
@@ -73,7 +75,7 @@ from mcore.distributed.grad_buffer import Bucket, CommSpec, GradBuffer
 from mcore.distributed.groups import ProcessGroups
 from mcore.distributed.param_attrs import is_expert_parallel, is_pipeline_shared, is_shared_embedding
 from mcore.fp8.param_gather import Fp8ParamGather, fp8_gathered_layers
-from mcore.tensor_parallel.first_grad import is_unwritten, zero_if_unwritten
+from mcore.tensor_parallel.first_grad import take_first_write
 
 _DEFAULT_BUCKET_ELEMENTS = 40_000_000
 _BATCHED_ADD_MAX_ELEMENTS = 1 << 16
@@ -276,9 +278,9 @@ class DistributedDataParallel(torch.nn.Module):
             return
         grad = param.grad
         if not param.grad_added_to_main_grad:  # else the layer's backward did it; grad is a placeholder
-            if is_unwritten(param):  # an opted-in weight whose gradient came through autograd
-                zero_if_unwritten((param,))
-            if grad.numel() <= _BATCHED_ADD_MAX_ELEMENTS and grad.dtype == param.main_grad.dtype:
+            if take_first_write(param):  # an opted-in weight's first gradient of the step: written over
+                param.main_grad.copy_(grad)  # the stale memory, no zeroing pass and no add
+            elif grad.numel() <= _BATCHED_ADD_MAX_ELEMENTS and grad.dtype == param.main_grad.dtype:
                 if not self._queued_adds:
                     _run_after_backward(self._add_queued_grads)
                 self._queued_adds.append((param.main_grad, grad))

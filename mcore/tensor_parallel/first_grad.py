@@ -15,14 +15,15 @@ step's gradient), which nothing may read or add to. Two attributes on the parame
   gradient of a step with the overwriting form (:func:`take_first_write`). Written in the owner's
   forward, like ``grad_added_to_main_grad``: the FP8 linears with the FP8 weight gradient, in eager
   mode (a compiled backward is traced once and cannot look at the flag), through
-  :func:`mcore.tensor_parallel.layers.fusion_main_grad`.
+  :func:`mcore.tensor_parallel.layers.fusion_main_grad`; the MoE experts' grouped weights, whose
+  gradient autograd produces and the DDP hook copies over ``main_grad`` (:func:`opt_in_hook_writes`).
 * ``param.main_grad_unwritten`` (the step's flag): set by ``zero_grad_buffer`` for the opted-in
   weights whose region it did not zero; cleared by the first write (:func:`take_first_write`) or by
   :func:`zero_if_unwritten`.
 
 Every other path that could touch such a ``main_grad`` first calls :func:`zero_if_unwritten`, so a
 stale value can never leak: a use of the weight that adds its gradient (a fusing layer's forward
-without the overwriting form, the DDP hook for a gradient autograd produced), and the gradient
+without the overwriting form), and the gradient
 reduction of its bucket (a weight that received no gradient in the step: an unused parameter, a
 skipped layer).
 """
@@ -44,6 +45,17 @@ def set_opt_in(param: torch.nn.Parameter, overwrites: bool) -> None:
     """The owner's forward says whether its backward takes the first write (see the module docstring)."""
     if getattr(param, OPT_IN, False) != overwrites:
         setattr(param, OPT_IN, overwrites)
+
+
+def opt_in_hook_writes(weights) -> None:
+    """Opt ``weights`` in from their owner's forward (under autograd) when their gradient comes through
+    autograd to the DDP hook, which then copies the step's first gradient over ``main_grad`` instead of
+    adding it to a zeroed buffer: one pass over the region instead of three (zero, read, write)."""
+    if not torch.is_grad_enabled():
+        return
+    for weight in weights:
+        if getattr(weight, "main_grad", None) is not None and weight.requires_grad:
+            set_opt_in(weight, True)
 
 
 def is_unwritten(param: torch.nn.Parameter) -> bool:

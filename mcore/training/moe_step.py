@@ -42,6 +42,19 @@ def _all_reduce(t: torch.Tensor, group) -> None:
         dist.all_reduce(t, group=group)
 
 
+_ROW_INDEX: dict = {}
+
+
+def _row_index(rows: tuple[int, ...], device) -> torch.Tensor:
+    """The MoE layers' rows as a device index, made once: a host list copied to the device each step
+    would wait for the device's whole queue (a pageable host-to-device copy synchronises), and a
+    boolean mask would too (its ``nonzero``), stalling the host at every step's end."""
+    key = (rows, str(device))
+    if key not in _ROW_INDEX:
+        _ROW_INDEX[key] = torch.tensor(rows, dtype=torch.long, device=device)
+    return _ROW_INDEX[key]
+
+
 def finish_moe_step(
     routers: list[TopKRouter], moe, groups: ProcessGroups, num_microbatches: int, device
 ) -> dict[str, torch.Tensor]:
@@ -73,12 +86,14 @@ def finish_moe_step(
         losses, counts = both[:, : len(names)], both[:, len(names) :]
     if not groups.is_last_stage or not any(moe.moe_layers):
         return {}
-    moe_rows = torch.tensor(moe.moe_layers, device=device)
+    rows = [row for row, is_moe in enumerate(moe.moe_layers) if is_moe]
+    moe_rows = _row_index(tuple(rows), device)
     imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-20)
-    logs = {name: losses[moe_rows, j].mean() for j, name in enumerate(names)}
-    logs["tokens_per_expert max/mean"] = imbalance[moe_rows].mean()
+    moe_losses = losses.index_select(0, moe_rows)
+    logs = {name: moe_losses[:, j].mean() for j, name in enumerate(names)}
+    logs["tokens_per_expert max/mean"] = imbalance.index_select(0, moe_rows).mean()
     if moe.moe_per_layer_logging:
-        for row in moe_rows.nonzero().flatten().tolist():
+        for row in rows:
             for j, name in enumerate(names):
                 logs[f"{name} layer {row + 1}"] = losses[row, j]
             logs[f"tokens_per_expert max/mean layer {row + 1}"] = imbalance[row]

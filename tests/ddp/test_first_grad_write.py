@@ -9,6 +9,7 @@ writes instead of adding. Compared with the zero-then-add behaviour
    update between them, one and two micro-batches per step, for the delayed recipe with the fused
    Functions (``fp8_fused``; also under full recomputation) and without, and tensorwise: per-token losses and every ``main_grad``
    after ``finish_grad_sync`` are identical, and the write form really ran.
+   The MoE experts' grouped weights (gradients from autograd, written by the DDP hook) likewise.
 2. A weight that gets no gradient in a step: its region is not zeroed at ``zero_grad_buffer`` (the
    stale gradient is still there, flagged) but is zero after ``finish_grad_sync``.
 3. ``pretrain`` (2 gloo processes, delayed recipe): DP=2 with the distributed optimizer and
@@ -141,6 +142,49 @@ def test_a_weight_without_gradient_ends_the_step_with_a_zero_main_grad():
     others = [p for p in model.parameters() if all(p is not q for q in skipped)]
     assert all(not is_unwritten(p) for p in others)
     assert sum(torch.count_nonzero(p.main_grad) for p in others) > 0
+
+
+MOE = dict(num_experts=4, moe_router_topk=2, swiglu=True, disable_bias_linear=True, moe_ffn_hidden_size=16)
+
+
+def _train_moe(micro_batches: int, overwrite: bool, monkeypatch):
+    """As :func:`_train` for an MoE GPT without FP8 (the experts' grouped weights opt in and the DDP
+    hook writes their first gradient); also counts the hook's writes."""
+    from mcore.distributed import ddp as ddp_module
+
+    writes = [0]
+    original = ddp_module.take_first_write
+
+    def counted(param):
+        write = original(param)
+        writes[0] += write
+        return write
+
+    monkeypatch.setattr(ddp_module, "take_first_write", counted)
+    torch.manual_seed(0)
+    groups = ProcessGroups.single()
+    model = GPTModel(
+        ModelConfig(**MODEL, **MOE), groups, padded_vocab_size(VOCAB, 32, 1), device=torch.device("cpu")
+    )
+    ddp = DistributedDataParallel(model, DDPConfig(), groups)
+    ddp.overwrite_first_grads = overwrite
+    gen = torch.Generator().manual_seed(7)
+    data = torch.randint(0, VOCAB, (3, micro_batches, 2, BATCH, SEQ), generator=gen)
+    losses, grads = sgd_steps_on_main_grad(ddp, model, data, groups)
+    return losses, grads, model, writes[0]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_moe_experts_first_gradient_written_by_the_hook_equals_zero_then_add(monkeypatch, micro_batches):
+    want_losses, want_grads, _, _ = _train_moe(micro_batches, False, monkeypatch)
+    losses, grads, model, writes = _train_moe(micro_batches, True, monkeypatch)
+    assert torch.equal(losses, want_losses)
+    for step, (got, want) in enumerate(zip(grads, want_grads)):
+        for name, g in got.items():
+            assert torch.equal(g, want[name]), (step, name)
+    expert_weights = [n for n, p in model.named_parameters() if opts_in(p)]
+    assert len(expert_weights) == 2 * 2 and all(".experts.linear_fc" in n for n in expert_weights)
+    assert writes == 2 * len(expert_weights)  # steps 2 and 3 wrote, step 1 had nothing skipped
 
 
 def test_reference_wgrad_overwrite_is_the_add_into_zeros():

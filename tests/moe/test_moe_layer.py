@@ -143,3 +143,35 @@ def test_tiny_moe_gpt_trains_through_pretrain_and_logs_moe_values(tmp_path):
     assert last["tokens_per_expert max/mean"] >= 1.0
     assert last["load_balancing_loss layer 2"] == last["load_balancing_loss"]  # the one MoE layer
     assert "load_balancing_loss layer 1" not in last  # layer 1 is dense
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_experts_input_rows_are_saved_as_a_recipe_and_regathered_exactly(dispatcher):
+    """One process: nothing autograd keeps lies in the experts' input rows ([T * topk, H]; the
+    layer's input is kept, by the router); the gradients equal those of a layer that keeps them."""
+    flags = dict(
+        swiglu=True, disable_bias_linear=True, moe_router_topk=3, moe_token_dispatcher_type=dispatcher
+    )
+    kept, recipe = _layer(**flags), _layer(**flags)
+    kept.dispatcher.rows_recipe = lambda: None  # the rows saved as they are
+    x = torch.randn(4, 2, H, dtype=torch.float64, requires_grad=True)
+    grads, in_rows = [], []
+    for layer in (kept, recipe):
+        rows_storage, saved = [], []
+        dispatch = layer.dispatcher.dispatch
+
+        def spy(*args, dispatch=dispatch, rows_storage=rows_storage, **kwargs):
+            rows, counts = dispatch(*args, **kwargs)
+            rows_storage.append(rows.untyped_storage().data_ptr())
+            return rows, counts
+
+        layer.dispatcher.dispatch = spy
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, saved=saved: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t
+        ):
+            out = layer(x)[0]
+        in_rows.append(sum(ptr == rows_storage[0] for ptr in saved))
+        grads.append(torch.autograd.grad(out.square().sum(), [x, *layer.parameters()]))
+    assert in_rows[0] > 0 and in_rows[1] == 0
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -38,6 +38,18 @@ from mcore.tensor_parallel.mappings import (
 )
 
 
+def gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
+    """``rows[i] = tokens[sorted_indices[i]]``: the rows ``moe_permute`` returned, recomputed.
+
+    The experts' first GEMM saves its input rows ([T * topk, H]: 256 MiB a layer for OLMoE's shape,
+    eight times the layer's input) for its weight gradient. Where the rows are a local permutation of
+    the layer's tokens, which the router's GEMM keeps for its own weight gradient, the MoE layer lets
+    autograd save this recipe instead (:class:`~mcore.tensor_parallel.recompute.RecomputeWhenSaved`)
+    and backward gathers them again: one memory-bound gather for ``1/topk`` of the memory.
+    """
+    return tokens.index_select(0, sorted_indices)
+
+
 class AllGatherDispatcher:
     """See module doc. One instance per layer; ``dispatch`` and ``combine`` alternate."""
 
@@ -64,7 +76,14 @@ class AllGatherDispatcher:
         every_expert_local = self.num_local_experts == routing_map.shape[1]
         num_out = x.shape[0] * topk if topk is not None and every_expert_local else None
         rows, _, self.sorted_indices = get_ops().moe_permute(x, self.routing_map, num_out_tokens=num_out)
+        self.local_tokens = x if group_size(group) == 1 else None
         return rows, self.routing_map.sum(dim=0)
+
+    def rows_recipe(self):
+        """``(function, *args)`` that recompute the rows :meth:`dispatch` returned from tensors backward
+        keeps anyway, or None where the rows came through a collective (see :func:`gather_rows`)."""
+        tokens, self.local_tokens = self.local_tokens, None
+        return None if tokens is None else (gather_rows, tokens, self.sorted_indices)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         out = get_ops().moe_unpermute(
@@ -96,6 +115,7 @@ class AllToAllDispatcher:
         self.shape, self.probs, self.routing_map = x.shape, probs, routing_map
         num_out = x.shape[0] * topk if topk is not None else None  # no host sync in the permute
         rows, _, self.sorted_indices = get_ops().moe_permute(x, routing_map, num_out_tokens=num_out)
+        self.local_tokens = x if self.ep == 1 and self.etp == 1 else None
         if self.ep == 1 and self.etp == 1:
             return rows, routing_map.sum(dim=0)
         send_counts = routing_map.sum(dim=0).reshape(self.ep, self.num_local_experts)  # [dest, local e]
@@ -114,6 +134,11 @@ class AllToAllDispatcher:
         self.recv_counts = recv_counts.tolist()
         # source-major [src][local e] -> expert-major [local e][src]
         return _regroup(rows, self.recv_counts), recv_counts.sum(dim=0)
+
+    def rows_recipe(self):
+        """As :meth:`AllGatherDispatcher.rows_recipe`: only without EP and ETP (no exchange)."""
+        tokens, self.local_tokens = self.local_tokens, None
+        return None if tokens is None else (gather_rows, tokens, self.sorted_indices)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         if self.ep > 1 or self.etp > 1:

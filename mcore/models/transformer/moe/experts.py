@@ -23,6 +23,7 @@ import torch
 
 from mcore.backend import get_ops
 from mcore.models.transformer.moe.config import MoEConfig
+from mcore.tensor_parallel.first_grad import opt_in_hook_writes
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved
 from mcore.tensor_parallel.sharding import (
     ZEROS,
@@ -86,6 +87,8 @@ class GroupedMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x`` [N, H] grouped by local expert -> [N, H] (partial over ETP)."""
         ops = get_ops()
+        # the DDP hook writes the step's first gradient of the grouped weights over their main_grad
+        opt_in_hook_writes((self.linear_fc1.weight, self.linear_fc2.weight))
         counts = tokens_per_expert.to(torch.int64)
         fc1_bias = self._bias_rows(self.linear_fc1.bias, counts, x.shape[0])
         h = ops.grouped_gemm(x, self.linear_fc1.weight, counts)

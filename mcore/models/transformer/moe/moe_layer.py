@@ -9,6 +9,8 @@ its own tokens)::
     y = y + shared_experts(x)                            (with --moe-shared-expert-intermediate-size)
 
 Returns ``(y [s, b, H], None)`` like the dense MLP (the experts' biases are added inside).
+The experts' input rows are not kept for backward where they are a local permutation of ``x``
+(no EP/ETP exchange): backward gathers them again (:func:`~.dispatcher.gather_rows`).
 ``--recompute-modules moe`` checkpoints this whole forward (the router's statistics are counted
 once: the recomputation runs without grad-mode counting, see the router).
 
@@ -18,6 +20,8 @@ Parameter names: ``router.weight`` (+ ``router.expert_bias`` buffer), ``experts.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mcore.models.transformer.build_context import BuildContext
@@ -26,7 +30,7 @@ from mcore.models.transformer.moe.experts import GroupedMLP
 from mcore.models.transformer.moe.groups import MoEGroups
 from mcore.models.transformer.moe.router import TopKRouter
 from mcore.models.transformer.moe.shared_experts import SharedExpertMLP
-from mcore.tensor_parallel.recompute import checkpoint
+from mcore.tensor_parallel.recompute import RecomputeWhenSaved, checkpoint
 
 
 def _activation(config) -> str:
@@ -84,7 +88,10 @@ class MoELayer(torch.nn.Module):
         rows, counts = self.dispatcher.dispatch(
             tokens, probs, routing_map, self.router.topk if dropless else None
         )
-        out = self.dispatcher.combine(self.experts(rows, counts)).reshape(shape)
+        recipe = self.dispatcher.rows_recipe()  # the rows are saved as a recipe where they can be
+        with RecomputeWhenSaved(rows, *recipe) if recipe is not None else contextlib.nullcontext():
+            expert_out = self.experts(rows, counts)
+        out = self.dispatcher.combine(expert_out).reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)[0]
         return out
