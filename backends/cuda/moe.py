@@ -118,10 +118,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch
 
 def _routed_pairs(routing_map: torch.Tensor, n: int) -> torch.Tensor:
     """The flat ``[E * T]`` positions (``e * T + t``) of the ``n`` routed pairs, expert-major, token
-    order kept: a stable descending sort of the transposed map (its ``n`` must be the map's count:
-    it is trusted, not checked, as checking would sync with the host)."""
-    flat = routing_map.t().reshape(-1).to(torch.uint8)
-    return torch.sort(flat, descending=True, stable=True).indices[:n]
+    order kept: the set positions of the transposed map in ascending order, by ``nonzero_static``
+    (one selection pass; ``n`` must be the map's count: it is trusted, not checked, as checking
+    would sync with the host)."""
+    return torch.nonzero_static(routing_map.t().reshape(-1), size=n).flatten()
 
 
 def moe_permute(

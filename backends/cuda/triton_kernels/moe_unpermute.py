@@ -68,10 +68,20 @@ def _unpermute_bwd_kernel(
 
 def token_order(sorted_indices: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order [N], offsets [T + 1])``: the rows sorted by token (stable) and where each token's rows
-    start in that order; computed on the device without a host sync."""
-    tokens_sorted, order = torch.sort(sorted_indices, stable=True)
+    start in that order; computed on the device without a host sync.
+
+    The result is kept on ``sorted_indices`` (one order per permutation): the unpermute's forward
+    computes it and the permute's backward, which needs the same order, reads it back. Keys are
+    sorted as int32 (token ids < 2^31): a radix sort of half the passes of int64's."""
+    cached = getattr(sorted_indices, "_mcore_token_order", None)
+    if cached is not None and cached[0] == num_tokens:
+        return cached[1], cached[2]
+    keys = sorted_indices.to(torch.int32) if num_tokens < 2**31 else sorted_indices
+    tokens_sorted, order = torch.sort(keys, stable=True)
     bounds = torch.arange(num_tokens + 1, device=sorted_indices.device, dtype=tokens_sorted.dtype)
-    return order, torch.searchsorted(tokens_sorted, bounds)
+    offsets = torch.searchsorted(tokens_sorted, bounds)
+    sorted_indices._mcore_token_order = (num_tokens, order, offsets)
+    return order, offsets
 
 
 def unpermute_forward(
