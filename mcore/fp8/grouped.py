@@ -47,10 +47,11 @@ def quantize_columns_per_expert(
     """``t [N, C]`` (rows grouped by expert) quantized with one scale per (expert, column): the
     column's amax over that expert's rows. Returns the transposed ``q^T [C, N]`` (contiguous: the
     weight gradient's NT operand) and ``scale_inv [E, C]`` (1 for an expert without rows)."""
-    amax = t.new_zeros(experts, t.shape[1], dtype=torch.float32)
+    # the max of |t| in t's own dtype is exact: no fp32 copy of t
+    amax = t.new_zeros(experts, t.shape[1])
     index = expert_of_row[:, None].expand(-1, t.shape[1])
-    amax.scatter_reduce_(0, index, t.float().abs(), reduce="amax", include_self=True)
-    scale = scale_from_amax(amax, EXPERT_FP8_DTYPE, margin)
+    amax.scatter_reduce_(0, index, t.abs(), reduce="amax", include_self=True)
+    scale = scale_from_amax(amax.float(), EXPERT_FP8_DTYPE, margin)
     q = get_ops().fp8_quantize(t.t(), scale.index_select(0, expert_of_row).t(), EXPERT_FP8_DTYPE)
     return q, scale.reciprocal()
 

@@ -163,6 +163,33 @@ def test_experts_stay_in_bf16_where_the_backend_has_no_scaled_grouped_gemm():
     assert not experts_fp8_status(fp8, CPUBackend().capabilities(), "cpu", 2)[0]  # ETP > 1
 
 
+def test_fp8_experts_with_moe_act_recompute_give_the_same_gradients():
+    """``--recompute-modules moe_act`` with FP8 experts: fc2's saved input is recomputed from fc1's
+    output, the gradients are those of the run that keeps it (the same quantizations of the same
+    values)."""
+    from mcore.models.transformer.build_context import BuildContext
+    from mcore.models.transformer.model_config import ModelConfig
+    from mcore.models.transformer.moe.moe_layer import MoELayer
+
+    fp8 = Fp8Config(fp8_format="e4m3", fp8_recipe="rowwise")
+    ctx = BuildContext(params_dtype=torch.bfloat16, fp8=fp8, num_layers=1)
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=4, num_experts=4, swiglu=True)
+    base.update(ffn_hidden_size=16, disable_bias_linear=True)
+    x = torch.randn(4, 2, 16, dtype=torch.bfloat16)
+    grads = []
+    for extra in ({}, dict(recompute_granularity="selective", recompute_modules=("moe_act",))):
+        torch.manual_seed(0)
+        layer = MoELayer(ModelConfig(**base, moe_ffn_hidden_size=16, **extra), ctx).train()
+        assert layer.experts.fp8_margin == 0
+        with torch.no_grad():  # the layer's parameters are created uninitialized
+            for p in layer.parameters():
+                p.copy_(torch.randn_like(p, dtype=torch.float32) * 0.5)
+        layer(x)[0].float().square().sum().backward()
+        grads.append([p.grad for p in layer.experts.parameters()])
+    for a, b in zip(*grads):
+        assert torch.isfinite(a).all() and a.abs().sum() > 0 and torch.equal(a, b)
+
+
 def _tiny_moe_argv(tmp_path) -> list[str]:
     from mcore.data.preprocess import main as preprocess_main
 
