@@ -13,8 +13,9 @@ one scale per row of each NT operand, ``scale = fp8_max / amax(row) / 2^margin``
 This is the layout the scaled grouped GEMMs take (``torch._scaled_grouped_mm`` on Hopper: float32
 rowwise scales), and it needs no state: a per-tensor or delayed scale would have to be one number
 for all experts of a layer (or per expert, with an amax history per expert and its reduction over
-expert-parallel ranks), while a row's own scale depends only on the row, so the result is the same
-at every expert-parallel layout. All operands are e4m3, the output gradient too, under both
+expert-parallel ranks), while a forward or input-gradient row's own scale depends only on that
+token, whatever the expert-parallel layout (the weight gradient's column scales, as any current
+scaling, on the tokens the expert receives on its rank). All operands are e4m3, the output gradient too, under both
 ``--fp8-format`` values: torch's scaled grouped GEMM takes e4m3 only, and per-row scales give each
 gradient row its own range (the reason ``hybrid`` has e5m2 gradients for per-tensor scales).
 ``--no-fp8-wgrad`` does not apply to the experts (their weight gradient is always FP8).
