@@ -245,9 +245,10 @@ class CPUBackend(BackendBase):
     device_type = "cpu"
     dist_backend = "gloo"
     priority = 0
-    # fp8 / fp8_rowwise: emulated by the reference ops (quantize, dequantize, fp32 matmul), so the CPU
-    # suite runs the FP8 code paths; slower than bf16 here, never faster.
-    _capabilities = frozenset({"bf16", "fp16", "fp32", "fp8", "fp8_rowwise"})
+    # fp8 / fp8_rowwise / fp8_grouped_gemm (the experts' scaled grouped GEMM): emulated by the reference
+    # ops (quantize, dequantize, fp32 matmul), so the CPU suite runs the FP8 code paths; slower than
+    # bf16 here, never faster.
+    _capabilities = frozenset({"bf16", "fp16", "fp32", "fp8", "fp8_rowwise", "fp8_grouped_gemm"})
 
     def is_available(self) -> tuple[bool, str]:
         return True, f"always available ({os.cpu_count()} cores)"

@@ -89,6 +89,9 @@ class CUDABackend(BackendBase):
         from mcore.backends.cuda.fp8.linear import fp8_capabilities
 
         caps |= fp8_capabilities()
+        from mcore.backends.cuda.grouped_fp8 import grouped_fp8_capabilities
+
+        caps |= grouped_fp8_capabilities()
         # Optional libraries found (informational: code asks for the features above, not for these).
         caps |= {f"lib:{name}" for name, present in extensions.detected().items() if present}
         return frozenset(caps)

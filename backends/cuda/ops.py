@@ -32,6 +32,7 @@ from .device import on_kernel_device, tracing
 from .fp8.act import ACT_FP8_OPS
 from .fp8.flat import fp8_dequantize_flat, fp8_quantize_flat
 from .fp8.linear import FP8_OPS
+from .grouped_fp8 import GROUPED_FP8_OPS, GROUPED_FP8_PROVIDER
 from .moe import MOE_OPS, MOE_PROVIDERS
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
@@ -551,6 +552,8 @@ def _build() -> tuple[dict, dict[str, str]]:
         providers.update(dict.fromkeys(_TRITON_OPS, "triton"))
     ops.update(MOE_OPS)  # torch ops only (no Triton); the router stays the reference (moe.py says why)
     providers.update(MOE_PROVIDERS)
+    ops.update(GROUPED_FP8_OPS)  # the experts' FP8 GEMMs (backends/cuda/grouped_fp8.py)
+    providers.update(dict.fromkeys(GROUPED_FP8_OPS, GROUPED_FP8_PROVIDER))
     ops.update(ATTENTION_LSE_OPS)  # context parallelism (backends/cuda/attention_lse.py)
     providers.update(dict.fromkeys(ATTENTION_LSE_OPS, "flash-sdpa"))
     if extensions.triton_available():
@@ -583,5 +586,6 @@ ALL_OPS = {
     **FP8_OPS,
     **ACT_FP8_OPS,
     **MOE_OPS,
+    **GROUPED_FP8_OPS,
 }
 """Every dispatcher, whatever is installed (tests call them directly: they fall back by themselves)."""

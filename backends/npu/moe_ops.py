@@ -11,6 +11,15 @@ op                        conversion
                           ``[W]``; weight gradient ``npu_grouped_matmul([dy^T], [x], group_type=2)``
                           (groups along the reduced axis) -> ``[E, M, K]``, an empty expert's block
                           zeroed explicitly. bf16/fp16 only (fp32 and ``N = 0`` run the reference).
+``scaled_grouped_gemm``   ``npu_grouped_matmul([a_q], [b_q^T], scale=[b_scale_inv], per_token_scale=
+                          [a_scale_inv], group_list=counts, split_item=3, group_type=0,
+                          group_list_type=1, output_dtype=bf16|fp16)``: the documented per-token
+                          quantized form, int8 operands (scale bf16 for a bf16 output, fp32 for
+                          fp16). torch_npu documents no FP8 operands for this op (Atlas A2/A3:
+                          fp16, bf16, fp32, int8), so FP8 operands run the reference, and the weight
+                          gradient (``scaled_grouped_gemm_wgrad``: groups along K, which the
+                          quantized form does not take) too. The NPU backend claims neither ``fp8``
+                          nor ``fp8_grouped_gemm``: FP8 training is refused there.
 ``moe_permute``           ``npu_moe_token_permute_with_routing_map`` (+ ``_grad``). Its
                           ``sorted_indices`` (int32) is the ARGSORT of mcore's: token-major pair
                           ``i`` -> its permuted row; mcore's (row -> token) is scattered from it.
@@ -44,6 +53,9 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16)
 PERMUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_TOPK = 512
 MAX_LAST_DIM = 65536
+PER_TOKEN_SCALE_DTYPE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}
+"""``npu_grouped_matmul``'s per-token quantized form: the weight scales' dtype for each output dtype
+(torch_npu's table: scale bf16 -> y bf16, scale fp32 -> y fp16)."""
 
 
 def _uniform_topk(routing_map: torch.Tensor) -> int | None:
@@ -97,7 +109,36 @@ def _grouped_gemm_ops(torch_npu: ModuleType) -> dict[str, Callable]:
             return reference.grouped_gemm(x, weight, tokens_per_expert)
         return GroupedMatmul.apply(x.contiguous(), weight, tokens_per_expert)
 
-    return {"grouped_gemm": grouped_gemm}
+    def scaled_grouped_gemm(a_q, b_q, a_scale_inv, b_scale_inv, tokens_per_expert, out_dtype):
+        """Reference ``scaled_grouped_gemm`` through ``npu_grouped_matmul``'s per-token quantized form
+        (int8 operands, bf16/fp16 output, at least one row); FP8 operands run the reference."""
+        if (
+            a_q.dtype != torch.int8
+            or b_q.dtype != torch.int8
+            or out_dtype not in PER_TOKEN_SCALE_DTYPE
+            or a_q.dim() != 2
+            or b_q.dim() != 3
+            or a_q.shape[0] == 0
+            or a_q.shape[1] != b_q.shape[2]
+            or max(a_q.shape[1], b_q.shape[1]) >= MAX_LAST_DIM
+            or tokens_per_expert.shape != (b_q.shape[0],)
+        ):
+            return reference.scaled_grouped_gemm(
+                a_q, b_q, a_scale_inv, b_scale_inv, tokens_per_expert, out_dtype
+            )
+        return torch_npu.npu_grouped_matmul(
+            [a_q.contiguous()],
+            [b_q.transpose(1, 2)],
+            scale=[b_scale_inv.to(PER_TOKEN_SCALE_DTYPE[out_dtype])],
+            per_token_scale=[a_scale_inv.float()],
+            group_list=tokens_per_expert.to(a_q.device, torch.int64),
+            split_item=3,
+            group_type=0,
+            group_list_type=1,
+            output_dtype=out_dtype,
+        )[0]
+
+    return {"grouped_gemm": grouped_gemm, "scaled_grouped_gemm": scaled_grouped_gemm}
 
 
 def _permute_ops(torch_npu: ModuleType) -> dict[str, Callable]:

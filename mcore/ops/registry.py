@@ -61,6 +61,8 @@ OP_NAMES: tuple[str, ...] = (
     "moe_permute",
     "moe_unpermute",
     "grouped_gemm",
+    "scaled_grouped_gemm",
+    "scaled_grouped_gemm_wgrad",
     # context parallelism: attention by key blocks (mcore.ops.reference.attention_lse)
     "attention_with_lse",
     "attention_with_lse_backward",

@@ -43,6 +43,8 @@ class FlatBufferState:
             updates (``start``/``end`` in the flattened parameter).
         moment_dtypes: dtypes of the first and second moments.
         remainders: hold bf16 parameters' fp32 masters as int16 remainders instead of fp32 copies.
+        params_are_masters: keep no master for bf16 parameters (``--main-params-dtype bf16``): the step
+            reads and rounds into the parameters themselves, as for fp32 parameters.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class FlatBufferState:
         pieces: Sequence[tuple[torch.nn.Parameter, int, int, int, bool]],
         moment_dtypes: tuple[torch.dtype, torch.dtype],
         remainders: bool,
+        params_are_masters: bool = False,
     ):
         if buffer.param_data is None:
             raise ValueError(
@@ -94,7 +97,9 @@ class FlatBufferState:
         self.exp_avg_sq = torch.zeros(self.numel, dtype=v_dtype, device=device)
         self.masters: torch.Tensor | None = None
         self.remainders: torch.Tensor | None = None
-        params_fp32 = buffer.param_dtype == torch.float32
+        params_fp32 = buffer.param_dtype == torch.float32 or (
+            params_are_masters and buffer.param_dtype == torch.bfloat16
+        )  # the parameters hold the masters themselves
         if remainders and buffer.param_dtype != torch.bfloat16:
             remainders = False  # fp32 parameters are their own masters
         if remainders:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
-from mcore.config.fields import ConfigError
+from mcore.config.fields import ConfigError, check
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import ProcessGroups
 from mcore.optimizer.clip_grads import (
@@ -122,6 +122,11 @@ class MegatronOptimizer:
         if self.flat:
             self._init_flat_state()
         else:
+            check(
+                not config.params_are_masters(precision),
+                "--main-params-dtype bf16 needs the one-pass optimizer over the DDP buffers (AdamW, the "
+                "model in DistributedDataParallel with contiguous parameters); this model keeps fp32 masters",
+            )
             self._init_state()
         device = next((p.model_param.device for p in self.main_params), None)
         self.device = device or torch.device("cpu")
@@ -160,12 +165,13 @@ class MegatronOptimizer:
         for entry in self.main_params:
             by_buffer.setdefault(id(entry.buffer), []).append(entry)
         remainders = self.config.stores_param_remainders(self.precision)
+        in_params = self.config.params_are_masters(self.precision)
         moment_dtypes = self.config.moment_dtypes()
         for chunk in self.model_chunks:
             for buffer in chunk.grad_buffers:
                 entries = by_buffer.get(id(buffer), [])
                 pieces = [(e.model_param, e.start, e.end, e.group, e.counts_in_norm) for e in entries]
-                flat = FlatBufferState(buffer, pieces, moment_dtypes, remainders)
+                flat = FlatBufferState(buffer, pieces, moment_dtypes, remainders, in_params)
                 self.flat_states.append(flat)
                 for entry in entries:
                     piece = flat.piece(entry.model_param)
@@ -173,7 +179,7 @@ class MegatronOptimizer:
                     if flat.masters is not None:
                         entry.main = flat.state_view(flat.masters, piece)
                     elif flat.remainders is None:
-                        entry.main = flat.param_view(piece)  # fp32 parameters are the masters
+                        entry.main = flat.param_view(piece)  # fp32 (or --main-params-dtype bf16) parameters
                     entry.state = {
                         "step": 0,
                         "exp_avg": flat.state_view(flat.exp_avg, piece),
@@ -181,9 +187,10 @@ class MegatronOptimizer:
                     }
 
     def master_of(self, entry: MainParam) -> torch.Tensor:
-        """``entry``'s fp32 master weights (a copy when they are stored as remainders)."""
+        """``entry``'s fp32 master weights (a copy when they are stored as remainders, or are the bf16
+        parameters themselves with ``--main-params-dtype bf16``)."""
         if entry.main is not None:
-            return entry.main
+            return entry.main.float()
         flat = self._flat_of[id(entry.model_param)]
         return flat.read_master(flat.piece(entry.model_param))
 

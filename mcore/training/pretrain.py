@@ -37,6 +37,7 @@ from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
 from mcore.distributed.watchdog import watch_job
+from mcore.fp8.grouped import experts_fp8_status
 from mcore.models.transformer.context_parallel.checks import check_context_parallel
 from mcore.models.transformer.layer_graphs import (
     GRAPH_SAFE_RECOMPUTE_MODULES,
@@ -472,6 +473,9 @@ def build_training(
         + f"; padded vocab {vocab}"
     )
 
+    fp8 = cfg.fp8 if "fp8" in cfg.as_dict() else None
+    if getattr(cfg.model, "moe", None) is not None and fp8 is not None and fp8.enabled:
+        say("> " + experts_fp8_status(fp8, backend.capabilities(), backend.name, groups.etp_size)[1])
     model = build_model(cfg, groups, model_provider, vocab, model_type)
     if verbose and groups.dp_rank == 0:
         count = sum(p.nelement() for chunk in model for p in unwrap_model(chunk).parameters())

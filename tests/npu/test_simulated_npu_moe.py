@@ -134,3 +134,39 @@ def test_adapters_fall_back_where_the_kernels_do_not_apply(simulated_npu):
     empty = ops["grouped_gemm"](torch.zeros(0, 8, dtype=torch.bfloat16), w.bfloat16(), torch.tensor([0, 0]))
     assert empty.shape == (0, 4)
     assert calls == [[], [], []]
+
+
+def test_scaled_grouped_gemm_calls_the_per_token_quantized_matmul(simulated_npu):
+    """int8 operands go to ``npu_grouped_matmul``'s documented per-token form (``scale`` bf16 for a bf16
+    output, fp32 for fp16; ``per_token_scale`` fp32; an expert with no token) and equal the reference;
+    FP8 operands (not documented for the op) and fp32 outputs run the reference; the simulator refuses
+    an undocumented scale/output pair."""
+    calls = _spy(simulated_npu, "npu_grouped_matmul")
+    ops = build_npu_ops(simulated_npu)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([4, 0, 7])
+    a = torch.randint(-127, 128, (11, 32), generator=gen, dtype=torch.int8)
+    b = torch.randint(-127, 128, (3, 16, 32), generator=gen, dtype=torch.int8)
+    sa, sb = torch.rand(11, generator=gen) * 1e-2, torch.rand(3, 16, generator=gen) * 1e-2
+    for out_dtype in (torch.bfloat16, torch.float16):
+        got = ops["scaled_grouped_gemm"](a, b, sa, sb, counts, out_dtype)
+        want = reference.scaled_grouped_gemm(a, b, sa, sb, counts, out_dtype)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3)
+    assert [c[1]["scale"][0].dtype for c in calls] == [torch.bfloat16, torch.float32]
+    assert all(c[1]["group_type"] == 0 and c[1]["per_token_scale"][0].dtype == torch.float32 for c in calls)
+    fp8 = (
+        a.float().to(torch.float8_e4m3fn),
+        b.float().to(torch.float8_e4m3fn),
+        sa,
+        sb,
+        counts,
+        torch.bfloat16,
+    )
+    ops["scaled_grouped_gemm"](*fp8)
+    ops["scaled_grouped_gemm"](a, b, sa, sb, counts, torch.float32)
+    assert len(calls) == 2
+    with pytest.raises(TypeError, match="scale bf16 with output_dtype bf16"):
+        simulated_npu.npu_grouped_matmul(
+            [a], [b.transpose(1, 2)], scale=[sb], per_token_scale=[sa], group_list=counts,
+            split_item=3, group_type=0, group_list_type=1, output_dtype=torch.bfloat16,
+        )  # fmt: skip

@@ -345,6 +345,8 @@ def test_every_op_has_cases():
         "moe_permute",
         "moe_unpermute",
         "grouped_gemm",
+        "scaled_grouped_gemm",  # the experts' FP8 GEMMs: tests/moe/test_moe_fp8.py, conformance
+        "scaled_grouped_gemm_wgrad",
         # context parallelism: mcore.testing.conformance, tests/ops/test_attention_lse*.py
         "attention_with_lse",
         "attention_with_lse_backward",

@@ -262,6 +262,66 @@ def test_memory_is_ten_bytes_per_parameter_with_every_precision_aware_option():
     assert fp32.memory_report()["optimizer_state"] == 12 * numel
 
 
+BF16_MASTERS = dict(PRECISION_AWARE, main_params_dtype="bf16")
+"""``--main-params-dtype bf16``: no masters, bf16 moments and gradients: the plain reference's 8 bytes."""
+
+
+def test_bf16_main_params_step_like_torch_fused_adamw_on_bf16_parameters():
+    """``--main-params-dtype bf16`` keeps no master (8 bytes/param) and its step is torch's fused AdamW
+    on the bf16 parameters with bf16 state (each element computed in fp32, rounded once): the first
+    step's moments bit for bit, the parameters at every step equal but for a few elements one bf16
+    ulp apart. Those are rounding ties: the exact update lies within fp32 rounding of the midpoint of
+    two bf16 values, and torch's kernel orders the arithmetic differently (``sqrt(v) / sqrt(1 - b2^t)``
+    where mcore takes ``sqrt(v / (1 - b2^t))``; the first moment as a lerp), so its fp32 result can
+    fall on the other side."""
+    groups = ProcessGroups.single()
+    model, optimizer = _build(precision_aware=BF16_MASTERS, clip_grad=0.0, hidden=32)
+    flat = optimizer.flat_states[0]
+    assert flat.masters is None and flat.remainders is None
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert optimizer.memory_report()["optimizer_state"] == 4 * numel  # bf16 m and v, nothing else
+    params = [p for p in model.parameters() if p.requires_grad]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(
+        [
+            {"params": [q for q in theirs if q.dim() > 1], "weight_decay": 0.1},
+            {"params": [q for q in theirs if q.dim() <= 1], "weight_decay": 0.0},
+        ],
+        lr=0.01, betas=(0.9, 0.999), eps=1e-8, fused=True,
+    )  # fmt: skip
+    for step in range(3):
+        before = torch.cat([p.detach().view(-1).float() for p in params])
+        train(model, optimizer, groups, 1, start_step=step)
+        for p, q in zip(params, theirs):
+            q.grad = p.main_grad.detach().view_as(q).clone()
+        torch_opt.step()
+        ours = torch.cat([p.detach().view(-1) for p in params])
+        want = torch.cat([q.detach().view(-1) for q in theirs])
+        assert ours.dtype == want.dtype == torch.bfloat16
+        assert not torch.equal(ours.float(), before)  # the step moved the weights
+        assert (ours != want).sum() <= max(2, numel // 1000)
+        torch.testing.assert_close(ours.float(), want.float(), rtol=2.0**-7, atol=0.0)  # one ulp
+        if step == 0:
+            for e, q in zip(optimizer.main_params, theirs):
+                state = torch_opt.state[q]
+                assert torch.equal(e.state["exp_avg"], state["exp_avg"].view(-1)[e.start : e.end])
+                assert torch.equal(e.state["exp_avg_sq"], state["exp_avg_sq"].view(-1)[e.start : e.end])
+        for p, q in zip(params, theirs):  # the next step starts from the same weights
+            q.data.copy_(p.detach())
+    state = optimizer.state_dict()  # a checkpoint holds the bf16 parameters as fp32 masters, exactly
+    item = next(iter(state["state"].values()))
+    assert item["main_param"].dtype == torch.float32
+    fresh_model, fresh = _build(precision_aware=PRECISION_AWARE, clip_grad=0.0, hidden=32)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh.load_state_dict(state)
+    assert torch.equal(_masters(fresh), _masters(optimizer))
+
+
+def test_bf16_main_params_need_the_flat_path():
+    with pytest.raises(ConfigError, match="--main-params-dtype bf16 needs the one-pass optimizer"):
+        _build(precision_aware=BF16_MASTERS, contiguous=False)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

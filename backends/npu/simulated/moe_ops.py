@@ -16,8 +16,9 @@ must convert:
 The forward ops return tensors WITHOUT autograd history (the real ones have no backward: callers wrap
 them in an autograd.Function with the ``_grad`` ops), so an adapter that forgets its Function fails here.
 Only the training forms are simulated: ``drop_and_pad=False``; grouped matmul with one ``x`` and one
-``weight`` tensor, ``split_item`` 2/3, ``group_type`` 0 (groups along M) or 2 (along K), no bias or
-quantisation. ``out_index``/``permuted_token_id`` of the unpermute are returned as ``sorted_indices``
+``weight`` tensor, ``split_item`` 2/3, ``group_type`` 0 (groups along M) or 2 (along K), no bias;
+quantisation in the documented per-token form only (int8 ``x`` and ``weight``, ``scale`` and
+``per_token_scale``, ``output_dtype``; groups along M). ``out_index``/``permuted_token_id`` of the unpermute are returned as ``sorted_indices``
 (MindSpeed passes ``sorted_indices`` for both when ``drop_and_pad`` is off). UNVERIFIED on hardware:
 whether mixed dtypes (fp32 probs with bf16 tokens) are accepted, and the kernels' summation order.
 """
@@ -224,6 +225,55 @@ def _group_counts(op: str, group_list, group_list_type: int, groups: int, total:
     return counts
 
 
+PER_TOKEN_SCALE_OUTPUT = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
+"""The documented per-token quantized form's (``scale`` dtype -> ``output_dtype``) pairs (torch_npu's
+table, "group_list输入类型为torch.Tensor时", per-token量化: scale bf16 -> y bf16, scale fp32 -> y fp16)."""
+
+
+def _per_token_quantized(
+    x, weight, scale, per_token_scale, group_list, split_item, group_type, group_list_type, output_dtype
+):
+    """torch_npu's per-token quantized grouped matmul (its formula 3): ``x [M, K]`` int8 rows in groups,
+    ``weight [E, K, N]`` int8, ``scale [E, N]`` (one per output channel of each group's weight),
+    ``per_token_scale [M]`` fp32 (one per row of ``x``): ``y[m, n] = (x[m] @ weight[g][:, n]) *
+    scale[g, n] * per_token_scale[m]`` in ``output_dtype``. The products are exact in int32 (here fp64);
+    the scales multiply in fp32. ``group_type`` 0 only (the docs: quantization with groups along M)."""
+    op = "npu_grouped_matmul"
+    if not all(isinstance(v, list | tuple) and len(v) == 1 for v in (x, weight, scale, per_token_scale)):
+        raise TypeError(f"{op}: x, weight, scale and per_token_scale are lists of one tensor each")
+    (a,), (b,), (s,), (t,) = x, weight, scale, per_token_scale
+    if group_type != 0 or split_item not in (2, 3):
+        raise NotImplementedError(
+            f"{op}: quantization takes group_type 0 (got {group_type}) and split_item 2/3"
+        )
+    _check_dtype(op, "x", a, (torch.int8,))
+    _check_dtype(op, "weight", b, (torch.int8,))
+    _check_dtype(op, "per_token_scale", t, (torch.float32,))
+    if PER_TOKEN_SCALE_OUTPUT.get(s.dtype) != output_dtype:
+        raise TypeError(
+            f"{op}: per-token quantization takes scale bf16 with output_dtype bf16, or scale fp32 with "
+            f"output_dtype fp16; got scale {s.dtype}, output_dtype {output_dtype}"
+        )
+    if a.dim() != 2 or b.dim() != 3 or b.shape[1] != a.shape[1]:
+        raise RuntimeError(
+            f"{op}: group_type=0 takes x [M, K] and weight [E, K, N], got {a.shape}, {b.shape}"
+        )
+    if s.shape != (b.shape[0], b.shape[2]) or t.shape != (a.shape[0],):
+        raise RuntimeError(
+            f"{op}: scale {tuple(s.shape)} must be [E, N] = {(b.shape[0], b.shape[2])} and per_token_scale "
+            f"{tuple(t.shape)} [M] = {(a.shape[0],)}"
+        )
+    for name, v in (("x", a), ("weight", b)):
+        if v.shape[-1] >= MAX_LAST_DIM:
+            raise RuntimeError(f"{op}: {name}'s last dim {v.shape[-1]} must be < {MAX_LAST_DIM}")
+    counts = _group_counts(op, group_list, group_list_type, b.shape[0], a.shape[0])
+    pieces = torch.split(a.double(), counts)
+    out = torch.cat(
+        [(p @ b[g].double()).float() * s[g].float() for g, p in enumerate(pieces)]
+    ) if counts else torch.zeros(0, b.shape[2])  # fmt: skip
+    return [(out * t[:, None]).to(output_dtype)]
+
+
 @torch.no_grad()
 def npu_grouped_matmul(
     x: Sequence[torch.Tensor],
@@ -249,8 +299,29 @@ def npu_grouped_matmul(
     """The training forms: ``group_type=0``: ``x [M, K]`` rows in groups, ``weight [E, K, N]``,
     ``y[rows of g] = x[rows of g] @ weight[g]`` -> ``[y [M, N]]``; ``group_type=2``: ``x [K, M]`` and
     ``weight [M, N]`` grouped along ``M`` -> ``[y [E, K, N]]``, ``y[g] = x[:, cols of g] @ weight[rows of g]``
-    (an empty group gives zeros)."""
+    (an empty group gives zeros). With ``scale`` and ``per_token_scale``: the documented per-token
+    quantized form (:func:`_per_token_quantized`)."""
     op = "npu_grouped_matmul"
+    if scale is not None or per_token_scale is not None:
+        others = dict(
+            bias=bias, offset=offset, antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset,
+            activation_input=activation_input, activation_quant_scale=activation_quant_scale,
+            activation_quant_offset=activation_quant_offset,
+        )  # fmt: skip
+        given = [name for name, value in others.items() if value is not None]
+        if given or act_type != 0:
+            raise NotImplementedError(f"{op}: the simulated quantized form takes no {given or 'act_type'}")
+        return _per_token_quantized(
+            x,
+            weight,
+            scale,
+            per_token_scale,
+            group_list,
+            split_item,
+            group_type,
+            group_list_type,
+            output_dtype,
+        )
     unsupported = dict(
         bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset,
         per_token_scale=per_token_scale, activation_input=activation_input,

@@ -13,7 +13,8 @@ One module per kind of op, mirroring the kernel files of ``backends/cuda/triton_
 * :mod:`.linear`: weight-gradient accumulation and the FP8 ``scaled_linear`` GEMMs;
 * :mod:`.fp8`, :mod:`.fp8_flat`: FP8 casts and transposes, and casts over flat parameter buffers;
 * :mod:`.norm_fp8`, :mod:`.act_fp8`: the fused producers of FP8 operands (norm, activation);
-* :mod:`.moe`: mixture of experts: the router's top-k, token permute/unpermute, the grouped GEMM.
+* :mod:`.moe`: mixture of experts: the router's top-k, token permute/unpermute, the grouped GEMM;
+* :mod:`.grouped_fp8`: the experts' grouped GEMM on FP8 (or int8) operands with per-row scales.
 
 No module is named after an op (``attention``, ``cross_entropy``, ``fp8_cast`` are functions), so
 ``mcore.ops.reference.<op>`` always names the op. This package's namespace is the API: ``from mcore.ops import reference; reference.<op>`` and
@@ -49,6 +50,7 @@ from mcore.ops.reference.fp8 import (
     pack_columns,
 )
 from mcore.ops.reference.fp8_flat import fp8_dequantize_flat, fp8_quantize_flat
+from mcore.ops.reference.grouped_fp8 import scaled_grouped_gemm, scaled_grouped_gemm_wgrad
 from mcore.ops.reference.linear import (
     accumulate_weight_grad,
     scaled_linear_dgrad,
@@ -102,6 +104,8 @@ REFERENCE_OPS = {
     "moe_permute": moe_permute,
     "moe_unpermute": moe_unpermute,
     "grouped_gemm": grouped_gemm,
+    "scaled_grouped_gemm": scaled_grouped_gemm,
+    "scaled_grouped_gemm_wgrad": scaled_grouped_gemm_wgrad,
     # context parallelism
     "attention_with_lse": attention_with_lse,
     "attention_with_lse_backward": attention_with_lse_backward,

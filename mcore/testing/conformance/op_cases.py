@@ -40,6 +40,7 @@ from mcore.testing.conformance.op_inputs import (
     randn,
     rms_norm_make,
     rotary_freqs,
+    scaled_grouped_gemm_make,
     scaled_linear_make,
 )
 
@@ -124,6 +125,24 @@ MOE_CASES: tuple[OpCase, ...] = (
         **_MOE,
     ),
     OpCase("grouped_gemm_no_tokens", "grouped_gemm", grouped_gemm_make((0, 0, 0)), grad_args=(0, 1), **_MOE),
+    # the experts' FP8 GEMMs (forward and input gradient share scaled_grouped_gemm): an expert with no
+    # token, a rank with none, and int8 operands (the NPU's per-token quantized form) on every backend
+    *(
+        OpCase(f"scaled_grouped_gemm_{name}", op, make, **_FP8, kind="reduction")
+        for name, op, make in (
+            ("forward_empty_expert", "scaled_grouped_gemm", scaled_grouped_gemm_make("forward")),
+            ("forward_no_tokens", "scaled_grouped_gemm", scaled_grouped_gemm_make("forward", (0, 0))),
+            ("wgrad_empty_expert", "scaled_grouped_gemm_wgrad", scaled_grouped_gemm_make("wgrad")),
+            ("wgrad_no_tokens", "scaled_grouped_gemm_wgrad", scaled_grouped_gemm_make("wgrad", (0, 0, 0))),
+        )
+    ),
+    OpCase(
+        "scaled_grouped_gemm_int8",
+        "scaled_grouped_gemm",
+        scaled_grouped_gemm_make("forward", (7, 0, 9), quantized=torch.int8),
+        dtypes=(torch.bfloat16,),
+        kind="reduction",
+    ),
 )
 """The MoE ops' cases: an expert with no token, and calls where no token is routed to this rank
 (``N = 0`` rows: an empty routing map, all-zero counts), as under expert parallelism."""

@@ -270,7 +270,8 @@ def _check_fp8_producer(run: OpRun) -> None:
 
 
 def _check_scaled_linear(run: OpRun) -> None:
-    """The ``scaled_linear`` family, from FP8 operands: the (dtype) result or ``main_grad``."""
+    """The ``scaled_linear`` family and the experts' ``scaled_grouped_gemm(_wgrad)``, from FP8 (or int8)
+    operands: the (dtype) result or ``main_grad``."""
     fn, ref_fn, args, kwargs, device, dtype, case, what = run.unpack()
     ours = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
     ref = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -344,6 +345,7 @@ OP_CHECKS: dict[str, Callable[[OpRun], None]] = {
     **dict.fromkeys(
         ("scaled_linear_forward", "scaled_linear_dgrad", "scaled_linear_wgrad"), _check_scaled_linear
     ),
+    **dict.fromkeys(("scaled_grouped_gemm", "scaled_grouped_gemm_wgrad"), _check_scaled_linear),
 }
 """Op -> its checker; an op not listed is checked by :func:`_check_autograd` (outputs and input
 gradients)."""

@@ -406,6 +406,37 @@ def grouped_gemm_make(counts: tuple[int, ...] = (5, 0, 9, 3), k: int = 32, m: in
     return make
 
 
+def scaled_grouped_gemm_make(
+    which: str, counts: tuple[int, ...] = (5, 0, 9, 18), k: int = 32, m: int = 48, quantized=None
+):
+    """The experts' FP8 GEMMs (``which``: ``"forward"`` ``scaled_grouped_gemm`` of ``x_q [N, k]`` by
+    ``W_q [E, m, k]``, ``"wgrad"`` ``scaled_grouped_gemm_wgrad`` of ``dy_qT [m, N]`` by ``x_qT [k, N]``)
+    with per-row scale inverses; by default expert 1 has no token. ``quantized``: the operands' dtype
+    (e4m3 by default; the wgrad's output-gradient operand e5m2, as the hybrid format's); ``dtype``
+    the output's."""
+
+    def make(dtype, gen):
+        tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
+        n, e = sum(counts), len(counts)
+
+        def operand(*shape, fp8_dtype=torch.float8_e4m3fn):
+            q_dtype = quantized or fp8_dtype
+            values = torch.randn(*shape, generator=gen) * (40 if q_dtype == torch.int8 else 64)
+            return (
+                values.clamp(-127, 127).round().to(q_dtype) if q_dtype == torch.int8 else values.to(q_dtype)
+            )
+
+        def scales(*shape):
+            return torch.rand(*shape, generator=gen) * 0.02 + 1e-3
+
+        if which == "forward":
+            return [operand(n, k), operand(e, m, k), scales(n), scales(e, m), tokens_per_expert, dtype], {}
+        a_qT, b_qT = operand(m, n, fp8_dtype=torch.float8_e5m2), operand(k, n)
+        return [a_qT, b_qT, scales(e, m), scales(e, k), tokens_per_expert, dtype], {}
+
+    return make
+
+
 def attention_merge_make(dtype, gen):
     """Two partial results ``out [2, 4, 16, 32]`` (``dtype``) with fp32 log-sum-exps: rows 0-2 -inf in
     the first, rows 2-4 in the second (row 2 in both: out 0, lse -inf), others spread over +-8."""

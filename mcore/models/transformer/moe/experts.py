@@ -10,7 +10,8 @@ Input rows ``x`` [N, H] arrive grouped by local expert in expert order with ``to
 With expert tensor parallelism (``etp > 1``) each rank holds ``F/etp`` of every local expert's FFN
 and ``y`` is a partial sum, reduced by the dispatcher's combine. ``--moe-grouped-gemm`` is accepted
 for Megatron scripts: this grouped path (``get_ops().grouped_gemm``, one kernel per projection where
-the backend has one) is the only one. ``--recompute-modules moe_act`` keeps no activation output:
+the backend has one) is the only one. With ``--fp8-format`` and a backend with a scaled grouped GEMM
+both projections run FP8 (:mod:`mcore.fp8.grouped`: ``scaled_grouped_gemm`` of the op table). ``--recompute-modules moe_act`` keeps no activation output:
 fc2 saves a recipe and its backward recomputes it from ``h``.
 
 Parameter names (Megatron's, section 4 of the interface notes): ``linear_fc1.weight``,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from mcore.backend import get_ops
+from mcore.fp8.grouped import fp8_grouped_gemm
 from mcore.models.transformer.moe.config import MoEConfig
 from mcore.tensor_parallel.first_grad import opt_in_hook_writes
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved
@@ -51,6 +53,8 @@ class GroupedMLP(torch.nn.Module):
         add_bias: biases on fc1 and fc2 (``not --disable-bias-linear``).
         activation: ``"swiglu"``, ``"gelu"`` or ``"gelu_tanh"``.
         recompute_activation: ``--recompute-modules moe_act``.
+        fp8_margin: ``--fp8-margin`` when the experts run FP8 (:func:`mcore.fp8.grouped.experts_fp8_status`),
+            else None.
     """
 
     def __init__(
@@ -64,8 +68,10 @@ class GroupedMLP(torch.nn.Module):
         recompute_activation: bool,
         params_dtype: torch.dtype,
         device,
+        fp8_margin: int | None = None,
     ):
         super().__init__()
+        self.fp8_margin = fp8_margin  # not None: the grouped GEMMs run FP8 (mcore.fp8.grouped)
         e, h, f = moe.num_experts, moe.hidden_size, moe.ffn_hidden_size
         self.num_local_experts = e // ep_size
         self.activation_kind = activation
@@ -91,15 +97,19 @@ class GroupedMLP(torch.nn.Module):
         opt_in_hook_writes((self.linear_fc1.weight, self.linear_fc2.weight))
         counts = tokens_per_expert.to(torch.int64)
         fc1_bias = self._bias_rows(self.linear_fc1.bias, counts, x.shape[0])
-        h = ops.grouped_gemm(x, self.linear_fc1.weight, counts)
+        gemm = ops.grouped_gemm if self.fp8_margin is None else self._fp8_gemm
+        h = gemm(x, self.linear_fc1.weight, counts)
         if self.recompute_activation and self.training and torch.is_grad_enabled():
             a = self.activation(h, fc1_bias)
             with RecomputeWhenSaved(a, self.activation, h, fc1_bias):
-                y = ops.grouped_gemm(a, self.linear_fc2.weight, counts)
+                y = gemm(a, self.linear_fc2.weight, counts)
         else:
-            y = ops.grouped_gemm(self.activation(h, fc1_bias), self.linear_fc2.weight, counts)
+            y = gemm(self.activation(h, fc1_bias), self.linear_fc2.weight, counts)
         fc2_bias = self._bias_rows(self.linear_fc2.bias, counts, x.shape[0])
         return y if fc2_bias is None else y + fc2_bias
+
+    def _fp8_gemm(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return fp8_grouped_gemm(x, weight, counts, self.fp8_margin)
 
     def activation(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ops = get_ops()

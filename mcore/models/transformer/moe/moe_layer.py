@@ -24,6 +24,8 @@ import contextlib
 
 import torch
 
+from mcore.backend import current_backend
+from mcore.fp8.grouped import experts_fp8_status
 from mcore.models.transformer.build_context import BuildContext
 from mcore.models.transformer.moe.dispatcher import build_dispatcher
 from mcore.models.transformer.moe.experts import GroupedMLP
@@ -59,6 +61,13 @@ class MoELayer(torch.nn.Module):
         self.groups = groups or MoEGroups.from_process_groups(getattr(ctx, "groups", None))
         self.layer_number = layer_number
         self.recompute = "moe" in config.selective_recompute_modules
+        backend = current_backend()
+        self.experts_fp8, _ = experts_fp8_status(
+            ctx.fp8_kwargs(layer_number).get("fp8"),
+            backend.capabilities(),
+            backend.name,
+            self.groups.etp_size,
+        )
         self.router = TopKRouter(moe, self.groups, layer_number, ctx.sequence_parallel, ctx.device)
         self.experts = GroupedMLP(
             moe,
@@ -69,6 +78,7 @@ class MoELayer(torch.nn.Module):
             recompute_activation="moe_act" in config.selective_recompute_modules,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
+            fp8_margin=ctx.fp8.fp8_margin if self.experts_fp8 else None,
         )
         self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts, self.groups)
         self.shared_experts = (
