@@ -105,7 +105,7 @@ def experts_fp8_status(
     if EXPERTS_CAPABILITY not in capabilities:
         return False, (
             f"--fp8-format {fp8.fp8_format}: the routed experts stay in the parameters' dtype (device backend "
-            f"{backend_name!r} has no scaled grouped GEMM, capability '{EXPERTS_CAPABILITY}'); the dense "
+            f"{backend_name!r} does not claim the scaled grouped GEMM capability '{EXPERTS_CAPABILITY}'); the dense "
             "linears run FP8"
         )
     if etp_size > 1:

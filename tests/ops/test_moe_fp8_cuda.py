@@ -7,6 +7,8 @@ stand-in kernel: tests/moe/test_moe_fp8.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,10 +24,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def backend():
+    from mcore.backends.cuda.grouped_fp8 import OPT_IN_ENV
+
     from mcore.plugins.manager import select_backend
 
     backend = select_backend("cuda", activate=False)
-    assert "fp8_grouped_gemm" in backend.capabilities()
+    # claimed only on request (slower than bf16 experts on an H200 with torch 2.11: see the backend)
+    assert ("fp8_grouped_gemm" in backend.capabilities()) == (os.environ.get(OPT_IN_ENV) == "1")
     assert backend.ops.provider("scaled_grouped_gemm") == "cuda:scaled-grouped-mm"
     return backend
 
