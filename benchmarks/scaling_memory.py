@@ -9,7 +9,8 @@ interleaved, CP, EP at 2/4/8) it gives the largest rank's bytes:
   the model has them; the tensor-parallel matrices and the vocabulary split ``t`` ways; ``L/p`` layers
   a stage, the embedding on the first stage and the untied output layer on the last. At the
   precision-aware optimizer's 10 bytes a parameter (bf16 parameter and gradient, a 16-bit master
-  remainder, bf16 Adam moments); the distributed optimizer divides the 6 optimizer bytes by DP.
+  remainder, bf16 Adam moments); the distributed optimizer divides the 6 optimizer bytes by DP (the
+  routed experts' by the expert-data-parallel size ``dp/ep``).
 * **activations**: ``U`` units of ``s*b*h`` bf16 elements a layer, *measured* with
   :func:`activation_memory.measure` (autograd's saved tensors, ``mcore.testing.memory.SavedActivations``)
   on a small model of the same structure (hidden 256, the same head/group/FFN/expert ratios), without
@@ -69,6 +70,17 @@ def layer_params(m, tp: int, ep: int) -> float:
         mlp = mult * h * f + bias * ((mult - 1) * f + h)
     norms = 2 * h * (2 if m.normalization == "LayerNorm" else 1)
     return (attn + mlp) / tp + norms
+
+
+def expert_params(cfg, lay: Layout) -> float:
+    """Routed-expert parameters of one rank (``E/ep`` experts of ``L/p`` layers)."""
+    m = cfg.model
+    if not m.num_experts:
+        return 0.0
+    mult = 3 if m.swiglu else 2
+    return (
+        m.num_layers / lay.pp * m.num_experts / lay.ep * mult * m.hidden_size * m.moe_ffn_hidden_size / lay.tp
+    )
 
 
 def stage_params(cfg, lay: Layout, vocab: int) -> tuple[float, float]:
@@ -166,7 +178,12 @@ def rows(models: dict[str, sc.Model], pp_k: int = 4) -> list[dict]:
             vocab = padded_vocab_size(model.vocab, cfg.model.make_vocab_size_divisible_by, lay.tp)
             params = stage_params(cfg, lay, vocab)
             acts = activations(cfg, lay, units, vocab, chunks)
-            states = [p * (STATE_BYTES + OPT_BYTES / lay.dp) for p in params]
+            experts = expert_params(cfg, lay)  # their optimizer splits over the expert-data group, dp/ep
+            states = [
+                (p - experts) * (STATE_BYTES + OPT_BYTES / lay.dp)
+                + experts * (STATE_BYTES + OPT_BYTES * lay.ep / lay.dp)
+                for p in params
+            ]
             total = [st + a for st, a in zip(states, acts)]
             i = 0 if total[0] >= total[1] else 1
             out.append({"model": model.title, "layout": lay.name, "seq": seq, "units_per_layer": round(units, 2),

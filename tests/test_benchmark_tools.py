@@ -98,6 +98,19 @@ def test_scaling_table_commands_for_8_gpus_parse_and_one_cpu_row_runs(tmp_path, 
     assert d["of_one_device"] == pytest.approx(0.8) and d["bubble"] == pytest.approx(1 - 16 * 100 / (4 * 500))
     ep = {"profile": {"wall_ms_per_step": 200.0, "collectives_ms_per_step": {"SendRecv": 50.0}}}
     assert scaling_report.a2a_share(ep) == pytest.approx(0.25)
+    # the CPU memory table counts each model's parameters as mcore builds them (tiny shapes)
+    import scaling_configs
+    import scaling_memory
+
+    from mcore.distributed.groups import ProcessGroups
+    from mcore.models.gpt.gpt_model import GPTModel
+    from mcore.models.transformer.model_config import padded_vocab_size
+
+    for model in scaling_configs.models(small=True).values():
+        cfg = scaling_memory.model_config(model)
+        vocab = padded_vocab_size(model.vocab, cfg.model.make_vocab_size_divisible_by, 1)
+        real = sum(p.numel() for p in GPTModel(cfg.model, ProcessGroups.single(), vocab).parameters())
+        assert scaling_memory.stage_params(cfg, scaling_memory.Layout("1"), vocab)[0] == real, model.key
     # one real row: DP=2 of the tiny GPT on 2 CPU processes (gloo), against a one-device record merged in
     earlier = tmp_path / "earlier.json"
     one = {"name": "gpt-bf16-1", "family": "base", "model": "gpt", "precision": "bf16", "world": 1, "layout": "1",
