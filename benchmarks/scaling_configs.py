@@ -53,7 +53,7 @@ LLAMA = (
 MOE = (
     "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--position-embedding-type", "rope", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
-    "--moe-aux-loss-coeff", "0.01", "--num-attention-heads", "16",
+    "--moe-aux-loss-coeff", "0.01",
 )  # fmt: skip
 
 
@@ -82,110 +82,42 @@ class Model:
 
 def models(small: bool) -> dict[str, Model]:
     """The four shapes of issue 45 (``small``: the same structure at tiny sizes)."""
-    if small:
-        tiny = ("--num-attention-heads", "4")
-        return {
-            "gpt": Model("gpt", "GPT tiny (16L h32)", 16, 32, 32, 2, 128, tiny, (1, 2)),
-            "llama": Model(
-                "llama",
-                "Llama tiny (16L h32 GQA2 SwiGLU)",
-                16,
-                32,
-                64,
-                1,
-                128,
-                (
-                    *tiny,
-                    "--group-query-attention",
-                    "--num-query-groups",
-                    "2",
-                    "--ffn-hidden-size",
-                    "64",
-                    "--swiglu",
-                    "--normalization",
-                    "RMSNorm",
-                    "--position-embedding-type",
-                    "rope",
-                    "--disable-bias-linear",
-                    "--untie-embeddings-and-output-weights",
-                ),
-                (1, 2),
-            ),  # fmt: skip
-            "olmoe": Model(
-                "olmoe",
-                "OLMoE tiny (2L 16 experts top-4)",
-                2,
-                32,
-                32,
-                2,
-                128,
-                (
-                    *MOE[:-2],
-                    *tiny,
-                    "--num-experts",
-                    "16",
-                    "--moe-router-topk",
-                    "4",
-                    "--moe-ffn-hidden-size",
-                    "16",
-                ),
-                (1, 2),
-            ),  # fmt: skip
-            "mixtral": Model(
-                "mixtral",
-                "Mixtral tiny (2L 8 experts top-2)",
-                2,
-                32,
-                32,
-                2,
-                128,
-                (
-                    *MOE[:-2],
-                    *tiny,
-                    "--num-experts",
-                    "8",
-                    "--moe-router-topk",
-                    "2",
-                    "--moe-ffn-hidden-size",
-                    "32",
-                ),
-                (1, 2),
-            ),  # fmt: skip
-        }
+    return _small_models() if small else _full_models()
+
+
+def _full_models() -> dict[str, Model]:
+    moe = (*MOE, "--num-attention-heads", "16")
+    olmoe = "--num-experts 64 --moe-router-topk 8 --moe-ffn-hidden-size 1024".split()
+    mixtral = "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 5632".split()
     return {
         "gpt": Model("gpt", "GPT 24L h2048 s2048", 24, 2048, 2048, 4, 50257, ("--num-attention-heads", "16")),
         "llama": Model(
-            "llama",
-            "Llama-3-8B shape (32L h4096 GQA8 SwiGLU)",
-            32,
-            4096,
-            8192,
-            1,
-            128256,
-            (*LLAMA, *FULL_RECOMPUTE),
-            (3, 5),
-        ),  # fmt: skip
-        "olmoe": Model(
-            "olmoe",
-            "OLMoE-1B-7B shape (16L, 64 experts top-8)",
-            16,
-            2048,
-            4096,
-            2,
-            50257,
-            (*MOE, "--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "1024"),
-        ),  # fmt: skip
+            "llama", "Llama-3-8B shape (32L h4096 GQA8 SwiGLU)", 32, 4096, 8192, 1, 128256,
+            (*LLAMA, *FULL_RECOMPUTE), (3, 5),
+        ),
+        "olmoe": Model("olmoe", "OLMoE-1B-7B shape (16L, 64 experts top-8)", 16, 2048, 4096, 2, 50257, (*moe, *olmoe)),
         "mixtral": Model(
-            "mixtral",
-            "Mixtral-shaped small (16L, 8 experts top-2)",
-            16,
-            2048,
-            4096,
-            2,
-            50257,
-            (*MOE, "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "5632"),
-        ),  # fmt: skip
-    }
+            "mixtral", "Mixtral-shaped small (16L, 8 experts top-2)", 16, 2048, 4096, 2, 50257, (*moe, *mixtral)
+        ),
+    }  # fmt: skip
+
+
+def _small_models() -> dict[str, Model]:
+    tiny = ("--num-attention-heads", "4")
+    llama = (
+        "--group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --swiglu --normalization RMSNorm "
+        "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights"
+    ).split()
+    olmoe = "--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 16".split()
+    mixtral = "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32".split()
+    return {
+        "gpt": Model("gpt", "GPT tiny (16L h32)", 16, 32, 32, 2, 128, tiny, (1, 2)),
+        "llama": Model("llama", "Llama tiny (16L h32 GQA2 SwiGLU)", 16, 32, 64, 1, 128, (*tiny, *llama), (1, 2)),
+        "olmoe": Model("olmoe", "OLMoE tiny (2L 16 experts top-4)", 2, 32, 32, 2, 128, (*MOE, *tiny, *olmoe), (1, 2)),
+        "mixtral": Model(
+            "mixtral", "Mixtral tiny (2L 8 experts top-2)", 2, 32, 32, 2, 128, (*MOE, *tiny, *mixtral), (1, 2)
+        ),
+    }  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
