@@ -15,7 +15,8 @@ of the same model, precision and sequence (``baseline``). The rows:
   phase times, against ``(p-1)/(m+p-1)`` and ``(p-1)/(v*m+p-1)``;
 * ``cp``: CP=c (p2p ring) for the Llama-3-8B shape at 32k-128k, against torchtitan's per-GPU numbers;
 * ``ep``: EP=e (world e, the dense part data parallel) for the OLMoE and Mixtral shapes, profiled
-  (``--profile-steps 2``) for the all-to-all's share of the step;
+  (``--profile-steps 2``, added by :mod:`scaling_table` on a device backend) for the all-to-all's share
+  of the step;
 * ``anchor``: torch DDP around the plain compiled GPT (``ddp_anchor.py``) at 1 and N devices.
 
 ``small=True`` gives the same table at tiny shapes (2-16 layers, hidden 32, seq 32-256, vocab 128)
@@ -103,16 +104,17 @@ def _full_models() -> dict[str, Model]:
 
 
 def _small_models() -> dict[str, Model]:
-    tiny = ("--num-attention-heads", "4")
+    tiny = ("--num-attention-heads", "8")  # TP=8 needs 8 heads (and 8 query groups)
     llama = (
-        "--group-query-attention --num-query-groups 2 --ffn-hidden-size 64 --swiglu --normalization RMSNorm "
-        "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights"
+        "--num-attention-heads 16 --group-query-attention --num-query-groups 8 --ffn-hidden-size 128 --swiglu "
+        "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+        "--untie-embeddings-and-output-weights"
     ).split()
     olmoe = "--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 16".split()
     mixtral = "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32".split()
     return {
         "gpt": Model("gpt", "GPT tiny (16L h32)", 16, 32, 32, 2, 128, tiny, (1, 2)),
-        "llama": Model("llama", "Llama tiny (16L h32 GQA2 SwiGLU)", 16, 32, 64, 1, 128, (*tiny, *llama), (1, 2)),
+        "llama": Model("llama", "Llama tiny (16L h64 GQA8 SwiGLU)", 16, 64, 64, 1, 128, llama, (1, 2)),
         "olmoe": Model("olmoe", "OLMoE tiny (2L 16 experts top-4)", 2, 32, 32, 2, 128, (*MOE, *tiny, *olmoe), (1, 2)),
         "mixtral": Model(
             "mixtral", "Mixtral tiny (2L 8 experts top-2)", 2, 32, 32, 2, 128, (*MOE, *tiny, *mixtral), (1, 2)
@@ -268,9 +270,9 @@ def _add_ep(ms: dict[str, Model], add, base_name) -> None:
     for key in ("olmoe", "mixtral"):
         m = ms[key]
         base = base_name(key, "bf16")
-        add(Run(base, "ep", key, "bf16", 1, "1 device", (*m.args(), "--profile-steps", "2"), m.seq))
+        add(Run(base, "ep", key, "bf16", 1, "1 device", m.args(), m.seq))
         for e in SIZES:
             add(Run(
                 f"{key}-bf16-ep{e}", "ep", key, "bf16", e, f"EP={e} (DP={e} dense)",
-                (*m.args(), *DP_FLAGS, "--expert-model-parallel-size", str(e), "--profile-steps", "2"), m.seq, base,
+                (*m.args(), *DP_FLAGS, "--expert-model-parallel-size", str(e)), m.seq, base,
             ))  # fmt: skip

@@ -74,7 +74,7 @@ def _pct(x: float | None) -> str:
 
 def notes(rec: dict, d: dict) -> str:
     parts = []
-    if rec.get("status") != "ok":
+    if rec.get("status") != "ok" or rec.get("error"):
         parts.append(f"{rec.get('status')}: {rec.get('error', '')}")
     if d.get("theory_bubble") is not None:
         parts.append(f"bubble {_pct(d.get('bubble')) or '?'} (schedule {_pct(d['theory_bubble'])})")

@@ -25,6 +25,7 @@ import fnmatch
 import glob
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -89,6 +90,11 @@ def command(run: sc.Run, a: argparse.Namespace, models: dict[str, sc.Model]) -> 
     if run.script == "ddp_anchor.py":
         return cmd + (["--eager"] if a.device_backend == "cpu" else [])
     cmd += ["--bf16", "--no-log-memory", *sc.PA_FLAGS]
+    if run.family == "ep" and a.device_backend != "cpu":
+        # the all-to-all's share of the step, from device kernels (a CPU profile has none; and CPU
+        # processes with gloo, the distributed optimizer and the profiler crashed in the garbage
+        # collector after their results at EP=4, torch 2.13, 2026-11-29)
+        cmd += ["--profile-steps", "2"]
     if profiled(run, a):
         stem = os.path.join(a.out_dir, run.name)
         cmd += [
@@ -148,17 +154,30 @@ def execute(run: sc.Run, cmd: list[str], a: argparse.Namespace) -> dict:
     record["wall_s"] = round(time.monotonic() - start, 1)
     Path(a.out_dir, f"{run.name}.log").write_text(f"$ {shlex.join(cmd)}\n{out}\n--- stderr\n{err}")
     result = parse_output(run.name, out)
-    if rc == 0 and "tokens_per_s_per_device" in result:
+    record["exit_code"] = rc
+    if "tokens_per_s_per_device" in result:  # complete results; a crash after them is noted, not lost
         record["status"] = "ok"
+        if rc != 0:
+            record["error"] = f"exit code {rc} after the results: {error_line(err)}"
     else:
-        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]
         record["status"] = "timeout" if rc is None else "failed"
-        record["error"] = tail[0][-300:]
+        record["error"] = error_line(err)
     result.pop("peer", None)
     record.update({k: v for k, v in result.items() if k not in record})
     if profiled(run, a):
         record["comm_overlap"] = trace_overlap(os.path.join(a.out_dir, run.name))
     return record
+
+
+def error_line(stderr: str) -> str:
+    """The line that says why a launch failed: the last ``...Error: ...`` of a rank, else torchrun's
+    ``exitcode`` line of a rank killed by a signal, else the last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for pattern in (r"\w(Error|Exception): \S", r"exitcode: -?\d+\)? .*(SIG|local_rank)"):
+        hits = [ln for ln in lines if re.search(pattern, ln) and "ChildFailedError" not in ln]
+        if hits:
+            return hits[-1][-300:]
+    return lines[-1][-300:] if lines else "no output"
 
 
 def _text(data) -> str:
