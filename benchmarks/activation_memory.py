@@ -58,6 +58,7 @@ def measure(args, spec: str, backend) -> dict:
         attention_dropout=0.0,
         cross_entropy_loss_fusion=extra == "ce",
         **recompute,
+        **getattr(args, "model_extra", {}),  # other ModelConfig fields (GQA, MoE: scaling_memory.py)
     )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     device = backend.device(0)

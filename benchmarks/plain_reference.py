@@ -91,12 +91,22 @@ def time_reference(shape: ReferenceShape, backend, *, compile: bool, warmup: int
 
 
 def timed_training(
-    make_model, vocab: int, micro_batch: int, seq: int, backend, *, compile: bool, warmup: int, iters: int
+    make_model,
+    vocab: int,
+    micro_batch: int,
+    seq: int,
+    backend,
+    *,
+    compile: bool,
+    warmup: int,
+    iters: int,
+    device: torch.device | None = None,
 ) -> tuple[float, dict, float]:
     """``(seconds per step, backend.memory_stats() of the timed steps, last loss)`` of a plain model
     (``make_model()`` -> a module ``(tokens, labels) -> loss``) in bf16 with torch's AdamW (fused on a
-    device), under ``torch.compile`` if asked, on one fixed random batch; its memory is freed after."""
-    device = backend.device(0)
+    device), under ``torch.compile`` if asked, on one fixed random batch; its memory is freed after.
+    ``device``: where it trains (default the backend's first device; one rank of several gives its own)."""
+    device = device or backend.device(0)
     result = _train(make_model, vocab, micro_batch, seq, backend, device, compile, warmup, iters)
     empty_cache = getattr(torch.get_device_module(device.type), "empty_cache", None)
     if empty_cache is not None:  # the model and optimizer are gone: give their memory back to mcore

@@ -74,6 +74,7 @@ def synthetic_batches(vocab: int, mbs: int, seq: int, device: torch.device, seed
 # where the time goes
 
 _CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
+    ("communication", ("nccl", "hccl")),  # before "gather"/"scatter"/"reduce": a collective is no gather
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")),
     ("optimizer (multi-tensor)", ("multi_tensor", "fused_adam", "adamw", "_foreach")),
     ("mcore triton", ("_rms_", "_ln_fwd", "_ln_bwd", "_bda_", "_swiglu", "_bias_gelu", "_ce_", "_rotary")),
@@ -83,6 +84,18 @@ _CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
     ("embedding / index", ("embedding", "index", "sort", "radix", "scatter", "gather")),
     ("reduction", ("reduce",)),
     ("element-wise", ("elementwise", "pointwise")),
+)
+
+
+_COLLECTIVES = (
+    "AllGather",
+    "ReduceScatter",
+    "AllReduce",
+    "Broadcast",
+    "SendRecv",
+    "AllToAll",
+    "Send",
+    "Recv",
 )
 
 
@@ -153,6 +166,11 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], steps: int, wall_
         categories[cat] = categories.get(cat, 0.0) + us
     busy = _busy_us([(a, b) for _, a, b in kernels])
     ms = lambda us: round(us / steps / 1000.0, 3)  # noqa: E731
+    collectives: dict[str, float] = {}  # by kind: an all-to-all is NCCL's SendRecv kernel
+    for name, (_, us) in per_name.items():
+        if kernel_category(name) == "communication":
+            kind = next((k for k in _COLLECTIVES if k.lower() in name.lower()), "other")
+            collectives[kind] = collectives.get(kind, 0.0) + us
     return {
         "steps": steps,
         "wall_ms_per_step": round(wall_s / steps * 1000.0, 3),
@@ -161,6 +179,7 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], steps: int, wall_
         "kernel_ms_per_step": ms(total),
         "kernels_per_step": round(sum(v[0] for v in per_name.values()) / steps, 1),
         "categories_ms_per_step": {k: ms(v) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])},
+        "collectives_ms_per_step": {k: ms(v) for k, v in sorted(collectives.items(), key=lambda kv: -kv[1])},
         "top_kernels": [
             {
                 "name": name[:120],
@@ -254,7 +273,8 @@ def dynamo_counters() -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """``(this script's options, mcore's RunConfig)`` of a command line (Megatron's flags plus ours)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
@@ -290,7 +310,11 @@ def main(argv=None) -> int:
         "--attention-dropout",
         "0",
     ]
-    cfg = parse_run_config(rest, prog="train_throughput.py")
+    return ours, parse_run_config(rest, prog="train_throughput.py")
+
+
+def main(argv=None) -> int:
+    ours, cfg = parse_args(argv)
     backend = setup_backend(cfg)
 
     world = dist.get_world_size() if dist.is_initialized() else LaunchEnv.from_environ().world_size
