@@ -33,15 +33,28 @@ expert under ``mlp.shared_experts.``)::
     decoder.layers.i.mlp.shared_experts.linear_fc1.weight       P mlp.shared_experts.{gate_proj; up_proj}.weight
     decoder.layers.i.mlp.shared_experts.linear_fc2.weight       P mlp.shared_experts.down_proj.weight
 
-Multi-token prediction is training-only here: its tensors (``mtp.*``) are not exported (the classes
-run no MTP; ``num_mtp_layers`` is written 0) and the Hub's extra MTP layers (``model.layers.{L}`` past
-``num_hidden_layers``) are skipped on import.
+Multi-token prediction (DeepSeek-V3): the Hub's checkpoints carry MTP depth ``k`` as the extra layer
+``M = model.layers.{num_hidden_layers + k}.`` (``num_nextn_predict_layers``, transformers'
+``num_mtp_layers``), which transformers' model does not run. Imported only when asked
+(``mcore-import-hf --mtp-num-layers D``, as Megatron-Bridge's and MindSpeed-LLM's converters take the
+MTP depth), exported only when asked (``mcore-export-hf --mtp-num-layers D``); otherwise the import
+skips them with a note and the export writes ``num_mtp_layers`` 0::
+
+    mtp.layers.k.enorm.weight / hnorm.weight / eh_proj.weight   M enorm.weight / hnorm.weight / eh_proj.weight
+    mtp.layers.k.final_layernorm.weight                         M shared_head.norm.weight
+    mtp.layers.k.mtp_model_layer.*                              M the decoder layer's names (above)
+    (the shared word embedding, output layer)                   M embed_tokens.weight, M shared_head.head.weight
+
+``eh_proj`` takes ``[enorm(embedding); hnorm(hidden)]`` in both (megatron-core's and vLLM's order).
+The depth's ``embed_tokens`` / ``shared_head.head`` are copies of the model's: the import refuses
+them when they differ (mcore's MTP shares the embedding and output layer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -63,7 +76,16 @@ from mcore.hf.parity import check_logit_parity
 from mcore.hf.tensors import TensorSource, zeros
 from mcore.models.transformer.model_config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 HF_WORD_KEY = "model.embed_tokens.weight"
+MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+"""An MTP depth's own tensors: mcore name (after ``mtp.layers.k.``) -> the Hub's (after the layer)."""
 MLA_NAMES = {
     "linear_q_down_proj": "q_a_proj",
     "q_layernorm": "q_a_layernorm",
@@ -211,7 +233,10 @@ def hf_config_dict(
         "attention_dropout": cfg.attention_dropout,
     }
     if name == DEEPSEEK_V3:
-        out.update(norm_topk_prob=True, rope_interleave=True, num_mtp_layers=0)
+        # the Hub's name (transformers 5 aliases it as num_mtp_layers; vLLM reads this one)
+        out.update(
+            norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=cfg.mtp_num_layers or 0
+        )
     else:
         out.update(
             num_experts=cfg.num_experts,
@@ -345,7 +370,20 @@ def model_config_from_hf(
         **_moe_flags(name, hf, where),
     )
     kwargs.update(overrides)
+    _check_mtp_import(name, hf, where, overrides.get("mtp_num_layers"))
     return ModelConfig(**kwargs)
+
+
+def _check_mtp_import(name: str, hf: Mapping[str, Any], where: str, depths: int | None) -> None:
+    """``--mtp-num-layers D`` on import: the class and the checkpoint must have ``D`` MTP layers."""
+    if not depths:
+        return
+    hub = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
+    if name != DEEPSEEK_V3 or depths > hub:
+        raise ConversionError(
+            f"{where}: --mtp-num-layers {depths}: the checkpoint has {hub} MTP layer(s) "
+            f"(num_nextn_predict_layers of {ARCHITECTURES[name]})"
+        )
 
 
 # -- tensors ----------------------------------------------------------------------------------------
@@ -360,10 +398,11 @@ def _mla_names(cfg: ModelConfig) -> dict[str, str]:
     return {k: v for k, v in MLA_NAMES.items() if k not in skip}
 
 
-def _mlp_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
-    """(mcore name, HF name) of layer ``i``'s non-expert MLP tensors; fc1 entries are [gate; up] pairs."""
-    p, hp = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-    if not cfg.moe.moe_layers[i]:
+def _mlp_pairs(cfg: ModelConfig, p: str, hp: str, moe: bool) -> list[tuple[str, str]]:
+    """(mcore name, HF name) of the layer's (mcore ``p``, HF ``hp``) non-expert MLP tensors; fc1
+    entries are [gate; up] pairs."""
+    p, hp = p + "mlp.", hp + "mlp."
+    if not moe:
         return [
             (p + "linear_fc1.weight", hp + "{gate,up}_proj.weight"),
             (p + "linear_fc2.weight", hp + "down_proj.weight"),
@@ -382,19 +421,27 @@ def _mlp_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
 def _layer_to_hf(
     name: str, src: TensorSource, cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]
 ) -> None:
-    p, hp = f"decoder.layers.{i}.", f"model.layers.{i}."
+    _layer_tensors_to_hf(
+        name, src, cfg, f"decoder.layers.{i}.", f"model.layers.{i}.", cfg.moe.moe_layers[i], out
+    )
+
+
+def _layer_tensors_to_hf(
+    name: str, src: TensorSource, cfg: ModelConfig, p: str, hp: str, moe: bool, out: dict[str, torch.Tensor]
+) -> None:
+    """One transformer layer (mcore names under ``p``, the Hub's under ``hp``)."""
     out[hp + "input_layernorm.weight"] = src.get(p + "input_layernorm.weight")
     out[hp + "post_attention_layernorm.weight"] = src.get(p + "pre_mlp_layernorm.weight")
     for ours, theirs in _mla_names(cfg).items():
         out[hp + f"self_attn.{theirs}.weight"] = src.get(p + f"self_attention.{ours}.weight")
-    for ours, theirs in _mlp_pairs(cfg, i):
+    for ours, theirs in _mlp_pairs(cfg, p, hp, moe):
         t = src.get(ours)
         if "{gate,up}" in theirs:
             gate, up = t.chunk(2, dim=0)
             out[theirs.replace("{gate,up}", "gate")], out[theirs.replace("{gate,up}", "up")] = gate, up
         else:
             out[theirs] = t
-    if cfg.moe.moe_layers[i]:
+    if moe:
         if name == DEEPSEEK_V3 and not cfg.moe_router_enable_expert_bias:  # no bias: a zero one is exact
             out[hp + "mlp.gate.e_score_correction_bias"] = zeros(
                 cfg.num_experts, out[hp + "mlp.gate.weight"]
@@ -418,37 +465,63 @@ def _top_to_hf(src: TensorSource, word: torch.Tensor, out: dict[str, torch.Tenso
 def mcore_to_hf(
     name: str, state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int
 ) -> dict[str, torch.Tensor]:
-    """The DeepSeek state dict of an mcore logical state dict (MTP tensors left out: see the module doc)."""
+    """The DeepSeek state dict of an mcore logical state dict; ``cfg.mtp_num_layers`` MTP depths are
+    written as the Hub's extra layers (the export passes the ``--mtp-num-layers`` asked for, else None)."""
     check_exportable(name, cfg)
-    state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
-    cfg = dataclasses.replace(cfg, mtp_num_layers=None)
-    return convert_to_hf(state, cfg, vocab_size, name, functools.partial(_layer_to_hf, name), _top_to_hf)
+    base = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    out = convert_to_hf(
+        base, dataclasses.replace(cfg, mtp_num_layers=None), vocab_size, name,
+        functools.partial(_layer_to_hf, name), _top_to_hf,
+    )  # fmt: skip
+    if cfg.mtp_num_layers:
+        _mtp_to_hf(name, state, cfg, out)
+    return out
+
+
+def _mtp_to_hf(
+    name: str, state: Mapping[str, torch.Tensor], cfg: ModelConfig, out: dict[str, torch.Tensor]
+) -> None:
+    """MTP depths ``0..D-1`` as ``model.layers.{L + k}.*`` (with copies of the embedding and head)."""
+    src = TensorSource({k: v for k, v in state.items() if k.startswith("mtp.")}, "the checkpoint")
+    word, head = out[HF_WORD_KEY], out.get("lm_head.weight", out[HF_WORD_KEY])
+    for k in range(cfg.mtp_num_layers):
+        p, hp = f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}."
+        for ours, theirs in MTP_OWN.items():
+            out[hp + theirs] = src.get(p + ours)
+        out[hp + "embed_tokens.weight"], out[hp + "shared_head.head.weight"] = word.clone(), head.clone()
+        _layer_tensors_to_hf(name, src, cfg, p + "mtp_model_layer.", hp, cfg.moe.moe_layers[-1], out)
 
 
 def _layer_from_hf(
     name: str, src: TensorSource, cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]
 ) -> None:
-    p, hp = f"decoder.layers.{i}.", f"model.layers.{i}."
+    _layer_tensors_from_hf(src, cfg, f"decoder.layers.{i}.", f"model.layers.{i}.", cfg.moe.moe_layers[i], out)
+
+
+def _layer_tensors_from_hf(
+    src: TensorSource, cfg: ModelConfig, p: str, hp: str, moe: bool, out: dict[str, torch.Tensor]
+) -> None:
+    """One transformer layer (the Hub's names under ``hp``, mcore's under ``p``)."""
     out[p + "input_layernorm.weight"] = src.get(hp + "input_layernorm.weight")
     out[p + "pre_mlp_layernorm.weight"] = src.get(hp + "post_attention_layernorm.weight")
     for ours, theirs in _mla_names(cfg).items():
         out[p + f"self_attention.{ours}.weight"] = src.get(hp + f"self_attn.{theirs}.weight")
-    for ours, theirs in _mlp_pairs(cfg, i):
+    for ours, theirs in _mlp_pairs(cfg, p, hp, moe):
         if "{gate,up}" in theirs:
             out[ours] = torch.cat(
                 [src.get(theirs.replace("{gate,up}", "gate")), src.get(theirs.replace("{gate,up}", "up"))]
             )
         else:
             out[ours] = src.get(theirs)
-    if cfg.moe.moe_layers[i]:
+    if moe:
         out[p + "mlp.experts.linear_fc1.weight"], out[p + "mlp.experts.linear_fc2.weight"] = _experts_from_hf(
-            src, cfg, i
+            src, cfg, hp
         )
 
 
-def _experts_from_hf(src: TensorSource, cfg: ModelConfig, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _experts_from_hf(src: TensorSource, cfg: ModelConfig, hp: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fc1 [E, 2F, H], fc2 [E, H, F])`` from the Hub's per-expert names or transformers 5's stacked ones."""
-    x = f"model.layers.{i}.mlp.experts."
+    x = hp + "mlp.experts."
     if x + "gate_up_proj" in src.state:
         return src.get(x + "gate_up_proj"), src.get(x + "down_proj")
     fc1 = [
@@ -466,16 +539,70 @@ def _top_from_hf(src: TensorSource, cfg: ModelConfig, _: int, out: dict[str, tor
 def hf_to_mcore(
     name: str, hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab_size: int
 ) -> dict[str, torch.Tensor]:
-    """The mcore logical state of a DeepSeek state dict; the Hub's MTP layers (``model.layers.{L..}``
-    past ``num_hidden_layers``) are skipped."""
+    """The mcore logical state of a DeepSeek state dict, with ``cfg.mtp_num_layers`` MTP depths from
+    the Hub's extra layers (``model.layers.{L..}`` past ``num_hidden_layers``); extra layers not asked
+    for are skipped with a note."""
     check_exportable(name, cfg)
-    layer = re.compile(r"^model\.layers\.(\d+)\.")
-    kept = {
-        k: v for k, v in hf_state.items() if not ((m := layer.match(k)) and int(m.group(1)) >= cfg.num_layers)
-    }
-    return convert_from_hf(
-        kept, cfg, padded_vocab_size, name, HF_WORD_KEY, functools.partial(_layer_from_hf, name), _top_from_hf
-    )
+    depths, layers = cfg.mtp_num_layers or 0, cfg.num_layers
+    index = re.compile(r"^model\.layers\.(\d+)\.")
+    extra = sorted({int(m.group(1)) for k in hf_state if (m := index.match(k)) and int(m.group(1)) >= layers})
+    if len(extra) < depths or extra[:depths] != list(range(layers, layers + depths)):
+        raise ConversionError(
+            f"--mtp-num-layers {depths}: the checkpoint has {len(extra)} MTP layer(s) past "
+            f"num_hidden_layers={layers} (model.layers.{layers}.* ...)"
+        )
+    if len(extra) > depths:
+        logger.warning(
+            f"note: {len(extra) - depths} multi-token-prediction layer(s) of the checkpoint (model.layers."
+            f"{extra[depths]}.* ...) not imported; --mtp-num-layers {len(extra)} imports them as mcore's MTP"
+        )
+    kept = {k: v for k, v in hf_state.items() if not ((m := index.match(k)) and int(m.group(1)) >= layers)}
+    out = convert_from_hf(
+        kept, dataclasses.replace(cfg, mtp_num_layers=None), padded_vocab_size, name, HF_WORD_KEY,
+        functools.partial(_layer_from_hf, name), _top_from_hf,
+    )  # fmt: skip
+    if depths:
+        mtp = {
+            k: v
+            for k, v in hf_state.items()
+            if (m := index.match(k)) and layers <= int(m.group(1)) < layers + depths
+        }
+        out.update(_mtp_from_hf(mtp, hf_state, cfg, out))
+    return out
+
+
+def _mtp_from_hf(
+    mtp: Mapping[str, torch.Tensor], hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, base: dict
+) -> dict[str, torch.Tensor]:
+    """The MTP depths' mcore tensors from their Hub layers ``mtp``; each depth's transformer layer has
+    the last decoder layer's shapes (megatron-core builds it from that layer's spec)."""
+    src, out = TensorSource(mtp, "the Hugging Face model"), {}
+    shared = {"embed_tokens.weight": HF_WORD_KEY, "shared_head.head.weight": "lm_head.weight"}
+    h, last = cfg.hidden_size, f"decoder.layers.{cfg.num_layers - 1}."
+    for k in range(cfg.mtp_num_layers):
+        p, hp = f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}."
+        for ours, theirs in MTP_OWN.items():
+            out[p + ours] = src.get(hp + theirs)
+        for theirs, main in shared.items():
+            copy, main = src.optional(hp + theirs), hf_state.get(main, hf_state[HF_WORD_KEY])
+            if copy is not None and not torch.equal(copy, main):
+                raise ConversionError(
+                    f"{hp}{theirs} differs from the model's {main}: mcore's multi-token prediction shares "
+                    "the word embedding and the output layer"
+                )
+        _layer_tensors_from_hf(src, cfg, p + "mtp_model_layer.", hp, cfg.moe.moe_layers[-1], out)
+    if src.leftovers():
+        raise ConversionError(
+            f"the MTP layers have tensors with no place in mcore: {', '.join(src.leftovers()[:8])}"
+        )
+    for key, t in out.items():
+        rest = key.split(".", 3)[3]
+        want = (h, 2 * h) if rest == "eh_proj.weight" else (h,) if rest in MTP_OWN else None
+        if want is None:
+            want = tuple(base[last + rest.removeprefix("mtp_model_layer.")].shape)
+        if tuple(t.shape) != want:
+            raise ConversionError(f"{key}: shape {tuple(t.shape)} (expected {want})")
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def family(name: str) -> HfFamily:
