@@ -54,13 +54,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from mcore.hf.deepseek_mtp import HF_WORD_KEY, check_mtp_import, mtp_from_hf, mtp_to_hf, split_mtp_layers
 from mcore.hf.errors import ConversionError
 from mcore.hf.family import HfFamily
 from mcore.hf.gpt_state import (
@@ -76,16 +75,6 @@ from mcore.hf.parity import check_logit_parity
 from mcore.hf.tensors import TensorSource, zeros
 from mcore.models.transformer.model_config import ModelConfig
 
-logger = logging.getLogger(__name__)
-
-HF_WORD_KEY = "model.embed_tokens.weight"
-MTP_OWN = {
-    "enorm.weight": "enorm.weight",
-    "hnorm.weight": "hnorm.weight",
-    "eh_proj.weight": "eh_proj.weight",
-    "final_layernorm.weight": "shared_head.norm.weight",
-}
-"""An MTP depth's own tensors: mcore name (after ``mtp.layers.k.``) -> the Hub's (after the layer)."""
 MLA_NAMES = {
     "linear_q_down_proj": "q_a_proj",
     "q_layernorm": "q_a_layernorm",
@@ -370,20 +359,8 @@ def model_config_from_hf(
         **_moe_flags(name, hf, where),
     )
     kwargs.update(overrides)
-    _check_mtp_import(name, hf, where, overrides.get("mtp_num_layers"))
+    check_mtp_import(name == DEEPSEEK_V3, ARCHITECTURES[name], hf, where, overrides.get("mtp_num_layers"))
     return ModelConfig(**kwargs)
-
-
-def _check_mtp_import(name: str, hf: Mapping[str, Any], where: str, depths: int | None) -> None:
-    """``--mtp-num-layers D`` on import: the class and the checkpoint must have ``D`` MTP layers."""
-    if not depths:
-        return
-    hub = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
-    if name != DEEPSEEK_V3 or depths > hub:
-        raise ConversionError(
-            f"{where}: --mtp-num-layers {depths}: the checkpoint has {hub} MTP layer(s) "
-            f"(num_nextn_predict_layers of {ARCHITECTURES[name]})"
-        )
 
 
 # -- tensors ----------------------------------------------------------------------------------------
@@ -474,22 +451,8 @@ def mcore_to_hf(
         functools.partial(_layer_to_hf, name), _top_to_hf,
     )  # fmt: skip
     if cfg.mtp_num_layers:
-        _mtp_to_hf(name, state, cfg, out)
+        mtp_to_hf(state, cfg, out, functools.partial(_layer_tensors_to_hf, name))
     return out
-
-
-def _mtp_to_hf(
-    name: str, state: Mapping[str, torch.Tensor], cfg: ModelConfig, out: dict[str, torch.Tensor]
-) -> None:
-    """MTP depths ``0..D-1`` as ``model.layers.{L + k}.*`` (with copies of the embedding and head)."""
-    src = TensorSource({k: v for k, v in state.items() if k.startswith("mtp.")}, "the checkpoint")
-    word, head = out[HF_WORD_KEY], out.get("lm_head.weight", out[HF_WORD_KEY])
-    for k in range(cfg.mtp_num_layers):
-        p, hp = f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}."
-        for ours, theirs in MTP_OWN.items():
-            out[hp + theirs] = src.get(p + ours)
-        out[hp + "embed_tokens.weight"], out[hp + "shared_head.head.weight"] = word.clone(), head.clone()
-        _layer_tensors_to_hf(name, src, cfg, p + "mtp_model_layer.", hp, cfg.moe.moe_layers[-1], out)
 
 
 def _layer_from_hf(
@@ -543,66 +506,14 @@ def hf_to_mcore(
     the Hub's extra layers (``model.layers.{L..}`` past ``num_hidden_layers``); extra layers not asked
     for are skipped with a note."""
     check_exportable(name, cfg)
-    depths, layers = cfg.mtp_num_layers or 0, cfg.num_layers
-    index = re.compile(r"^model\.layers\.(\d+)\.")
-    extra = sorted({int(m.group(1)) for k in hf_state if (m := index.match(k)) and int(m.group(1)) >= layers})
-    if len(extra) < depths or extra[:depths] != list(range(layers, layers + depths)):
-        raise ConversionError(
-            f"--mtp-num-layers {depths}: the checkpoint has {len(extra)} MTP layer(s) past "
-            f"num_hidden_layers={layers} (model.layers.{layers}.* ...)"
-        )
-    if len(extra) > depths:
-        logger.warning(
-            f"note: {len(extra) - depths} multi-token-prediction layer(s) of the checkpoint (model.layers."
-            f"{extra[depths]}.* ...) not imported; --mtp-num-layers {len(extra)} imports them as mcore's MTP"
-        )
-    kept = {k: v for k, v in hf_state.items() if not ((m := index.match(k)) and int(m.group(1)) >= layers)}
+    kept, mtp = split_mtp_layers(hf_state, cfg.num_layers, cfg.mtp_num_layers or 0)
     out = convert_from_hf(
         kept, dataclasses.replace(cfg, mtp_num_layers=None), padded_vocab_size, name, HF_WORD_KEY,
         functools.partial(_layer_from_hf, name), _top_from_hf,
     )  # fmt: skip
-    if depths:
-        mtp = {
-            k: v
-            for k, v in hf_state.items()
-            if (m := index.match(k)) and layers <= int(m.group(1)) < layers + depths
-        }
-        out.update(_mtp_from_hf(mtp, hf_state, cfg, out))
+    if mtp:
+        out.update(mtp_from_hf(mtp, hf_state, cfg, out, _layer_tensors_from_hf))
     return out
-
-
-def _mtp_from_hf(
-    mtp: Mapping[str, torch.Tensor], hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, base: dict
-) -> dict[str, torch.Tensor]:
-    """The MTP depths' mcore tensors from their Hub layers ``mtp``; each depth's transformer layer has
-    the last decoder layer's shapes (megatron-core builds it from that layer's spec)."""
-    src, out = TensorSource(mtp, "the Hugging Face model"), {}
-    shared = {"embed_tokens.weight": HF_WORD_KEY, "shared_head.head.weight": "lm_head.weight"}
-    h, last = cfg.hidden_size, f"decoder.layers.{cfg.num_layers - 1}."
-    for k in range(cfg.mtp_num_layers):
-        p, hp = f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}."
-        for ours, theirs in MTP_OWN.items():
-            out[p + ours] = src.get(hp + theirs)
-        for theirs, main in shared.items():
-            copy, main = src.optional(hp + theirs), hf_state.get(main, hf_state[HF_WORD_KEY])
-            if copy is not None and not torch.equal(copy, main):
-                raise ConversionError(
-                    f"{hp}{theirs} differs from the model's {main}: mcore's multi-token prediction shares "
-                    "the word embedding and the output layer"
-                )
-        _layer_tensors_from_hf(src, cfg, p + "mtp_model_layer.", hp, cfg.moe.moe_layers[-1], out)
-    if src.leftovers():
-        raise ConversionError(
-            f"the MTP layers have tensors with no place in mcore: {', '.join(src.leftovers()[:8])}"
-        )
-    for key, t in out.items():
-        rest = key.split(".", 3)[3]
-        want = (h, 2 * h) if rest == "eh_proj.weight" else (h,) if rest in MTP_OWN else None
-        if want is None:
-            want = tuple(base[last + rest.removeprefix("mtp_model_layer.")].shape)
-        if tuple(t.shape) != want:
-            raise ConversionError(f"{key}: shape {tuple(t.shape)} (expected {want})")
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def family(name: str) -> HfFamily:

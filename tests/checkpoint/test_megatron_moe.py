@@ -167,3 +167,23 @@ def _as_expert_parallel(src, dst):
         folder.mkdir()
         torch.save({**data, "model": model}, folder / "model_optim_rng.pt")
     return dst
+
+
+def test_megatron_mla_and_mtp_names_of_the_te_spec_and_later_versions():
+    """Transformer Engine's spec fuses the latent norms into the up projections; megatron-core after
+    0.16 names an MTP depth's layer ``mtp_model_layer``: both map to mcore's names."""
+    from mcore.checkpoint.megatron.names import COLUMN, REPLICATED, SWIGLU, Target, map_name
+
+    def target(key):
+        return map_name(key, 2, swiglu=True, tied=False)
+
+    attn = "decoder.layers.1.self_attention."
+    assert target(attn + "linear_q_up_proj.layer_norm_weight") == Target(
+        "decoder.layers.3.self_attention.q_layernorm.weight", REPLICATED
+    )
+    assert target(attn + "linear_kv_up_proj.layer_norm_weight").name.endswith(".kv_layernorm.weight")
+    assert target(attn + "linear_kv_up_proj.weight").split == COLUMN
+    for layer in ("transformer_layer", "mtp_model_layer"):  # MTP depths keep their own numbers
+        got = target(f"mtp.layers.0.{layer}.mlp.linear_fc1.weight")
+        assert got == Target("mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight", SWIGLU)
+    assert target("mtp.layers.1.eh_proj.weight") == Target("mtp.layers.1.eh_proj.weight", COLUMN)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mcore.hf import ConversionError, export_checkpoint, import_from_hf
-from mcore.hf.families import model_config_from_hf
+from mcore.hf.families import hf_to_mcore, model_config_from_hf
 
 V = 100
 COMMON = dict(
@@ -227,7 +227,7 @@ def _reference_mtp_loss(hub, ids, labels, padded: int) -> float:
     ).item()
 
 
-def test_the_hub_mtp_layer_imports_when_asked_and_exports_back(tmp_path, caplog):
+def test_the_hub_mtp_layer_imports_when_asked_and_exports_back(tmp_path, caplog, capsys):
     """``--mtp-num-layers 1``: the Hub's extra layer becomes mcore's MTP depth (its loss is the one
     computed with transformers' modules) and the export writes it back tensor for tensor; without the
     flag the layer is skipped with a note; a depth the checkpoint lacks is refused."""
@@ -268,7 +268,19 @@ def test_the_hub_mtp_layer_imports_when_asked_and_exports_back(tmp_path, caplog)
     )
     assert without.architecture == "DeepseekV3ForCausalLM"
 
-    with pytest.raises(ConversionError, match="--mtp-num-layers 2: the checkpoint has 1 MTP layer"):
-        import_from_hf(str(hub), str(tmp_path / "two"), use_tokenizer=False, mtp_num_layers=2)
-    with pytest.raises(ConversionError, match="--mtp-num-layers 2: the checkpoint has mtp_num_layers=1"):
-        export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "two-hf"), mtp_num_layers=2)
+    # the command lines (exit status 2, one line naming the flag)
+    from mcore.hf.export import main as export_main
+    from mcore.hf.importer import main as import_main
+
+    two = ["--mtp-num-layers", "2"]
+    assert import_main(["--hf-dir", str(hub), "--save", str(tmp_path / "two"), "--no-tokenizer", *two]) == 2
+    assert export_main(["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "two-hf"), *two]) == 2
+    err = capsys.readouterr().err
+    assert "--mtp-num-layers 2: the checkpoint has 1 MTP layer" in err
+    assert "--mtp-num-layers 2: the checkpoint has mtp_num_layers=1" in err
+    hub_state = load_file(hub / "model.safetensors")
+    hub_state["model.layers.2.shared_head.head.weight"] = hub_state["lm_head.weight"] + 1
+    with pytest.raises(
+        ConversionError, match="model.layers.2.shared_head.head.weight differs from the model's lm_head"
+    ):
+        hf_to_mcore(hub_state, report.model_config, report.padded_vocab_size)
