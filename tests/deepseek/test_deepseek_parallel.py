@@ -6,7 +6,8 @@ seq_aux_loss, MTP) at TP=2 x EP=2 with SP; multi-token prediction at PP=2 (MTP o
 last stage, with its copy of the word embedding, tied and untied) gives the PP=1 losses, gradients
 and logged ``mtp_k loss``. The same launch trains the family through ``pretrain`` at TP=2 x EP=2 with SP
 and saves it: it resumes bit-exactly at that layout (losses, every weight and the expert bias equal to
-the uninterrupted run) and loads at PP=2, at EP=2 x DP=2 and in one process with the same next losses."""
+the uninterrupted run) and loads at PP=2, at EP=2 x DP=2 and in one process (``--use-checkpoint-args``)
+with the same next losses."""
 
 from __future__ import annotations
 
@@ -243,7 +244,18 @@ def test_family_resumes_bit_exactly_and_reshards(results, ckpt_dir):
     straight = runs["straight"]["losses"]
     assert len(straight) == 4 and runs["straight"]["iteration"] == runs["resume"]["iteration"] == 4
     assert runs["resume"]["losses"] == straight[2:]  # bit for bit
-    one = run_case(["--load", str(ckpt_dir / "straight"), "--ckpt-step", "2", "--train-iters", "4"])
+    # one process, its model flags from the checkpoint (--use-checkpoint-args: MLA, YaRN, the router's lists)
+    one = run_case(
+        [
+            "--load",
+            str(ckpt_dir / "straight"),
+            "--ckpt-step",
+            "2",
+            "--train-iters",
+            "4",
+            "--use-checkpoint-args",
+        ]
+    )
     for name, losses in [("load-pp2", runs["load-pp2"]["losses"]), ("load-ep2-dp2", runs["load-ep2-dp2"]["losses"]),
                          ("one process", one["losses"])]:  # fmt: skip
         assert losses == pytest.approx(straight[2:], rel=2e-5, abs=0), name
