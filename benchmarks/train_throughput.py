@@ -448,6 +448,9 @@ def main(argv=None) -> int:
             traceback.print_exc()
     if is_last and extra:
         _emit({"peer": ours.label, **extra}, ours.out)
+    if dist.is_initialized():  # every rank done before the groups go (an exit mid-collective aborts)
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

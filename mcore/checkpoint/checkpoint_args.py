@@ -17,7 +17,14 @@ FLAG = "--use-checkpoint-args"
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    """The command-line spelling of a model field (``beta_fast`` is ``--yarn-beta-fast``)."""
+    import dataclasses
+
+    from mcore.config.fields import flag_name
+    from mcore.models.transformer.model_config import ModelConfig
+
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    return flag_name(fields[name]) if name in fields else "--" + name.replace("_", "-")
 
 
 def _value_of(argv: Sequence[str], flag: str) -> str | None:
@@ -80,6 +87,10 @@ def apply_checkpoint_args(argv: Sequence[str]) -> list[str]:
         if isinstance(value, bool):
             if value:
                 kept.append(_flag(key))
+        elif key == "moe_layer_freq" and isinstance(value, (list, tuple)):  # one token: Megatron's list
+            kept += [_flag(key), "[" + ",".join(str(v) for v in value) + "]"]
+        elif isinstance(value, (list, tuple)):  # nargs flags (--moe-router-load-balancing-type, ...)
+            kept += [_flag(key), *(str(v) for v in value)] if value else []
         elif value is not None:
             kept += [_flag(key), str(value)]
     return kept

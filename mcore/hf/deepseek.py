@@ -33,21 +33,33 @@ expert under ``mlp.shared_experts.``)::
     decoder.layers.i.mlp.shared_experts.linear_fc1.weight       P mlp.shared_experts.{gate_proj; up_proj}.weight
     decoder.layers.i.mlp.shared_experts.linear_fc2.weight       P mlp.shared_experts.down_proj.weight
 
-Multi-token prediction is training-only here: its tensors (``mtp.*``) are not exported (the classes
-run no MTP; ``num_mtp_layers`` is written 0) and the Hub's extra MTP layers (``model.layers.{L}`` past
-``num_hidden_layers``) are skipped on import.
+Multi-token prediction (DeepSeek-V3): the Hub's checkpoints carry MTP depth ``k`` as the extra layer
+``M = model.layers.{num_hidden_layers + k}.`` (``num_nextn_predict_layers``, transformers'
+``num_mtp_layers``), which transformers' model does not run. Imported only when asked
+(``mcore-import-hf --mtp-num-layers D``, as Megatron-Bridge's and MindSpeed-LLM's converters take the
+MTP depth), exported only when asked (``mcore-export-hf --mtp-num-layers D``); otherwise the import
+skips them with a note and the export writes ``num_mtp_layers`` 0::
+
+    mtp.layers.k.enorm.weight / hnorm.weight / eh_proj.weight   M enorm.weight / hnorm.weight / eh_proj.weight
+    mtp.layers.k.final_layernorm.weight                         M shared_head.norm.weight
+    mtp.layers.k.mtp_model_layer.*                              M the decoder layer's names (above)
+    (the shared word embedding, output layer)                   M embed_tokens.weight, M shared_head.head.weight
+
+``eh_proj`` takes ``[enorm(embedding); hnorm(hidden)]`` in both (megatron-core's and vLLM's order).
+The depth's ``embed_tokens`` / ``shared_head.head`` are copies of the model's: the import refuses
+them when they differ (mcore's MTP shares the embedding and output layer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from mcore.hf.deepseek_mtp import HF_WORD_KEY, check_mtp_import, mtp_from_hf, mtp_to_hf, split_mtp_layers
 from mcore.hf.errors import ConversionError
 from mcore.hf.family import HfFamily
 from mcore.hf.gpt_state import (
@@ -63,7 +75,6 @@ from mcore.hf.parity import check_logit_parity
 from mcore.hf.tensors import TensorSource, zeros
 from mcore.models.transformer.model_config import ModelConfig
 
-HF_WORD_KEY = "model.embed_tokens.weight"
 MLA_NAMES = {
     "linear_q_down_proj": "q_a_proj",
     "q_layernorm": "q_a_layernorm",
@@ -211,7 +222,10 @@ def hf_config_dict(
         "attention_dropout": cfg.attention_dropout,
     }
     if name == DEEPSEEK_V3:
-        out.update(norm_topk_prob=True, rope_interleave=True, num_mtp_layers=0)
+        # the Hub's name (transformers 5 aliases it as num_mtp_layers; vLLM reads this one)
+        out.update(
+            norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=cfg.mtp_num_layers or 0
+        )
     else:
         out.update(
             num_experts=cfg.num_experts,
@@ -345,6 +359,7 @@ def model_config_from_hf(
         **_moe_flags(name, hf, where),
     )
     kwargs.update(overrides)
+    check_mtp_import(name == DEEPSEEK_V3, ARCHITECTURES[name], hf, where, overrides.get("mtp_num_layers"))
     return ModelConfig(**kwargs)
 
 
@@ -360,10 +375,11 @@ def _mla_names(cfg: ModelConfig) -> dict[str, str]:
     return {k: v for k, v in MLA_NAMES.items() if k not in skip}
 
 
-def _mlp_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
-    """(mcore name, HF name) of layer ``i``'s non-expert MLP tensors; fc1 entries are [gate; up] pairs."""
-    p, hp = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-    if not cfg.moe.moe_layers[i]:
+def _mlp_pairs(cfg: ModelConfig, p: str, hp: str, moe: bool) -> list[tuple[str, str]]:
+    """(mcore name, HF name) of the layer's (mcore ``p``, HF ``hp``) non-expert MLP tensors; fc1
+    entries are [gate; up] pairs."""
+    p, hp = p + "mlp.", hp + "mlp."
+    if not moe:
         return [
             (p + "linear_fc1.weight", hp + "{gate,up}_proj.weight"),
             (p + "linear_fc2.weight", hp + "down_proj.weight"),
@@ -382,19 +398,27 @@ def _mlp_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
 def _layer_to_hf(
     name: str, src: TensorSource, cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]
 ) -> None:
-    p, hp = f"decoder.layers.{i}.", f"model.layers.{i}."
+    _layer_tensors_to_hf(
+        name, src, cfg, f"decoder.layers.{i}.", f"model.layers.{i}.", cfg.moe.moe_layers[i], out
+    )
+
+
+def _layer_tensors_to_hf(
+    name: str, src: TensorSource, cfg: ModelConfig, p: str, hp: str, moe: bool, out: dict[str, torch.Tensor]
+) -> None:
+    """One transformer layer (mcore names under ``p``, the Hub's under ``hp``)."""
     out[hp + "input_layernorm.weight"] = src.get(p + "input_layernorm.weight")
     out[hp + "post_attention_layernorm.weight"] = src.get(p + "pre_mlp_layernorm.weight")
     for ours, theirs in _mla_names(cfg).items():
         out[hp + f"self_attn.{theirs}.weight"] = src.get(p + f"self_attention.{ours}.weight")
-    for ours, theirs in _mlp_pairs(cfg, i):
+    for ours, theirs in _mlp_pairs(cfg, p, hp, moe):
         t = src.get(ours)
         if "{gate,up}" in theirs:
             gate, up = t.chunk(2, dim=0)
             out[theirs.replace("{gate,up}", "gate")], out[theirs.replace("{gate,up}", "up")] = gate, up
         else:
             out[theirs] = t
-    if cfg.moe.moe_layers[i]:
+    if moe:
         if name == DEEPSEEK_V3 and not cfg.moe_router_enable_expert_bias:  # no bias: a zero one is exact
             out[hp + "mlp.gate.e_score_correction_bias"] = zeros(
                 cfg.num_experts, out[hp + "mlp.gate.weight"]
@@ -418,37 +442,49 @@ def _top_to_hf(src: TensorSource, word: torch.Tensor, out: dict[str, torch.Tenso
 def mcore_to_hf(
     name: str, state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int
 ) -> dict[str, torch.Tensor]:
-    """The DeepSeek state dict of an mcore logical state dict (MTP tensors left out: see the module doc)."""
+    """The DeepSeek state dict of an mcore logical state dict; ``cfg.mtp_num_layers`` MTP depths are
+    written as the Hub's extra layers (the export passes the ``--mtp-num-layers`` asked for, else None)."""
     check_exportable(name, cfg)
-    state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
-    cfg = dataclasses.replace(cfg, mtp_num_layers=None)
-    return convert_to_hf(state, cfg, vocab_size, name, functools.partial(_layer_to_hf, name), _top_to_hf)
+    base = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    out = convert_to_hf(
+        base, dataclasses.replace(cfg, mtp_num_layers=None), vocab_size, name,
+        functools.partial(_layer_to_hf, name), _top_to_hf,
+    )  # fmt: skip
+    if cfg.mtp_num_layers:
+        mtp_to_hf(state, cfg, out, functools.partial(_layer_tensors_to_hf, name))
+    return out
 
 
 def _layer_from_hf(
     name: str, src: TensorSource, cfg: ModelConfig, i: int, out: dict[str, torch.Tensor]
 ) -> None:
-    p, hp = f"decoder.layers.{i}.", f"model.layers.{i}."
+    _layer_tensors_from_hf(src, cfg, f"decoder.layers.{i}.", f"model.layers.{i}.", cfg.moe.moe_layers[i], out)
+
+
+def _layer_tensors_from_hf(
+    src: TensorSource, cfg: ModelConfig, p: str, hp: str, moe: bool, out: dict[str, torch.Tensor]
+) -> None:
+    """One transformer layer (the Hub's names under ``hp``, mcore's under ``p``)."""
     out[p + "input_layernorm.weight"] = src.get(hp + "input_layernorm.weight")
     out[p + "pre_mlp_layernorm.weight"] = src.get(hp + "post_attention_layernorm.weight")
     for ours, theirs in _mla_names(cfg).items():
         out[p + f"self_attention.{ours}.weight"] = src.get(hp + f"self_attn.{theirs}.weight")
-    for ours, theirs in _mlp_pairs(cfg, i):
+    for ours, theirs in _mlp_pairs(cfg, p, hp, moe):
         if "{gate,up}" in theirs:
             out[ours] = torch.cat(
                 [src.get(theirs.replace("{gate,up}", "gate")), src.get(theirs.replace("{gate,up}", "up"))]
             )
         else:
             out[ours] = src.get(theirs)
-    if cfg.moe.moe_layers[i]:
+    if moe:
         out[p + "mlp.experts.linear_fc1.weight"], out[p + "mlp.experts.linear_fc2.weight"] = _experts_from_hf(
-            src, cfg, i
+            src, cfg, hp
         )
 
 
-def _experts_from_hf(src: TensorSource, cfg: ModelConfig, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _experts_from_hf(src: TensorSource, cfg: ModelConfig, hp: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fc1 [E, 2F, H], fc2 [E, H, F])`` from the Hub's per-expert names or transformers 5's stacked ones."""
-    x = f"model.layers.{i}.mlp.experts."
+    x = hp + "mlp.experts."
     if x + "gate_up_proj" in src.state:
         return src.get(x + "gate_up_proj"), src.get(x + "down_proj")
     fc1 = [
@@ -466,16 +502,18 @@ def _top_from_hf(src: TensorSource, cfg: ModelConfig, _: int, out: dict[str, tor
 def hf_to_mcore(
     name: str, hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab_size: int
 ) -> dict[str, torch.Tensor]:
-    """The mcore logical state of a DeepSeek state dict; the Hub's MTP layers (``model.layers.{L..}``
-    past ``num_hidden_layers``) are skipped."""
+    """The mcore logical state of a DeepSeek state dict, with ``cfg.mtp_num_layers`` MTP depths from
+    the Hub's extra layers (``model.layers.{L..}`` past ``num_hidden_layers``); extra layers not asked
+    for are skipped with a note."""
     check_exportable(name, cfg)
-    layer = re.compile(r"^model\.layers\.(\d+)\.")
-    kept = {
-        k: v for k, v in hf_state.items() if not ((m := layer.match(k)) and int(m.group(1)) >= cfg.num_layers)
-    }
-    return convert_from_hf(
-        kept, cfg, padded_vocab_size, name, HF_WORD_KEY, functools.partial(_layer_from_hf, name), _top_from_hf
-    )
+    kept, mtp = split_mtp_layers(hf_state, cfg.num_layers, cfg.mtp_num_layers or 0)
+    out = convert_from_hf(
+        kept, dataclasses.replace(cfg, mtp_num_layers=None), padded_vocab_size, name, HF_WORD_KEY,
+        functools.partial(_layer_from_hf, name), _top_from_hf,
+    )  # fmt: skip
+    if mtp:
+        out.update(mtp_from_hf(mtp, hf_state, cfg, out, _layer_tensors_from_hf))
+    return out
 
 
 def family(name: str) -> HfFamily:

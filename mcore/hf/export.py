@@ -24,6 +24,7 @@ input that cannot be converted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -77,6 +78,7 @@ def export_to_hf(
     overwrite: bool = False,
     architecture: str | None = None,
     replace_foreign: bool = False,
+    mtp_num_layers: int | None = None,
 ) -> ExportReport:
     """Write the Hugging Face directory of a logical model state (see the module docstring).
 
@@ -97,6 +99,8 @@ def export_to_hf(
         overwrite: replace an earlier export of this tool in ``output_dir`` (it has the marker file).
         replace_foreign: replace a non-empty ``output_dir`` that is not an earlier export
             (``--overwrite-non-export``); never one that is, holds or lies inside the checkpoint.
+        mtp_num_layers: write that many multi-token-prediction depths as DeepseekV3ForCausalLM's extra
+            layers (``--mtp-num-layers``; default: none, as the class runs no MTP).
     """
     family = family_of_state(state)  # BERT or T5 by their tensors; else GPT-2 / Llama by the config
     if family is not None and family.export_to_hf is not None:  # BERT: its heads and WordPiece files
@@ -117,12 +121,13 @@ def export_to_hf(
     cfg = model_config_from_run_config(run_config)
     family = family or FAMILIES[hf_family(cfg, architecture)]
     family.check_exportable(cfg)
+    export_cfg = _mtp_export_config(family, cfg, mtp_num_layers)
     prepare_output(output_dir, overwrite, replace_foreign=replace_foreign)
     tokenizer, info = _export_tokenizer(run_config, tokenizer_config, vocab_size, fallback_vocab_size)
     dtype = export_dtype(dtype, state)
-    tensors = {k: v.to(dtype) for k, v in family.mcore_to_hf(state, cfg, info.vocab_size).items()}
+    tensors = {k: v.to(dtype) for k, v in family.mcore_to_hf(state, export_cfg, info.vocab_size).items()}
     config = family.hf_config_dict(
-        cfg,
+        export_cfg,
         info.vocab_size,
         bos_token_id=info.bos_token_id,
         eos_token_id=info.eos_token_id,
@@ -172,6 +177,22 @@ def generation_config(config: Mapping[str, Any], cfg: ModelConfig) -> dict[str, 
     if max_length is not None:
         generation["max_length"] = max_length
     return generation
+
+
+def _mtp_export_config(family, cfg: ModelConfig, depths: int | None) -> ModelConfig:
+    """The config the DeepSeek mappings write: ``depths`` MTP layers (``--mtp-num-layers``) or none."""
+    if depths and family.architecture != "DeepseekV3ForCausalLM":
+        raise ConversionError(
+            f"--mtp-num-layers {depths}: {family.architecture} has no multi-token-prediction layers "
+            "(DeepseekV3ForCausalLM carries them)"
+        )
+    if depths and depths > (cfg.mtp_num_layers or 0):
+        raise ConversionError(
+            f"--mtp-num-layers {depths}: the checkpoint has mtp_num_layers={cfg.mtp_num_layers}"
+        )
+    if not family.architecture.startswith("Deepseek"):
+        return cfg
+    return dataclasses.replace(cfg, mtp_num_layers=depths or None)
 
 
 def export_checkpoint(
@@ -263,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="The class to write (default: the one the checkpoint was imported from, else GPT2LMHeadModel "
         "for learned positions, Qwen3ForCausalLM for RoPE with --qk-layernorm, LlamaForCausalLM for RoPE).",
     )
+    parser.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="DeepseekV3ForCausalLM: write this many of the model's multi-token-prediction depths as the "
+        "Hub's extra layers model.layers.{num_hidden_layers + k}.* (default: none).",
+    )
     return parser
 
 
@@ -324,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
             architecture=args.architecture,
             replace_foreign=args.overwrite_non_export,
+            mtp_num_layers=args.mtp_num_layers,
         )
     )
 

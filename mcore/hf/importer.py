@@ -87,13 +87,21 @@ def import_from_hf(
     use_tokenizer: bool = True,
     check_parity: bool = True,
     tolerance: float = DEFAULT_TOLERANCE,
+    mtp_num_layers: int | None = None,
 ) -> ImportReport:
-    """Convert ``hf_dir`` into a model-only mcore checkpoint in ``save_dir`` (see the module docstring)."""
+    """Convert ``hf_dir`` into a model-only mcore checkpoint in ``save_dir`` (see the module docstring).
+    ``mtp_num_layers``: import that many of a DeepSeek-V3 checkpoint's multi-token-prediction layers
+    (``--mtp-num-layers``; docs/deepseek.md)."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     check_import_output(hf_dir, save_dir)  # before anything is read
     hf = read_hf_config(hf_dir)
     where = os.path.join(hf_dir, "config.json")
     family = family_of_hf(hf, where)
+    if mtp_num_layers and family.architecture != "DeepseekV3ForCausalLM":
+        raise ConversionError(
+            f"--mtp-num-layers {mtp_num_layers}: {family.architecture} checkpoints carry no multi-token-"
+            "prediction layers (DeepseekV3ForCausalLM's do)"
+        )
     if family.import_from_hf is not None:  # MegatronBert* (BertForPreTraining is refused)
         return family.import_from_hf(
             hf_dir,
@@ -107,8 +115,9 @@ def import_from_hf(
             check_layout=lambda cfg: _check_layout(cfg, tp, pp),
         )
     try:
+        mtp = {"mtp_num_layers": mtp_num_layers} if mtp_num_layers else {}
         cfg = family.model_config_from_hf(
-            hf, where, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+            hf, where, make_vocab_size_divisible_by=make_vocab_size_divisible_by, **mtp
         )
     except (ConfigError, KeyError, TypeError) as err:
         raise ConversionError(f"{where}: not a valid {family.architecture} config: {err}") from None
@@ -234,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         "weights, so the same tolerance applies).",
     )
     parser.add_argument("--no-parity-check", action="store_true", help="Skip the logit-parity check.")
+    parser.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="DeepseekV3ForCausalLM: import this many of the checkpoint's multi-token-prediction layers "
+        "(model.layers.{num_hidden_layers}.* ...) as mcore's MTP (default: none, with a note).",
+    )
     return parser
 
 
@@ -259,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             use_tokenizer=not args.no_tokenizer,
             check_parity=not args.no_parity_check,
             tolerance=args.tolerance,
+            mtp_num_layers=args.mtp_num_layers,
         )
     )
 

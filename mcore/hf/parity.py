@@ -115,6 +115,10 @@ def load_hf_model(
         if bars:
             hf_logging.enable_progress_bar()
     problems = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    mtp = _mtp_layers(model.config)  # DeepSeek-V3's MTP layers: in the files, not in transformers' model
+    if mtp and problems.get("unexpected_keys"):
+        problems["unexpected_keys"] = {k for k in problems["unexpected_keys"] if not k.startswith(mtp)}
+        problems = {k: v for k, v in problems.items() if v}
     if info.get("error_msgs"):
         problems["error_msgs"] = info["error_msgs"]
     if problems:
@@ -179,3 +183,12 @@ def check_logit_parity(
     if raise_on_failure and not report.ok:
         raise ParityError("parity check FAILED: " + report.describe())
     return report
+
+
+def _mtp_layers(config) -> tuple[str, ...]:
+    """The prefixes of the multi-token-prediction layers a DeepseekV3 checkpoint carries past its
+    ``num_hidden_layers`` (``num_nextn_predict_layers``; the import's ``--mtp-num-layers``)."""
+    if getattr(config, "model_type", None) != "deepseek_v3":
+        return ()
+    layers, depths = config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0) or 0
+    return tuple(f"model.layers.{layers + k}." for k in range(depths))

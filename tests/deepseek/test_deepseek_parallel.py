@@ -4,11 +4,16 @@ and gradients (its initial weights are the TP=1 slices), and so does a DeepSeek-
 first layer dense, sigmoid group-limited router with scaling and expert bias, a shared expert,
 seq_aux_loss, MTP) at TP=2 x EP=2 with SP; multi-token prediction at PP=2 (MTP on the
 last stage, with its copy of the word embedding, tied and untied) gives the PP=1 losses, gradients
-and logged ``mtp_k loss``."""
+and logged ``mtp_k loss``. The same launch trains the family through ``pretrain`` at TP=2 x EP=2 with SP
+and saves it: it resumes bit-exactly at that layout (losses, every weight and the expert bias equal to
+the uninterrupted run) and loads at PP=2, at EP=2 x DP=2 and in one process (``--use-checkpoint-args``)
+with the same next losses."""
 
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,9 @@ from mcore.models.transformer.mtp.block import mtp_step_logs
 from mcore.pipeline import get_forward_backward_func
 from mcore.pipeline.layout import build_model_chunks
 from mcore.testing.distributed import run_distributed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ds_runs import run_case, run_cases  # noqa: E402
 
 VOCAB, SEQ, BATCH, SEED = 64, 8, 2, 1234
 MLA = dict(
@@ -120,7 +128,7 @@ def _tp_cases(groups: ProcessGroups, references, sps=(False, True)) -> dict:
     return out
 
 
-def _all_cases():
+def _all_cases(ckpt_cases):
     references = {}
     for case in CASES:
         model = _model(case, ProcessGroups.single())
@@ -142,6 +150,7 @@ def _all_cases():
     for tied in (False, True):
         ref = _mtp_step(ProcessGroups.single(), ParallelConfig(), tied)
         out["pp"][tied] = (pp_groups.is_last_stage, _mtp_step(pp_groups, pp, tied), ref)
+    out["ckpt"] = run_cases(ckpt_cases)
     return out
 
 
@@ -202,9 +211,60 @@ def _mtp_step(groups, parallel, tied):
     return [float(log["lm loss"]) for log in logs], mtp_logs, grads
 
 
+# the family through ``pretrain``: 4 iterations at TP=2 x EP=2 with SP, saved at 2 and 4; then from 2
+TP2_EP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+TP2_EP2 += ["--expert-tensor-parallel-size", "1"]
+ITERS4 = ["--train-iters", "4", "--save-interval", "2"]
+
+
+def _ckpt_cases(tmp: Path) -> list[tuple[str, list[str]]]:
+    load = ["--load", str(tmp / "straight"), "--ckpt-step", "2", "--train-iters", "4"]
+    return [
+        ("straight", [*ITERS4, *TP2_EP2, "--save", str(tmp / "straight")]),
+        ("resume", [*load, *TP2_EP2, "--save", str(tmp / "resumed"), "--save-interval", "2"]),
+        ("load-pp2", [*load, "--pipeline-model-parallel-size", "2"]),
+        ("load-ep2-dp2", [*load, "--expert-model-parallel-size", "2"]),
+    ]
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_all_cases, 2, timeout=600)
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("deepseek-ckpt")
+
+
+@pytest.fixture(scope="module")
+def results(ckpt_dir):
+    return run_distributed(_all_cases, 2, _ckpt_cases(ckpt_dir), timeout=600)
+
+
+def test_family_resumes_bit_exactly_and_reshards(results, ckpt_dir):
+    from mcore.checkpoint.logical import load_logical_model_state
+
+    runs = results[-1]["ckpt"]  # the last rank logs (the last pipeline stage)
+    straight = runs["straight"]["losses"]
+    assert len(straight) == 4 and runs["straight"]["iteration"] == runs["resume"]["iteration"] == 4
+    assert runs["resume"]["losses"] == straight[2:]  # bit for bit
+    # one process, its model flags from the checkpoint (--use-checkpoint-args: MLA, YaRN, the router's lists)
+    one = run_case(
+        [
+            "--load",
+            str(ckpt_dir / "straight"),
+            "--ckpt-step",
+            "2",
+            "--train-iters",
+            "4",
+            "--use-checkpoint-args",
+        ]
+    )
+    for name, losses in [("load-pp2", runs["load-pp2"]["losses"]), ("load-ep2-dp2", runs["load-ep2-dp2"]["losses"]),
+                         ("one process", one["losses"])]:  # fmt: skip
+        assert losses == pytest.approx(straight[2:], rel=2e-5, abs=0), name
+    want, _ = load_logical_model_state(ckpt_dir / "straight", 4)
+    got, _ = load_logical_model_state(ckpt_dir / "resumed", 4)
+    assert set(got) == set(want)
+    bias = "decoder.layers.1.mlp.router.expert_bias"
+    assert bias in want and want[bias].abs().sum() > 0 and any(n.startswith("mtp.") for n in want)
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
 
 
 def test_mla_tp2_equals_tp1(results):

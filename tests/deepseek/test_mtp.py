@@ -105,11 +105,13 @@ def test_mtp_bad_input_names_the_flags():
         refuse_mla_mtp(ModelConfig(**CFG), "BERT")
 
 
-def test_the_megatron_export_refuses_mla_and_mtp_by_name():
+def test_the_megatron_export_refuses_what_megatron_cannot_hold_by_name():
+    """MTP goes to megatron-core's ``torch`` format with its names only (the checkpoint round trip
+    against megatron-core itself: tests/checkpoint/test_megatron_moe.py)."""
     from mcore.checkpoint.format import CheckpointError
-    from mcore.checkpoint.megatron.write import check_exportable
+    from mcore.checkpoint.megatron.write import _check_model_for_format, check_exportable
 
-    with pytest.raises(
-        CheckpointError, match="multi_latent_attention=False, mtp_num_layers=2: the Megatron export"
-    ):
-        check_exportable(ModelConfig(**CFG), 1, 1)
+    check_exportable(ModelConfig(**CFG), 1, 1)  # MTP at TP=1: written
+    for fmt, names in (("torch_dist", "mcore"), ("torch", "legacy")):
+        with pytest.raises(CheckpointError, match="mtp_num_layers=2: multi-latent attention and multi-token"):
+            _check_model_for_format(ModelConfig(**CFG), fmt, names)

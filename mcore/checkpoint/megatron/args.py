@@ -17,6 +17,24 @@ from mcore.models.transformer.moe.config import MoEFlags
 MOE_FLAGS = tuple(f.name for f in dataclasses.fields(MoEFlags))
 """The mixture-of-experts fields: Megatron's arg names (``--num-experts``, ``--moe-*``)."""
 
+MLA_FLAGS = (
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+"""Multi-latent attention's fields: megatron-core's ``MLATransformerConfig`` names (Megatron-LM's args,
+except YaRN's ``original_max_position_embeddings`` / ``beta_*``, also read as ``yarn_*``)."""
+
 MODEL_FLAGS = (
     "num_layers",
     "hidden_size",
@@ -41,6 +59,9 @@ MODEL_FLAGS = (
     "apply_residual_connection_post_layernorm",
     "make_vocab_size_divisible_by",
     *MOE_FLAGS,
+    *MLA_FLAGS,
+    "mtp_num_layers",
+    "mtp_loss_scaling_factor",
 )
 """The ``ModelConfig`` fields a checkpoint's args determine (Megatron's ``load_args_from_checkpoint``
 overrides the same architecture args)."""
@@ -48,11 +69,9 @@ overrides the same architecture args)."""
 # (arg, value that is fine, what mcore lacks)
 _REFUSED = (
     ("num_experts", (None, 0, 1), "mixture-of-experts models"),
-    ("multi_latent_attention", (None, False), "multi-latent attention"),
     ("rotary_interleaved", (None, False), "interleaved RoPE"),
     ("squared_relu", (None, False), "the squared-ReLU MLP"),
     ("apply_layernorm_1p", (None, False), "zero-centred norm weights (--apply-layernorm-1p)"),
-    ("mtp_num_layers", (None, 0), "multi-token prediction"),
     ("attention_output_gate", (None, False), "gated attention output"),
     ("heterogeneous_layers_config_path", (None,), "heterogeneous layers"),
 )
@@ -63,7 +82,8 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 
 def check_supported(args: Any, where: str, moe: bool = False) -> None:
-    """Refuse a Megatron model mcore cannot load, naming the arg and its value.
+    """Refuse a Megatron model mcore cannot load, naming the arg and its value (``moe``: the ``torch``
+    reader, which takes experts, multi-latent attention at TP=1 and MTP; the ``torch_dist`` one does not).
 
     Raises:
         CheckpointError: e.g. ``args.num_experts=8: mixture-of-experts models are not implemented``.
@@ -74,6 +94,23 @@ def check_supported(args: Any, where: str, moe: bool = False) -> None:
         value = _get(args, name)
         if value not in fine:
             raise CheckpointError(f"{where}: args.{name}={value!r}: {what} are not implemented in mcore")
+    for name, what in (
+        ("multi_latent_attention", "multi-latent attention"),
+        ("mtp_num_layers", "multi-token prediction"),
+    ):
+        if not moe and _get(args, name):  # moe=False: the torch_dist reader
+            raise CheckpointError(
+                f"{where}: args.{name}={_get(args, name)!r}: {what} is read from --ckpt-format torch "
+                "checkpoints only (torch_dist's MLA/MTP keys are not mapped)"
+            )
+    tp = _get(args, "tensor_model_parallel_size", 1) or 1
+    if _get(args, "multi_latent_attention") and tp != 1:
+        raise CheckpointError(
+            f"{where}: args.multi_latent_attention=True with args.tensor_model_parallel_size={tp}: "
+            "multi-latent attention checkpoints are read at TP=1 only (megatron-core's local spec splits "
+            "the down projections over TP, its Transformer-Engine spec replicates them); reshard it to TP=1 "
+            "with Megatron first"
+        )
     vp = _get(args, "virtual_pipeline_model_parallel_size")
     if vp not in (None, 1):
         raise CheckpointError(
@@ -127,7 +164,16 @@ def model_flags_from_args(args: Any) -> dict[str, Any]:
     }
     if _get(args, "num_experts"):  # Megatron's MoE args have mcore's names
         flags.update({name: _get(args, name) for name in MOE_FLAGS})
-    return {k: v for k, v in flags.items() if v is not None}
+    if _get(args, "multi_latent_attention"):
+        flags.update({name: _get(args, name, _get(args, "yarn_" + name)) for name in MLA_FLAGS})
+        if "q_lora_rank" not in vars(args):  # megatron-core's default (512) when the args lack it
+            flags.pop("q_lora_rank")
+        elif _get(args, "q_lora_rank") is None:
+            flags["q_lora_rank"] = None  # kept: no query compression (DeepSeek-V2-Lite)
+    if _get(args, "mtp_num_layers"):
+        flags.update(mtp_num_layers=_get(args, "mtp_num_layers"))
+        flags.update(mtp_loss_scaling_factor=_get(args, "mtp_loss_scaling_factor", 0.1))
+    return {k: v for k, v in flags.items() if v is not None or k == "q_lora_rank"}
 
 
 _TOKENIZERS = (
@@ -200,8 +246,10 @@ def args_from_model_config(
         apply_residual_connection_post_layernorm=cfg.apply_residual_connection_post_layernorm,
         apply_query_key_layer_scaling=False,
         qk_layernorm=cfg.qk_layernorm,
-        multi_latent_attention=False,
         **{name: getattr(cfg, name) for name in MOE_FLAGS},
+        **{name: getattr(cfg, name) for name in MLA_FLAGS},
+        mtp_num_layers=cfg.mtp_num_layers,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         padded_vocab_size=padded_vocab_size,
         orig_vocab_size=vocab_size,
         vocab_size=vocab_size,

@@ -21,6 +21,15 @@ Megatron (``--ckpt-format torch``, stage-local layer ``i``)   mcore logical name
 ``...mlp.router.weight`` / ``.expert_bias``, ``...mlp.shared_experts.*``  same (replicated; shared MLP split as an MLP)
 ``...mlp.experts.local_experts.N.linear_fcK.weight``          ``...mlp.experts.linear_fcK.weight[e]`` (``[E, ...]``,
 ``...mlp.experts.linear_fcK.weightN`` (grouped)                 ``e`` = EP rank x local experts + ``N``)
+``...self_attention.linear_q_proj`` / ``linear_q_up_proj`` /   same (MLA, ``--multi-latent-attention``: up
+``linear_kv_up_proj.weight``                                    projections column-parallel, dim 0)
+``...self_attention.linear_{q,kv}_down_proj.weight``          same (replicated; TP=1 only, see ``args``)
+``...self_attention.{q,kv}_layernorm.weight``, TE's fused     ``...self_attention.{q,kv}_layernorm.weight``
+``linear_{q,kv}_up_proj.layer_norm_weight``
+``mtp.layers.k.{enorm,hnorm,final_layernorm}.weight``         same (MTP, ``--mtp-num-layers``; replicated)
+``mtp.layers.k.eh_proj.weight``                               same (column-parallel)
+``mtp.layers.k.transformer_layer.*`` (0.16; later             ``mtp.layers.k.mtp_model_layer.*`` (mapped as
+``mtp_model_layer.*``)                                          a decoder layer's rest)
 ``*._extra_state``                                            skipped (Transformer-Engine FP8 metadata)
 ==========================================================  ===========================================
 
@@ -73,6 +82,15 @@ _LAYER_PARAMS = {
     "self_attention.k_layernorm.bias": ("self_attention.k_layernorm.bias", REPLICATED),
     "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight", REPLICATED),
     "pre_mlp_layernorm.bias": ("pre_mlp_layernorm.bias", REPLICATED),
+    # multi-latent attention: the down projections and their norms replicated, the up projections by heads
+    "self_attention.linear_q_proj.weight": ("self_attention.linear_q_proj.weight", COLUMN),
+    "self_attention.linear_q_down_proj.weight": ("self_attention.linear_q_down_proj.weight", REPLICATED),
+    "self_attention.linear_q_up_proj.weight": ("self_attention.linear_q_up_proj.weight", COLUMN),
+    "self_attention.linear_kv_down_proj.weight": ("self_attention.linear_kv_down_proj.weight", REPLICATED),
+    "self_attention.linear_kv_up_proj.weight": ("self_attention.linear_kv_up_proj.weight", COLUMN),
+    "self_attention.kv_layernorm.weight": ("self_attention.kv_layernorm.weight", REPLICATED),
+    "self_attention.linear_q_up_proj.layer_norm_weight": ("self_attention.q_layernorm.weight", REPLICATED),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": ("self_attention.kv_layernorm.weight", REPLICATED),
     # mixture of experts (--num-experts): the router, the shared expert, mcore's stacked expert tensors
     "mlp.router.weight": ("mlp.router.weight", REPLICATED),
     "mlp.router.expert_bias": ("mlp.router.expert_bias", REPLICATED),
@@ -122,12 +140,19 @@ _LEGACY_TOP = {
     "word_embeddings_for_head.weight": "output_layer.weight",
 }
 
-_UNSUPPORTED = (
-    ("experts", "this mixture-of-experts tensor layout"),
-    ("linear_q_down_proj", "multi-latent attention (--multi-latent-attention)"),
-    ("linear_kv_down_proj", "multi-latent attention (--multi-latent-attention)"),
-    ("mtp", "multi-token prediction (--mtp-num-layers)"),
-)
+_UNSUPPORTED = (("experts", "this mixture-of-experts tensor layout"),)
+
+_MTP_PARAMS = {
+    "enorm.weight": REPLICATED,
+    "hnorm.weight": REPLICATED,
+    "eh_proj.weight": COLUMN,
+    "final_layernorm.weight": REPLICATED,
+    "final_layernorm.bias": REPLICATED,
+}
+"""An MTP depth's own tensors (megatron-core's ``MultiTokenPredictionLayer``; mcore's same names)."""
+MTP_LAYER_NAMES = ("transformer_layer.", "mtp_model_layer.")
+"""megatron-core 0.16's name of an MTP depth's transformer layer, and the later (and mcore's) one."""
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 _EXPERT_PARAM = re.compile(
     r"^mlp\.experts\.(?:local_experts\.(?P<n>\d+)\.(?P<fc>linear_fc[12])\.weight"
@@ -178,6 +203,21 @@ def map_expert_param(rest: str, swiglu: bool) -> tuple[str, str, int] | None:
     return f"mlp.experts.{fc}.weight", split, n
 
 
+def mtp_split(rest: str) -> str:
+    """The TP split kind of an MTP depth's own tensor (``enorm.weight``, ``eh_proj.weight``, ...)."""
+    return _MTP_PARAMS[rest]
+
+
+def _layer_target(prefix: str, rest: str, swiglu: bool) -> Target:
+    """A transformer layer's tensor (a decoder layer's or an MTP depth's) under ``prefix``."""
+    expert = map_expert_param(rest, swiglu)
+    if expert is not None:
+        suffix, split, n = expert
+        return Target(prefix + suffix, split, n)
+    suffix, split = map_layer_param(rest, swiglu)
+    return Target(prefix + suffix, split)
+
+
 def map_name(key: str, layer_offset: int, *, swiglu: bool, tied: bool) -> Target | None:
     """The mcore target of a flat Megatron state-dict key (stage-local layer numbers plus
     ``layer_offset``); None for entries to skip (``_extra_state``, the tied output copy).
@@ -189,12 +229,16 @@ def map_name(key: str, layer_offset: int, *, swiglu: bool, tied: bool) -> Target
         return None
     match = _MCORE_LAYER.match(key) or _LEGACY_LAYER.match(key)
     if match:
-        expert = map_expert_param(match.group(2), swiglu)
-        if expert is not None:
-            suffix, split, n = expert
-            return Target(f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}", split, n)
-        suffix, split = map_layer_param(match.group(2), swiglu)
-        return Target(f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}", split)
+        return _layer_target(f"decoder.layers.{int(match.group(1)) + layer_offset}.", match.group(2), swiglu)
+    mtp = _MTP.match(key)
+    if mtp:  # MTP depths sit on the last stage with global depth numbers
+        prefix, rest = f"mtp.layers.{mtp.group(1)}.", mtp.group(2)
+        if rest in _MTP_PARAMS:
+            return Target(prefix + rest, _MTP_PARAMS[rest])
+        for layer in MTP_LAYER_NAMES:
+            if rest.startswith(layer):
+                return _layer_target(prefix + "mtp_model_layer.", rest[len(layer) :], swiglu)
+        raise _refuse_unknown(key)
     legacy_final = _LEGACY_FINAL.match(key)
     if legacy_final:
         return Target(f"decoder.final_layernorm.{legacy_final.group(2)}", REPLICATED)

@@ -261,6 +261,8 @@ def _param_records(
                 target = map_name(key, offsets[p], swiglu=swiglu, tied=tied)
             except UnsupportedTensor as err:
                 raise CheckpointError(f"{iter_dir / fname}: {err}") from None
+            if p > 0 and key == "embedding.word_embeddings.weight":
+                target = None  # the last stage's copy for MTP (the first stage's is the one)
             if e > 0 and (target is None or target.expert is None):
                 continue  # an EP replica of what EP rank 0 holds
             if target is None or (target.split == REPLICATED and t != 0):

@@ -43,13 +43,15 @@ from mcore.checkpoint.format import (
     write_tracker,
 )
 from mcore.checkpoint.megatron.args import args_from_model_config
-from mcore.checkpoint.megatron.names import COLUMN, REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param
+from mcore.checkpoint.megatron.names import COLUMN, REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param, mtp_split
 from mcore.checkpoint.megatron.read_torch import rank_dir_name
 from mcore.utils.console import configure_console
 from mcore.utils.outputs import OutputError, check_output_dir, read_marker, staged_dir, write_marker
 
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-"""Modules whose ``_extra_state`` megatron-core's local spec emits (value None)."""
+"""The dense layer's modules whose ``_extra_state`` torch_dist stores (value None)."""
+MTP_LAYER = "transformer_layer."
+"""megatron-core 0.16's name of an MTP depth's transformer layer (mcore's ``mtp_model_layer.``)."""
 
 _DIST_LAYER_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -101,10 +103,11 @@ def check_exportable(cfg, tp: int, pp: int) -> None:
     """Refuse what Megatron cannot hold or the target layout cannot split, naming the value."""
     if cfg.position_embedding_type == "alibi":
         raise CheckpointError("position_embedding_type='alibi': megatron-core's GPTModel has no ALiBi")
-    if getattr(cfg, "multi_latent_attention", False) or getattr(cfg, "mtp_num_layers", None):
+    if cfg.multi_latent_attention and tp != 1:
         raise CheckpointError(
-            f"multi_latent_attention={cfg.multi_latent_attention}, mtp_num_layers={cfg.mtp_num_layers}: the "
-            "Megatron export does not write multi-latent attention or multi-token prediction tensors yet"
+            f"--target-tensor-model-parallel-size {tp} with multi_latent_attention=True: multi-latent "
+            "attention is written at TP=1 only (megatron-core's local spec splits the down projections over "
+            "TP, its Transformer-Engine spec replicates them)"
         )
     if cfg.qk_layernorm_full_width:
         raise CheckpointError(
@@ -129,6 +132,7 @@ GPT_PREFIXES = (
     "decoder.layers.",
     "decoder.final_layernorm.",
     "output_layer.",
+    "mtp.layers.",
 )
 """The logical tensors of a GPT model: the only family this writer maps to megatron-core's names."""
 
@@ -173,7 +177,15 @@ def megatron_rank_states(
                         "embedding.position_embeddings.weight"
                     ]
             for g in layers:
-                _layer_state(state, cfg, g, f"decoder.layers.{g - layers.start}.", t, tp, flat)
+                _layer_state(
+                    state, cfg, f"decoder.layers.{g}.", f"decoder.layers.{g - layers.start}.", t, tp, flat
+                )
+            if last and cfg.mtp_num_layers:
+                if not first:  # MTP's copy of the word embedding on the last stage
+                    flat["embedding.word_embeddings.weight"] = shard(
+                        state["embedding.word_embeddings.weight"], VOCAB, t, tp
+                    )
+                _mtp_state(state, cfg, t, tp, flat)
             if last:
                 for name in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
                     if name in state:
@@ -186,12 +198,13 @@ def megatron_rank_states(
     return out
 
 
-def _layer_state(state: dict, cfg, g: int, local: str, t: int, tp: int, flat: dict) -> None:
-    """Global layer ``g``'s tensors for TP rank ``t`` under stage-local names ``local`` + suffix, with
-    the ``_extra_state`` entries of its linears; routed experts as megatron-core's SequentialMLP
-    ``mlp.experts.local_experts.N.linear_fcK.weight`` (EP=1: ``N`` is the global expert)."""
-    prefix = f"decoder.layers.{g}."
-    modules = [m for m in LINEARS if not m.startswith("mlp.")]
+def _layer_state(state: dict, cfg, prefix: str, local: str, t: int, tp: int, flat: dict) -> None:
+    """The tensors of the layer ``prefix`` (a decoder layer's global name, or an MTP depth's
+    ``mtp_model_layer.``) for TP rank ``t`` under ``local`` + suffix, with the ``_extra_state`` entries
+    of its linears (value None, as megatron-core's local spec emits them); routed experts as
+    megatron-core's SequentialMLP ``mlp.experts.local_experts.N.linear_fcK.weight`` (EP=1: ``N`` is the
+    global expert)."""
+    modules = []
     for name in sorted(k for k in state if k.startswith(prefix)):
         rest = name[len(prefix) :]
         if rest in _EXPERT_TENSORS:
@@ -201,11 +214,23 @@ def _layer_state(state: dict, cfg, g: int, local: str, t: int, tp: int, flat: di
                 flat[f"{local}mlp.experts.local_experts.{e}.{fc}.weight"] = shard(state[name][e], kind, t, tp)
                 modules.append(f"mlp.experts.local_experts.{e}.{fc}")
             continue
-        flat[local + rest] = shard(state[name], split_kind(name, cfg.swiglu), t, tp)
-        if rest.endswith("linear_fc1.weight") or rest.endswith("linear_fc2.weight"):
-            modules.append(rest.removesuffix(".weight"))
+        flat[local + rest] = shard(state[name], map_layer_param(rest, cfg.swiglu)[1], t, tp)
+        module = rest.removesuffix(".weight")
+        if rest.endswith(".weight") and module.rsplit(".", 1)[-1].startswith("linear_"):
+            modules.append(module)
     for module in sorted(set(modules)):
         flat[f"{local}{module}._extra_state"] = None
+
+
+def _mtp_state(state: dict, cfg, t: int, tp: int, flat: dict) -> None:
+    """The MTP depths (the last stage): their own tensors, and each depth's layer under megatron-core
+    0.16's ``transformer_layer.`` name."""
+    for k in range(cfg.mtp_num_layers or 0):
+        prefix = f"mtp.layers.{k}."
+        for name in sorted(n for n in state if n.startswith(prefix) and n.count(".") == 4):
+            flat[name] = shard(state[name], mtp_split(name[len(prefix) :]), t, tp)
+        flat[f"{prefix}eh_proj._extra_state"] = None
+        _layer_state(state, cfg, prefix + "mtp_model_layer.", prefix + MTP_LAYER, t, tp, flat)
 
 
 _EXPERT_TENSORS = ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight")
@@ -363,6 +388,12 @@ def _check_format_options(ckpt_format: str, names: str) -> None:
 def _check_model_for_format(cfg, ckpt_format: str, names: str) -> None:
     """What the chosen Megatron format cannot hold of this model (QK layernorm in the legacy model;
     experts outside megatron-core's ``torch`` format)."""
+    if (cfg.multi_latent_attention or cfg.mtp_num_layers) and (names == "legacy" or ckpt_format != "torch"):
+        raise CheckpointError(
+            f"multi_latent_attention={cfg.multi_latent_attention}, mtp_num_layers={cfg.mtp_num_layers}: "
+            "multi-latent attention and multi-token prediction are written with --ckpt-format torch and "
+            "megatron-core names only (torch_dist's MLA/MTP keys are not written; the legacy model has neither)"
+        )
     if names == "legacy" and cfg.qk_layernorm:
         raise CheckpointError("--megatron-names legacy: Megatron-LM's legacy model has no QK layernorm")
     if cfg.num_experts and (names == "legacy" or ckpt_format != "torch"):
