@@ -1,9 +1,20 @@
-"""Megatron mixture-of-experts checkpoints in and out (``--ckpt-format torch``, EP=1), against the
-real megatron-core: its GPTModel with the local MoE spec (4 SwiGLU experts, top 2, a gated shared
-expert, QK layernorm) saved at TP=1 loads into mcore with equal logits; ``mcore-export-megatron``
-writes it back (``mlp.experts.local_experts.N.*``) and megatron-core loads the export (strict) with
-mcore's logits; the same checkpoint rewritten as Megatron's EP=2 rank files (``mp_rank_00_EEE``, local
-and grouped expert names) reads the same tensors. One spawned process runs megatron-core's side."""
+"""Megatron mixture-of-experts checkpoints in and out, against the real megatron-core.
+
+One 4-process launch (:mod:`megatron_moe_runs`): megatron-core's GPTModel with the local MoE spec (4
+SwiGLU experts, top 2, a gated shared expert, QK layernorm) trains 2 Adam iterations at TP=2 x EP=2
+(ETP=2, SP, DP=2 for the dense parameters), saves ``--ckpt-format torch`` (``mp_rank_TT_EEE``, each EP
+rank's ``local_experts.0/1``, the chained [dense, experts] optimizer state) and ``torch_dist``
+(megatron-core's ``dist_checkpointing``: experts on the global-expert axis), and trains 2 more;
+``mcore-export-megatron``'s code writes the ``torch`` checkpoint back at TP=1 x EP=1 and megatron-core
+loads the export (strict). Then mcore
+
+* loads both formats at TP=1 x EP=1 with Megatron's logits (fp32, 1e-5);
+* resumes training (optimizer state and schedule loaded; TP=1 x EP=1 x DP=4, in the same launch) and
+  gives Megatron's 2 continued losses (the second differs by 2e-3 with ``--no-load-optim``: the
+  comparison sees the state);
+* gives megatron-core's logits on its own export, which reads back bitwise;
+* reads the export rewritten as EP=2 rank files with TEGroupedMLP's ``linear_fcK.weightN`` names.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +29,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 sys.path.insert(0, os.path.dirname(__file__))
-import megatron_runs as mr  # noqa: E402
+import megatron_moe_runs as mm  # noqa: E402
 
 from mcore.checkpoint import CheckpointError, load_logical_model_state  # noqa: E402
 from mcore.checkpoint.megatron.write import export_to_megatron  # noqa: E402
@@ -26,16 +37,15 @@ from mcore.distributed.groups import ProcessGroups  # noqa: E402
 from mcore.inference.loading import build_model_chunk, model_config_from_run_config  # noqa: E402
 from mcore.testing.distributed import run_distributed  # noqa: E402
 
-V = mr.FAMILIES["moe"]["vocab_size"]
+V = 256
+TOL = 1e-5
 
 
-def _megatron_side(out: str, export: str) -> torch.Tensor:
-    """Rank function (one process): megatron-core saves the MoE model under ``out`` (with its
-    logits), mcore exports that checkpoint to ``export``, megatron-core loads the export (strict);
-    returns the loaded model's logits."""
-    mr.save_megatron_checkpoints(out, "moe", 1, 1)
-    export_to_megatron(os.path.join(out, "torch"), export, "torch", tp=1, pp=1)
-    return mr.megatron_load_logits(export, "moe", "torch")
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """``(dir, result)``: megatron-core's TP=2 x EP=2 checkpoints, logits, losses and export."""
+    out = tmp_path_factory.mktemp("megatron_moe")
+    return out, run_distributed(mm.megatron_side, 4, str(out), timeout=400)[0]
 
 
 def _mcore_logits(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
@@ -47,13 +57,29 @@ def _mcore_logits(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)[..., :V]
 
 
-def test_a_megatron_moe_checkpoint_loads_and_exports_back(tmp_path):
-    out, export = tmp_path / "megatron", tmp_path / "export"
-    theirs = run_distributed(_megatron_side, 1, str(out), str(export), timeout=240)[0]
+def test_a_tp2_ep2_megatron_checkpoint_loads_at_tp1_ep1_and_resumes(megatron, tmp_path):
+    out, result = megatron
     ref = torch.load(out / "logits.pt")
-    ours = _mcore_logits(str(out / "torch"), ref["ids"])
-    assert (ours - ref["logits"][..., :V]).abs().max() < 1e-5  # Megatron -> mcore
-    assert (theirs[..., :V] - ours).abs().max() < 1e-5  # mcore -> Megatron
+    assert sorted(p.name for p in (out / "torch" / "iter_0000002").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"
+    ]  # fmt: skip
+    for fmt in ("torch", "torch_dist"):
+        diff = (_mcore_logits(str(out / fmt), ref["ids"]) - ref["logits"][..., :V]).abs().max().item()
+        print(f"megatron-core TP2xEP2 {fmt} -> mcore TP1xEP1: max |dlogits| = {diff:.2e}")
+        assert diff < TOL, fmt
+
+    # the chained optimizer state of all four rank files: mcore continues with Megatron's losses
+    print(f"Megatron continued {result['continued']}; mcore (TP1 x EP1 x DP4) {result['mcore_continued']}")
+    assert torch.allclose(
+        torch.tensor(result["mcore_continued"]), torch.tensor(result["continued"]), atol=TOL
+    )
+
+
+def test_megatron_core_loads_mcore_export_of_it(megatron, tmp_path):
+    out, result = megatron
+    export = out / "export"
+    ours = _mcore_logits(str(out / "torch"), torch.load(out / "logits.pt")["ids"])
+    assert (result["export_logits"][..., :V] - ours).abs().max() < TOL  # mcore -> Megatron
     back, _ = load_logical_model_state(str(export))
     original, _ = load_logical_model_state(str(out / "torch"))
     assert back.keys() == original.keys()
@@ -62,9 +88,9 @@ def test_a_megatron_moe_checkpoint_loads_and_exports_back(tmp_path):
     with pytest.raises(CheckpointError, match="num_experts=4: mixture-of-experts models are written"):
         export_to_megatron(str(out / "torch"), str(tmp_path / "dist"), "torch_dist", tp=1, pp=1)
 
-    # Expert parallelism: the same checkpoint laid out as Megatron saves it at EP=2 (mp_rank_00_EEE, each
-    # holding its 2 local experts; EP rank 1 with the grouped linear_fcK.weightN names) reads the same.
-    ep2 = _as_expert_parallel(out / "torch", tmp_path / "ep2")
+    # The export laid out as Megatron saves it at EP=2 (mp_rank_00_EEE, each holding its 2 local experts;
+    # EP rank 1 with TEGroupedMLP's grouped linear_fcK.weightN names) reads the same.
+    ep2 = _as_expert_parallel(export, tmp_path / "ep2")
     again, _ = load_logical_model_state(str(ep2))
     assert again.keys() == original.keys()
     assert all(torch.equal(again[k], original[k]) for k in original)

@@ -7,7 +7,10 @@ with a leading axis of ``num_layers`` (global layer numbers), norms under the Tr
 (``self_attention.linear_qkv.layer_norm_weight``), SwiGLU fc1 as the global ``[gate; up]``; the tied
 output copy is stored once under the word embedding. Each key's global tensor is what mcore's logical
 tensor is (per layer), so every record is a whole logical tensor and the loader slices what each rank
-needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped.
+needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped. Routed experts (``--num-experts``) are
+``decoder.layers.mlp.experts.experts.linear_fcK.weight`` (SequentialMLP; the grouped MLPs drop the
+second ``experts``) of global shape ``[layers, experts, ...]``: per layer, mcore's stacked ``[E, ...]``
+expert tensor, whatever EP/ETP saved it.
 
 Optimizer state: the model-space keys ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,param}.<key>``
 (the non-distributed optimizer; the distributed one saved ``fully_reshardable`` or
@@ -107,7 +110,7 @@ def _read_common(iter_dir: Path) -> tuple[Path, dict, Any]:
     args = common.get("args")
     if args is None:
         raise CheckpointError(f"{common_path}: no 'args': the model configuration is unknown")
-    check_supported(args, str(common_path))
+    check_supported(args, str(common_path), moe=True)
     return common_path, common, args
 
 
@@ -151,7 +154,8 @@ def _scan_keys(iter_dir: Path, args: Any) -> _KeyScan:
         dtype = str(info.properties.dtype).removeprefix("torch.")
         if kind == "param":
             scan.model[key] = (shape, dtype)
-        for name, index, tshape in _key_entries(iter_dir, key, model_key, shape, num_layers, swiglu, tied):
+        entries = _key_entries(iter_dir, key, model_key, shape, num_layers, swiglu, tied)
+        for name, index, tshape in _stored_layers(entries, info):
             (scan.records if kind == "param" else scan.optim_records).append(
                 {
                     "name": name,
@@ -164,6 +168,15 @@ def _scan_keys(iter_dir: Path, args: Any) -> _KeyScan:
                 }
             )
     return scan
+
+
+def _stored_layers(entries: list, info: Any) -> list:
+    """The entries of a stacked layer key whose layer a stored chunk covers: with ``--moe-layer-freq``
+    the dense layers' MLP and the MoE layers' router are one key each, over the layers that have them."""
+    if not entries or entries[0][1] is None:
+        return entries
+    stored = {int(c.offsets[0]) + i for c in info.chunks for i in range(int(c.sizes[0]))}
+    return [entry for entry in entries if entry[1] in stored]
 
 
 def _key_entries(
