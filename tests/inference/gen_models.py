@@ -20,6 +20,16 @@ CONFIGS = {
     ),
     "alibi": dict(num_attention_heads=4, position_embedding_type="alibi", openai_gelu=True),
 }
+# Mixture of experts (Qwen3-MoE-like: per-head QK layernorm, plus Qwen2-MoE's gated shared expert)
+CONFIGS["moe"] = dict(
+    CONFIGS["llama"],
+    qk_layernorm=True,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_shared_expert_intermediate_size=32,
+    moe_shared_expert_gate=True,
+)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 
 
