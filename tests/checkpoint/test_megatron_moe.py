@@ -10,8 +10,8 @@ loads the export (strict). Then mcore
 
 * loads both formats at TP=1 x EP=1 with Megatron's logits (fp32, 1e-5);
 * resumes training (optimizer state and schedule loaded; TP=1 x EP=1 x DP=4, in the same launch) and
-  gives Megatron's 2 continued losses (the second differs by 2e-3 with ``--no-load-optim``: the
-  comparison sees the state);
+  gives Megatron's 2 continued losses (the second one depends on the loaded Adam state: measured
+  once, it differs by 2e-3 with ``--no-load-optim``);
 * gives megatron-core's logits on its own export, which reads back bitwise;
 * reads the export rewritten as EP=2 rank files with TEGroupedMLP's ``linear_fcK.weightN`` names.
 """
