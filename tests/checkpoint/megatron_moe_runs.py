@@ -154,7 +154,7 @@ def train_save_continue(out_dir: str) -> dict:
     losses = [train_step(i) for i in range(SAVED_AT)]
     args = _args(world)
     _save_torch(out_dir, ddp, optimizer, scheduler, args)
-    _save_torch_dist(out_dir, ddp, args)
+    _save_torch_dist(out_dir, ddp, optimizer, scheduler, args)
     logits = mr.megatron_logits(model, FAMILY, TP, 1)
     if dist.get_rank() == 0:
         torch.save({"ids": mr.inputs(FAMILY)[0], "logits": logits}, os.path.join(out_dir, "logits.pt"))
@@ -223,9 +223,10 @@ def _save_torch(out_dir: str, ddp, optimizer, scheduler, args) -> None:
             fh.write(str(SAVED_AT))
 
 
-def _save_torch_dist(out_dir: str, ddp, args) -> None:
-    """``--ckpt-format torch_dist``: megatron-core's ``dist_checkpointing.save`` of the model's sharded
-    state dict (the routed experts as ``[layers, experts, ...]`` global tensors)."""
+def _save_torch_dist(out_dir: str, ddp, optimizer, scheduler, args) -> None:
+    """``--ckpt-format torch_dist``: megatron-core's ``dist_checkpointing.save`` of the model's and the
+    (chained) optimizer's sharded state dicts (the routed experts and their moments as
+    ``[layers, experts, ...]`` global tensors)."""
     import argparse
 
     root = os.path.join(out_dir, "torch_dist")
@@ -233,11 +234,14 @@ def _save_torch_dist(out_dir: str, ddp, args) -> None:
     if dist.get_rank() == 0:
         os.makedirs(folder, exist_ok=True)
     dist.barrier()
+    model_sd = ddp.module.sharded_state_dict()
     sharded = {
         "args": argparse.Namespace(**{**vars(args), "ckpt_format": "torch_dist"}),
         "checkpoint_version": 3.0,
         "iteration": SAVED_AT,
-        "model": ddp.module.sharded_state_dict(),
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False),
+        "opt_param_scheduler": scheduler.state_dict(),
     }
     mr.save_dist_checkpoint(sharded, folder)
     dist.barrier()

@@ -4,7 +4,8 @@ One 4-process launch (:mod:`megatron_moe_runs`): megatron-core's GPTModel with t
 SwiGLU experts, top 2, a gated shared expert, QK layernorm) trains 2 Adam iterations at TP=2 x EP=2
 (ETP=2, SP, DP=2 for the dense parameters), saves ``--ckpt-format torch`` (``mp_rank_TT_EEE``, each EP
 rank's ``local_experts.0/1``, the chained [dense, experts] optimizer state) and ``torch_dist``
-(megatron-core's ``dist_checkpointing``: experts on the global-expert axis), and trains 2 more;
+(megatron-core's ``dist_checkpointing`` of the model and the optimizer: experts on the global-expert
+axis), and trains 2 more;
 ``mcore-export-megatron``'s code writes the ``torch`` checkpoint back at TP=1 x EP=1 and megatron-core
 loads the export (strict). Then mcore
 
@@ -12,6 +13,8 @@ loads the export (strict). Then mcore
 * resumes training (optimizer state and schedule loaded; TP=1 x EP=1 x DP=4, in the same launch) and
   gives Megatron's 2 continued losses (the second one depends on the loaded Adam state: measured
   once, it differs by 2e-3 with ``--no-load-optim``);
+* reads the Adam state of the ``torch_dist`` checkpoint (the chained optimizer's sharded state) equal
+  to the ``torch`` one;
 * gives megatron-core's logits on its own export, which reads back bitwise;
 * reads the export rewritten as EP=2 rank files with TEGroupedMLP's ``linear_fcK.weightN`` names.
 """
@@ -73,6 +76,40 @@ def test_a_tp2_ep2_megatron_checkpoint_loads_at_tp1_ep1_and_resumes(megatron, tm
     assert torch.allclose(
         torch.tensor(result["mcore_continued"]), torch.tensor(result["continued"]), atol=TOL
     )
+
+
+def _adam_state(load: str) -> dict:
+    """``{name: (step, exp_avg, exp_avg_sq, fp32 param)}`` of mcore's per-parameter optimizer at TP=1
+    x EP=1, loaded from ``load``."""
+    from mcore.checkpoint import CheckpointConfig, load_checkpoint
+    from mcore.checkpoint.checkpoint_args import checkpoint_model_flags
+    from mcore.models.transformer.model_config import ModelConfig
+    from mcore.optimizer import build_optimizer
+    from mcore.optimizer.config import OptimizerConfig, PrecisionConfig
+
+    groups = ProcessGroups.single()
+    cfg = ModelConfig(**{**checkpoint_model_flags(load), "hidden_dropout": 0.0, "attention_dropout": 0.0})
+    model = build_model_chunk(cfg, groups, V, None, device=torch.device("cpu"))
+    optimizer = build_optimizer(OptimizerConfig(), PrecisionConfig(), [model], groups, lr=1e-3)
+    assert load_checkpoint(CheckpointConfig(load=load), [model], optimizer, None, groups)["iteration"] == 2
+    return {
+        e.key: (e.state["step"], e.state["exp_avg"], e.state["exp_avg_sq"], optimizer.master_of(e))
+        for e in optimizer.main_params
+    }
+
+
+def test_torch_dist_adam_state_equals_the_torch_one(megatron):
+    """megatron-core's chained optimizer in torch_dist (``chained_0.`` dense, ``chained_1.`` experts on the
+    global-expert axis; the steps in common.pt) reads as the torch format's, which the resume checks."""
+    out, _ = megatron
+    torch_state, dist_state = _adam_state(str(out / "torch")), _adam_state(str(out / "torch_dist"))
+    assert torch_state.keys() == dist_state.keys()
+    assert any("mlp.experts." in key for key in torch_state)
+    for key, (step, *tensors) in torch_state.items():
+        assert step == dist_state[key][0] == mm.SAVED_AT, key
+        assert tensors[0].abs().sum() > 0, key  # trained moments, not zeros
+        for ours, want in zip(dist_state[key][1:], tensors):
+            assert torch.equal(ours, want), key
 
 
 def test_megatron_core_loads_mcore_export_of_it(megatron, tmp_path):

@@ -53,6 +53,8 @@ _OPTIM_KINDS = {
     "fp32_param": "main_param",
     "param": "main_param",
 }
+_CHAINED = re.compile(r"^chained_\d+\.")
+"""megatron-core's ChainedOptimizer prefixes each optimizer's keys (an MoE model: dense, experts)."""
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine", "common_state", "content_metadata")
 
 
@@ -139,12 +141,12 @@ def _scan_keys(iter_dir: Path, args: Any) -> _KeyScan:
     scan = _KeyScan(_dcp_metadata(iter_dir))
     for key, info in scan.dcp_meta.state_dict_metadata.items():
         kind, model_key = "param", key
-        state_match = _OPTIM_STATE.match(key)
+        state_match = _OPTIM_STATE.match(_CHAINED.sub("", key))  # MoE: chained_0 dense, chained_1 experts
         if state_match:
             kind, model_key = _OPTIM_KINDS[state_match.group(1)], state_match.group(2)
-        elif key.startswith(_NOT_MODEL) or "/shard_" in key:
-            scan.has_optimizer |= key.startswith("optimizer.")
-            if key.startswith("optimizer.distributed."):
+        elif _CHAINED.sub("", key).startswith(_NOT_MODEL) or "/shard_" in key:
+            scan.has_optimizer |= _CHAINED.sub("", key).startswith("optimizer.")
+            if _CHAINED.sub("", key).startswith("optimizer.distributed."):
                 scan.bucket_space = scan.bucket_space or key
             continue
         if not isinstance(info, TensorStorageMetadata):
@@ -267,6 +269,16 @@ def _optimizer_step(
             "Adam state only"
         )
     saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    if saved and all(isinstance(k, int) for k in saved):  # chained (MoE): {0: dense, 1: experts}
+        steps = {
+            _optimizer_step(common_path, {"optimizer": sub}, args, bucket_space, records)
+            for sub in saved.values()
+        }
+        if len(steps) != 1:
+            raise CheckpointError(
+                f"{common_path}: the chained optimizers hold different Adam steps {sorted(steps)}"
+            )
+        return steps.pop()
     sharding = saved.get("param_state_sharding_type")
     if bucket_space is not None or sharding == "dp_zero_gather_scatter":
         raise CheckpointError(
