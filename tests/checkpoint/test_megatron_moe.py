@@ -112,6 +112,21 @@ def test_torch_dist_adam_state_equals_the_torch_one(megatron):
             assert torch.equal(ours, want), key
 
 
+def test_distributed_optimizer_state_of_an_moe_checkpoint_is_refused_naming_it(megatron, tmp_path):
+    out, _ = megatron
+    copy = tmp_path / "distopt"
+    shutil.copytree(out / "torch", copy)
+    head = copy / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt"
+    data = torch.load(head, weights_only=False)
+    data["args"].use_distributed_optimizer = True
+    torch.save(data, head)
+    assert load_logical_model_state(str(copy))[0]  # the weights still load
+    with pytest.raises(
+        CheckpointError, match=r"distributed optimizer's state of a mixture-of-experts.*--no-load-optim"
+    ):
+        _adam_state(str(copy))
+
+
 def test_megatron_core_loads_mcore_export_of_it(megatron, tmp_path):
     out, result = megatron
     export = out / "export"

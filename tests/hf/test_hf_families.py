@@ -228,7 +228,8 @@ def test_moe_routers_the_classes_lack_are_refused_on_export(tmp_path):
 @pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "OlmoeForCausalLM"])
 def test_greedy_generation_from_an_imported_moe_checkpoint_is_transformers(architecture, tmp_path):
     """mcore's generator (key/value cache, the MoE layers) on the imported checkpoint gives
-    transformers' greedy ``generate`` tokens (one process; TP/EP layouts: tests/moe_parallel)."""
+    transformers' greedy ``generate`` tokens (one process; at TP=2 x EP=2 the command gives the one process's
+    tokens: tests/inference/test_generation_parallel.py)."""
     import transformers
 
     from mcore.distributed.groups import ProcessGroups
