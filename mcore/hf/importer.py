@@ -70,7 +70,8 @@ logger = logging.getLogger(__name__)
 
 def _check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
     try:
-        check_tensor_parallel(cfg, tp)
+        # the shapes only: training an MoE model at TP > 1 then checks --sequence-parallel
+        check_tensor_parallel(cfg, tp, training=False)
         stage_layer_counts(cfg.num_layers, pp)
     except ConfigError as err:
         raise ConversionError(f"the model does not fit the target layout: {err}") from None

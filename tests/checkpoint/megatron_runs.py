@@ -60,7 +60,8 @@ FAMILIES = {
     ),
 }
 # Mixture of experts (Qwen2-MoE-like): the llama family's attention, 4 SwiGLU experts (top 2) and a
-# gated shared expert in every layer (megatron-core's SequentialMLP: local_experts.N names).
+# gated shared expert in every layer (megatron-core's SequentialMLP: local_experts.N names); trained and
+# saved at TP=2 x EP=2 by megatron_moe_runs.
 MOE = dict(
     num_experts=4,
     moe_router_topk=2,
@@ -306,25 +307,22 @@ def save_megatron_checkpoints(out_dir: str, family: str, tp: int, pp: int) -> st
     }
     torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
 
-    # --ckpt-format torch_dist (megatron.core.dist_checkpointing.save of the sharded state dict);
-    # mcore does not read MoE torch_dist checkpoints yet, so the MoE family saves torch only
+    # --ckpt-format torch_dist (megatron.core.dist_checkpointing.save of the sharded state dict)
     dist_root = os.path.join(out_dir, "torch_dist")
-    moe = "moe" in FAMILIES[family]
     dist_dir = os.path.join(dist_root, f"iter_{ITERATION:07d}")
     if dist.get_rank() == 0:
         os.makedirs(dist_dir, exist_ok=True)
     dist.barrier()
-    if not moe:
-        sharded = {
-            "args": megatron_args(family, tp, pp, world, "torch_dist"),
-            "checkpoint_version": 3.0,
-            "iteration": ITERATION,
-            "model": model.sharded_state_dict(),
-        }
-        save_dist_checkpoint(sharded, dist_dir)
+    sharded = {
+        "args": megatron_args(family, tp, pp, world, "torch_dist"),
+        "checkpoint_version": 3.0,
+        "iteration": ITERATION,
+        "model": model.sharded_state_dict(),
+    }
+    save_dist_checkpoint(sharded, dist_dir)
     dist.barrier()
     if dist.get_rank() == 0:
-        for r in (root,) if moe else (root, dist_root):
+        for r in (root, dist_root):
             with open(os.path.join(r, "latest_checkpointed_iteration.txt"), "w") as fh:
                 fh.write(str(ITERATION))
     logits = megatron_logits(model, family, tp, pp)

@@ -1,7 +1,8 @@
 """Qwen2, Qwen3 and Mistral in and out: tiny random models built with transformers on the CPU, saved
 without tokenizer files, imported with ``--no-tokenizer`` (padded for TP=2; the import's parity check
 loads them with ``AutoModelForCausalLM``, eager and sdpa, 1e-4 fp32) and exported back to the same
-class with identical tensors (the export's parity check loads the export the same way); an mcore
+class with identical tensors (the export's parity check loads the export the same way), and
+``pipeline("text-generation")`` loads the export and generates; an mcore
 model with ``--qk-layernorm`` exports as Qwen3 by default; unsupported config fields are refused
 naming the field, with nothing written."""
 
@@ -75,7 +76,7 @@ def test_import_then_export_gives_back_the_same_model(architecture, tmp_path):
     from safetensors.torch import load_file
 
     _save_hf_model(architecture, tmp_path / "hf")
-    tp = 1 if architecture in MOE else 2  # (MoE at TP>1 needs sequence parallelism: a training flag)
+    tp = 1 if architecture == "OlmoeForCausalLM" else 2  # (OLMoE's full-width q/k norms span all TP ranks)
     report = import_from_hf(
         str(tmp_path / "hf"), str(tmp_path / "ckpt"), tensor_model_parallel_size=tp, use_tokenizer=False
     )
@@ -94,6 +95,26 @@ def test_import_then_export_gives_back_the_same_model(architecture, tmp_path):
     assert before.keys() == after.keys()
     for key in before:
         assert torch.equal(before[key], after[key]), key
+    _pipeline_generates(str(tmp_path / "again"), architecture)
+
+
+def _pipeline_generates(export: str, architecture: str) -> None:
+    """``pipeline("text-generation")`` loads the export (the tokenizer: token ``i`` is the word ``"i"``,
+    the export has no tokenizer files) and continues a prompt with its model's greedy tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, pipeline
+
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(V)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    generate = pipeline(
+        "text-generation", model=export, tokenizer=PreTrainedTokenizerFast(tokenizer_object=words)
+    )
+    assert type(generate.model).__name__ == architecture
+    text = generate("5 17 42 8", max_new_tokens=4, do_sample=False, return_full_text=False)[0][
+        "generated_text"
+    ]
+    greedy = generate.model.generate(torch.tensor([[5, 17, 42, 8]]), max_new_tokens=4, do_sample=False)
+    assert [int(w) for w in text.split()] == greedy[0, 4:].tolist() and text.split()
 
 
 def test_an_mcore_model_with_qk_layernorm_exports_as_qwen3(tmp_path):
@@ -207,7 +228,8 @@ def test_moe_routers_the_classes_lack_are_refused_on_export(tmp_path):
 @pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "OlmoeForCausalLM"])
 def test_greedy_generation_from_an_imported_moe_checkpoint_is_transformers(architecture, tmp_path):
     """mcore's generator (key/value cache, the MoE layers) on the imported checkpoint gives
-    transformers' greedy ``generate`` tokens (one process; TP/EP layouts: tests/moe_parallel)."""
+    transformers' greedy ``generate`` tokens (one process; at TP=2 x EP=2 the command gives the one process's
+    tokens: tests/inference/test_generation_parallel.py)."""
     import transformers
 
     from mcore.distributed.groups import ProcessGroups

@@ -1,6 +1,7 @@
 """Generation at TP=2 x PP=2 (4 processes) equals generation in one process, for the library and the
 ``python -m mcore.inference.generate`` command (on a checkpoint written with
-``save_logical_model_checkpoint``)."""
+``save_logical_model_checkpoint``); in the same launch the command generates greedily from a
+mixture-of-experts checkpoint at TP=2 x EP=2 (DP=2) with the single process's tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from mcore.distributed.groups import ProcessGroups
 from mcore.inference import SamplingParams, TextGenerator, build_model_chunk
-from mcore.testing.distributed import run_distributed
+from mcore.testing.distributed import free_port, run_distributed
 from mcore.testing.distributed import test_backend_name as backend_name
 
 sys.path.insert(0, str(Path(__file__).parent))  # gen_models, here and in the spawned ranks (importlib mode)
@@ -43,8 +44,10 @@ def _generate_all(groups: ProcessGroups, device=None) -> dict:
     return out
 
 
-def parallel_generation(ckpt: str, output_json: str) -> dict:
-    """Rank function: the library at TP=2 x PP=2, then the command on ``ckpt``."""
+def parallel_generation(ckpt: str, output_json: str, moe_ckpt: str, moe_port: int) -> dict:
+    """Rank function: the library at TP=2 x PP=2, then the command on ``ckpt``; then the command's
+    greedy generation from ``moe_ckpt`` at TP=2 x EP=2 (``<moe_ckpt>.json``; a fresh rendezvous on
+    ``moe_port``: the first command tore the process group down)."""
     from mcore.config.parallel import ParallelConfig
     from mcore.distributed.groups import initialize_parallel
     from mcore.inference.generate import main
@@ -61,6 +64,15 @@ def parallel_generation(ckpt: str, output_json: str) -> dict:
             "--max-new-tokens", "10", "--num-beams", "3",
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--device-backend", backend_name(), "--output-json", output_json,
+        ]
+    )  # fmt: skip
+    os.environ["MASTER_PORT"] = str(moe_port)
+    code += main(
+        [
+            "--load", moe_ckpt, "--prompt-ids", *(" ".join(map(str, p)) for p in PROMPTS),
+            "--max-new-tokens", "10", "--greedy", "--device-backend", backend_name(),
+            "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+            "--output-json", f"{moe_ckpt}.json",
         ]
     )  # fmt: skip
     return {"results": results, "exit": code}
@@ -84,8 +96,23 @@ def test_tp2_pp2_generation_equals_single_process(tmp_path):
         PROMPTS, SamplingParams(max_new_tokens=10, num_beams=3)
     )
 
+    moe = build_model_chunk(model_config("moe"), single, VOCAB, device=torch.device("cpu"))
+    run_config["model"] = dataclasses.asdict(model_config("moe"))
+    save_logical_model_checkpoint(tmp_path / "moe", gather_logical_state([moe], single), run_config)
+    moe_greedy = TextGenerator(moe, single, VOCAB, eod=EOD).generate(
+        PROMPTS, SamplingParams(max_new_tokens=10, greedy=True)
+    )
+
     output = tmp_path / "out.json"
-    ranks = run_distributed(parallel_generation, 4, str(tmp_path / "ckpt"), str(output), timeout=300)
+    ranks = run_distributed(
+        parallel_generation,
+        4,
+        str(tmp_path / "ckpt"),
+        str(output),
+        str(tmp_path / "moe"),
+        free_port(),
+        timeout=300,
+    )
     for rank in ranks:
         assert rank["exit"] == 0
         for key, value in expected.items():
@@ -99,3 +126,5 @@ def test_tp2_pp2_generation_equals_single_process(tmp_path):
         for r in written
     )
     assert os.path.getsize(output) > 0
+    # MoE: the command's greedy tokens at TP=2 x EP=2 are the single process's
+    assert [r["generated_ids"] for r in json.loads((tmp_path / "moe.json").read_text())] == moe_greedy.tokens

@@ -351,3 +351,17 @@ def test_router_state_stays_fp32_in_a_bf16_model():
     assert layer.router.weight.dtype == torch.float32 and layer.router.expert_bias.dtype == torch.float32
     assert layer.experts.linear_fc1.weight.dtype == torch.bfloat16
     assert "router.expert_bias" in layer.state_dict()  # persistent, under Megatron's name
+
+
+def test_training_moe_at_tp_without_sequence_parallel_is_refused_by_the_layer():
+    """The model builds at TP > 1 without SP (generation runs it so, exactly); training is refused in
+    the layer's forward, naming the flag (each TP rank's copy of a token would add to the experts'
+    gradients)."""
+    from mcore.models.transformer.moe.moe_layer import MoELayer
+
+    layer = MoELayer(_config(), BuildContext(tp_size=2, device=torch.device("cpu")), groups=MoEGroups())
+    x = torch.randn(4, 1, 4)
+    with torch.no_grad():
+        assert layer(x)[0].shape == x.shape  # inference: no TP collective in a one-process MoE group
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 trains only with --sequence-parallel"):
+        layer.train()(x)

@@ -99,6 +99,9 @@ _LAYER_PARAMS = {
     "mlp.shared_experts.gate_weight": ("mlp.shared_experts.gate_weight", REPLICATED),
     "mlp.experts.linear_fc1.weight": ("mlp.experts.linear_fc1.weight", COLUMN),
     "mlp.experts.linear_fc2.weight": ("mlp.experts.linear_fc2.weight", ROW),
+    # torch_dist: SequentialMLP's sharded key of all experts (the global-expert axis after the layer axis)
+    "mlp.experts.experts.linear_fc1.weight": ("mlp.experts.linear_fc1.weight", COLUMN),
+    "mlp.experts.experts.linear_fc2.weight": ("mlp.experts.linear_fc2.weight", ROW),
     "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", COLUMN),
     "mlp.linear_fc1.bias": ("mlp.linear_fc1.bias", COLUMN),
     "mlp.linear_fc2.weight": ("mlp.linear_fc2.weight", ROW),

@@ -7,7 +7,10 @@ with a leading axis of ``num_layers`` (global layer numbers), norms under the Tr
 (``self_attention.linear_qkv.layer_norm_weight``), SwiGLU fc1 as the global ``[gate; up]``; the tied
 output copy is stored once under the word embedding. Each key's global tensor is what mcore's logical
 tensor is (per layer), so every record is a whole logical tensor and the loader slices what each rank
-needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped.
+needs. ``*/shard_*`` byte objects (``_extra_state``, RNG) are skipped. Routed experts (``--num-experts``) are
+``decoder.layers.mlp.experts.experts.linear_fcK.weight`` (SequentialMLP; the grouped MLPs drop the
+second ``experts``) of global shape ``[layers, experts, ...]``: per layer, mcore's stacked ``[E, ...]``
+expert tensor, whatever EP/ETP saved it.
 
 Optimizer state: the model-space keys ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,param}.<key>``
 (the non-distributed optimizer; the distributed one saved ``fully_reshardable`` or
@@ -50,6 +53,8 @@ _OPTIM_KINDS = {
     "fp32_param": "main_param",
     "param": "main_param",
 }
+_CHAINED = re.compile(r"^chained_\d+\.")
+"""megatron-core's ChainedOptimizer prefixes each optimizer's keys (an MoE model: dense, experts)."""
 _NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine", "common_state", "content_metadata")
 
 
@@ -107,7 +112,7 @@ def _read_common(iter_dir: Path) -> tuple[Path, dict, Any]:
     args = common.get("args")
     if args is None:
         raise CheckpointError(f"{common_path}: no 'args': the model configuration is unknown")
-    check_supported(args, str(common_path))
+    check_supported(args, str(common_path), moe=True)
     return common_path, common, args
 
 
@@ -136,12 +141,12 @@ def _scan_keys(iter_dir: Path, args: Any) -> _KeyScan:
     scan = _KeyScan(_dcp_metadata(iter_dir))
     for key, info in scan.dcp_meta.state_dict_metadata.items():
         kind, model_key = "param", key
-        state_match = _OPTIM_STATE.match(key)
+        state_match = _OPTIM_STATE.match(_CHAINED.sub("", key))  # MoE: chained_0 dense, chained_1 experts
         if state_match:
             kind, model_key = _OPTIM_KINDS[state_match.group(1)], state_match.group(2)
-        elif key.startswith(_NOT_MODEL) or "/shard_" in key:
-            scan.has_optimizer |= key.startswith("optimizer.")
-            if key.startswith("optimizer.distributed."):
+        elif _CHAINED.sub("", key).startswith(_NOT_MODEL) or "/shard_" in key:
+            scan.has_optimizer |= _CHAINED.sub("", key).startswith("optimizer.")
+            if _CHAINED.sub("", key).startswith("optimizer.distributed."):
                 scan.bucket_space = scan.bucket_space or key
             continue
         if not isinstance(info, TensorStorageMetadata):
@@ -151,7 +156,8 @@ def _scan_keys(iter_dir: Path, args: Any) -> _KeyScan:
         dtype = str(info.properties.dtype).removeprefix("torch.")
         if kind == "param":
             scan.model[key] = (shape, dtype)
-        for name, index, tshape in _key_entries(iter_dir, key, model_key, shape, num_layers, swiglu, tied):
+        entries = _key_entries(iter_dir, key, model_key, shape, num_layers, swiglu, tied)
+        for name, index, tshape in _stored_layers(entries, info):
             (scan.records if kind == "param" else scan.optim_records).append(
                 {
                     "name": name,
@@ -164,6 +170,15 @@ def _scan_keys(iter_dir: Path, args: Any) -> _KeyScan:
                 }
             )
     return scan
+
+
+def _stored_layers(entries: list, info: Any) -> list:
+    """The entries of a stacked layer key whose layer a stored chunk covers: with ``--moe-layer-freq``
+    the dense layers' MLP and the MoE layers' router are one key each, over the layers that have them."""
+    if not entries or entries[0][1] is None:
+        return entries
+    stored = {int(c.offsets[0]) + i for c in info.chunks for i in range(int(c.sizes[0]))}
+    return [entry for entry in entries if entry[1] in stored]
 
 
 def _key_entries(
@@ -254,6 +269,16 @@ def _optimizer_step(
             "Adam state only"
         )
     saved = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    if saved and all(isinstance(k, int) for k in saved):  # chained (MoE): {0: dense, 1: experts}
+        steps = {
+            _optimizer_step(common_path, {"optimizer": sub}, args, bucket_space, records)
+            for sub in saved.values()
+        }
+        if len(steps) != 1:
+            raise CheckpointError(
+                f"{common_path}: the chained optimizers hold different Adam steps {sorted(steps)}"
+            )
+        return steps.pop()
     sharding = saved.get("param_state_sharding_type")
     if bucket_space is not None or sharding == "dp_zero_gather_scatter":
         raise CheckpointError(

@@ -23,8 +23,9 @@ and distributed optimizers alike. Two layouts are read:
   the tied embedding copies of a pipelined model in their own bucket. The Adam ``step`` is the
   ``param_groups``' ``step`` in ``model_optim_rng.pt``.
 
-What cannot be mapped (SGD, extra parameter groups such as ``--decoupled-lr``, several chained
-optimizers, a missing ``distrib_optim.pt``, a buffer size that disagrees with the parameters) becomes one
+A mixture-of-experts model's state is a chained pair (dense, experts; the experts' from every EP
+rank's file). What cannot be mapped (SGD, extra parameter groups such as ``--decoupled-lr``, chained
+optimizers of several model chunks, the distributed optimizer's expert buffers, a missing ``distrib_optim.pt``, a buffer size that disagrees with the parameters) becomes one
 error line naming the file, raised only when a run asks for the optimizer state.
 """
 
@@ -67,13 +68,38 @@ def _step_value(value: Any) -> int:
     return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
 
 
-def torch_optimizer_records(path: Path, fname: str, data: dict, params: list[RankParam]) -> list[dict]:
-    """Records of the non-distributed optimizer state in one ``model_optim_rng.pt`` (``fname``)."""
+def is_expert_key(key: str) -> bool:
+    """A routed expert's Megatron key (``mlp.experts.*``; the shared expert is a dense parameter)."""
+    return ".mlp.experts." in key
+
+
+def torch_optimizer_records(
+    path: Path, fname: str, data: dict, params: list[RankParam], experts_only: bool = False
+) -> list[dict]:
+    """Records of the non-distributed optimizer state in one ``model_optim_rng.pt`` (``fname``).
+
+    A mixture-of-experts model's state is megatron-core's ``ChainedOptimizer`` list: ``[dense, experts]``,
+    the dense parameters' optimizer and the routed experts' (``is_expert_parallel`` groups), each a
+    plain optimizer state over its own parameters in ``named_parameters()`` order. ``experts_only``:
+    the file of an EP rank > 0, whose dense state replicates EP rank 0's (only its experts are read).
+    """
     saved = data.get("optimizer")
     if isinstance(saved, list):
-        raise CheckpointError(
-            f"{path}: {len(saved)} chained optimizers (experts or several model chunks): not read"
-        )
+        expert = [p for p in params if is_expert_key(p.key)]
+        if len(saved) != 2 or not expert:
+            raise CheckpointError(
+                f"{path}: {len(saved)} chained optimizers (several model chunks?): only the [dense, experts] "
+                "pair of a mixture-of-experts model is read"
+            )
+        dense = [] if experts_only else [p for p in params if not is_expert_key(p.key)]
+        records = _adam_records(path, fname, saved[0], dense, ["chain", 0]) if dense else []
+        return records + _adam_records(path, fname, saved[1], expert, ["chain", 1])
+    return _adam_records(path, fname, saved, params, [])
+
+
+def _adam_records(path: Path, fname: str, saved: Any, params: list[RankParam], chain: list) -> list[dict]:
+    """Records of one torch Adam state (``saved``, possibly wrapped with the fp32 masters) over
+    ``params``; ``chain`` prefixes the records' ``where`` (``["chain", c]``: the c-th chained one)."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path}: no optimizer state (saved with --no-save-optim)")
     inner = saved.get("optimizer") if "state" not in saved else saved
@@ -121,9 +147,9 @@ def torch_optimizer_records(path: Path, fname: str, data: dict, params: list[Ran
                 continue
             step = _step_value(entry["step"] if "step" in entry else group.get("step", 0))
             for kind in OPTIM_KINDS:
-                records.append(_optim_record(param.record, kind, [fname, "state", index, kind], step))
+                records.append(_optim_record(param.record, kind, [fname, *chain, "state", index, kind], step))
             if masters is not None:
-                records.append(_optim_record(param.record, "main_param", [fname, "fp32", g, j], step))
+                records.append(_optim_record(param.record, "main_param", [fname, *chain, "fp32", g, j], step))
     if taken != len(params):
         raise CheckpointError(
             f"{path}: the optimizer's parameter groups hold {taken} parameters, the model {len(params)}"
@@ -237,12 +263,14 @@ def distributed_optimizer_records(
 def optimizer_tensor(raw: dict, rec: dict) -> torch.Tensor:
     """The TP-local tensor an optimizer record names, from its file's loaded dict ``raw``."""
     how = rec["where"]
+    saved = raw.get("optimizer")
+    if how[0] == "chain":  # one of a ChainedOptimizer's states (mixture of experts: dense, experts)
+        saved, how = saved[how[1]], how[2:]
     if how[0] == "state":
-        saved = raw["optimizer"]
         inner = saved if "state" in saved else saved["optimizer"]
         return inner["state"][how[1]][how[2]]
     if how[0] == "fp32":
-        return raw["optimizer"]["fp32_from_fp16_params"][how[1]][how[2]]
+        return saved["fp32_from_fp16_params"][how[1]][how[2]]
     _, source, offset, n = how
     (buffers,) = raw[0].values()
     return buffers[source][offset : offset + n].view(rec["local_shape"])

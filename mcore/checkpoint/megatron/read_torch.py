@@ -243,19 +243,18 @@ def _param_records(
     iter_dir: Path, states: dict, offsets: list[int], args: Any, tp: int, heads: int, version: float
 ) -> tuple[list[dict], dict[str, dict], dict[tuple[int, int], list[RankParam]]]:
     """The loader's records of the model tensors (mapped to mcore's names and placements), the rank
-    files with their sizes, and each (EP rank 0) rank's parameters in order (for its optimizer state).
+    files with their sizes, and each rank file's parameters in order (for its optimizer state).
     EP rank ``e`` > 0 adds only its routed experts (global index ``e * E/ep + N``): the rest of its
     file replicates EP rank 0's."""
     swiglu = bool(getattr(args, "swiglu", False))
     tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     records, files = [], {}
-    rank_params: dict[tuple[int, int], list[RankParam]] = {}
+    rank_params: dict[tuple[int, int, int], list[RankParam]] = {}
     for (t, p, e), (fname, state) in sorted(states.items()):
         files[fname] = {"size": (iter_dir / fname).stat().st_size}
-        params: list[RankParam] = []  # EP rank 0's file order (its optimizer state follows it)
-        if e == 0:
-            rank_params[(t, p)] = params
+        params: list[RankParam] = []  # the file's order (its optimizer state follows it)
+        rank_params[(t, p, e)] = params
         for key, value in state.items():
             try:
                 target = map_name(key, offsets[p], swiglu=swiglu, tied=tied)
@@ -264,6 +263,8 @@ def _param_records(
             if p > 0 and key == "embedding.word_embeddings.weight":
                 target = None  # the last stage's copy for MTP (the first stage's is the one)
             if e > 0 and (target is None or target.expert is None):
+                if not is_skipped(key) and isinstance(value, torch.Tensor) and target is not None:
+                    params.append(RankParam(key, tuple(value.shape), None))  # still in the optimizer
                 continue  # an EP replica of what EP rank 0 holds
             if target is None or (target.split == REPLICATED and t != 0):
                 if not is_skipped(key) and isinstance(value, torch.Tensor):
@@ -325,26 +326,27 @@ def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
     records = []
     try:
-        if int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        if distributed and getattr(args, "num_experts", None):
             raise CheckpointError(
-                f"{iter_dir}: the optimizer state of an expert-parallel checkpoint "
-                f"(args.expert_model_parallel_size={args.expert_model_parallel_size}) is not read (load "
-                "with --no-load-optim)"
+                f"{iter_dir}: the distributed optimizer's state of a mixture-of-experts checkpoint "
+                f"(args.num_experts={args.num_experts}, --use-distributed-optimizer: expert grad buffers) is "
+                "not read (load with --no-load-optim)"
             )
         if optimizer != "adam":
             raise CheckpointError(
                 f"{iter_dir}: the optimizer state is {optimizer!r} (args.optimizer); mcore reads Megatron's "
                 "Adam state only (load with --no-load-optim)"
             )
-        for (t, p), params in sorted(rank_params.items()):
-            sub = rank_dir_name(t, p, pp)
+        ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+        for (t, p, e), params in sorted(rank_params.items()):
+            sub = rank_dir_name(t, p, pp, e, ep)
             fname = str(_rank_file(iter_dir, sub).relative_to(iter_dir))
             if distributed:
                 records += distributed_optimizer_records(
                     iter_dir / sub / DISTRIB_OPTIM, f"{sub}/{DISTRIB_OPTIM}", loaded[fname], params, args, p
                 )
-            else:
-                records += torch_optimizer_records(iter_dir / fname, fname, loaded[fname], params)
+            else:  # an EP rank > 0 adds its experts' state (its dense state replicates EP rank 0's)
+                records += torch_optimizer_records(iter_dir / fname, fname, loaded[fname], params, e > 0)
     except CheckpointError as err:
         meta["megatron"]["optimizer_error"] = str(err)
         return

@@ -130,7 +130,7 @@ class LanguageModule(torch.nn.Module):
         if fp8 is not None and fp8.enabled:
             backend = current_backend()
             fp8.check_with(config.num_layers, backend.capabilities(), backend.name)
-        check_tensor_parallel(config, tp, sequence_parallel)
+        check_tensor_parallel(config, tp, sequence_parallel, training=False)  # MoE: see MoELayer
         check(
             vocab_size % tp == 0,
             f"padded vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={tp}; "

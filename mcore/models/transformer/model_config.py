@@ -384,8 +384,12 @@ def validate_model_parallel(config: ModelConfig, parallel: ParallelConfig) -> No
         )
 
 
-def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
-    """The TP part of :func:`validate_model_parallel` (the model calls it with its group's size)."""
+def check_tensor_parallel(
+    config: ModelConfig, tp: int, sequence_parallel: bool = False, training: bool = True
+) -> None:
+    """The TP part of :func:`validate_model_parallel` (the model calls it with its group's size and
+    ``training=False``: MoE without sequence parallelism is then refused by the MoE layer's training
+    forward, so that generation runs MoE at TP > 1)."""
     check_mla_tensor_parallel(config, tp)
     check(
         config.num_attention_heads % tp == 0,
@@ -404,7 +408,7 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool 
         f"qk_layernorm_full_width=True (--qk-layernorm-full-width) needs tensor_model_parallel_size=1 "
         f"(got {tp}): its norm spans the heads of every TP rank; per-head --qk-layernorm splits over TP",
     )
-    if config.num_experts is not None and tp > 1:
+    if config.num_experts is not None and tp > 1 and training:
         check(
             sequence_parallel,
             f"num_experts={config.num_experts} with tensor_model_parallel_size={tp} needs --sequence-parallel "

@@ -8,6 +8,11 @@ its own tokens)::
     y = dispatcher.combine(experts(rows, counts))        [T, H]: sum_e probs[t, e] * expert_e(x_t)
     y = y + shared_experts(x)                            (with --moe-shared-expert-intermediate-size)
 
+At TP > 1 without sequence parallelism (generation) every TP rank holds all tokens; the allgather
+dispatcher then gathers TP copies of them over ``tp_ep``, and since combine's reduce-scatter returns
+each rank the sum over all expert shards of its own copy, the output is exact; training that way is
+refused (the experts' gradients would count each token TP times).
+
 Returns ``(y [s, b, H], None)`` like the dense MLP (the experts' biases are added inside).
 The experts' input rows are not kept for backward where they are a local permutation of ``x``
 (no EP/ETP exchange): backward gathers them again (:func:`~.dispatcher.gather_rows`).
@@ -60,6 +65,7 @@ class MoELayer(torch.nn.Module):
             raise ValueError("MoELayer needs --num-experts")
         self.groups = groups or MoEGroups.from_process_groups(getattr(ctx, "groups", None))
         self.layer_number = layer_number
+        self.tp_size, self.sequence_parallel = ctx.tp_size, ctx.sequence_parallel
         self.recompute = "moe" in config.selective_recompute_modules
         backend = current_backend()
         self.experts_fp8, _ = experts_fp8_status(
@@ -91,6 +97,14 @@ class MoELayer(torch.nn.Module):
         return self._forward(hidden_states), None
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1 and not self.sequence_parallel and self.training and torch.is_grad_enabled():
+            # Each TP rank holds every token: the forward is right (the gathered copies meet each expert
+            # shard once per rank and the reduce-scatter keeps one sum per copy), the experts'
+            # gradients would count each token TP times. Inference (generation) runs this way.
+            raise ValueError(
+                f"num_experts={self.router.moe.num_experts} with tensor_model_parallel_size={self.tp_size} "
+                "trains only with --sequence-parallel (as Megatron)"
+            )
         shape = x.shape
         probs, routing_map = self.router(x)
         tokens = x.reshape(-1, shape[-1])
