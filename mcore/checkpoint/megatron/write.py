@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -388,12 +389,14 @@ def _write_torch_dist(folder: Path, tensors: dict[str, Any], common: dict[str, A
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    dcp.save(
-        tensors,
-        storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
-        planner=DefaultSavePlanner(flatten_state_dict=False),  # keys as given (megatron-core's)
-        no_dist=True,
-    )
+    with warnings.catch_warnings():  # no_dist=True says it: torch's "assuming ... a single process" is noise
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
+            planner=DefaultSavePlanner(flatten_state_dict=False),  # keys as given (megatron-core's)
+            no_dist=True,
+        )
     torch.save(common, folder / "common.pt")
     meta = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}  # fmt: skip
