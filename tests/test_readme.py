@@ -160,7 +160,7 @@ def test_every_readme_command_is_exercised():
                 getattr(importlib.import_module(module), function)(["--help"])
             return out.getvalue()
         if not child_help:
-            programs = {program_of(c.split())[:2] for c in commands if c.split()[0] in ("python", "torchrun")}
+            programs = {program_of(c.split())[:2] for c in commands if c.split()[0] in {"python", "torchrun"}}
             wanted = sorted(
                 (k, t if k == "module" else str(REPO / t))
                 for k, t in programs
