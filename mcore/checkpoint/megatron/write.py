@@ -46,6 +46,7 @@ from mcore.checkpoint.format import (
 from mcore.checkpoint.megatron.args import args_from_model_config
 from mcore.checkpoint.megatron.names import COLUMN, REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param
 from mcore.checkpoint.megatron.read_torch import rank_dir_name
+from mcore.checkpoint.run_configs import run_config_groups
 from mcore.utils.console import configure_console
 from mcore.utils.outputs import OutputError, check_output_dir, read_marker, staged_dir, write_marker
 
@@ -324,6 +325,7 @@ def export_to_megatron(
         fmt=ckpt_format,
         consumed_train_samples=int(train.get("consumed_train_samples", 0)),
         params_dtype=dtype,
+        tokenizer=run_config_groups(meta.get("run_config") or {}).get("tokenizer"),
     )
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
 
