@@ -28,5 +28,20 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "quickstart: installing torch and mcore into $("$PY" -c 'import sys; print(sys.prefix)') (the first run's longest step)"
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[hf,logging]" matplotlib
+# mcore from this checkout with the extras the workflow uses; skipped when the environment already has
+# them (a later run, or after the README's `pip install -e .`): redone for an install of another
+# checkout, or one older than pyproject.toml/setup.py.
+if ! "$PY" -I - 2>/dev/null <<'CHECK'
+import importlib.metadata as md, importlib.util as iu, pathlib, sys
+extras = ("accelerate", "matplotlib", "safetensors", "tensorboard", "tokenizers", "transformers")
+if any(iu.find_spec(name) is None for name in extras): sys.exit(1)
+root, mcore = pathlib.Path.cwd().resolve(), iu.find_spec("mcore")
+dist = md.distribution("mcore-train")
+meta = next(f for f in dist.files if f.name == "METADATA")
+fresh = dist.locate_file(meta).stat().st_mtime >= max((root / n).stat().st_mtime for n in ("pyproject.toml", "setup.py"))
+sys.exit(0 if mcore and root in pathlib.Path(mcore.origin).resolve().parents and fresh else 1)
+CHECK
+then
+  "$PY" -m pip install -q -e ".[hf,logging]" matplotlib
+fi
 exec "$PY" examples/quickstart.py "$@"

@@ -38,15 +38,13 @@ def _value_of(argv: Sequence[str], flag: str) -> str | None:
 
 def checkpoint_model_flags(load: str, ckpt_step: int | None = None) -> dict:
     """The model flags stored with the checkpoint under ``load`` (any format)."""
-    from mcore.checkpoint.format import CheckpointError
+    from mcore.checkpoint.format import CheckpointError, no_checkpoint_message
     from mcore.checkpoint.load import resolve_iteration_dir
     from mcore.checkpoint.megatron.detect import read_any_metadata
 
     path = resolve_iteration_dir(Path(load), ckpt_step)
     if path is None:
-        raise CheckpointError(
-            f"{FLAG}: --load {load} holds no checkpoint (no latest_checkpointed_iteration.txt)"
-        )
+        raise CheckpointError(f"{FLAG}: {no_checkpoint_message(load)}")
     model = (read_any_metadata(path).get("run_config") or {}).get("model") or {}
     if not model:
         raise CheckpointError(f"{FLAG}: the checkpoint {path} stores no model configuration")

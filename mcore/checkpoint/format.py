@@ -58,6 +58,25 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the file and what is wrong."""
 
 
+def no_checkpoint_message(path: str | os.PathLike, flag: str | None = "--load") -> str:
+    """The one line for a path (given by ``flag``; None: a positional argument) that holds no
+    checkpoint, saying what it is instead: missing, a file, a Hugging Face model directory (with the
+    command that converts it), or a folder without the tracker file."""
+    where = Path(path)
+    subject = f"{flag} {path}" if flag else str(path)
+    if not where.exists():
+        return f"{subject}: no such directory"
+    if not where.is_dir():
+        return f"{subject} is a file, not a checkpoint directory"
+    if (where / "config.json").is_file():
+        return (
+            f"{subject} is a Hugging Face model directory (config.json), not an mcore or Megatron "
+            f"checkpoint: convert it with `mcore-import-hf --hf-dir {path} --save DIR`"
+            + (f", then {flag} DIR" if flag else ", then give DIR")
+        )
+    return f"{subject} holds no checkpoint (no {TRACKER})"
+
+
 # -- names ------------------------------------------------------------------------------------------
 
 

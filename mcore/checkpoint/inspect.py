@@ -25,6 +25,7 @@ from mcore.checkpoint.format import (
     list_iterations,
     list_old_dirs,
     list_tmp_dirs,
+    no_checkpoint_message,
     read_metadata,
     read_tracker,
 )
@@ -129,7 +130,7 @@ def _describe_root(root: Path, iteration: int | str | None, say) -> Path | None:
     if chosen is None:
         chosen = iterations[-1] if iterations else None
     if chosen is None:
-        say("no checkpoint to describe")
+        say(f"no checkpoint to describe: {no_checkpoint_message(root, None)}")
         return None
     iter_dir = root / iter_dir_name(chosen)
     if not iter_dir.is_dir() and list_old_dirs(root, chosen):
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 path = resolve_iteration_dir(path, args.iteration, recover=False)
                 if path is None:
-                    raise CheckpointError(f"{args.dir} holds no checkpoint (no {TRACKER})")
+                    raise CheckpointError(no_checkpoint_message(args.dir, None))
             print(json.dumps(read_metadata(path), indent=1))
             return 0
         return describe(args.dir, args.iteration, verify=args.verify)

@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 from mcore.checkpoint.buffers import load_buffers
+from mcore.checkpoint.collectives import all_gather_object as _all_gather_object
+from mcore.checkpoint.collectives import broadcast_object as _broadcast_object
+from mcore.checkpoint.collectives import rank as _rank
 from mcore.checkpoint.compat import VOCAB_FLAG, check_compatible, identity_note, vocab_rows_kept
 from mcore.checkpoint.format import (
     TRACKER,
@@ -34,6 +37,7 @@ from mcore.checkpoint.format import (
     iter_dir_name,
     list_iterations,
     list_old_dirs,
+    no_checkpoint_message,
     read_tracker,
     rng_file,
 )
@@ -41,9 +45,6 @@ from mcore.checkpoint.geometry import full_placement, placement_from_spec
 from mcore.checkpoint.megatron.detect import check_megatron_load, open_reader, read_any_metadata
 from mcore.checkpoint.reader import ShardReader
 from mcore.checkpoint.save import (
-    _all_gather_object,
-    _broadcast_object,
-    _rank,
     data_parallel_index,
     log0,
     optimizer_key_specs,
@@ -175,6 +176,10 @@ def load_checkpoint(
     root = Path(config.load)
     found = locate(root, config.ckpt_step)
     if found is None:
+        if root.is_file() or (root / "config.json").is_file():
+            # not a first run's empty --save/--load folder (Megatron's auto-resume starts fresh there),
+            # but a file or a Hugging Face model: starting from random weights would be silently wrong
+            raise CheckpointError(no_checkpoint_message(root))
         log0(f"WARNING: no {TRACKER} in {root}; nothing to load, starting from the initialized model")
         return state_cls() if state_cls is not None else {}
     path, meta = found

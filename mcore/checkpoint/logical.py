@@ -23,6 +23,7 @@ from mcore.checkpoint.format import (
     CheckpointError,
     model_file,
     new_tmp_token,
+    no_checkpoint_message,
     tensor_crc32,
     tmp_dir_name,
     write_torch_file,
@@ -47,7 +48,7 @@ def _iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | str | None) -> 
         return path  # an iteration directory itself (mcore's or Megatron's)
     found = resolve_iteration_dir(path, iteration)
     if found is None:
-        raise CheckpointError(f"{path} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+        raise CheckpointError(no_checkpoint_message(path))
     return found
 
 

@@ -36,6 +36,12 @@ import torch
 import torch.distributed as dist
 
 from mcore.checkpoint.buffers import BUFFER, logical_buffers
+from mcore.checkpoint.collectives import barrier as _barrier
+from mcore.checkpoint.collectives import broadcast_object as _broadcast_object
+from mcore.checkpoint.collectives import gather_object as _gather_object
+from mcore.checkpoint.collectives import initialized as _initialized
+from mcore.checkpoint.collectives import rank as _rank
+from mcore.checkpoint.collectives import world_size as _world_size
 from mcore.checkpoint.format import (
     FORMAT,
     METADATA,
@@ -61,50 +67,6 @@ from mcore.checkpoint.geometry import full_placement, placement_from_spec
 from mcore.checkpoint.rng_state import rng_state_for_save, rng_state_from_file  # noqa: F401 (re-exported)
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.fp8.scaling import FP8_STATE, fp8_extra_state
-
-# -- small distributed helpers (no-ops in a single process) ----------------------------------------
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _initialized() else 1
-
-
-def _broadcast_object(obj: Any) -> Any:
-    if not _initialized() or _world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather_object(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-    if not _initialized() or _world_size() == 1:
-        return [obj]
-    out = [None] * _world_size() if _rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def _all_gather_object(obj: Any) -> list[Any]:
-    if not _initialized() or _world_size() == 1:
-        return [obj]
-    out = [None] * _world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _barrier() -> None:
-    if _initialized() and _world_size() > 1:
-        dist.barrier()
 
 
 def parallel_layout(model: list, groups) -> dict[str, Any]:

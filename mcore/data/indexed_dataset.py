@@ -239,9 +239,11 @@ class IndexedDataset:
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         missing = [p for p in (ipath, bpath) if not os.path.isfile(p)]
         if missing:
+            stem = prefix[:-4] if prefix.endswith((".bin", ".idx")) else None
+            hint = f"; give the prefix without the suffix: {stem}" if stem and exists(stem) else ""
             raise DataError(
                 f"missing data path {prefix!r}: no such file {' or '.join(missing)} (a dataset prefix needs "
-                f"both {os.path.basename(ipath)} and {os.path.basename(bpath)})"
+                f"both {os.path.basename(ipath)} and {os.path.basename(bpath)}){hint}"
             )
         self._index = _Index(ipath, self.multimodal)
         want, have = self._index.bin_bytes, os.path.getsize(bpath)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from mcore.config.cli import parse_config
 from mcore.config.fields import check, flag
 from mcore.data.errors import DataError
-from mcore.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path
+from mcore.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, bin_path, exists, idx_path
 from mcore.data.vocab_identity import describe, read_dataset_vocab, write_dataset_vocab
 from mcore.utils.console import configure_console
 from mcore.utils.outputs import OutputError, check_output_files
@@ -52,7 +52,9 @@ def _strip_suffix(value: str) -> str:
 
 def resolve_prefixes(inputs: Sequence[str]) -> list[str]:
     """The dataset prefixes to merge, in order (see module doc)."""
-    if len(inputs) == 1 and os.path.isdir(inputs[0]):
+    # A directory named like a dataset prefix beside its pair is the prefix's index cache (Megatron's
+    # default cache is PREFIX/cache/): the pair is meant.
+    if len(inputs) == 1 and os.path.isdir(inputs[0]) and not exists(inputs[0]):
         folder = inputs[0]
         names = os.listdir(folder)
         stems = {n[:-4] for n in names if n.endswith((".idx", ".bin"))}

@@ -423,6 +423,8 @@ def preprocess(
                 f"--input {config.input}: --bad-lines skip skipped every line ({len(consume.skipped)}; the "
                 f"first, {path}:{line_no}: {reason}): no document to write, so no dataset is written"
             )
+        if progress.documents == 0:  # a dataset of no document trains nothing and merges as nothing
+            raise DataError(f"--input {config.input}: the input holds no line, so no dataset is written")
         identity = tokenizer_identity(tokenizer_config)
         for key, builder in builders.items():
             builder.finalize(idx_path(prefixes[key]))

@@ -34,6 +34,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from mcore.distributed.launcher import hand_to_launcher, under_launcher
+
 logger = logging.getLogger(__name__)
 
 USER_ERROR_EXIT = 2
@@ -334,7 +336,7 @@ class Watchdog:
         first. ``claim=False``: print ``line`` without claiming (the store is unreachable)."""
         first = claim and line is not None and self._claim(line, code)
         if first or (line is not None and not claim):
-            logger.error(line)
+            _say(line, code)
         else:
             found = self._claimed_by()
             deadline = time.monotonic() + 2.0  # the claimer writes its line right after its claim
@@ -343,9 +345,10 @@ class Watchdog:
                 found = self._claimed_by()
             if found is not None:
                 code, rank, _ = found
-                logger.error(f"rank {self.rank}: stopping: rank {rank} reported the job's error")
+                if not under_launcher():  # mcore-run prints the claimer's line alone
+                    logger.error(f"rank {self.rank}: stopping: rank {rank} reported the job's error")
             elif line is not None:
-                logger.error(line)
+                _say(line, code)
         self._leave()
         sys.stdout.flush()
         os._exit(code)
@@ -376,6 +379,12 @@ class Watchdog:
             self._end(None, FAILURE_EXIT)  # another rank's failure came first
         self._try(lambda: self.store.set(f"ending/{self.rank}", _first_line(err)))
         self._end(self.explain(err), FAILURE_EXIT)
+
+
+def _say(line: str, code: int) -> None:
+    """Print the job's line, or hand it to ``mcore-run`` (which prints it once for the job)."""
+    if not hand_to_launcher(line, code):
+        logger.error(line)
 
 
 _current: Watchdog | None = None

@@ -19,3 +19,6 @@ The package sits above :mod:`mcore.tensor_parallel` (it uses its collectives and
 that the layers, the grad buffer and the layer graphs share stays in
 :mod:`mcore.tensor_parallel.first_grad` (the parallel layers use it).
 """
+
+# The FP8 linear registers itself as what Fp8Config.linear_call builds (the config imports none of it).
+from mcore.fp8 import linear as _linear  # noqa: E402, F401

@@ -16,6 +16,7 @@ places ask are properties here (:attr:`Fp8Config.recipe`, :attr:`Fp8Config.per_t
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,16 @@ class Recipe(enum.Enum):
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = tuple(r.value for r in Recipe)
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+
+# Fp8Config.linear_call's builder, registered by mcore.fp8.linear (register_linear_factory): the config
+# sits below the linear and its scaling state, and names neither.
+_linear_factory: Callable[..., Any] | None = None
+
+
+def register_linear_factory(factory: Callable[..., Any]) -> None:
+    """Set what :meth:`Fp8Config.linear_call` returns: ``factory(config, tp_group, parallel_mode, device)``."""
+    global _linear_factory
+    _linear_factory = factory
 
 
 FP8_RECIPE_CHOICES = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
@@ -205,11 +216,9 @@ class Fp8Config:
         :class:`~mcore.fp8.scaling.Fp8DelayedState` for the delayed recipe). The tensor-parallel
         layers build their FP8 call through this (they import nothing of :mod:`mcore.fp8`, which sits
         above them)."""
-        from mcore.fp8.linear import Fp8Linear
-        from mcore.fp8.scaling import Fp8DelayedState
-
-        state = Fp8DelayedState(self, device=device) if self.recipe is Recipe.DELAYED else None
-        return Fp8Linear(self, state, tp_group, parallel_mode)
+        if _linear_factory is None:  # mcore.fp8's __init__ imports mcore.fp8.linear, which registers it
+            raise RuntimeError("mcore.fp8.linear is not imported: import mcore.fp8")
+        return _linear_factory(self, tp_group, parallel_mode, device)
 
     def layer_in_fp8(self, layer_number: int, num_layers: int) -> bool:
         """Whether transformer layer ``layer_number`` (1-based, global) runs its linears in FP8."""

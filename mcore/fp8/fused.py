@@ -103,6 +103,17 @@ def _input_slot(call: Fp8Linear, training: bool):
     return state.scale[INPUT], (state.amax_record(INPUT) if training else None)
 
 
+def _norm_fp8(call: Fp8Linear, x2d, norm_weight, norm_bias, norm: NormSpec, training: bool):
+    """``(xn, (mean, rstd))``: the norm of ``x2d`` [t, h] cast to FP8 with the linear's INPUT scale
+    (rows for the GEMM; the transpose too when training, for the weight gradient) and its statistics."""
+    scale, amax_record = _input_slot(call, training)
+    normed = get_ops().norm_fp8_forward(
+        x2d, norm_weight, norm_bias, norm.eps, norm.kind, call.config.fwd_dtype, scale,
+        amax_record=amax_record, rowwise=True, columnwise=training,
+    )  # fmt: skip
+    return Fp8Tensor.of(normed), normed[3:]
+
+
 def _grad_slot(call: Fp8Linear):
     state = call.state
     return state.scale[GRAD_OUTPUT], state.amax_record(GRAD_OUTPUT)
@@ -150,14 +161,8 @@ class Fp8NormLinear(torch.autograd.Function):
     ):
         ops = get_ops()
         ctx.set_materialize_grads(False)
-        fwd = call.config.fwd_dtype
         x2d = x.reshape(-1, x.shape[-1])
-        scale, amax_record = _input_slot(call, training)
-        normed = ops.norm_fp8_forward(
-            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
-            amax_record=amax_record, rowwise=True, columnwise=training,
-        )  # fmt: skip
-        xn, (mean, rstd) = Fp8Tensor.of(normed), normed[3:]
+        xn, (mean, rstd) = _norm_fp8(call, x2d, norm_weight, norm_bias, norm, training)
         need_x = training and any(ctx.needs_input_grad[:3])
         w, w_t = cast_weight(call, weight, training, gathered, transposed=need_x)
         y = ops.scaled_linear_forward(xn.data, w.data, xn.scale_inv, w.scale_inv, bias, x.dtype)
@@ -263,12 +268,7 @@ class Fp8NormMLP(torch.autograd.Function):
         fc1, fc2 = calls
         fwd = fc1.config.fwd_dtype
         x2d = x.reshape(-1, x.shape[-1])
-        scale, amax_record = _input_slot(fc1, training)
-        normed = ops.norm_fp8_forward(
-            x2d, norm_weight, norm_bias, norm.eps, norm.kind, fwd, scale,
-            amax_record=amax_record, rowwise=True, columnwise=training,
-        )  # fmt: skip
-        xn, (mean, rstd) = Fp8Tensor.of(normed), normed[3:]
+        xn, (mean, rstd) = _norm_fp8(fc1, x2d, norm_weight, norm_bias, norm, training)
         need_x = training and any(ctx.needs_input_grad[:3])
         need_h = training and any(ctx.needs_input_grad[:5])  # anything below the activation
         w1q, w1_t = cast_weight(fc1, w1, training, gathered[0], transposed=need_x)

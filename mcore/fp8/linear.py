@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from mcore.backend import get_ops
-from mcore.fp8.config import Fp8Config, Recipe
+from mcore.fp8.config import Fp8Config, Recipe, register_linear_factory
 from mcore.fp8.operand import Fp8Tensor
 from mcore.fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, Fp8DelayedState, _amax, scale_from_amax
 from mcore.tensor_parallel.first_grad import take_first_write
@@ -374,11 +374,21 @@ def fp8_linear(
     )  # fmt: skip
 
 
+def make_fp8_linear(config: Fp8Config, tp_group: Any, parallel_mode: str, device=None) -> Fp8Linear:
+    """A parallel linear's :class:`Fp8Linear`, with a new :class:`Fp8DelayedState` for the delayed
+    recipe (:meth:`Fp8Config.linear_call`)."""
+    state = Fp8DelayedState(config, device=device) if config.recipe is Recipe.DELAYED else None
+    return Fp8Linear(config, state, tp_group, parallel_mode)
+
+
+register_linear_factory(make_fp8_linear)
+
 __all__ = [
     "Fp8Linear",
     "cast_weight",
     "fp8_linear",
     "fp8_wgrad",
+    "make_fp8_linear",
     "transpose_fp8",
     "weight_transpose_for_backward",
 ]

@@ -168,11 +168,12 @@ def load_generator(
     semantics), whatever layout the checkpoint was saved at.
     """
     from mcore.checkpoint import CheckpointConfig, CheckpointError, load_checkpoint, resolve_iteration_dir
+    from mcore.checkpoint.format import no_checkpoint_message
     from mcore.checkpoint.megatron.detect import read_any_metadata
 
     path = resolve_iteration_dir(load, iteration)
     if path is None:
-        raise CheckpointError(f"{load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+        raise CheckpointError(no_checkpoint_message(load))
     metadata = read_any_metadata(path)  # mcore's, or a Megatron-LM torch / torch_dist checkpoint
     run_config = metadata.get("run_config") or {}
     cfg = model_config_from_run_config(run_config)

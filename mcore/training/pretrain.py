@@ -23,6 +23,7 @@ import functools
 import io
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from mcore.data.loader import build_pretraining_data_loader
 from mcore.data.tokenizers import build_tokenizer
 from mcore.distributed.ddp import DistributedDataParallel, unwrap_model
 from mcore.distributed.groups import LaunchEnv, ProcessGroups, destroy_parallel, initialize_parallel
+from mcore.distributed.launcher import hand_to_launcher, under_launcher
 from mcore.distributed.watchdog import watch_job
 from mcore.fp8.grouped import experts_fp8_status
 from mcore.models.transformer.context_parallel.checks import check_context_parallel
@@ -379,8 +381,9 @@ def pretrain(
         owns_process_group = not dist.is_initialized()
         groups = initialize_parallel(cfg.parallel, backend)
     except (ConfigError, BackendSelectionError, PluginError) as err:
-        # The flags are the same on every rank, and so is the error: one line (rank 0's), not one per rank.
-        if _launch_rank() == 0:
+        # The flags are the same on every rank, and so is the error: one line (rank 0's, or mcore-run's
+        # from any rank), not one per rank.
+        if not hand_to_launcher(f"error: {err}", 2) and _launch_rank() == 0:
             logger.error(f"error: {err}")
         raise SystemExit(2) from None
     try:
@@ -391,7 +394,8 @@ def pretrain(
                 model_type=model_type,
             )  # fmt: skip
     except USER_ERRORS as err:
-        logger.error(f"error (rank {groups.rank}): {err}")
+        if not hand_to_launcher(f"error (rank {groups.rank}): {err}", 2):
+            logger.error(f"error (rank {groups.rank}): {err}")
         raise SystemExit(2) from None
     finally:
         # Tear down what this call set up, while the interpreter is whole (see destroy_parallel).
@@ -403,10 +407,24 @@ def pretrain(
 def _parse_once(argv, extra_config_groups, args_defaults) -> RunConfig:
     """:func:`parse_run_config`, whose usage errors and ``--help`` (argparse prints them) only rank 0
     shows: the flags are the same on every rank, so a torchrun job shows one message, not one per rank."""
-    if _launch_rank() == 0:
+    quiet, launcher = _launch_rank() != 0, under_launcher()
+    if not (quiet or launcher):
         return parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        return parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
+    err = io.StringIO()
+    out = io.StringIO() if quiet else sys.stdout  # rank 0's --help is shown
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            cfg = parse_run_config(argv, extra_config_groups, args_defaults=args_defaults)
+    except SystemExit as exit_:
+        # Under mcore-run every rank hands the usage error over (mcore-run prints it once).
+        if exit_.code not in (0, None) and hand_to_launcher(err.getvalue().strip(), 2):
+            raise
+        if not quiet:
+            sys.stderr.write(err.getvalue())
+        raise
+    if not quiet:
+        sys.stderr.write(err.getvalue())  # rank 0's warnings
+    return cfg
 
 
 def _launch_rank() -> int:

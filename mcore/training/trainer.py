@@ -40,6 +40,7 @@ from mcore.training.metrics import MetricsWriter, Timer, eval_tensorboard_scalar
 from mcore.training.microbatches import MicroBatchCalculator
 from mcore.training.moe_step import find_routers, finish_moe_step
 from mcore.training.nan_check import DeferredNanCheck
+from mcore.training.nothing_trains import check_first_step_trains
 from mcore.training.params_norm import params_l2_norm
 from mcore.training.run_config import RunConfig
 from mcore.training.signals import ExitFlags, SignalHandler, exit_message, exit_reason
@@ -357,6 +358,8 @@ class Trainer:
         state.floating_point_operations_so_far += self.flops_per_sample * gbs
         if not ok:
             state.skipped_iterations += 1
+        elif self.steps_run == 1 and getattr(self.optimizer, "grad_scaler", None) is None:
+            check_first_step_trains(grad_norm, self.cfg, state.iteration)  # a loss scale has its own check
         stats.add(losses, ok, grad_norm, gbs)
 
     def _log_interval(self, state: TrainState, stats: StepStats, timer: Timer, writer, train_iters) -> None:

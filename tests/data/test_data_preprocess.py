@@ -201,6 +201,11 @@ def test_bad_lines_skip_that_skips_every_line_is_an_error_and_writes_nothing(bpe
         err,
     ), err
     assert _files(tmp_path / "out") == []  # no empty dataset left behind
+    # an empty input file: the same, one line, nothing written
+    (tmp_path / "empty.jsonl").write_text("")
+    assert preprocess_main(_args(bpe_files, tmp_path / "empty.jsonl", tmp_path / "out" / "e")) == 1
+    assert "the input holds no line, so no dataset is written" in capsys.readouterr().err
+    assert _files(tmp_path / "out") == []
 
 
 @pytest.mark.parametrize("kind", ["parent-is-a-file", "output-is-a-directory", "read-only-directory"])
@@ -379,3 +384,7 @@ def test_merge_bad_inputs(tmp_path, capsys):
     )
     assert "missing data path" in capsys.readouterr().err
     assert not any(f.startswith("o") for f in _files(tmp_path))
+    # a prefix beside a directory of the same name (its index cache, PREFIX/cache/) is the prefix
+    (shards / "a" / "cache").mkdir(parents=True)
+    assert merge_main(["--input", str(shards / "a"), "--output-prefix", str(tmp_path / "one")]) == 0
+    assert len(IndexedDataset(str(tmp_path / "one"))) == len(IndexedDataset(str(shards / "a")))

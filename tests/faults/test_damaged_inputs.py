@@ -76,8 +76,9 @@ def test_a_megatron_checkpoint_naming_its_tokenizer_exports_without_vocab_size(t
     assert megatron_main(["--load", str(root / "ckpt"), "--save", str(meg), "--ckpt-format", "torch"]) == 0
     (pt,) = meg.rglob("model_optim_rng.pt")
     saved = torch.load(pt, weights_only=False)
-    saved["args"].tokenizer_type, saved["args"].vocab_size = "NullTokenizer", 63  # as Megatron-LM writes them
-    del saved["args"].orig_vocab_size
+    # export-megatron names the source run's tokenizer as Megatron-LM does (the round trip needs no flag)
+    assert (saved["args"].tokenizer_type, saved["args"].vocab_size) == ("NullTokenizer", 63)
+    del saved["args"].orig_vocab_size  # only the tokenizer tells the vocabulary now
     torch.save(saved, pt)
     assert export_main(["--load", str(meg), "--save", str(tmp_path / "hf"), "--no-parity-check"]) == 0
     assert '"vocab_size": 64' in (tmp_path / "hf" / "config.json").read_text()
@@ -117,3 +118,36 @@ def test_export_megatron_to_a_full_disk_is_one_line_and_leaves_nothing(tiny, tmp
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --save {out}: cannot write") and "No space left" in err, err
     assert not [p for p in out.rglob("*") if p.name.startswith("iter_")]
+
+
+def test_a_load_or_data_path_that_names_something_else_says_what_it_is(tmp_path):
+    """``--load`` of a file or a Hugging Face directory is refused (not a fresh start from random weights,
+    as an empty first-run folder is); ``--data-path X.bin`` names the prefix to give instead."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mcore.checkpoint.format import CheckpointError
+    from mcore.checkpoint.load import load_checkpoint
+    from mcore.data.errors import DataError
+    from mcore.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, bin_path, idx_path
+
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "first_run").mkdir()
+    for name, says in (("notes.txt", "is a file, not a checkpoint"), ("hf", "mcore-import-hf --hf-dir")):
+        with pytest.raises(CheckpointError, match=says):
+            load_checkpoint(SimpleNamespace(load=str(tmp_path / name), ckpt_step=None), [], None, None, None)
+    fresh = load_checkpoint(
+        SimpleNamespace(load=str(tmp_path / "first_run"), ckpt_step=None), [], None, None, None
+    )
+    assert fresh == {}
+
+    prefix = str(tmp_path / "c_text_document")
+    with IndexedDatasetBuilder(bin_path(prefix), dtype=np.uint16) as builder:
+        builder.add_item(np.array([1, 2]))
+        builder.end_document()
+        builder.finalize(idx_path(prefix))
+    with pytest.raises(DataError, match=f"give the prefix without the suffix: {prefix}$"):
+        IndexedDataset(prefix + ".bin")

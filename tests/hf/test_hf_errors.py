@@ -129,7 +129,14 @@ def test_import_command_prints_the_megatron_flags(source, tmp_path, capsys):
 
 def test_export_errors(source, tmp_path, capsys):
     assert export_main(["--load", str(tmp_path / "no_ckpt"), "--save", str(tmp_path / "hf")]) == 2
-    assert "holds no checkpoint" in capsys.readouterr().err
+    assert f"--load {tmp_path / 'no_ckpt'}: no such directory" in capsys.readouterr().err
+    # what --load names instead of a checkpoint is said: a file, a Hugging Face directory (and the fix)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "hf_dir").mkdir()
+    (tmp_path / "hf_dir" / "config.json").write_text("{}")
+    for name, says in (("notes.txt", "is a file, not a checkpoint"), ("hf_dir", "mcore-import-hf --hf-dir")):
+        assert export_main(["--load", str(tmp_path / name), "--save", str(tmp_path / "hf")]) == 2
+        assert says in capsys.readouterr().err
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("x")
     with pytest.raises(ConversionError, match="not empty"):

@@ -364,7 +364,8 @@ def test_pretrain_under_torchrun_leaves_no_communication_threads(tmp_path):
         "--data-cache-path", str(tmp_path / "index_cache"),  # rank 0 builds the mock indices, rank 1 reads
     ]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), *argv],
+        # mcore-run (torchrun with mcore's failure line) runs a job that succeeds as torchrun does.
+        [sys.executable, "-m", "mcore.distributed.launcher", "--nproc_per_node", "2", str(script), *argv],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         cwd=tmp_path,
         capture_output=True,

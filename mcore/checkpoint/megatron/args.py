@@ -211,13 +211,15 @@ def args_from_model_config(
     fmt: str,
     consumed_train_samples: int = 0,
     params_dtype=None,
+    tokenizer: dict | None = None,
 ) -> argparse.Namespace:
     """The ``args`` Namespace an exported checkpoint stores: Megatron-LM's names for the model
-    (what ``--use-checkpoint-args`` and the Hugging Face converters read)."""
+    (what ``--use-checkpoint-args`` and the Hugging Face converters read), and the tokenizer of the
+    source run (``tokenizer``: its ``tokenizer`` group) so that a reader needs no ``--vocab-size``."""
     import torch
 
     dtype = params_dtype or torch.float32
-    return argparse.Namespace(
+    args = argparse.Namespace(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -270,3 +272,10 @@ def args_from_model_config(
         consumed_valid_samples=0,
         tokenizer_type=None,
     )
+    if tokenizer and tokenizer.get("tokenizer_type") in _TOKENIZERS:
+        for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_extra_ids"):
+            if tokenizer.get(name) is not None:
+                setattr(args, name, tokenizer[name])
+        if tokenizer["tokenizer_type"] == "NullTokenizer":
+            args.vocab_size = tokenizer.get("vocab_size")  # Megatron's flag V (the tokenizer has V + 1 ids)
+    return args

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -330,7 +331,9 @@ def load_dcp_tensors(iter_dir: Path, shapes: dict[str, tuple[tuple[int, ...], to
     state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
     check_distcp_sizes(iter_dir)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(iter_dir)), no_dist=True)
+        with warnings.catch_warnings():  # no_dist=True says it: torch's "assuming ... a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(iter_dir)), no_dist=True)
     except Exception as err:  # noqa: BLE001 - missing or damaged .distcp files fail in many ways
         raise CheckpointError(
             f"{iter_dir}: reading {', '.join(sorted(shapes))[:200]} failed: {err}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -244,7 +245,9 @@ def load_dcp_objects(iter_dir: Path, keys: list[str]) -> dict[str, Any]:
 
     state = {f"{key}/shard_0_1": io.BytesIO() for key in keys}
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(iter_dir)), no_dist=True)
+        with warnings.catch_warnings():  # no_dist=True says it: torch's "assuming ... a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(iter_dir)), no_dist=True)
     except Exception as err:  # noqa: BLE001 - missing or damaged .distcp files fail in many ways
         raise CheckpointError(f"{iter_dir}: reading {', '.join(keys)} failed: {err}") from None
     out = {}

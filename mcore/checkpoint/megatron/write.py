@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from mcore.checkpoint.format import (
 from mcore.checkpoint.megatron.args import args_from_model_config
 from mcore.checkpoint.megatron.names import COLUMN, REPLICATED, ROW, SWIGLU, VOCAB, map_layer_param, mtp_split
 from mcore.checkpoint.megatron.read_torch import rank_dir_name
+from mcore.checkpoint.run_configs import run_config_groups
 from mcore.utils.console import configure_console
 from mcore.utils.outputs import OutputError, check_output_dir, read_marker, staged_dir, write_marker
 
@@ -348,6 +350,7 @@ def export_to_megatron(
         fmt=ckpt_format,
         consumed_train_samples=int(train.get("consumed_train_samples", 0)),
         params_dtype=dtype,
+        tokenizer=run_config_groups(meta.get("run_config") or {}).get("tokenizer"),
     )
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
 
@@ -419,12 +422,14 @@ def _write_torch_dist(folder: Path, tensors: dict[str, Any], common: dict[str, A
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    dcp.save(
-        tensors,
-        storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
-        planner=DefaultSavePlanner(flatten_state_dict=False),  # keys as given (megatron-core's)
-        no_dist=True,
-    )
+    with warnings.catch_warnings():  # no_dist=True says it: torch's "assuming ... a single process" is noise
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
+            planner=DefaultSavePlanner(flatten_state_dict=False),  # keys as given (megatron-core's)
+            no_dist=True,
+        )
     torch.save(common, folder / "common.pt")
     meta = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}  # fmt: skip
