@@ -15,7 +15,10 @@ model_optim_rng.pt`` (``get_checkpoint_name`` with expert parallelism: the TP ra
 each holding ``state_dict_for_save_checkpoint()`` (the EP rank's local experts ``local_experts.0/1``)
 and the chained optimizer's ``state_dict()`` (a list: dense, experts), from the DP-rank-0 ranks as
 Megatron saves; ``--ckpt-format torch_dist``: ``dist_checkpointing.save`` of the model's sharded state
-dict (experts on the global-expert axis), megatron-core's own code.
+dict (experts on the global-expert axis), megatron-core's own code. Then the same model trains again
+with megatron-core's DistributedOptimizer at TP=1 x EP=2 (dense DP=4, expert DP=2) and saves
+``--ckpt-format torch`` with ``distrib_optim.pt`` (``ChainedOptimizer.save_parameter_state``: the list
+[dense, experts], each gathered to its group's DP rank 0), as Megatron-LM's ``save_checkpoint`` does.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ TP, EP = 2, 2
 # dispatched once per TP rank and the experts' gradients double)
 _PARALLEL = dict(sequence_parallel=True, expert_model_parallel_size=EP, expert_tensor_parallel_size=TP)
 mr.FAMILIES[FAMILY] = {**mr.FAMILIES["moe"], "vocab_size": 256, "moe": {**mr.MOE, **_PARALLEL}}
+# the distributed optimizer's run: TP=1 x EP=2 on 4 ranks (dense DP=4, expert DP=2: both optimizers'
+# buffers sharded, megatron-core gathers each over its own group into distrib_optim.pt)
+DIST = "moe256_dist"
+mr.FAMILIES[DIST] = {
+    **mr.FAMILIES["moe"],
+    "vocab_size": 256,
+    "moe": {**mr.MOE, "expert_model_parallel_size": EP},
+}
 EP1 = "moe256_ep1"  # the same model in one process (megatron-core loading mcore's export)
 mr.FAMILIES[EP1] = {**mr.FAMILIES["moe"], "vocab_size": 256}
 SAVED_AT, CONTINUE = 2, 2
@@ -81,13 +92,13 @@ def perturb_experts(model) -> None:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
 
 
-def _optimizer(ddp, iters: int):
+def _optimizer(ddp, iters: int, distributed: bool = False):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = OptimizerConfig(
         optimizer="adam", lr=mo.LR, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999,
-        adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=False,
+        adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=distributed,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(config, [ddp])
     decay = iters * mo.GLOBAL_BATCH
@@ -98,19 +109,20 @@ def _optimizer(ddp, iters: int):
     return optimizer, scheduler
 
 
-def _args(world: int):
-    args = mr.megatron_args(FAMILY, TP, 1, world, "torch")
+def _args(world: int, family: str = FAMILY, tp: int = TP, distributed: bool = False):
+    args = mr.megatron_args(family, tp, 1, world, "torch")
     args.iteration, args.consumed_train_samples = SAVED_AT, SAVED_AT * mo.GLOBAL_BATCH
     args.train_iters = SAVED_AT + CONTINUE
-    args.global_batch_size, args.micro_batch_size = mo.GLOBAL_BATCH, mo.GLOBAL_BATCH // (world // TP)
-    args.optimizer, args.use_distributed_optimizer, args.lr = "adam", False, mo.LR
+    args.global_batch_size, args.micro_batch_size = mo.GLOBAL_BATCH, mo.GLOBAL_BATCH // (world // tp)
+    args.optimizer, args.use_distributed_optimizer, args.lr = "adam", distributed, mo.LR
     return args
 
 
-def train_save_continue(out_dir: str) -> dict:
+def train_save_continue(out_dir: str, distributed: bool = False) -> dict:
     """Rank function (4 ranks): train ``SAVED_AT`` Adam iterations at TP=2 x EP=2, save ``<out_dir>/torch``
     and ``<out_dir>/torch_dist``, write the logits and the loss of the fixed batch
-    (``<out_dir>/logits.pt``), train ``CONTINUE`` more; returns the losses."""
+    (``<out_dir>/logits.pt``), train ``CONTINUE`` more; returns the losses. ``distributed``: at TP=1 x
+    EP=2 with the distributed optimizer instead, saving ``<out_dir>/torch`` only (with ``distrib_optim.pt``)."""
     mr.shim_megatron_for_cpu()
     mo.shim_megatron_optimizer_for_cpu()
     allow_sequence_parallel_torch_norms()
@@ -121,23 +133,26 @@ def train_save_continue(out_dir: str) -> dict:
         finalize_model_grads,
     )
 
+    family, tp = (DIST, 1) if distributed else (FAMILY, TP)
     world = dist.get_world_size()
-    ps.initialize_model_parallel(TP, 1, expert_model_parallel_size=EP, expert_tensor_parallel_size=TP)
+    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=EP, expert_tensor_parallel_size=tp)
     torch.manual_seed(1234)
-    model = mr.build_megatron_model(FAMILY, TP, 1)
+    model = mr.build_megatron_model(family, tp, 1)
     mr.perturb_norms_and_biases(model)
     perturb_experts(model)
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=False, use_distributed_optimizer=distributed
+    )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    optimizer, scheduler = _optimizer(ddp, SAVED_AT + CONTINUE)
+    optimizer, scheduler = _optimizer(ddp, SAVED_AT + CONTINUE, distributed)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     micro = mo.GLOBAL_BATCH // dp
     rows = slice(dp_rank * micro, (dp_rank + 1) * micro)
-    _, _, mask = mr.inputs(FAMILY)
+    _, _, mask = mr.inputs(family)
     pos = torch.arange(mr.SEQ).expand(micro, mr.SEQ)
 
     def train_step(iteration: int) -> float:
-        data = {k: v[rows] for k, v in mo.batch(iteration, FAMILY).items()}
+        data = {k: v[rows] for k, v in mo.batch(iteration, family).items()}
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         ddp.train()
@@ -152,12 +167,13 @@ def train_save_continue(out_dir: str) -> dict:
         return mean.item() / dp
 
     losses = [train_step(i) for i in range(SAVED_AT)]
-    args = _args(world)
+    args = _args(world, family, tp, distributed)
     _save_torch(out_dir, ddp, optimizer, scheduler, args)
-    _save_torch_dist(out_dir, ddp, optimizer, scheduler, args)
-    logits = mr.megatron_logits(model, FAMILY, TP, 1)
-    if dist.get_rank() == 0:
-        torch.save({"ids": mr.inputs(FAMILY)[0], "logits": logits}, os.path.join(out_dir, "logits.pt"))
+    if not distributed:
+        _save_torch_dist(out_dir, ddp, optimizer, scheduler, args)
+        logits = mr.megatron_logits(model, FAMILY, TP, 1)
+        if dist.get_rank() == 0:
+            torch.save({"ids": mr.inputs(FAMILY)[0], "logits": logits}, os.path.join(out_dir, "logits.pt"))
     continued = [train_step(i) for i in range(SAVED_AT, SAVED_AT + CONTINUE)]
     dist.barrier()
     ps.destroy_model_parallel()
@@ -193,6 +209,12 @@ def megatron_side(out_dir: str) -> dict:
     iters = ["--train-iters", str(SAVED_AT + CONTINUE)]
     resumed = mo.mcore_resume(os.path.join(out_dir, "torch"), os.path.join(out_dir, "resumed"), iters)
     result["mcore_continued"] = resumed["losses"]
+    # the distributed optimizer's state (distrib_optim.pt: [dense, experts] buffers), saved at TP=1 x EP=2
+    # x DP=4 (expert DP=2), resumed the same way
+    dist_dir = os.path.join(out_dir, "distopt")
+    result["distopt"] = train_save_continue(dist_dir, distributed=True)
+    resumed = mo.mcore_resume(os.path.join(dist_dir, "torch"), os.path.join(dist_dir, "resumed"), iters)
+    result["distopt"]["mcore_continued"] = resumed["losses"]
     return result
 
 
@@ -211,13 +233,15 @@ def _save_torch(out_dir: str, ddp, optimizer, scheduler, args) -> None:
         "num_floating_point_operations_so_far": 0,
     }
     tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
-    if ps.get_expert_data_parallel_rank() == 0:  # the expert-DP group (size 1 here): each (TP, EP) rank once
-        folder = os.path.join(
-            out_dir, "torch", f"iter_{SAVED_AT:07d}", f"mp_rank_{tp_rank:02d}_{ep_rank:03d}"
-        )
+    folder = os.path.join(out_dir, "torch", f"iter_{SAVED_AT:07d}", f"mp_rank_{tp_rank:02d}_{ep_rank:03d}")
+    if ps.get_expert_data_parallel_rank() == 0:  # the expert-DP group: each (TP, EP) rank once
         os.makedirs(folder, exist_ok=True)
         torch.save(state, os.path.join(folder, "model_optim_rng.pt"))
     dist.barrier()
+    if args.use_distributed_optimizer:  # collective: each chained optimizer gathers to its DP rank 0,
+        # whose rank writes the list ([dense, experts], None for a group it is not DP rank 0 of)
+        optimizer.save_parameter_state(os.path.join(folder, "distrib_optim.pt"))
+        dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "torch", "latest_checkpointed_iteration.txt"), "w") as fh:
             fh.write(str(SAVED_AT))

@@ -15,6 +15,9 @@ loads the export (strict). Then mcore
   once, it differs by 2e-3 with ``--no-load-optim``);
 * reads the Adam state of the ``torch_dist`` checkpoint (the chained optimizer's sharded state) equal
   to the ``torch`` one;
+* resumes from the same model trained with megatron-core's DistributedOptimizer at TP=1 x EP=2 x DP=4
+  (expert DP=2) and saved as ``--ckpt-format torch`` with ``distrib_optim.pt`` (the chained [dense,
+  experts] buffers) with Megatron's continued losses, in the same launch;
 * gives megatron-core's logits on its own export, which reads back bitwise;
 * reads the export rewritten as EP=2 rank files with TEGroupedMLP's ``linear_fcK.weightN`` names.
 
@@ -123,17 +126,39 @@ def test_torch_dist_adam_state_equals_the_torch_one(megatron):
             assert torch.equal(ours, want), key
 
 
-def test_distributed_optimizer_state_of_an_moe_checkpoint_is_refused_naming_it(megatron, tmp_path):
-    out, _ = megatron
+def test_distributed_optimizer_state_of_an_moe_checkpoint_resumes(megatron, tmp_path):
+    """``--use-distributed-optimizer`` at TP=1 x EP=2 x DP=4 (expert DP=2): each rank file's
+    ``distrib_optim.pt`` holds the chained [dense, experts] buffers (EP rank 1's dense entry None);
+    mcore resumes from it with Megatron's continued losses."""
+    out, result = megatron
+    iter_dir = out / "distopt" / "torch" / "iter_0000002"
+    assert sorted(p.name for p in iter_dir.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    states = [
+        torch.load(iter_dir / d / "distrib_optim.pt", weights_only=False)
+        for d in sorted(os.listdir(iter_dir))
+    ]
+    assert [[s is None for s in state] for state in states] == [[False, False], [True, False]]
+    ours = _adam_state(str(out / "distopt" / "torch"))
+    experts = [key for key in ours if "mlp.experts." in key]
+    assert experts
+    for key, (step, exp_avg, *_) in ours.items():
+        assert step == mm.SAVED_AT, key
+        for e in range(4) if key in experts else [None]:  # every expert's moments: both EP ranks' files
+            assert (exp_avg if e is None else exp_avg.reshape(4, -1)[e]).abs().sum() > 0, (key, e)
+    theirs = result["distopt"]
+    print(
+        f"Megatron (distributed optimizer) continued {theirs['continued']}; mcore {theirs['mcore_continued']}"
+    )
+    assert torch.allclose(
+        torch.tensor(theirs["mcore_continued"]), torch.tensor(theirs["continued"]), atol=TOL
+    )
+
     copy = tmp_path / "distopt"
-    shutil.copytree(out / "torch", copy)
-    head = copy / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt"
-    data = torch.load(head, weights_only=False)
-    data["args"].use_distributed_optimizer = True
-    torch.save(data, head)
+    shutil.copytree(out / "distopt" / "torch", copy)
+    (copy / "iter_0000002" / "mp_rank_00_001" / "distrib_optim.pt").unlink()
     assert load_logical_model_state(str(copy))[0]  # the weights still load
     with pytest.raises(
-        CheckpointError, match=r"distributed optimizer's state of a mixture-of-experts.*--no-load-optim"
+        CheckpointError, match=r"mp_rank_00_001/distrib_optim\.pt is missing.*--no-load-optim"
     ):
         _adam_state(str(copy))
 

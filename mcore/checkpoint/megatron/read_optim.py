@@ -24,9 +24,12 @@ and distributed optimizers alike. Two layouts are read:
   ``param_groups``' ``step`` in ``model_optim_rng.pt``.
 
 A mixture-of-experts model's state is a chained pair (dense, experts; the experts' from every EP
-rank's file). What cannot be mapped (SGD, extra parameter groups such as ``--decoupled-lr``, chained
-optimizers of several model chunks, the distributed optimizer's expert buffers, a missing ``distrib_optim.pt``, a buffer size that disagrees with the parameters) becomes one
-error line naming the file, raised only when a run asks for the optimizer state.
+rank's file), in both layouts: with the distributed optimizer ``distrib_optim.pt`` holds the list
+``[dense, experts]`` of the two DistributedOptimizers' buffers (:func:`distributed_optimizer_records`).
+What cannot be mapped (SGD, extra parameter groups such as ``--decoupled-lr``, chained optimizers of
+several model chunks, a missing ``distrib_optim.pt``, a buffer size that disagrees with the
+parameters) becomes one error line naming the file, raised only when a run asks for the optimizer
+state.
 """
 
 from __future__ import annotations
@@ -210,10 +213,17 @@ def grad_buffer_layout(
 
 
 def distributed_optimizer_records(
-    path: Path, fname: str, data: dict, params: list[RankParam], args: Any, pp_rank: int
+    path: Path, fname: str, data: dict, params: list[RankParam], args: Any, pp_rank: int, expert_rank: int = 0
 ) -> list[dict]:
     """Records of one ``distrib_optim.pt`` (``fname``) whose parameters are ``params``; ``data`` is
-    the ``model_optim_rng.pt`` beside it (the Adam step of its ``param_groups``)."""
+    the ``model_optim_rng.pt`` beside it (the Adam step of its ``param_groups``).
+
+    A mixture-of-experts model's file holds megatron-core's ``ChainedOptimizer.save_parameter_state``
+    list ``[dense, experts]``: one DistributedOptimizer per grad-buffer group, the dense parameters'
+    buffer (gathered over the data-parallel group) and the routed experts' (``expert_parallel_buffers``,
+    gathered over the expert-data-parallel group), each the one-buffer layout below over its own
+    parameters in ``named_parameters()`` order; ``None`` where the saving rank was not DP rank 0 of that
+    group (the dense state of EP ranks > 0, ``expert_rank``: only their experts are read)."""
     from mcore.checkpoint.megatron.unpickle import load_megatron_file
 
     if not path.is_file():
@@ -222,24 +232,62 @@ def distributed_optimizer_records(
             "writes there (load with --no-load-optim for the weights only)"
         )
     saved = data.get("optimizer")
-    groups = (saved or {}).get("optimizer", {}).get("param_groups") if isinstance(saved, dict) else None
-    steps = {g.get("step") for g in groups or [] if g.get("step") is not None}
+    chained = isinstance(saved, list)
+    heads = saved if chained else [saved]
+    groups = [
+        g
+        for head in heads
+        if isinstance(head, dict)
+        for g in head.get("optimizer", {}).get("param_groups", [])
+    ]
+    steps = {_step_value(g["step"]) for g in groups if g.get("step") is not None}
     if len(steps) != 1:
         raise CheckpointError(
             f"{path.parent / 'model_optim_rng.pt'}: no single Adam step in optimizer.param_groups "
             f"(found {sorted(steps)})"
         )
-    step = _step_value(steps.pop())
+    step = steps.pop()
     state = load_megatron_file(path)
+    if not chained:
+        return _buffer_records(path, fname, state, params, args, pp_rank, step, [])
+    expert = [p for p in params if is_expert_key(p.key)]
+    states = state.get("chained")
+    if len(saved) != 2 or not expert or not isinstance(states, list) or len(states) != 2:
+        raise CheckpointError(
+            f"{path}: {len(saved)} chained optimizers (several model chunks?): only the [dense, experts] "
+            "pair of a mixture-of-experts model is read"
+        )
+    records = []
+    if expert_rank == 0:
+        dense = [p for p in params if not is_expert_key(p.key)]
+        records += _buffer_records(path, fname, states[0], dense, args, pp_rank, step, ["chain", 0])
+    return records + _buffer_records(path, fname, states[1], expert, args, pp_rank, step, ["chain", 1])
+
+
+def _buffer_records(
+    path: Path,
+    fname: str,
+    state: Any,
+    params: list[RankParam],
+    args: Any,
+    pp_rank: int,
+    step: int,
+    chain: list,
+) -> list[dict]:
+    """Records of one DistributedOptimizer's ``get_parameter_state_dp_zero`` dict over ``params``;
+    ``chain`` prefixes the records' ``where`` (``["chain", c]``: the c-th chained optimizer's)."""
+    what = f"{path}{f' (chained optimizer {chain[1]})' if chain else ''}"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{what}: no distributed-optimizer state (saved by a rank of DP rank > 0?)")
     chunks = [k for k in state if isinstance(k, int)]
     if not state.get("buckets_coalesced"):
         raise CheckpointError(
-            f"{path}: a per-bucket layout without 'buckets_coalesced' (megatron-core before 0.10) is not read"
+            f"{what}: a per-bucket layout without 'buckets_coalesced' (megatron-core before 0.10) is not read"
         )
     if chunks != [0] or len(state[0]) != 1:
         raise CheckpointError(
-            f"{path}: {len(chunks)} model chunks with {sum(len(state[c]) for c in chunks)} buffers: "
-            "only one model chunk with one parameter dtype is read (no virtual pipeline or experts)"
+            f"{what}: {len(chunks)} model chunks with {sum(len(state[c]) for c in chunks)} buffers: "
+            "only one model chunk with one parameter dtype is read (no virtual pipeline)"
         )
     ((dtype_key, buffers),) = state[0].items()
     offsets, lengths, bucket_size = grad_buffer_layout(params, args, pp_rank)
@@ -247,7 +295,7 @@ def distributed_optimizer_records(
     numel = int(buffers.get("numel_unpadded", buffers["param"].numel()))
     if total != numel:
         raise CheckpointError(
-            f"{path}: the {dtype_key} buffer holds {numel} elements, this rank's parameters lay out to "
+            f"{what}: the {dtype_key} buffer holds {numel} elements, this rank's parameters lay out to "
             f"{total} (bucket size {bucket_size}): a layout this reader does not know"
         )
     records = []
@@ -256,7 +304,8 @@ def distributed_optimizer_records(
             continue
         n = p.record["numel"]
         for kind, source in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("main_param", "param")):
-            records.append(_optim_record(p.record, kind, [fname, "buffer", source, offsets[p.key], n], step))
+            where = [fname, *chain, "buffer", source, offsets[p.key], n]
+            records.append(_optim_record(p.record, kind, where, step))
     return records
 
 
@@ -265,7 +314,11 @@ def optimizer_tensor(raw: dict, rec: dict) -> torch.Tensor:
     how = rec["where"]
     saved = raw.get("optimizer")
     if how[0] == "chain":  # one of a ChainedOptimizer's states (mixture of experts: dense, experts)
-        saved, how = saved[how[1]], how[2:]
+        if how[2] == "buffer":  # distrib_optim.pt (unpickle: {"chained": [dense, experts]})
+            raw = raw["chained"][how[1]]
+        else:
+            saved = saved[how[1]]
+        how = how[2:]
     if how[0] == "state":
         inner = saved if "state" in saved else saved["optimizer"]
         return inner["state"][how[1]][how[2]]

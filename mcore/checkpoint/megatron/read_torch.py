@@ -326,12 +326,6 @@ def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank
     pp = int(getattr(args, "pipeline_model_parallel_size", 1))
     records = []
     try:
-        if distributed and getattr(args, "num_experts", None):
-            raise CheckpointError(
-                f"{iter_dir}: the distributed optimizer's state of a mixture-of-experts checkpoint "
-                f"(args.num_experts={args.num_experts}, --use-distributed-optimizer: expert grad buffers) is "
-                "not read (load with --no-load-optim)"
-            )
         if optimizer != "adam":
             raise CheckpointError(
                 f"{iter_dir}: the optimizer state is {optimizer!r} (args.optimizer); mcore reads Megatron's "
@@ -342,9 +336,8 @@ def _add_optimizer_state(meta: dict, iter_dir: Path, head: dict, args: Any, rank
             sub = rank_dir_name(t, p, pp, e, ep)
             fname = str(_rank_file(iter_dir, sub).relative_to(iter_dir))
             if distributed:
-                records += distributed_optimizer_records(
-                    iter_dir / sub / DISTRIB_OPTIM, f"{sub}/{DISTRIB_OPTIM}", loaded[fname], params, args, p
-                )
+                path, name = iter_dir / sub / DISTRIB_OPTIM, f"{sub}/{DISTRIB_OPTIM}"
+                records += distributed_optimizer_records(path, name, loaded[fname], params, args, p, e)
             else:  # an EP rank > 0 adds its experts' state (its dense state replicates EP rank 0's)
                 records += torch_optimizer_records(iter_dir / fname, fname, loaded[fname], params, e > 0)
     except CheckpointError as err:

@@ -66,7 +66,9 @@ class _PickleModule:
 def load_megatron_file(path: str | Path) -> dict[str, Any]:
     """``torch.load`` of a Megatron ``model_optim_rng.pt`` (or ``common.pt``, ``distrib_optim.pt``) on
     the CPU, memory-mapped where the file allows (torch's zip format): the tensors' bytes are read only
-    when used, so indexing a checkpoint (its optimizer state included) does not read it all.
+    when used, so indexing a checkpoint (its optimizer state included) does not read it all. A
+    mixture-of-experts ``distrib_optim.pt`` (a list: one state per chained optimizer) comes back as
+    ``{"chained": [...]}``.
 
     Raises:
         CheckpointError: the file is missing or cannot be read (named).
@@ -85,6 +87,11 @@ def load_megatron_file(path: str | Path) -> dict[str, Any]:
             data = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
     except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file
         raise CheckpointError(f"Megatron checkpoint file {path} cannot be read (corrupted?): {err}") from None
+    if isinstance(data, list) and path.name == "distrib_optim.pt":
+        # a ChainedOptimizer's (mixture of experts: [dense, experts], None where this rank is not the
+        # data-parallel rank 0 of that optimizer's group)
+        if all(d is None or isinstance(d, dict) for d in data):
+            return {"chained": data}
     if not isinstance(data, dict):
         raise CheckpointError(f"Megatron checkpoint file {path} holds a {type(data).__name__}, not a dict")
     return data
