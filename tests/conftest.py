@@ -82,8 +82,9 @@ def pytest_unconfigure(config):
         lock.close()
 
 
-# Test files whose tests share a session fixture (a checkpoint trained once, a corpus built once) run
-# on one pytest-xdist worker, so that the fixture is built once, not once per worker.
+# pytest-xdist sends whole work units to a worker: a test file, or one of these groups of files whose
+# tests share a session fixture (a checkpoint trained once, a corpus built once), so that module and
+# session fixtures are built once, not once per worker.
 _SHARED_SESSION_GROUPS = {
     "checkpoint-runs": (
         "tests/checkpoint/test_inspect.py",
@@ -94,24 +95,36 @@ _SHARED_SESSION_GROUPS = {
 }
 
 
-def _xdist_group(relpath: str) -> str:
+def _work_unit(nodeid: str) -> str:
+    """The test file of ``nodeid`` (relative to the root), or its group of ``_SHARED_SESSION_GROUPS``."""
+    relpath = nodeid.split("::", 1)[0]
     for group, prefixes in _SHARED_SESSION_GROUPS.items():
         if relpath.startswith(prefixes):
             return group
     return relpath
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with :func:`_work_unit` as the scope (pyproject's ``--dist loadfile``
+    with the session groups added; xdist's own ``xdist_group`` marks rename node ids, which pytest 9
+    no longer allows)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return FileGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Group each test with its file for pytest-xdist (``--dist loadgroup``, pyproject's addopts):
-    a module's fixtures are built once, on one worker; mark the tests of ``_EXCLUSIVE_FILES``. Without xdist workers, start the
+    """Mark the tests of ``_EXCLUSIVE_FILES`` ``exclusive``. Without xdist workers, start the
     Triton-interpreter children of the selected tests now, one at a time at the lowest priority
     (``mcore.testing.interpreter.BackgroundChildren``): the tests later take their results."""
     root = str(config.rootpath)
     for item in items:
         relpath = os.path.relpath(str(item.path), root).replace(os.sep, "/")
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(relpath)))
         if relpath in _EXCLUSIVE_FILES:
             item.add_marker(pytest.mark.exclusive)
     from mcore.testing.interpreter import BACKGROUND, DEFAULT_TIMEOUT, HAS_TRITON
