@@ -100,6 +100,12 @@ def _rank_main(
             fd = handle.detach()
             os.dup2(fd, target)
             os.close(fd)
+    # The start method a freshly launched interpreter has (a torchrun or srun rank: "fork" on Linux up
+    # to Python 3.13), not the forkserver this rank came from, which it inherits: a DataLoader's
+    # --num-workers workers would otherwise each start through a new forkserver of this rank and
+    # import torch and mcore again (~5 s per loader on the 2-core CI machine, for nothing a real
+    # rank does).
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     os.environ.update(
         {
             "RANK": str(rank),

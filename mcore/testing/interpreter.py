@@ -17,6 +17,9 @@ right after collection, one at a time and at the lowest CPU priority (:class:`Ba
 fill the core a single-process test leaves idle and yield to everything else. When the test itself
 runs, :func:`run_under_interpreter` takes the child's finished (or still running) result instead of
 starting it again; the child, its arguments, its timeout and every check are the same either way.
+Under pytest-xdist workers (pyproject's ``-n 2``) nothing is started in the background: every worker
+collects every test but runs only its share, and the two workers already keep both cores busy, so each
+child runs in the foreground when its test runs.
 """
 
 from __future__ import annotations

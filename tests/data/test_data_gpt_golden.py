@@ -207,6 +207,7 @@ def test_blending_through_the_builder(toy_prefix, toy_tokenizer):
     assert train[0]["tokens"].tolist() == list(range(263, 271))  # component 1, sample 0
 
 
+@pytest.mark.exclusive  # timed: under pytest-xdist no other test runs meanwhile
 def test_sample_index_scales_to_a_million_documents():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 2000, size=1_000_000).astype(np.int32)
