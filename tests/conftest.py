@@ -104,16 +104,58 @@ def _work_unit(nodeid: str) -> str:
     return relpath
 
 
+# Work units that each take one worker for a minute or more (on CI's 2-core machine), handed out
+# first: xdist's default order (most tests first) sent these single-test files last, and the suite's
+# last minutes ran on one worker while the other idled.
+_LONG_FIRST = (
+    "tests/ops/test_act_fp8_interpret.py",
+    "tests/ops/test_fp8_cast_interpret.py",
+    "tests/ops/test_norm_fp8_interpret.py",
+    "tests/test_quickstart.py",
+    "tests/bert/test_bert_quickstart.py",
+    "tests/test_docs.py",
+    "tests/test_fp8_convergence_benchmark.py",
+    "tests/test_megatron_user.py",
+)
+
+
+def _unit_order(collection: list[str]) -> list[str]:
+    """``collection`` with each work unit's tests together, the units of ``_LONG_FIRST`` first (in that
+    order), then the others by decreasing number of tests (xdist's own heuristic), ties in collection
+    order."""
+    units: dict[str, list[str]] = {}
+    for nodeid in collection:
+        units.setdefault(_work_unit(nodeid), []).append(nodeid)
+
+    def rank(item):
+        position, (unit, nodeids) = item
+        first = _LONG_FIRST.index(unit) if unit in _LONG_FIRST else len(_LONG_FIRST)
+        return (first, -len(nodeids), position)
+
+    ordered = sorted(enumerate(units.items()), key=rank)
+    return [nodeid for _, (_, nodeids) in ordered for nodeid in nodeids]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with :func:`_work_unit` as the scope (pyproject's ``--dist loadfile``
     with the session groups added; xdist's own ``xdist_group`` marks rename node ids, which pytest 9
-    no longer allows)."""
+    no longer allows), the units handed out in :func:`_unit_order`."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileGroupScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.config.option.loadscopereorder = False  # the order is _unit_order's
+
         def _split_scope(self, nodeid: str) -> str:
             return _work_unit(nodeid)
+
+        def schedule(self) -> None:
+            if self.collection is None and self.collection_is_completed:
+                for node in list(self.registered_collections):  # every node the same order
+                    self.registered_collections[node] = _unit_order(list(self.registered_collections[node]))
+            super().schedule()
 
     return FileGroupScheduling(config, log)
 

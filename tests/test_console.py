@@ -16,6 +16,7 @@ MCORE = pathlib.Path(__file__).resolve().parents[1] / "mcore"
 
 # The command-line tools' own output (their results, progress and errors): printing is their job.
 CLI_PRINTS = {
+    ("distributed/launcher.py", "main"),  # mcore-run's one line for a failed job
     ("data/preprocess.py", "main"),
     ("data/preprocess.py", "add"),  # --log-interval progress lines of mcore-preprocess-data
     ("data/merge.py", "main"),
