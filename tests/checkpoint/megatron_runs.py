@@ -3,7 +3,7 @@ TP x PP, save it as Megatron-LM's training loop would (``--ckpt-format torch`` a
 compute its logits; or load a checkpoint into megatron-core's own GPTModel and compute its logits.
 
 Imported by the ranks that :func:`mcore.testing.distributed.run_distributed` starts. The three CUDA
-assumptions of megatron-core are shimmed per process (/work/shared/reference/megatron-core-on-cpu.md):
+assumptions of megatron-core are shimmed per process:
 the global memory buffer's device, the CUDA RNG tracker the attention forks, and ``Tensor.cuda()`` in the
 tied-embedding sync between the first and last pipeline stages.
 """
