@@ -454,6 +454,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def _one_process_one_micro_batch(cfg, world_size: int) -> dict[str, bool]:
+    """What both plain references share: one process, one micro-batch a step (True: this run differs)."""
+    return {
+        "world size": world_size != 1,
+        "--micro-batch-size/--global-batch-size": cfg.training.global_batch_size
+        != cfg.training.micro_batch_size,
+    }
+
+
+def _refuse_differences(differs: dict[str, bool], reference: str) -> None:
+    """Exit naming every flag in ``differs`` that this run sets unlike the ``reference`` (its description)."""
+    bad = [name for name, d in differs.items() if d]
+    if bad:
+        raise SystemExit(f"{reference}; this run differs in {', '.join(bad)}")
+
+
 def reference_shape(cfg, world_size: int, vocab: int) -> ReferenceShape:
     """The plain reference at this run's sizes; it models one process of the classic GPT only."""
     m = cfg.model
@@ -464,16 +480,13 @@ def reference_shape(cfg, world_size: int, vocab: int) -> ReferenceShape:
         "--group-query-attention": m.group_query_attention,
         "--disable-bias-linear": m.disable_bias_linear,
         "--untie-embeddings-and-output-weights": m.untie_embeddings_and_output_weights,
-        "world size": world_size != 1,
-        "--micro-batch-size/--global-batch-size": cfg.training.global_batch_size
-        != cfg.training.micro_batch_size,
+        **_one_process_one_micro_batch(cfg, world_size),
     }
-    bad = [name for name, d in differs.items() if d]
-    if bad:
-        raise SystemExit(
-            "--reference: the plain reference is the classic GPT (LayerNorm, GeLU, learned positions, "
-            f"biases, tied output layer) on one process with one micro-batch a step; this run differs in {', '.join(bad)}"
-        )
+    _refuse_differences(
+        differs,
+        "--reference: the plain reference is the classic GPT (LayerNorm, GeLU, learned positions, "
+        "biases, tied output layer) on one process with one micro-batch a step",
+    )
     return ReferenceShape(
         layers=m.num_layers,
         hidden=m.hidden_size,
@@ -498,20 +511,17 @@ def reference_moe_shape(cfg, world_size: int, vocab: int) -> MoEReferenceShape:
         "--disable-bias-linear": not m.disable_bias_linear,
         "--untie-embeddings-and-output-weights": not m.untie_embeddings_and_output_weights,
         "--group-query-attention": m.group_query_attention,
-        "world size": world_size != 1,
-        "--micro-batch-size/--global-batch-size": cfg.training.global_batch_size
-        != cfg.training.micro_batch_size,
+        **_one_process_one_micro_batch(cfg, world_size),
     }
     if moe is not None:
         differs["--moe-layer-freq (every layer MoE)"] = not all(moe.moe_layers)
         differs["--moe-shared-expert-intermediate-size"] = bool(moe.moe_shared_expert_intermediate_size)
         differs["--moe-expert-capacity-factor (dropless)"] = moe.moe_expert_capacity_factor is not None
-    bad = [name for name, d in differs.items() if d]
-    if bad:
-        raise SystemExit(
-            "--reference plain-moe: the plain reference is a dropless top-k MoE GPT (RMSNorm, SwiGLU experts "
-            f"in every layer, no biases, untied output) on one process; this run differs in {', '.join(bad)}"
-        )
+    _refuse_differences(
+        differs,
+        "--reference plain-moe: the plain reference is a dropless top-k MoE GPT (RMSNorm, SwiGLU experts "
+        "in every layer, no biases, untied output) on one process",
+    )
     return MoEReferenceShape(
         layers=m.num_layers,
         hidden=m.hidden_size,
