@@ -144,6 +144,7 @@ def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> ForwardBackward
 
 
 _AUX_LOSS_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AUX_LOSS_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _set_aux_loss_scale(chunks: list[nn.Module], a: ForwardBackwardArgs) -> None:
@@ -162,8 +163,15 @@ def _set_aux_loss_scale(chunks: list[nn.Module], a: ForwardBackwardArgs) -> None
         return
     one = torch.ones((), device=a.groups.device)
     scale = (a.grad_scale_func(one) if a.grad_scale_func else one) * (a.groups.cp_size / a.num_microbatches)
+    # One tensor, updated in place, shared by the modules: a captured device graph of a layer
+    # (layer_graphs) reads the scale at the address it had at capture.
+    shared = _AUX_LOSS_SCALES.get(chunks[0])
+    if shared is None or (shared.device, shared.dtype) != (scale.device, scale.dtype):
+        shared = _AUX_LOSS_SCALES[chunks[0]] = scale.detach().clone()
+    else:
+        shared.copy_(scale)
     for module in modules:
-        module.aux_loss_backward_scale = scale
+        module.aux_loss_backward_scale = shared
 
 
 def _as_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

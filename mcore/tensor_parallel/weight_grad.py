@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from mcore.backend import get_ops
+from mcore.tensor_parallel.first_grad import take_first_write
 
 # ``main_grad += grad_output_2d^T input_2d`` in place (the backend's ``accumulate_weight_grad``), as
 # an operator for compiled graphs: Inductor lowers an ``addmm_`` on a graph input to an out-of-place
@@ -42,3 +43,38 @@ def weight_grad(ctx, weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torc
     else:
         get_ops().accumulate_weight_grad(ctx.main_grad, grad_2d, input_2d)
     return None if ctx.zero_placeholder else torch.empty_like(weight)
+
+
+class _GradIntoMainGrad(torch.autograd.Function):
+    """``forward(weight) = weight``; backward writes or adds the gradient that reaches it into
+    ``main_grad`` and hands autograd a placeholder (see :func:`grad_into_main_grad`)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+        ctx.weight, ctx.main_grad = weight, main_grad
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if take_first_write(ctx.weight):  # the step's first gradient: over the stale memory
+            ctx.main_grad.copy_(grad)
+        else:
+            ctx.main_grad.add_(grad)
+        return torch.empty_like(ctx.weight), None
+
+
+def grad_into_main_grad(weight: torch.Tensor, main_grad: torch.Tensor | None) -> torch.Tensor:
+    """``weight`` for a GEMM op whose backward returns ``dW`` (no accumulating form, as the grouped
+    GEMM of the MoE experts): the gradient is written (the step's first, see
+    :mod:`~mcore.tensor_parallel.first_grad`) or added into ``main_grad`` inside the backward pass, and
+    the weight's ``.grad`` is a placeholder the DDP hook discards. ``main_grad`` is what
+    :func:`~mcore.tensor_parallel.layers.fusion_main_grad` returned with ``overwrites_first=True``
+    (None: no fusion, ``weight`` itself is returned).
+
+    The DDP hook could do the same write or add (it does without fusion); doing it in the backward
+    keeps ``dW`` a temporary of that backward, so a captured device graph of the layer
+    (:mod:`mcore.models.transformer.layer_graphs`) reuses its memory instead of holding every layer's
+    ``dW`` as a static output."""
+    if main_grad is None:
+        return weight
+    return _GradIntoMainGrad.apply(weight, main_grad)

@@ -147,10 +147,12 @@ def test_a_weight_without_gradient_ends_the_step_with_a_zero_main_grad():
 MOE = dict(num_experts=4, moe_router_topk=2, swiglu=True, disable_bias_linear=True, moe_ffn_hidden_size=16)
 
 
-def _train_moe(micro_batches: int, overwrite: bool, monkeypatch):
-    """As :func:`_train` for an MoE GPT without FP8 (the experts' grouped weights opt in and the DDP
-    hook writes their first gradient); also counts the hook's writes."""
+def _train_moe(micro_batches: int, overwrite: bool, fusion: bool, monkeypatch):
+    """As :func:`_train` for an MoE GPT without FP8 (the experts' grouped weights opt in; their first
+    gradient is written by the backward with gradient-accumulation fusion, else by the DDP hook); also
+    counts the first writes."""
     from mcore.distributed import ddp as ddp_module
+    from mcore.tensor_parallel import weight_grad as weight_grad_module
 
     writes = [0]
     original = ddp_module.take_first_write
@@ -161,11 +163,11 @@ def _train_moe(micro_batches: int, overwrite: bool, monkeypatch):
         return write
 
     monkeypatch.setattr(ddp_module, "take_first_write", counted)
+    monkeypatch.setattr(weight_grad_module, "take_first_write", counted)
     torch.manual_seed(0)
     groups = ProcessGroups.single()
-    model = GPTModel(
-        ModelConfig(**MODEL, **MOE), groups, padded_vocab_size(VOCAB, 32, 1), device=torch.device("cpu")
-    )
+    config = ModelConfig(**MODEL, **MOE, gradient_accumulation_fusion=fusion)
+    model = GPTModel(config, groups, padded_vocab_size(VOCAB, 32, 1), device=torch.device("cpu"))
     ddp = DistributedDataParallel(model, DDPConfig(), groups)
     ddp.overwrite_first_grads = overwrite
     gen = torch.Generator().manual_seed(7)
@@ -174,10 +176,11 @@ def _train_moe(micro_batches: int, overwrite: bool, monkeypatch):
     return losses, grads, model, writes[0]
 
 
+@pytest.mark.parametrize("fusion", [True, False], ids=["in-backward", "by-the-hook"])
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_moe_experts_first_gradient_written_by_the_hook_equals_zero_then_add(monkeypatch, micro_batches):
-    want_losses, want_grads, _, _ = _train_moe(micro_batches, False, monkeypatch)
-    losses, grads, model, writes = _train_moe(micro_batches, True, monkeypatch)
+def test_moe_experts_first_gradient_written_equals_zero_then_add(monkeypatch, micro_batches, fusion):
+    want_losses, want_grads, _, _ = _train_moe(micro_batches, False, fusion, monkeypatch)
+    losses, grads, model, writes = _train_moe(micro_batches, True, fusion, monkeypatch)
     assert torch.equal(losses, want_losses)
     for step, (got, want) in enumerate(zip(grads, want_grads)):
         for name, g in got.items():

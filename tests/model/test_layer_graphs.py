@@ -38,6 +38,13 @@ _BASE = [
 ]  # fmt: skip
 
 
+_MOE = [
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--swiglu",
+    "--disable-bias-linear", "--normalization", "RMSNorm", "--moe-aux-loss-coeff", "0.01",
+    "--moe-z-loss-coeff", "0.001",
+]  # fmt: skip
+
+
 class _GraphBackend:
     """Just enough of a backend for check_run_config: a name and the device_graphs capability."""
 
@@ -59,6 +66,13 @@ class _GraphBackend:
         (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
         (["--hidden-dropout", "0.1", "--sequence-parallel", "--tensor-model-parallel-size", "2"], "--sequence-parallel"),
         (["--use-distributed-optimizer", "--overlap-param-gather"], "--overlap-param-gather"),
+        ([*_MOE, "--expert-model-parallel-size", "2"], "device graphs need --expert-model-parallel-size 1"),
+        ([*_MOE, "--moe-expert-capacity-factor", "1.5"], "--moe-expert-capacity-factor 1.5"),
+        ([*_MOE, "--moe-router-load-balancing-type", "global_aux_loss"], "global_aux_loss"),
+        ([*_MOE, "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2",
+          "--sequence-parallel"], "--moe-token-dispatcher-type alltoall with expert tensor parallelism (2)"),
+        ([*_MOE, "--recompute-granularity", "selective", "--recompute-modules", "moe"],
+         "--recompute-modules moe cannot be captured"),
     ],
 )  # fmt: skip
 def test_layouts_the_graphs_cannot_replay_are_refused(extra, message):
@@ -69,10 +83,17 @@ def test_layouts_the_graphs_cannot_replay_are_refused(extra, message):
 
 
 def test_recompute_inside_the_backward_is_accepted():
-    """``layernorm`` and ``mlp_act`` recompute in the backward pass that reads them: capturable."""
+    """``layernorm``, ``mlp_act`` and ``moe_act`` recompute in the backward pass that reads them:
+    capturable; so are dropless MoE layers with every expert on the rank (any dispatcher)."""
     argv = ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp_act"]
     cfg = parse_run_config([*_BASE, "--cuda-graph-impl", "local", *argv])
     check_run_config(cfg, _GraphBackend(), world_size=1)
+    moe_act = ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
+    for extra in ([], ["--moe-token-dispatcher-type", "alltoall"], moe_act):
+        cfg = parse_run_config([*_BASE, "--cuda-graph-impl", "local", *_MOE, *extra])
+        check_run_config(cfg, _GraphBackend(), world_size=1)
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # allgather over the ETP ranks
+    check_run_config(parse_run_config([*_BASE, "--cuda-graph-impl", "local", *_MOE, *tp]), _GraphBackend(), 2)
 
 
 def test_backend_without_device_graphs_is_refused():
@@ -137,11 +158,16 @@ def _run(tmp_path, name: str, extra: list[str]):
          "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--no-fp8-fused-producers"],
         ["--global-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
          "--no-fp8-keep-weight-transpose"],
+        ["--global-batch-size", "4", *_MOE, "--moe-per-layer-logging"],
+        ["--global-batch-size", "2", *_MOE, "--moe-router-score-function", "sigmoid",
+         "--moe-router-enable-expert-bias", "--moe-shared-expert-intermediate-size", "64",
+         "--moe-token-dispatcher-type", "alltoall", "--recompute-granularity", "selective",
+         "--recompute-modules", "moe_act", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
     ],
     ids=[
         "accumulation", "distopt-overlap", "llama", "precision-aware", "recompute", "llama-recompute",
         "fp8-delayed-fused", "fp8-delayed-one-micro-batch", "fp8-delayed-bf16-main-grads",
-        "fp8-delayed-no-kept-transpose",
+        "fp8-delayed-no-kept-transpose", "moe", "moe-sigmoid-bias-shared-alltoall",
     ],
 )  # fmt: skip
 def test_graph_replay_follows_the_eager_run(tmp_path, extra):
@@ -167,11 +193,38 @@ def test_graph_replay_follows_the_eager_run(tmp_path, extra):
         # and the add form for the later micro-batches (mcore.tensor_parallel.first_grad)
         forms = {True} if micro_batches == 1 else {True, False}
         assert all(c.overwriting and set(c.backward_graphs) == forms for c in graphs._captured)
+    if "--num-experts" in extra:
+        # the experts' grouped weights write their first gradient inside the backward graph, whose
+        # placeholder outputs are not kept (they would hold an expert-sized tensor per layer)
+        forms = {True} if micro_batches == 1 else {True, False}
+        for c in graphs._captured:
+            assert set(c.backward_graphs) == forms
+            assert {n for n, p in c.layer.named_parameters() if p in c.overwriting} >= {
+                "mlp.experts.linear_fc1.weight",
+                "mlp.experts.linear_fc2.weight",
+            }
+            assert all(g is None for g, fused in zip(c.static_grads[1:], c.placeholder) if fused)
+        graph_moe, eager_moe = _moe_logs(tmp_path, "graphs"), _moe_logs(tmp_path, "eager")
+        assert graph_moe.keys() == eager_moe.keys() and "load_balancing_loss" in graph_moe
+        for name, values in eager_moe.items():  # the routers' counts and losses, replayed
+            torch.testing.assert_close(
+                torch.tensor(graph_moe[name]), torch.tensor(values), rtol=5e-2, atol=2e-3
+            )
     assert graphs.replays == (8 - 2) * micro_batches  # every forward after the warm-up steps
     assert len(eager_losses) == len(graph_losses) == 8
     # The same kernels run in the same order; bf16 atomics in attention backward may differ slightly.
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(torch.tensor(graph_norms), torch.tensor(eager_norms), rtol=2e-2, atol=1e-3)
+
+
+def _moe_logs(tmp_path, name: str) -> dict[str, list[float]]:
+    """The MoE values of each step's log record (losses, tokens-per-expert balance, per layer)."""
+    records = [json.loads(line) for line in (Path(tmp_path) / f"{name}.jsonl").read_text().splitlines()]
+    records = [r for r in records if r.get("kind") == "train"]
+    keys = [
+        k for k in records[0] if any(m in k for m in ("load_balancing_loss", "z_loss", "tokens_per_expert"))
+    ]
+    return {k: [r[k] for r in records] for k in keys}
 
 
 def _tp_run(log_dir: str, name: str, extra: list[str]):

@@ -65,7 +65,7 @@ from mcore.tensor_parallel.first_grad import UNWRITTEN, is_unwritten, opts_in, z
 
 # Selective recompute modules that device graphs can capture: they recompute inside the backward pass
 # that reads them (mcore.tensor_parallel.recompute.RecomputeWhenSaved) and run no backward of their own.
-GRAPH_SAFE_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act"})
+GRAPH_SAFE_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act", "moe_act"})
 
 
 def _signature(hidden: torch.Tensor, extras: Sequence[torch.Tensor | None]) -> tuple:
@@ -211,8 +211,11 @@ class LayerGraphs:
         layers = [_CapturedLayer(layer) for layer in self.layers]
         extras = [None if t is None else t.detach().clone() for t in extras]
 
-        # the weights' main_grad_unwritten flags as the step left them (the warm-up passes change them)
+        # the weights' main_grad_unwritten flags as the step left them (the warm-up passes change them),
+        # and what the forward counts (the MoE routers' log sums and expert-bias counts)
         unwritten = {id(p): is_unwritten(p) for c in layers for p in c.params}
+        counting = [m for c in layers for m in c.layer.modules() if hasattr(m, "snapshot_step_state")]
+        counts = [m.snapshot_step_state() for m in counting]
         backend.synchronize()
         with backend.side_stream():
             sample = hidden.detach().clone().requires_grad_(True)
@@ -260,6 +263,12 @@ class LayerGraphs:
                             if static is not None and not fused:
                                 static.copy_(g)
                 del grads
+            # A fused weight's placeholder gradient is never read (the replay hands autograd a fresh
+            # one): dropped, its pool memory serves the later captures instead of holding a
+            # weight-sized tensor per layer (the MoE experts' are most of the model).
+            c.static_grads = tuple(
+                None if fused else g for g, fused in zip(c.static_grads, (False, *c.placeholder))
+            )
             grad_output = c.static_grads[0]
             # The captured forward's autograd graph is not needed any more; kept, it would keep the
             # parameters' gradient accumulators (autograd nodes) alive, bound to the capture stream,
@@ -268,7 +277,9 @@ class LayerGraphs:
         backend.synchronize()
 
         # The warm-up passes accumulated into main_grad, which held no gradient yet (see the module
-        # docstring): zero it, and restore the flags (on zeros, writing and adding agree).
+        # docstring): zero it, and restore the flags (on zeros, writing and adding agree) and the counts.
+        for module, state in zip(counting, counts):
+            module.restore_step_state(state)
         for c in layers:
             for p in c.params:
                 main_grad = getattr(p, "main_grad", None)
@@ -302,10 +313,7 @@ def check_layer_graphs(cfg, backend) -> None:
     if cfg.training.compile_layers:
         raise ConfigError(f"{flag} and --compile-layers: choose one")
     if model.num_experts is not None:
-        raise ConfigError(
-            f"{flag} and --num-experts={model.num_experts}: MoE layers route a varying number of tokens "
-            "to each expert (dynamic shapes a graph cannot replay)"
-        )
+        _check_moe_graphs(model, parallel, flag)
     captured_recompute = model.selective_recompute_modules - GRAPH_SAFE_RECOMPUTE_MODULES
     if model.recompute_granularity == "full" or captured_recompute:
         # The backward graph is captured with torch.autograd.grad; a checkpointed region backpropagates
@@ -333,6 +341,35 @@ def check_layer_graphs(cfg, backend) -> None:
     if cfg.optimizer.overlap_param_gather:
         raise ConfigError(
             f"{flag}: --overlap-param-gather waits for parameters in module hooks that a replay skips"
+        )
+
+
+def _check_moe_graphs(model, parallel, flag: str) -> None:
+    """MoE layers replay when nothing in them waits for the host: dropless routing (``T * topk`` rows,
+    per-expert counts that stay on the device, read by the grouped GEMM there) with every expert on
+    the rank (the expert-parallel exchanges size their buffers from counts read on the host)."""
+    what = f"{flag} with --num-experts={model.num_experts}"
+    if parallel.expert_model_parallel_size > 1:
+        raise ConfigError(
+            f"{what}: --expert-model-parallel-size {parallel.expert_model_parallel_size} exchanges tokens "
+            "in buffers sized on the host each step; device graphs need --expert-model-parallel-size 1"
+        )
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    if etp > 1 and model.moe_token_dispatcher_type != "allgather":
+        raise ConfigError(
+            f"{what}: --moe-token-dispatcher-type {model.moe_token_dispatcher_type} with expert tensor "
+            f"parallelism ({etp}) gathers rows of sizes read on the host; use --moe-token-dispatcher-type "
+            "allgather or --expert-tensor-parallel-size 1"
+        )
+    if model.moe_expert_capacity_factor is not None:
+        raise ConfigError(
+            f"{what}: --moe-expert-capacity-factor {model.moe_expert_capacity_factor} drops a varying "
+            "number of tokens (rows counted on the host); device graphs need dropless routing"
+        )
+    if "global_aux_loss" in model.moe_router_load_balancing_type:
+        raise ConfigError(
+            f"{what}: --moe-router-load-balancing-type global_aux_loss divides by the micro-batches seen "
+            "so far, a host count a replay cannot update; use aux_loss or seq_aux_loss"
         )
 
 

@@ -26,6 +26,7 @@ from mcore.backend import get_ops
 from mcore.fp8.grouped import fp8_grouped_gemm
 from mcore.models.transformer.moe.config import MoEConfig
 from mcore.tensor_parallel.first_grad import opt_in_hook_writes
+from mcore.tensor_parallel.layers import fusion_main_grad
 from mcore.tensor_parallel.recompute import RecomputeWhenSaved
 from mcore.tensor_parallel.sharding import (
     ZEROS,
@@ -34,6 +35,7 @@ from mcore.tensor_parallel.sharding import (
     make_parameter,
     scaled_init_method_normal,
 )
+from mcore.tensor_parallel.weight_grad import grad_into_main_grad
 
 
 def _param(global_shape, partition_dim, init, etp: int, ep: int, dtype, device, num_stacked: int = 1):
@@ -55,6 +57,9 @@ class GroupedMLP(torch.nn.Module):
         recompute_activation: ``--recompute-modules moe_act``.
         fp8_margin: ``--fp8-margin`` when the experts run FP8 (:func:`mcore.fp8.grouped.experts_fp8_status`),
             else None.
+        gradient_accumulation_fusion: the weights' gradients go to ``main_grad`` inside the backward
+            pass (the step's first written over it, later ones added; :func:`grad_into_main_grad`);
+            without it autograd hands them to the DDP hook, which does the same.
     """
 
     def __init__(
@@ -69,8 +74,10 @@ class GroupedMLP(torch.nn.Module):
         params_dtype: torch.dtype,
         device,
         fp8_margin: int | None = None,
+        gradient_accumulation_fusion: bool = True,
     ):
         super().__init__()
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.fp8_margin = fp8_margin  # not None: the grouped GEMMs run FP8 (mcore.fp8.grouped)
         e, h, f = moe.num_experts, moe.hidden_size, moe.ffn_hidden_size
         self.num_local_experts = e // ep_size
@@ -93,20 +100,30 @@ class GroupedMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x`` [N, H] grouped by local expert -> [N, H] (partial over ETP)."""
         ops = get_ops()
-        # the DDP hook writes the step's first gradient of the grouped weights over their main_grad
-        opt_in_hook_writes((self.linear_fc1.weight, self.linear_fc2.weight))
+        fc1_weight, fc2_weight = self._weight(self.linear_fc1.weight), self._weight(self.linear_fc2.weight)
         counts = tokens_per_expert.to(torch.int64)
         fc1_bias = self._bias_rows(self.linear_fc1.bias, counts, x.shape[0])
         gemm = ops.grouped_gemm if self.fp8_margin is None else self._fp8_gemm
-        h = gemm(x, self.linear_fc1.weight, counts)
+        h = gemm(x, fc1_weight, counts)
         if self.recompute_activation and self.training and torch.is_grad_enabled():
             a = self.activation(h, fc1_bias)
             with RecomputeWhenSaved(a, self.activation, h, fc1_bias):
-                y = gemm(a, self.linear_fc2.weight, counts)
+                y = gemm(a, fc2_weight, counts)
         else:
-            y = gemm(self.activation(h, fc1_bias), self.linear_fc2.weight, counts)
+            y = gemm(self.activation(h, fc1_bias), fc2_weight, counts)
         fc2_bias = self._bias_rows(self.linear_fc2.bias, counts, x.shape[0])
         return y if fc2_bias is None else y + fc2_bias
+
+    def _weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A grouped weight as the GEMM takes it: its gradient goes to ``main_grad`` in the backward
+        (fusion), or through autograd to the DDP hook, which writes the step's first one over
+        ``main_grad`` (:func:`~mcore.tensor_parallel.first_grad.opt_in_hook_writes`)."""
+        if self.gradient_accumulation_fusion:
+            main_grad = fusion_main_grad(weight, True, False, overwrites_first=True)
+            if main_grad is not None:
+                return grad_into_main_grad(weight, main_grad)
+        opt_in_hook_writes((weight,))
+        return weight
 
     def _fp8_gemm(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return fp8_grouped_gemm(x, weight, counts, self.fp8_margin)

@@ -85,6 +85,7 @@ class MoELayer(torch.nn.Module):
             params_dtype=ctx.params_dtype,
             device=ctx.device,
             fp8_margin=ctx.fp8.fp8_margin if self.experts_fp8 else None,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         )
         self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts, self.groups)
         self.shared_experts = (

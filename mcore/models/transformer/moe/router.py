@@ -82,7 +82,8 @@ class TopKRouter(torch.nn.Module):
         self.aux_loss_backward_scale = 1.0
         """Gradient the losses get in backward (set by the schedule: loss scale x CP / micro-batches)."""
         self.stats: dict[str, torch.Tensor] = {}
-        """Detached per-step sums for the logs: loss values (by Megatron's names) and ``tokens_per_expert``."""
+        """Detached per-step sums for the logs: loss values (by Megatron's names) and ``tokens_per_expert``;
+        each made at its first forward and then added to in place and zeroed after each step."""
 
     # -- forward ---------------------------------------------------------------------------------------
 
@@ -174,8 +175,34 @@ class TopKRouter(torch.nn.Module):
         return aux_losses.attach_loss(probs, loss, self.aux_loss_backward_scale)
 
     def _add_stat(self, name: str, value: torch.Tensor) -> None:
+        # Added in place into a tensor that lives across steps (zeroed by reset_step_state): a captured
+        # device graph of the layer (layer_graphs) replays the add at that tensor's address.
         value = value.detach().float()
-        self.stats[name] = self.stats[name] + value if name in self.stats else value
+        if name in self.stats:
+            self.stats[name].add_(value)
+        else:
+            self.stats[name] = value.clone()
+
+    # -- device-graph capture (mcore.models.transformer.layer_graphs) ---------------------------------
+
+    def snapshot_step_state(self) -> dict[str, torch.Tensor]:
+        """Copies of what a training forward adds to (the log sums, the expert-bias counts): a graph
+        capture's warm-up passes run the forward on a sample and must leave no count behind."""
+        state = {f"stat:{name}": t.clone() for name, t in self.stats.items()}
+        if self.local_tokens_per_expert is not None:
+            state["local_tokens_per_expert"] = self.local_tokens_per_expert.clone()
+        return state
+
+    def restore_step_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back :meth:`snapshot_step_state`'s values, in place (sums it did not have: zero)."""
+        for name, t in self.stats.items():
+            kept = state.get(f"stat:{name}")
+            if kept is None:
+                t.zero_()
+            else:
+                t.copy_(kept)
+        if self.local_tokens_per_expert is not None:
+            self.local_tokens_per_expert.copy_(state["local_tokens_per_expert"])
 
     # -- once per step (after gradient accumulation) ------------------------------------------------
 
@@ -194,4 +221,5 @@ class TopKRouter(torch.nn.Module):
         if hasattr(self, "global_tokens_per_expert"):
             self.global_tokens_per_expert.zero_()
             self.ga_steps = 0
-        self.stats = {}
+        for t in self.stats.values():
+            t.zero_()
