@@ -16,7 +16,9 @@ step's gradient), which nothing may read or add to. Two attributes on the parame
   forward, like ``grad_added_to_main_grad``: the FP8 linears with the FP8 weight gradient, in eager
   mode (a compiled backward is traced once and cannot look at the flag), through
   :func:`mcore.tensor_parallel.layers.fusion_main_grad`; the MoE experts' grouped weights, whose
-  gradient autograd produces and the DDP hook copies over ``main_grad`` (:func:`opt_in_hook_writes`).
+  gradient the grouped GEMM returns and the backward then writes over ``main_grad``
+  (:func:`mcore.tensor_parallel.weight_grad.grad_into_main_grad`), or, without gradient-accumulation
+  fusion, the DDP hook does (:func:`opt_in_hook_writes`).
 * ``param.main_grad_unwritten`` (the step's flag): set by ``zero_grad_buffer`` for the opted-in
   weights whose region it did not zero; cleared by the first write (:func:`take_first_write`) or by
   :func:`zero_if_unwritten`.
