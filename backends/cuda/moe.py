@@ -21,8 +21,9 @@ ops that avoid host syncs and fp32 copies where they can.
   autograd keeps an fp32 copy of the weighted rows) and sums in fp32: on the GPU with one Triton
   kernel each way (a per-token gather-sum in a fixed order: deterministic, no fp32 copy of the rows),
   elsewhere with ``index_add``; each row's weight is gathered by the same sort, without a host sync.
-* The router (``moe_topk_routing``) stays the reference: a softmax/sigmoid and two small top-k's over
-  ``[T, E]`` fp32 logits, which torch's kernels already serve (and Inductor fuses under compile).
+* ``moe_topk_routing``: one Triton kernel each way (score function, top-k, weights, the ``[T, E]``
+  probs and map) where the reference ran about twenty small ones; group-limited routing stays the
+  reference.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ from __future__ import annotations
 import torch
 
 from mcore.ops import reference
+from mcore.ops.reference.moe import check_routing_args
 
 from .device import on_kernel_device, tracing
 
 GROUPED_MM_ON_CPU = False
 """Let :func:`grouped_gemm` call ``torch._grouped_mm`` on CPU tensors (tests only: torch's CPU
 implementation runs the same autograd.Function without a GPU)."""
+
+_ROUTER_MAX_EXPERTS = 512  # the routing kernel keeps a row of experts in registers
 
 _ALIGN = 16  # bytes: the kernel's stride and base-address alignment
 
@@ -234,8 +238,49 @@ def moe_unpermute(
     return Unpermute.apply(permuted, sorted_indices, restore_shape, row_probs)
 
 
-MOE_OPS = {"grouped_gemm": grouped_gemm, "moe_permute": moe_permute, "moe_unpermute": moe_unpermute}
+def moe_topk_routing(
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+):
+    """The reference ``moe_topk_routing`` as one Triton kernel each way
+    (:mod:`~mcore.backends.cuda.triton_kernels.moe_router`) for fp32 logits on the kernel device with
+    at most 512 experts and no group-limited routing; the reference otherwise."""
+    kwargs = dict(
+        score_function=score_function, pre_softmax=pre_softmax, num_groups=num_groups,
+        group_topk=group_topk, scaling_factor=scaling_factor, expert_bias=expert_bias,
+    )  # fmt: skip
+    fits = (
+        not tracing()
+        and on_kernel_device(logits, expert_bias)
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.is_contiguous()
+        and num_groups is None
+        and logits.shape[1] <= _ROUTER_MAX_EXPERTS
+    )
+    if not fits:
+        return reference.moe_topk_routing(logits, topk, **kwargs)
+    check_routing_args(logits, topk, score_function, num_groups, group_topk, expert_bias)
+    from .triton_kernels import moe_router
+
+    return moe_router.topk_routing(logits, topk, score_function, pre_softmax, scaling_factor, expert_bias)
+
+
+MOE_OPS = {
+    "grouped_gemm": grouped_gemm,
+    "moe_permute": moe_permute,
+    "moe_unpermute": moe_unpermute,
+    "moe_topk_routing": moe_topk_routing,
+}
 MOE_PROVIDERS = {
+    "moe_topk_routing": "triton",
     "grouped_gemm": "torch-grouped-mm",
     "moe_permute": "torch-sort",
     "moe_unpermute": "torch-index",

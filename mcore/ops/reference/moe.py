@@ -19,7 +19,7 @@ from mcore.ops.reference._common import _wide
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
-def _check_routing_args(logits, topk, score_function, num_groups, group_topk, expert_bias) -> None:
+def check_routing_args(logits, topk, score_function, num_groups, group_topk, expert_bias) -> None:
     if logits.dim() != 2:
         raise ValueError(f"moe_topk_routing: logits must be [tokens, experts], got {tuple(logits.shape)}")
     num_experts = logits.shape[1]
@@ -97,9 +97,10 @@ def moe_topk_routing(
 
     Returns ``(probs, routing_map)``: ``probs [T, E]`` in at least fp32 (fp32 for fp32/bf16/fp16
     logits), zero off the chosen experts, differentiable w.r.t. ``logits``; ``routing_map [T, E]``
-    bool with exactly ``topk`` True per row. Ties go to the lowest expert index (``torch.topk``).
+    bool with exactly ``topk`` True per row. Among equal scores ``torch.topk`` chooses (which ones is
+    its own; the CUDA backend's kernel takes the lowest experts).
     """
-    _check_routing_args(logits, topk, score_function, num_groups, group_topk, expert_bias)
+    check_routing_args(logits, topk, score_function, num_groups, group_topk, expert_bias)
     logits = _wide(logits)
     if score_function == "softmax":
         if pre_softmax:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from mcore.backend import get_ops
+
 
 def switch_load_balancing_loss(
     scores: torch.Tensor,
@@ -47,12 +49,16 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 def scores_for_aux_loss(
     logits: torch.Tensor, topk: int, score_function: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scores [T, E] fp32 the aux losses use and their top-k map [T, E] bool (no bias, no groups)."""
+    """The scores [T, E] fp32 the aux losses use and their top-k map [T, E] bool (no bias, no groups).
+
+    For softmax scores the map is the op table's top-k of ``softmax(logits)`` (``moe_topk_routing``
+    with ``pre_softmax``: the same choice, one kernel where the backend has one)."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        scores = torch.sigmoid(logits.float())
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        _, routing_map = get_ops().moe_topk_routing(logits.detach().float(), topk, pre_softmax=True)
+        return routing_map, scores
+    scores = torch.sigmoid(logits.float())
+    scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     top = torch.topk(scores, k=topk, dim=-1).indices
     routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
     return routing_map, scores
