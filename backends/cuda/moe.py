@@ -21,6 +21,8 @@ ops that avoid host syncs and fp32 copies where they can.
   autograd keeps an fp32 copy of the weighted rows) and sums in fp32: on the GPU with one Triton
   kernel each way (a per-token gather-sum in a fixed order: deterministic, no fp32 copy of the rows),
   elsewhere with ``index_add``; each row's weight is gathered by the same sort, without a host sync.
+  Without probs (the MoE layer's combine: the experts weighted their rows) it keeps only the indices:
+  the rows' gradient is a gather of the output's.
 * ``moe_topk_routing``: one Triton kernel each way (score function, top-k, weights, the ``[T, E]``
   probs and map) where the reference ran about twenty small ones; group-limited routing stays the
   reference.
@@ -168,7 +170,8 @@ class Permute(torch.autograd.Function):
 
 class Unpermute(torch.autograd.Function):
     """``out[t_i] += rows[i] * p_i`` summed in fp32, returned in ``rows.dtype``; saves ``rows`` as
-    they are. Backward: ``d rows[i] = dout[t_i] * p_i``, ``d p_i = <dout[t_i], rows[i]>``.
+    they are when weighted (for ``d p``), else only the indices. Backward: ``d rows[i] = dout[t_i] *
+    p_i``, ``d p_i = <dout[t_i], rows[i]>``.
 
     On the Triton device (:func:`_triton_fits`) both directions are one kernel each
     (:mod:`~mcore.backends.cuda.triton_kernels.moe_unpermute`: a deterministic per-token gather-sum,
@@ -176,7 +179,8 @@ class Unpermute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, sorted_indices, restore_shape, row_probs):
-        ctx.save_for_backward(rows, sorted_indices, row_probs)
+        ctx.save_for_backward(None if row_probs is None else rows, sorted_indices, row_probs)
+        ctx.rows_dtype = rows.dtype
         ctx.triton = _triton_fits(rows, sorted_indices, row_probs)
         if ctx.triton:
             from .triton_kernels import moe_unpermute as kernels
@@ -191,6 +195,8 @@ class Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         rows, sorted_indices, row_probs = ctx.saved_tensors
+        if row_probs is None:  # a plain sum: each row's gradient is its token's
+            return dout.index_select(0, sorted_indices).to(ctx.rows_dtype), None, None, None
         if ctx.triton:
             from .triton_kernels import moe_unpermute as kernels
 

@@ -198,6 +198,25 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return reference.swiglu(x)
 
 
+def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The reference ``weighted_swiglu`` (``[N, 2F]`` gate first, fp32 ``[N]`` weights) through Triton
+    kernels; no rows, other shapes or dtypes run the reference."""
+    if (
+        not tracing()
+        and x.dtype in _FLOAT
+        and x.dim() == 2
+        and x.numel() > 0
+        and x.shape[-1] % 2 == 0
+        and weights.dtype == torch.float32
+        and weights.shape == (x.shape[0],)
+        and on_kernel_device(x, weights)
+    ):
+        from .triton_kernels import activations
+
+        return activations.weighted_swiglu(x, weights)
+    return reference.weighted_swiglu(x, weights)
+
+
 def _bias_fits(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return bias is None or (
         bias.dim() == 1 and bias.shape[0] == x.shape[-1] and bias.dtype == x.dtype and bias.is_contiguous()
@@ -525,6 +544,7 @@ _TRITON_OPS = {
     "rotary_embedding": rotary_embedding,
     "bias_gelu": bias_gelu,
     "swiglu": swiglu,
+    "weighted_swiglu": weighted_swiglu,
     "bias_dropout_add": bias_dropout_add,
     "cross_entropy": cross_entropy,
     "cross_entropy_local_stats": cross_entropy_local_stats,

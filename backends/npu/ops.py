@@ -16,6 +16,11 @@ op                        conversion
                           concatenated back, as MindSpeed does. ``rotary_mode="half"`` is mcore's
                           rotate-half convention.
 ``swiglu``                ``npu_swiglu(x, dim=-1)``: same gate-first convention, no conversion.
+``weighted_swiglu``       ``npu_swiglu(x, dim=-1)`` times the row weights (fp32, rounded to ``x``'s
+                          dtype), in an autograd.Function that keeps ``x`` and the weights; backward
+                          recomputes ``npu_swiglu`` for the weights' gradient and gets ``dx`` from
+                          ``npu_swiglu_backward(dy * w, x, dim=-1)``. 2-D ``[N > 0, 2F]`` with fp32
+                          weights only (else the reference).
 ``attention``             ``npu_fusion_attention`` with layout ``"BNSD"`` (mcore's ``[b, n, s, d]``,
                           so no transpose), ``head_num`` = query heads (K/V keep their ``g`` heads:
                           the op does GQA itself), an explicit ``scale`` (the op's default is 1.0, not
@@ -164,7 +169,43 @@ def _swiglu_ops(torch_npu: ModuleType) -> dict[str, Callable]:
             return reference.swiglu(x)
         return torch_npu.npu_swiglu(x, dim=-1)
 
-    return {"swiglu": swiglu}
+    class WeightedSwiGLU(torch.autograd.Function):
+        """``(npu_swiglu(x).float() * w[:, None]).to(x.dtype)``, keeping ``x`` and ``w`` only."""
+
+        @staticmethod
+        def forward(ctx, x, weights):
+            ctx.save_for_backward(x, weights)
+            return (torch_npu.npu_swiglu(x, dim=-1).float() * weights[:, None]).to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weights = ctx.saved_tensors
+            dy32 = dy.float()
+            dx = dw = None
+            if ctx.needs_input_grad[0]:
+                ds = (dy32 * weights[:, None]).to(x.dtype).contiguous()
+                dx = torch_npu.npu_swiglu_backward(ds, x, dim=-1)
+            if ctx.needs_input_grad[1]:
+                dw = (dy32 * torch_npu.npu_swiglu(x, dim=-1).float()).sum(-1)
+            return dx, dw
+
+    def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference ``weighted_swiglu`` through ``npu_swiglu`` and ``npu_swiglu_backward``."""
+        if (
+            x.dtype not in FLOAT_DTYPES
+            or x.dim() != 2
+            or x.shape[0] == 0
+            or x.shape[1] % 2
+            or weights.dtype != torch.float32
+            or weights.shape != (x.shape[0],)
+        ):
+            return reference.weighted_swiglu(x, weights)
+        return WeightedSwiGLU.apply(x.contiguous(), weights.contiguous())
+
+    ops = {"swiglu": swiglu}
+    if hasattr(torch_npu, "npu_swiglu_backward"):  # its documented gradient op (torch_npu-api 3.3)
+        ops["weighted_swiglu"] = weighted_swiglu
+    return ops
 
 
 def _attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, causal: bool) -> bool:

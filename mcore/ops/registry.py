@@ -33,6 +33,7 @@ OP_NAMES: tuple[str, ...] = (
     "rotary_embedding",
     "bias_gelu",
     "swiglu",
+    "weighted_swiglu",
     "bias_dropout_add",
     "attention",
     "cross_entropy",

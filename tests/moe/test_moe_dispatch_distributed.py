@@ -36,15 +36,18 @@ def _layouts():
 
 
 def _roundtrip(dispatcher, groups, etp: int, x, routing_map) -> tuple[bool, bool]:
-    """Identity experts, probs 1/K: combine(dispatch(x)) == x and its gradient is the upstream one."""
+    """Identity experts weighting their rows by the dispatched probs 1/K: combine(dispatch(x)) == x, its
+    gradient is the upstream one, and each prob's gradient is ``<g_t, x_t>`` (sent back with it)."""
     x = x.clone().requires_grad_(True)
-    probs = routing_map.double() / K
-    rows, counts = dispatcher.dispatch(x, probs, routing_map)
-    assert int(counts.sum()) == rows.shape[0]
-    out = dispatcher.combine(rows / etp)  # each ETP rank holds a partial sum
+    probs = (routing_map.double() / K).requires_grad_(True)
+    rows, counts, row_probs = dispatcher.dispatch(x, probs, routing_map)
+    assert int(counts.sum()) == rows.shape[0] == row_probs.shape[0]
+    out = dispatcher.combine(rows * row_probs[:, None] / etp)  # each ETP rank holds a partial sum
     g = torch.randn_like(out)
     out.backward(g)
-    return torch.equal(out, x), torch.equal(x.grad, g)
+    d_probs = (g * x).sum(-1, keepdim=True).detach() * routing_map
+    ok_probs = torch.allclose(probs.grad, d_probs, rtol=1e-12, atol=1e-12)
+    return torch.equal(out, x) and ok_probs, torch.equal(x.grad, g)
 
 
 def _tokens(rank: int, starve_rank1: bool):

@@ -161,9 +161,9 @@ def test_experts_input_rows_are_saved_as_a_recipe_and_regathered_exactly(dispatc
         dispatch = layer.dispatcher.dispatch
 
         def spy(*args, dispatch=dispatch, rows_storage=rows_storage, **kwargs):
-            rows, counts = dispatch(*args, **kwargs)
+            rows, counts, row_probs = dispatch(*args, **kwargs)
             rows_storage.append(rows.untyped_storage().data_ptr())
-            return rows, counts
+            return rows, counts, row_probs
 
         layer.dispatcher.dispatch = spy
         with torch.autograd.graph.saved_tensors_hooks(
@@ -175,3 +175,106 @@ def test_experts_input_rows_are_saved_as_a_recipe_and_regathered_exactly(dispatc
     assert in_rows[0] > 0 and in_rows[1] == 0
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def _fp32_layer(**flags):
+    cfg = ModelConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=4, ffn_hidden_size=F,
+        num_experts=E, moe_router_topk=2, moe_router_dtype="fp32", **flags,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, BuildContext(params_dtype=torch.float32)).train()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return layer
+
+
+def _dense_formula(layer, x, score_function: str, gated: bool):
+    """``y_t = sum_e p_te (W2_e act(W1_e x_t + b1_e) + b2_e)`` over all experts at once (fp32), with
+    ``p`` from the router weight (zero off each token's top-2)."""
+    ex = layer.experts
+    tokens = x.reshape(-1, H)
+    logits = tokens @ layer.router.weight.t()
+    if score_function == "softmax":
+        top = logits.topk(2).indices
+        weights = torch.softmax(logits.gather(1, top), -1)
+    else:
+        scores = torch.sigmoid(logits)
+        top = scores.topk(2).indices
+        weights = scores.gather(1, top)
+        weights = weights / weights.sum(-1, keepdim=True)
+    probs = torch.zeros_like(logits).scatter(1, top, weights)  # [T, E]
+    h = torch.einsum("th,efh->tef", tokens, ex.linear_fc1.weight)
+    if ex.linear_fc1.bias is not None:
+        h = h + ex.linear_fc1.bias
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) * up
+    else:
+        a = torch.nn.functional.gelu(h)
+    out = torch.einsum("tef,ehf->teh", a, ex.linear_fc2.weight)  # every expert's output [T, E, H]
+    if ex.linear_fc2.bias is not None:
+        out = out + ex.linear_fc2.bias
+    return (probs[:, :, None] * out).sum(1).reshape(x.shape)
+
+
+@pytest.mark.parametrize("moe_act", [False, True], ids=["plain", "moe_act"])
+@pytest.mark.parametrize(
+    ("score_function", "gated"),
+    [("softmax", True), ("sigmoid", False)],
+    ids=["softmax_swiglu", "sigmoid_gelu_bias"],
+)
+def test_probs_applied_in_the_activation_equal_the_weighted_sum_of_expert_outputs(
+    score_function, gated, moe_act
+):
+    """fp32: the layer (probs inside the experts' activation, an unweighted combine) gives the plain
+    formula's output and input, router and expert gradients (GeLU experts with biases: fc2's bias is
+    weighted too)."""
+    flags = dict(moe_router_score_function=score_function)
+    flags.update(dict(swiglu=True, disable_bias_linear=True) if gated else {})
+    if moe_act:
+        flags.update(recompute_granularity="selective", recompute_modules=("moe_act",))
+    layer = _fp32_layer(**flags)
+    x = torch.randn(4, 2, H, requires_grad=True)
+    out = layer(x)[0]
+    expected = _dense_formula(layer, x, score_function, gated)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(out)
+    params = [x, layer.router.weight, *layer.experts.parameters()]
+    assert len(params) == (4 if gated else 6)
+    for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(expected, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_the_combine_keeps_no_rows_sized_tensor_for_backward(dispatcher):
+    """The bytes autograd saves for one MoE layer (outside its parameters, each storage once) stay below
+    what its shapes need without the experts' output rows: the input, fc1's output ``[N, 2F]`` and the
+    weighted activation ``[N, F]``, the probs and indices, the router's ``[T, E]`` tensors. A weighted
+    combine would keep the output rows ``[N, H]`` too (``N = T * topk``; ``H`` is wide here)."""
+    hidden, ffn, topk, tokens = 64, 4, 2, 16
+    cfg = ModelConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=2, seq_length=tokens, ffn_hidden_size=ffn,
+        num_experts=E, moe_router_topk=topk, moe_router_dtype="fp32", swiglu=True, disable_bias_linear=True,
+        moe_token_dispatcher_type=dispatcher,
+    )  # fmt: skip
+    layer = MoELayer(cfg, BuildContext(params_dtype=torch.float32)).train()
+    x = torch.randn(tokens, 1, hidden, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)[0]
+    n = tokens * topk
+    bound = 4 * (tokens * hidden + n * (3 * ffn + 1) + 8 * tokens * E) + 8 * 4 * n
+    saved = sum(storages.values())
+    assert saved <= bound, (saved, bound)
+    assert saved + 4 * n * hidden > bound  # the output rows would not fit
+    out.sum().backward()

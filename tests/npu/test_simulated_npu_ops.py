@@ -144,7 +144,49 @@ def test_simulated_rms_norm_rotary_swiglu_signatures(simulated_npu):
         simulated_npu.npu_rotary_mul(t, cos, cos)
 
 
+def test_simulated_swiglu_backward_is_the_gradient_of_npu_swiglu(simulated_npu):
+    x = torch.randn(3, 5, 8, dtype=torch.float32, requires_grad=True)
+    dy = torch.randn(3, 5, 4)
+    (want,) = torch.autograd.grad(simulated_npu.npu_swiglu(x, dim=-1), x, dy)
+    torch.testing.assert_close(simulated_npu.npu_swiglu_backward(dy, x.detach(), dim=-1), want)
+    with pytest.raises(TypeError, match="must match"):
+        simulated_npu.npu_swiglu_backward(dy.bfloat16(), x.detach())
+    with pytest.raises(RuntimeError, match="halved along dim"):
+        simulated_npu.npu_swiglu_backward(torch.randn(3, 5, 8), x.detach())
+    with pytest.raises(TypeError, match="does not support"):
+        simulated_npu.npu_swiglu_backward(dy.double(), x.detach().double())
+
+
 # --- what the adapters send ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_simulated_weighted_swiglu_adapter(simulated_npu, dtype):
+    """``npu_swiglu`` times the weights forward, ``npu_swiglu_backward`` for ``dx``; keeps ``x`` and the
+    weights only; the reference's results (bf16: within its roundings); no rows run the reference."""
+    fn = build_npu_ops(simulated_npu)["weighted_swiglu"]
+    calls = _spy(simulated_npu, "npu_swiglu_backward")
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 2 * 24, generator=gen).to(dtype), torch.rand(9, generator=gen)
+    dy = torch.randn(9, 24, generator=gen).to(dtype)
+    results = []
+    for op in (fn, reference.weighted_swiglu):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, kept=kept: kept.append(t.shape) or t, lambda t: t
+        ):
+            out = op(xa, wa)
+        out.backward(dy)
+        results.append((out, xa.grad, wa.grad, sorted(tuple(k) for k in kept)))
+    (out, dx, dw, kept), (ref, ref_dx, ref_dw, _) = results
+    assert len(calls) == 1 and calls[0][1] == {"dim": -1} and calls[0][0][0].dtype == dtype
+    assert kept == [(9,), (9, 48)] and dw.dtype == torch.float32 and out.dtype == dx.dtype == dtype
+    tol = {} if dtype == torch.float32 else dict(rtol=2**-6, atol=1e-2)
+    for got, want in ((out, ref), (dx, ref_dx), (dw, ref_dw)):
+        torch.testing.assert_close(got, want, **tol)
+    empty = fn(torch.zeros(0, 8, dtype=dtype), torch.zeros(0))
+    assert empty.shape == (0, 4) and len(calls) == 1
 
 
 def test_simulated_attention_adapter_call_conventions(simulated_npu):

@@ -153,6 +153,27 @@ def _cases() -> list[Case]:
         Case("swiglu", "8192x5632", swiglu_args((8192,), 5632), grad=(0,), scale=1.5, big=True),
     ]
 
+    def weighted_swiglu_args(m, f):
+        def make(gen, dt, dev):
+            x = _t(gen, m, 2 * f, dtype=dt, device=dev, scale=2.0)
+            return (x, torch.rand(m, generator=gen).to(dev)), {}  # fp32 probabilities
+
+        return make
+
+    c += [
+        Case("weighted_swiglu", "37x300", weighted_swiglu_args(37, 300), grad=(0, 1), scale=1.5),
+        Case("weighted_swiglu", "5x2048", weighted_swiglu_args(5, 2048), grad=(0, 1), scale=1.5),
+        Case("weighted_swiglu", "0x64", weighted_swiglu_args(0, 64), grad=(0, 1), scale=1.5),
+        Case(
+            "weighted_swiglu",
+            "16384x1024",
+            weighted_swiglu_args(16384, 1024),
+            grad=(0, 1),
+            scale=1.5,
+            big=True,
+        ),
+    ]
+
     def gelu_args(m, n, bias, approximate):
         def make(gen, dt, dev):
             x = _t(gen, *m, n, dtype=dt, device=dev, scale=2.0)
@@ -476,6 +497,7 @@ def test_cuda_op_providers(cuda_backend):
         "layer_norm_with_residual",
         "rotary_embedding",
         "swiglu",
+        "weighted_swiglu",
         "bias_gelu",
         "bias_dropout_add",
         "cross_entropy",
@@ -499,6 +521,7 @@ def test_cuda_op_matches_reference(cuda_backend, case, dtype):
         "layer_norm_with_residual",
         "rotary_embedding",
         "swiglu",
+        "weighted_swiglu",
         "bias_gelu",
         "bias_dropout_add",
         "cross_entropy",

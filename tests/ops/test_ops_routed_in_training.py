@@ -59,7 +59,13 @@ CP2_RING = ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--attentio
 """Context parallelism over 2 ranks with the ring: attention_with_lse, its backward, attention_merge."""
 
 
-MOE_OPS_BEFORE_THE_LAYER = {"moe_topk_routing", "moe_permute", "moe_unpermute", "grouped_gemm"}
+MOE_OPS_BEFORE_THE_LAYER = {
+    "moe_topk_routing",
+    "moe_permute",
+    "moe_unpermute",
+    "grouped_gemm",
+    "weighted_swiglu",
+}
 """The MoE ops, in the table before the MoE layer that calls them is merged (wave 3: moe-layer adds a
 ``--num-experts`` run here and removes this set); tests/ops/test_moe_*.py and the conformance suite
 check them meanwhile."""

@@ -133,6 +133,20 @@ def test_swiglu_matches_formula_and_gradcheck():
     assert torch.autograd.gradcheck(ref.swiglu, (x,))
 
 
+def test_weighted_swiglu_matches_formula_gradcheck_and_keeps_only_its_inputs():
+    x = _randn(6, 10, seed=17, requires_grad=True)
+    w = torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(18)).requires_grad_()
+    torch.testing.assert_close(ref.weighted_swiglu(x, w), ref.swiglu(x) * w[:, None])
+    assert torch.autograd.gradcheck(ref.weighted_swiglu, (x, w))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ref.weighted_swiglu(x.detach().bfloat16().requires_grad_(), w.detach().float().requires_grad_())
+    assert y.dtype == torch.bfloat16
+    assert sorted(tuple(t.shape) for t in saved) == [(6,), (6, 10)]  # x and weights, not swiglu(x)
+    with pytest.raises(ValueError, match=r"weighted_swiglu: x \(6, 10\) must be \[N, 2F\]"):
+        ref.weighted_swiglu(x, w[:3])
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_bias_gelu_matches_formula_and_gradcheck(approximate, with_bias):

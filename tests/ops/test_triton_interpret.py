@@ -1,4 +1,5 @@
-"""The CUDA backend's norm, bias-dropout-add and flat AdamW kernels under Triton's CPU interpreter.
+"""The CUDA backend's norm, bias-dropout-add, weighted SwiGLU and flat AdamW kernels under Triton's CPU
+interpreter.
 
 A quick CPU-only check of the persistent backward kernels (row shares that do not divide evenly,
 row blocks of 1 and 2, with and without prefetching, weight/bias gradients through the partial-sum
@@ -231,6 +232,26 @@ def _main() -> int:
         expect(f"bias_dropout_add p={p} {m}x{n} {dt} {cfg}", errors, bound[dt])
         if not torch.equal(dx == 0, want_dx == 0):
             failures.append(f"bda dx zeros differ from the mask ({m}x{n})")
+
+    # The MoE experts' weighted SwiGLU through its autograd.Function: a row block that is ragged, the
+    # backward's loop over several column blocks (BLOCK_N 16 < F), a zero weight; no rows falls back.
+    from mcore.backends.cuda import ops as cuda_ops
+
+    for (m, f), dt in [((7, 37), torch.float32), ((5, 20), torch.bfloat16)]:
+        x, w, dy = (torch.randn(m, 2 * f) * 2).to(dt), torch.rand(m), torch.randn(m, f).to(dt)
+        w[0] = 0.0
+        fwd, bwd = activations.weighted_swiglu_fwd, activations.weighted_swiglu_bwd
+        small = {"BLOCK_M": 4, "BLOCK_N": 16, "num_warps": 1}
+        y = fwd(x, w, small)
+        dx, dw = bwd(dy, x, w, small)
+        out, got = grads(activations.weighted_swiglu, [x, w], dy)
+        ref, gold = grads(reference.weighted_swiglu, [x.double(), w.double()], dy.double())
+        assert dx.dtype == dt and dw.dtype == torch.float32 and got[1].dtype == torch.float32
+        errors = [_rel(y, ref), _rel(dx, gold[0]), _rel(dw, gold[1]), _rel(out, ref)]
+        errors += [_rel(g, h) for g, h in zip(got, gold)]
+        expect(f"weighted_swiglu {m}x{2 * f} {dt}", errors, bound[dt])
+    empty = cuda_ops.weighted_swiglu(torch.zeros(0, 8), torch.zeros(0))
+    assert empty.shape == (0, 4) and empty.grad_fn is None
 
     # One-pass AdamW over flat buffers: tiles aligned to 16 elements (full tiles unmasked, ragged first
     # and last tiles) and unaligned tables (tiles start at the segment), three storages, and the skip flag.

@@ -8,7 +8,7 @@ Owners of real NPUs run ``examples/npu_smoke.py`` instead.
 What it provides, after :func:`install`:
 
 * ``sys.modules["torch_npu"]`` with the fused ops the backend calls (``npu_rms_norm``,
-  ``npu_rotary_mul``, ``npu_swiglu``, ``npu_fusion_attention`` (+ ``_grad``),
+  ``npu_rotary_mul``, ``npu_swiglu`` (+ ``_backward``), ``npu_fusion_attention`` (+ ``_grad``),
   ``npu_scaled_masked_softmax``, ``npu_apply_adam_w``, ``npu_gelu``), the MoE training ops
   (``npu_grouped_matmul``, ``npu_moe_token_permute_with_routing_map``,
   ``_npu_moe_token_unpermute_with_routing_map`` and their ``_grad`` ops) and ring attention's

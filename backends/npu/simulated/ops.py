@@ -119,6 +119,31 @@ def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (F.silu(a.float()) * b.float()).to(self.dtype)
 
 
+def npu_swiglu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The gradient of :func:`npu_swiglu` w.r.t. ``self``: ``[dy b silu'(a), dy silu(a)]`` along ``dim``
+    (``grad_output`` has ``self``'s shape with ``dim`` halved and ``self``'s dtype)."""
+    _check_dtype("npu_swiglu_backward", "self", self)
+    _check_dtype("npu_swiglu_backward", "grad_output", grad_output)
+    if grad_output.dtype != self.dtype:
+        raise TypeError(
+            f"npu_swiglu_backward: grad_output has dtype {grad_output.dtype}, self {self.dtype} (must match)"
+        )
+    if self.shape[dim] % 2:
+        raise RuntimeError(f"npu_swiglu_backward: size {self.shape[dim]} along dim {dim} must be even")
+    half = list(self.shape)
+    half[dim] //= 2
+    if list(grad_output.shape) != half:
+        raise RuntimeError(
+            f"npu_swiglu_backward: grad_output {tuple(grad_output.shape)} must be self {tuple(self.shape)} "
+            f"halved along dim {dim}: {tuple(half)}"
+        )
+    a, b = (t.float() for t in self.chunk(2, dim=dim))
+    dy = grad_output.float()
+    sig = torch.sigmoid(a)
+    da = dy * b * sig * (1 + a * (1 - sig))
+    return torch.cat((da, dy * a * sig), dim=dim).to(self.dtype)
+
+
 # --- scaled masked softmax -----------------------------------------------------------------------
 
 
@@ -558,4 +583,5 @@ __all__ = [
     "npu_rotary_mul",
     "npu_scaled_masked_softmax",
     "npu_swiglu",
+    "npu_swiglu_backward",
 ]

@@ -4,7 +4,7 @@ One module per kind of op, mirroring the kernel files of ``backends/cuda/triton_
 
 * :mod:`.norms`: LayerNorm, RMSNorm (and with their residual stream);
 * :mod:`.rotary`: rotary position embedding;
-* :mod:`.activations`: bias-GeLU, SwiGLU, bias-dropout-add;
+* :mod:`.activations`: bias-GeLU, SwiGLU (and weighted per row, the MoE experts'), bias-dropout-add;
 * :mod:`.dot_product_attention`: scaled dot-product attention with its softmax;
 * :mod:`.attention_lse`: attention by key blocks for context parallelism (with its log-sum-exp, the
   merge of two blocks, a block's backward);
@@ -31,7 +31,7 @@ returned in the input dtype, as Megatron's fused kernels do.
 from __future__ import annotations
 
 from mcore.ops.reference.act_fp8 import ACTIVATIONS, act_fp8_backward, act_fp8_forward
-from mcore.ops.reference.activations import bias_dropout_add, bias_gelu, swiglu
+from mcore.ops.reference.activations import bias_dropout_add, bias_gelu, swiglu, weighted_swiglu
 from mcore.ops.reference.adam import adam_step, adam_step_flat, adam_step_flat_fp8
 from mcore.ops.reference.attention_lse import (
     attention_merge,
@@ -76,6 +76,7 @@ REFERENCE_OPS = {
     "rotary_embedding": rotary_embedding,
     "bias_gelu": bias_gelu,
     "swiglu": swiglu,
+    "weighted_swiglu": weighted_swiglu,
     "bias_dropout_add": bias_dropout_add,
     "attention": attention,
     "cross_entropy": cross_entropy,

@@ -172,7 +172,8 @@ def moe_unpermute(
     ``out[sorted_indices[i]] += permuted[i] * probs[t_i, e_i]`` (the weight only when ``probs`` is
     given; it needs the ``routing_map`` that permuted the rows to know each row's expert), summed in
     at least fp32; ``out`` has ``restore_shape = (T, H)`` and ``permuted.dtype``. A token routed
-    nowhere gets zeros. Gradients flow to ``permuted`` and ``probs``.
+    nowhere gets zeros. Gradients flow to ``permuted`` and ``probs``; without ``probs`` backward keeps
+    only the indices (the MoE layer's combine: the experts weighted their rows).
     """
     if probs is not None and routing_map is None:
         raise ValueError("moe_unpermute: probs need the routing_map that permuted the tokens")
@@ -180,8 +181,10 @@ def moe_unpermute(
     if probs is not None:
         row_probs = probs.t().masked_select(routing_map.bool().t())
         rows = rows * row_probs.to(rows.dtype)[:, None]
-    out = rows.new_zeros(tuple(restore_shape))
-    out = out.index_add(0, sorted_indices, rows)
+    # scatter_add, not index_add: its backward is a gather by the index alone, while autograd's
+    # index_add keeps the rows [N, H] (to expand the gradient to their shape)
+    index = sorted_indices[:, None].expand(-1, rows.shape[1])
+    out = rows.new_zeros(tuple(restore_shape)).scatter_add(0, index, rows)
     return out.to(permuted.dtype)
 
 

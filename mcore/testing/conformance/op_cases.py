@@ -42,6 +42,7 @@ from mcore.testing.conformance.op_inputs import (
     rotary_freqs,
     scaled_grouped_gemm_make,
     scaled_linear_make,
+    weighted_swiglu_make,
 )
 
 
@@ -195,6 +196,10 @@ OP_CASES: tuple[OpCase, ...] = (
         grad_args=(0,),
     ),
     OpCase("swiglu", "swiglu", lambda dt, g: ([randn(g, 4, 8, 128, dtype=dt)], {}), grad_args=(0,)),
+    # the MoE experts' activation: the weights' gradient sums a row (reduction bounds for the grads)
+    OpCase("weighted_swiglu", "weighted_swiglu", weighted_swiglu_make(), grad_args=(0, 1)),
+    OpCase("weighted_swiglu_odd_width", "weighted_swiglu", weighted_swiglu_make(7, 2 * 37), grad_args=(0, 1)),
+    OpCase("weighted_swiglu_no_rows", "weighted_swiglu", weighted_swiglu_make(0), grad_args=(0, 1)),
     OpCase(
         "bias_dropout_add",
         "bias_dropout_add",

@@ -345,6 +345,18 @@ def moe_routing(gen: torch.Generator, empty: bool = False) -> tuple[torch.Tensor
     return probs, routing_map
 
 
+def weighted_swiglu_make(rows: int = 24, width: int = 96):
+    """``weighted_swiglu`` of ``x [rows, width]`` (gate first) with fp32 weights in ``[0, 1)`` (the
+    router's probabilities; one row's 0, a padded row's); ``rows=0``: a rank with no routed token."""
+
+    def make(dtype, gen):
+        weights = torch.rand(rows, generator=gen)
+        weights[: min(rows, 1)] = 0.0
+        return [randn(gen, rows, width, dtype=dtype), weights], {}
+
+    return make
+
+
 def moe_permute_make(with_probs: bool = True, empty: bool = False):
     """``moe_permute`` of ``[12, 32]`` tokens (hidden a multiple of 16 bytes)."""
 

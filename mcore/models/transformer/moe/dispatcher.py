@@ -3,23 +3,26 @@ outputs back (Megatron's ``token_dispatcher.py``). Collectives are core code (to
 the MoE groups); the permutations are the op table's ``moe_permute`` / ``moe_unpermute``.
 
 Both dispatchers take the local tokens ``x`` [T, H] with ``probs`` [T, E] and ``routing_map`` [T, E]
-of all ``E`` experts, and return ``dispatch -> (rows [N, H], tokens_per_expert [E_local])`` with
-the rows grouped by local expert (expert order), and ``combine(rows_out) -> [T, H]``, which sums
-each token's expert outputs weighted by its probs. EP rank ``r`` holds experts
-``[r E_local, (r+1) E_local)``.
+of all ``E`` experts, and return ``dispatch -> (rows [N, H], tokens_per_expert [E_local],
+row_probs [N])`` with the rows grouped by local expert (expert order) and ``row_probs[i]`` the
+probability of row ``i``'s (token, expert) pair (fp32, differentiable: the experts apply it in their
+activation, Megatron's ``moe_apply_probs_on_input=False`` way), and ``combine(rows_out) -> [T, H]``,
+which sums each token's (already weighted) expert outputs: an unweighted unpermute, which keeps
+nothing for backward but the indices. EP rank ``r`` holds experts ``[r E_local, (r+1) E_local)``.
 
 * :class:`AllGatherDispatcher` (``allgather``, the default): all-gather ``x``,
   ``probs`` and the map over ``tp_ep`` (ETP x EP ranks, ETP fastest), permute the gathered tokens
-  to the local experts; combine unpermutes them (weighted) into the gathered shape and
+  and their probs to the local experts; combine unpermutes them (a sum) into the gathered shape and
   reduce-scatters over ``tp_ep``, which also sums the ETP ranks' partial FFN outputs.
 * :class:`AllToAllDispatcher` (``alltoall``): permute the local tokens by expert (rows ordered by
-  destination EP rank), exchange the per-expert counts, then the rows (``all_to_all_single`` with
-  those split sizes) over ``ep``, and regroup the received rows from source-major to local-expert
-  major. With ETP > 1 the received rows are then all-gathered over ``etp`` (unequal counts: each ETP
+  destination EP rank), exchange the per-expert counts, then the rows and their probs (``all_to_all_single``
+  with those split sizes, the fp32 probs as a second exchange) over ``ep``, and regroup the received
+  rows from source-major to local-expert major. With ETP > 1 the received rows are then all-gathered over ``etp`` (unequal counts: each ETP
   rank holds its own sequence shard's tokens), so every ETP rank computes its FFN slice for all of
-  them; combine sums the partial outputs over ``etp`` and keeps each rank's own rows. Combine runs
-  these steps backwards and unpermutes with the probs. The split sizes are read on the host (one
-  sync per layer and micro-batch).
+  them (the probs likewise); combine sums the partial outputs over ``etp`` and keeps each rank's own
+  rows. Combine runs these steps backwards and unpermutes (a sum). The probs' exchanges send their
+  gradients back in backward. The split sizes are read on the host (one sync per layer and
+  micro-batch).
 
 A rank or expert receiving no token gets empty tensors and works through (zero-row GEMMs).
 """
@@ -69,15 +72,16 @@ class AllGatherDispatcher:
             probs = gather_from_sequence_parallel_region(probs, group)
             routing_map = _all_gather(routing_map, group)
         self.gathered_shape = x.shape
-        self.probs = probs[:, self.local]
         self.routing_map = routing_map[:, self.local]
         # With every expert local, a dropless map routes exactly T * topk pairs: said to the op, it
         # permutes without a host sync.
         every_expert_local = self.num_local_experts == routing_map.shape[1]
         num_out = x.shape[0] * topk if topk is not None and every_expert_local else None
-        rows, _, self.sorted_indices = get_ops().moe_permute(x, self.routing_map, num_out_tokens=num_out)
+        rows, row_probs, self.sorted_indices = get_ops().moe_permute(
+            x, self.routing_map, probs=probs[:, self.local], num_out_tokens=num_out
+        )
         self.local_tokens = x if group_size(group) == 1 else None
-        return rows, self.routing_map.sum(dim=0)
+        return rows, self.routing_map.sum(dim=0), row_probs
 
     def rows_recipe(self):
         """``(function, *args)`` that recompute the rows :meth:`dispatch` returned from tensors backward
@@ -86,14 +90,11 @@ class AllGatherDispatcher:
         return None if tokens is None else (gather_rows, tokens, self.sorted_indices)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        # the rows are weighted already (the experts' activation): a plain sum per token
         out = get_ops().moe_unpermute(
-            rows,
-            self.sorted_indices,
-            tuple(self.gathered_shape),
-            probs=self.probs,
-            routing_map=self.routing_map,
+            rows, self.sorted_indices, tuple(self.gathered_shape), probs=None, routing_map=self.routing_map
         )
-        self.probs = self.routing_map = self.sorted_indices = None
+        self.routing_map = self.sorted_indices = None
         if group_size(self.groups.tp_ep) > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, self.groups.tp_ep)
         return out
@@ -112,12 +113,14 @@ class AllToAllDispatcher:
         self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, topk: int | None = None
     ):
         """``topk``: every token is routed to exactly this many experts (dropless), or None."""
-        self.shape, self.probs, self.routing_map = x.shape, probs, routing_map
+        self.shape, self.routing_map = x.shape, routing_map
         num_out = x.shape[0] * topk if topk is not None else None  # no host sync in the permute
-        rows, _, self.sorted_indices = get_ops().moe_permute(x, routing_map, num_out_tokens=num_out)
+        rows, row_probs, self.sorted_indices = get_ops().moe_permute(
+            x, routing_map, probs=probs, num_out_tokens=num_out
+        )
         self.local_tokens = x if self.ep == 1 and self.etp == 1 else None
         if self.ep == 1 and self.etp == 1:
-            return rows, routing_map.sum(dim=0)
+            return rows, routing_map.sum(dim=0), row_probs
         send_counts = routing_map.sum(dim=0).reshape(self.ep, self.num_local_experts)  # [dest, local e]
         recv_counts = send_counts
         if self.ep > 1:
@@ -125,15 +128,18 @@ class AllToAllDispatcher:
             dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.groups.ep)  # [src, e]
         self.send_splits = send_counts.sum(dim=1).tolist()
         self.recv_splits = recv_counts.sum(dim=1).tolist()
-        if self.ep > 1:
+        if self.ep > 1:  # the fp32 probs as an exchange of their own (the rows are bf16 in training)
             rows = _AllToAll.apply(rows, self.recv_splits, self.send_splits, self.groups.ep)
+            row_probs = _AllToAll.apply(row_probs, self.recv_splits, self.send_splits, self.groups.ep)
         if self.etp > 1:  # every ETP rank computes its FFN slice for the tokens of all of them
             recv_counts = all_gather_along_sequence(recv_counts.contiguous(), self.groups.etp)
             self.etp_sizes = recv_counts.reshape(self.etp, -1).sum(dim=1).tolist()
             rows = _AllGatherV.apply(rows, self.etp_sizes, self.groups.etp)  # [(etp src, ep src), local e]
+            row_probs = _AllGatherV.apply(row_probs, self.etp_sizes, self.groups.etp)
         self.recv_counts = recv_counts.tolist()
         # source-major [src][local e] -> expert-major [local e][src]
-        return _regroup(rows, self.recv_counts), recv_counts.sum(dim=0)
+        rows, row_probs = _regroup(rows, self.recv_counts), _regroup(row_probs, self.recv_counts)
+        return rows, recv_counts.sum(dim=0), row_probs
 
     def rows_recipe(self):
         """As :meth:`AllGatherDispatcher.rows_recipe`: only without EP and ETP (no exchange)."""
@@ -148,10 +154,10 @@ class AllToAllDispatcher:
             rows = _ReduceScatterV.apply(rows, self.etp_sizes, self.groups.etp)
         if self.ep > 1:
             rows = _AllToAll.apply(rows, self.send_splits, self.recv_splits, self.groups.ep)
-        out = get_ops().moe_unpermute(
-            rows, self.sorted_indices, tuple(self.shape), probs=self.probs, routing_map=self.routing_map
+        out = get_ops().moe_unpermute(  # weighted rows (the experts' activation): a plain sum
+            rows, self.sorted_indices, tuple(self.shape), probs=None, routing_map=self.routing_map
         )
-        self.probs = self.routing_map = self.sorted_indices = None
+        self.routing_map = self.sorted_indices = None
         return out
 
 

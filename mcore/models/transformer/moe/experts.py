@@ -1,18 +1,27 @@
 """The routed experts: a SwiGLU or GeLU MLP per expert, run as grouped GEMMs of the op table.
 
 Input rows ``x`` [N, H] arrive grouped by local expert in expert order with ``tokens_per_expert``
-[E_local] (the dispatcher's output). Then::
+[E_local] and each row's routing probability ``p`` [N] fp32 (the dispatcher's output). Then::
 
     h = grouped_gemm(x, fc1, counts)        fc1 [E_local, 2F/etp, H] = [gate; up] (SwiGLU) or [E_local, F/etp, H]
-    a = swiglu(h) or gelu(h)                (+ fc1's bias rows first, when biases are on)
-    y = grouped_gemm(a, fc2, counts)        fc2 [E_local, H, F/etp]   (+ fc2's bias rows)
+    a = p * swiglu(h) or p * gelu(h)        (+ fc1's bias rows first, when biases are on)
+    y = grouped_gemm(a, fc2, counts)        fc2 [E_local, H, F/etp]   (+ fc2's bias rows times p)
+
+so ``y = p (W2 act(h) + b2)``: the rows come out weighted and the combine only sums them (Megatron's
+``activation_func_with_probs``; ``W2 (p a) = p (W2 a)``, one rounding apart in bf16). The probability
+is applied in the activation rather than on the output rows because its gradient
+``dp = <dy, W2 act(h) + b2> = <dy W2, act(h)> + <dy, b2>`` then needs only the activation input ``h``
+(kept for the activation's own backward), not the output rows ``[N, H]`` that a weighted combine
+would keep: SwiGLU through the ``weighted_swiglu`` op, GeLU through :class:`_WeightedActivation`,
+both keeping ``h`` and ``p`` only (the weighted activation itself is fc2's saved input, or its
+recipe).
 
 With expert tensor parallelism (``etp > 1``) each rank holds ``F/etp`` of every local expert's FFN
 and ``y`` is a partial sum, reduced by the dispatcher's combine. ``--moe-grouped-gemm`` is accepted
 for Megatron scripts: this grouped path (``get_ops().grouped_gemm``, one kernel per projection where
 the backend has one) is the only one. With ``--fp8-format`` and a backend with a scaled grouped GEMM
 both projections run FP8 (:mod:`mcore.fp8.grouped`: ``scaled_grouped_gemm`` of the op table). ``--recompute-modules moe_act`` keeps no activation output:
-fc2 saves a recipe and its backward recomputes it from ``h``.
+fc2 saves a recipe and its backward recomputes it from ``h`` (and ``p``).
 
 Parameter names (Megatron's, section 4 of the interface notes): ``linear_fc1.weight``,
 ``linear_fc2.weight`` (and ``linear_fc1.bias`` [E, 2F], ``linear_fc2.bias`` [E, H] with biases).
@@ -97,8 +106,9 @@ class GroupedMLP(torch.nn.Module):
         else:
             self.linear_fc1.bias = self.linear_fc2.bias = None
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """``x`` [N, H] grouped by local expert -> [N, H] (partial over ETP)."""
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, H] grouped by local expert, ``probs`` [N] each row's routing probability ->
+        ``p * expert(x)`` [N, H] (partial over ETP)."""
         ops = get_ops()
         fc1_weight, fc2_weight = self._weight(self.linear_fc1.weight), self._weight(self.linear_fc2.weight)
         counts = tokens_per_expert.to(torch.int64)
@@ -106,13 +116,13 @@ class GroupedMLP(torch.nn.Module):
         gemm = ops.grouped_gemm if self.fp8_margin is None else self._fp8_gemm
         h = gemm(x, fc1_weight, counts)
         if self.recompute_activation and self.training and torch.is_grad_enabled():
-            a = self.activation(h, fc1_bias)
-            with RecomputeWhenSaved(a, self.activation, h, fc1_bias):
+            a = self.activation(h, fc1_bias, probs)
+            with RecomputeWhenSaved(a, self.activation, h, fc1_bias, probs):
                 y = gemm(a, fc2_weight, counts)
         else:
-            y = gemm(self.activation(h, fc1_bias), fc2_weight, counts)
+            y = gemm(self.activation(h, fc1_bias, probs), fc2_weight, counts)
         fc2_bias = self._bias_rows(self.linear_fc2.bias, counts, x.shape[0])
-        return y if fc2_bias is None else y + fc2_bias
+        return y if fc2_bias is None else y + _scale_rows(fc2_bias, probs)
 
     def _weight(self, weight: torch.Tensor) -> torch.Tensor:
         """A grouped weight as the GEMM takes it: its gradient goes to ``main_grad`` in the backward
@@ -128,12 +138,12 @@ class GroupedMLP(torch.nn.Module):
     def _fp8_gemm(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return fp8_grouped_gemm(x, weight, counts, self.fp8_margin)
 
-    def activation(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ops = get_ops()
+    def activation(self, h: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor) -> torch.Tensor:
+        """``p * act(h + bias)`` [N, F] in ``h``'s dtype (the product in fp32)."""
         h = h if bias is None else h + bias  # per-row biases (each row's expert): added here
         if self.activation_kind == "swiglu":
-            return ops.swiglu(h)
-        return ops.bias_gelu(h, None, "tanh" if self.activation_kind == "gelu_tanh" else "none")
+            return get_ops().weighted_swiglu(h, probs)
+        return _WeightedActivation.apply(h, probs, "tanh" if self.activation_kind == "gelu_tanh" else "none")
 
     @staticmethod
     def _bias_rows(bias: torch.Tensor | None, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -141,3 +151,43 @@ class GroupedMLP(torch.nn.Module):
         if bias is None:
             return None
         return bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=rows)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scale_rows(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``rows * probs[:, None]`` in (at least) fp32, rounded to ``rows``' dtype."""
+    return (_wide(rows) * _wide(probs)[:, None]).to(rows.dtype)
+
+
+def _gelu(h: torch.Tensor, approximate: str) -> torch.Tensor:
+    return get_ops().bias_gelu(h, None, approximate)
+
+
+class _WeightedActivation(torch.autograd.Function):
+    """``(gelu(h) * p[:, None]).to(h.dtype)`` (the product in at least fp32) keeping ``h`` and ``p`` only: backward recomputes
+    ``gelu(h)`` (the op table's) for ``dp = sum_f dy gelu(h)`` (fp32) and ``dh = gelu'(h) (dy p)``.
+
+    Plain autograd would keep ``gelu(h)`` in fp32 for ``p``'s gradient: twice the activation this
+    weighting exists not to keep."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, probs: torch.Tensor, approximate: str) -> torch.Tensor:
+        ctx.save_for_backward(h, probs)
+        ctx.approximate = approximate
+        return _scale_rows(_gelu(h, approximate), probs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        h, probs = ctx.saved_tensors
+        with torch.enable_grad():
+            h_ = h.detach().requires_grad_(ctx.needs_input_grad[0])
+            a = _gelu(h_, ctx.approximate)
+        dh = dp = None
+        if ctx.needs_input_grad[0]:
+            (dh,) = torch.autograd.grad(a, h_, _scale_rows(dy, probs).to(a.dtype))
+        if ctx.needs_input_grad[1]:
+            dp = (_wide(dy) * _wide(a.detach())).sum(-1).to(probs.dtype)
+        return dh, dp, None

@@ -3,10 +3,14 @@
 For hidden states ``x`` [s, b, H] (``[s/tp, b, H]`` with sequence parallelism: each TP rank routes
 its own tokens)::
 
-    probs, routing_map = router(x)                       [T, E], T = s*b
-    rows, counts = dispatcher.dispatch(x, probs, map)    rows grouped by local expert
-    y = dispatcher.combine(experts(rows, counts))        [T, H]: sum_e probs[t, e] * expert_e(x_t)
-    y = y + shared_experts(x)                            (with --moe-shared-expert-intermediate-size)
+    probs, routing_map = router(x)                          [T, E], T = s*b
+    rows, counts, p = dispatcher.dispatch(x, probs, map)    rows grouped by local expert, p [N] theirs
+    y = dispatcher.combine(experts(rows, counts, p))        [T, H]: sum_e probs[t, e] * expert_e(x_t)
+    y = y + shared_experts(x)                               (with --moe-shared-expert-intermediate-size)
+
+The experts apply each row's probability inside their activation (``p * act(h)``, Megatron's way) and
+combine sums the weighted rows: the probabilities' gradient then needs only the activation's input,
+and the experts' output rows ``[T * topk, H]`` are not kept for backward (see :mod:`.experts`).
 
 At TP > 1 without sequence parallelism (generation) every TP rank holds all tokens; the allgather
 dispatcher then gathers TP copies of them over ``tp_ep``, and since combine's reduce-scatter returns
@@ -110,12 +114,12 @@ class MoELayer(torch.nn.Module):
         probs, routing_map = self.router(x)
         tokens = x.reshape(-1, shape[-1])
         dropless = self.router.moe.moe_expert_capacity_factor is None
-        rows, counts = self.dispatcher.dispatch(
+        rows, counts, row_probs = self.dispatcher.dispatch(
             tokens, probs, routing_map, self.router.topk if dropless else None
         )
         recipe = self.dispatcher.rows_recipe()  # the rows are saved as a recipe where they can be
         with RecomputeWhenSaved(rows, *recipe) if recipe is not None else contextlib.nullcontext():
-            expert_out = self.experts(rows, counts)
+            expert_out = self.experts(rows, counts, row_probs)
         out = self.dispatcher.combine(expert_out).reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)[0]
