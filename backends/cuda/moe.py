@@ -155,9 +155,11 @@ class Permute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, sorted_indices):
+        from .triton_kernels import moe_unpermute as kernels
+
         ctx.save_for_backward(sorted_indices)
         ctx.num_tokens = tokens.shape[0]
-        return tokens.index_select(0, sorted_indices)
+        return kernels.gather_rows(tokens, sorted_indices)
 
     @staticmethod
     def backward(ctx, d_rows):
@@ -196,6 +198,15 @@ class Unpermute(torch.autograd.Function):
     def backward(ctx, dout):
         rows, sorted_indices, row_probs = ctx.saved_tensors
         if row_probs is None:  # a plain sum: each row's gradient is its token's
+            if ctx.triton:
+                from .triton_kernels import moe_unpermute as kernels
+
+                return (
+                    kernels.gather_rows(dout.contiguous(), sorted_indices).to(ctx.rows_dtype),
+                    None,
+                    None,
+                    None,
+                )
             return dout.index_select(0, sorted_indices).to(ctx.rows_dtype), None, None, None
         if ctx.triton:
             from .triton_kernels import moe_unpermute as kernels

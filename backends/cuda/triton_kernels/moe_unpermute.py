@@ -121,3 +121,36 @@ def unpermute_backward(
         hidden, HAS_PROBS=has_probs, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return d_rows, d_probs
+
+
+# --- row gather --------------------------------------------------------------------------------------
+
+GATHER_BLOCK_ROWS, GATHER_BLOCK_H, GATHER_WARPS = 16, 512, 4
+"""Tiles of 16 rows x 512 columns: on an H200, gathering 65,536 rows of 2048 bf16 from 8192 tokens
+(OLMoE's top-8 permutation) took 91.6 us against ``index_select``'s 123.5 us (``do_bench``; 1 x 2048:
+112.3 us, 4 x 1024: 101.2 us); a plain copy of the same output size takes 130 us."""
+
+
+@triton.jit
+def _gather_rows_kernel(src, index, out, n, hidden, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < n
+    source = tl.load(index + rows, mask=rmask, other=0).to(tl.int64)
+    mask = rmask[:, None] & (cols < hidden)[None, :]
+    x = tl.load(src + source[:, None] * hidden + cols[None, :], mask=mask)
+    tl.store(out + rows.to(tl.int64)[:, None] * hidden + cols[None, :], x, mask=mask)
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src.index_select(0, index)`` for a contiguous 2-D ``src`` (the rows of a permutation: many
+    rows read several times, from L2): tiles of several rows, 16-byte accesses."""
+    n, hidden = index.numel(), src.shape[1]
+    out = src.new_empty(n, hidden)
+    if n == 0 or hidden == 0:
+        return out
+    grid = (triton.cdiv(n, GATHER_BLOCK_ROWS), triton.cdiv(hidden, GATHER_BLOCK_H))
+    _gather_rows_kernel[grid](
+        src, index, out, n, hidden, BLOCK_ROWS=GATHER_BLOCK_ROWS, BLOCK=GATHER_BLOCK_H, num_warps=GATHER_WARPS
+    )
+    return out
