@@ -278,3 +278,27 @@ def test_the_combine_keeps_no_rows_sized_tensor_for_backward(dispatcher):
     assert saved <= bound, (saved, bound)
     assert saved + 4 * n * hidden > bound  # the output rows would not fit
     out.sum().backward()
+
+
+def test_rows_padded_to_capacity_carry_probability_zero_and_add_nothing():
+    """``--moe-pad-expert-input-to-capacity`` with a capacity of every token (nothing dropped): each
+    expert also computes the tokens not routed to it, with probability 0, so (GeLU experts, fc2's bias
+    weighted too) the output and gradients are the dropless layer's."""
+    dropless = _fp32_layer(moe_router_pre_softmax=True)
+    padded = _fp32_layer(
+        moe_router_pre_softmax=True,
+        moe_expert_capacity_factor=float(E),
+        moe_pad_expert_input_to_capacity=True,
+    )
+    x = torch.randn(4, 2, H, requires_grad=True)
+    rows = []
+    padded.experts.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    outs, grads = [], []
+    for layer in (dropless, padded):
+        out = layer(x)[0]
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), [x, *layer.parameters()]))
+    assert rows == [8 * E]  # every expert got every token (those not routed to it padded in)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -54,18 +54,19 @@ class _WeightedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        # autograd's steps through swiglu, written out (no autograd.grad: torch.compile traces this)
         x, weights = ctx.saved_tensors
-        with torch.enable_grad():
-            x_ = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            s = swiglu(x_)
+        gate, up = x.chunk(2, dim=-1)
+        silu = F.silu(gate)
         compute = torch.promote_types(grad_output.dtype, torch.float32)
         dy = grad_output.to(compute)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             # d/ds of (s.float() * w).to(dtype): dy * w, in s's dtype (the rounding passes the gradient)
-            (grad_x,) = torch.autograd.grad(s, x_, (dy * weights.to(compute)[:, None]).to(s.dtype))
+            ds = (dy * weights.to(compute)[:, None]).to(x.dtype)
+            grad_x = torch.cat((torch.ops.aten.silu_backward(ds * up, gate), ds * silu), dim=-1)
         if ctx.needs_input_grad[1]:
-            grad_w = (dy * s.detach().to(compute)).sum(-1).to(weights.dtype)
+            grad_w = (dy * (silu * up).to(compute)).sum(-1).to(weights.dtype)
         return grad_x, grad_w
 
 

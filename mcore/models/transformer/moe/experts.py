@@ -167,8 +167,9 @@ def _gelu(h: torch.Tensor, approximate: str) -> torch.Tensor:
 
 
 class _WeightedActivation(torch.autograd.Function):
-    """``(gelu(h) * p[:, None]).to(h.dtype)`` (the product in at least fp32) keeping ``h`` and ``p`` only: backward recomputes
-    ``gelu(h)`` (the op table's) for ``dp = sum_f dy gelu(h)`` (fp32) and ``dh = gelu'(h) (dy p)``.
+    """``(gelu(h) * p[:, None]).to(h.dtype)`` (the product in at least fp32) keeping ``h`` and ``p``
+    only: backward recomputes ``gelu(h)`` (the op table's) for ``dp = sum_f dy gelu(h)`` (fp32) and
+    takes ``dh = gelu'(h) (dy p)`` from aten's ``gelu_backward`` (traceable by torch.compile).
 
     Plain autograd would keep ``gelu(h)`` in fp32 for ``p``'s gradient: twice the activation this
     weighting exists not to keep."""
@@ -182,12 +183,11 @@ class _WeightedActivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         h, probs = ctx.saved_tensors
-        with torch.enable_grad():
-            h_ = h.detach().requires_grad_(ctx.needs_input_grad[0])
-            a = _gelu(h_, ctx.approximate)
         dh = dp = None
         if ctx.needs_input_grad[0]:
-            (dh,) = torch.autograd.grad(a, h_, _scale_rows(dy, probs).to(a.dtype))
+            dh = torch.ops.aten.gelu_backward(
+                _scale_rows(dy, probs).to(h.dtype), h, approximate=ctx.approximate
+            )
         if ctx.needs_input_grad[1]:
-            dp = (_wide(dy) * _wide(a.detach())).sum(-1).to(probs.dtype)
+            dp = (_wide(dy) * _wide(_gelu(h, ctx.approximate))).sum(-1).to(probs.dtype)
         return dh, dp, None
