@@ -64,7 +64,7 @@ def _tokens(rank: int, starve_rank1: bool):
 def _layer(groups, dispatcher: str, etp_rank: int, etp: int, ep_rank: int, ep: int):
     cfg = ModelConfig(
         num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=T, ffn_hidden_size=F, swiglu=True,
-        disable_bias_linear=True, num_experts=E, moe_router_topk=K, moe_router_dtype="fp64",
+        disable_bias_linear=False, num_experts=E, moe_router_topk=K, moe_router_dtype="fp64",
         moe_token_dispatcher_type=dispatcher,
     )  # fmt: skip
     layer = MoELayer(cfg, BuildContext(params_dtype=torch.float64), groups=groups).double()
@@ -72,12 +72,15 @@ def _layer(groups, dispatcher: str, etp_rank: int, etp: int, ep_rank: int, ep: i
     router = torch.randn(E, H, dtype=torch.float64)
     fc1 = torch.randn(E, 2, F, H, dtype=torch.float64)  # [gate; up] halves, each split over ETP
     fc2 = torch.randn(E, H, F, dtype=torch.float64)
+    fc1_bias, fc2_bias = torch.randn(E, 2, F, dtype=torch.float64), torch.randn(E, H, dtype=torch.float64)
     experts = slice(ep_rank * E // ep, (ep_rank + 1) * E // ep)
     cols = slice(etp_rank * F // etp, (etp_rank + 1) * F // etp)
     with torch.no_grad():
         layer.router.weight.copy_(router)
         layer.experts.linear_fc1.weight.copy_(fc1[experts, :, cols].reshape(E // ep, -1, H))
         layer.experts.linear_fc2.weight.copy_(fc2[experts, :, cols])
+        layer.experts.linear_fc1.bias.copy_(fc1_bias[experts, :, cols].reshape(E // ep, -1))
+        layer.experts.linear_fc2.bias.copy_(fc2_bias[experts])  # whole on every ETP rank
     return layer
 
 
@@ -92,6 +95,8 @@ def _grads(layer, x):
         layer.router.weight.grad,
         experts.linear_fc1.weight.grad,
         experts.linear_fc2.weight.grad,
+        experts.linear_fc1.bias.grad,
+        experts.linear_fc2.bias.grad,
     )
 
 
@@ -114,11 +119,18 @@ def _cases():
         # expert gradients sum over the ranks that send tokens to this rank's experts (tp_ep); slice
         fc1_ref = ref[3].clone().reshape(E, 2, F, H)
         fc2_ref = ref[4].clone()
-        dist.all_reduce(fc1_ref, group=groups.tp_ep)
-        dist.all_reduce(fc2_ref, group=groups.tp_ep)
+        fc1_bias_ref, fc2_bias_ref = ref[5].clone().reshape(E, 2, F), ref[6].clone()
+        for t in (fc1_ref, fc2_ref, fc1_bias_ref, fc2_bias_ref):
+            dist.all_reduce(t, group=groups.tp_ep)
         experts = slice(ep_rank * E // ep, (ep_rank + 1) * E // ep)
         cols = slice(etp_rank * F // etp, (etp_rank + 1) * F // etp)
-        want = (*ref[:3], fc1_ref[experts, :, cols].reshape(E // ep, -1, H), fc2_ref[experts, :, cols])
+        want = (
+            *ref[:3],
+            fc1_ref[experts, :, cols].reshape(E // ep, -1, H),
+            fc2_ref[experts, :, cols],
+            fc1_bias_ref[experts, :, cols].reshape(E // ep, -1),
+            fc2_bias_ref[experts],  # fc2's bias counted once in the output, its gradient on every ETP rank
+        )
         for dispatcher in ["allgather", "alltoall"]:
             got = _grads(_layer(groups, dispatcher, etp_rank, etp, ep_rank, ep), x)
             out[f"layer {name} {dispatcher}"] = [
@@ -132,4 +144,4 @@ def test_dispatch_combine_and_layer_equivalence_on_four_processes():
     for rank, result in enumerate(results):
         assert len(result) == 18, result
         for case, value in result.items():
-            assert all(value), (rank, case, value)
+            assert all(value), (rank, case, [int(v) for v in value])

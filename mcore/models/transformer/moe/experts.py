@@ -77,6 +77,7 @@ class GroupedMLP(torch.nn.Module):
         *,
         ep_size: int,
         etp_size: int,
+        etp_rank: int = 0,
         add_bias: bool,
         activation: str,
         recompute_activation: bool,
@@ -87,6 +88,7 @@ class GroupedMLP(torch.nn.Module):
     ):
         super().__init__()
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.etp_rank = etp_rank  # fc2's bias joins the partial sum of ETP rank 0 only
         self.fp8_margin = fp8_margin  # not None: the grouped GEMMs run FP8 (mcore.fp8.grouped)
         e, h, f = moe.num_experts, moe.hidden_size, moe.ffn_hidden_size
         self.num_local_experts = e // ep_size
@@ -122,7 +124,10 @@ class GroupedMLP(torch.nn.Module):
         else:
             y = gemm(self.activation(h, fc1_bias, probs), fc2_weight, counts)
         fc2_bias = self._bias_rows(self.linear_fc2.bias, counts, x.shape[0])
-        return y if fc2_bias is None else y + _scale_rows(fc2_bias, probs)
+        if fc2_bias is None:
+            return y
+        first = self.etp_rank == 0  # the probs' gradient through the bias term, once over ETP
+        return _AddOnFirstRank.apply(y, _scale_rows(fc2_bias, probs if first else probs.detach()), first)
 
     def _weight(self, weight: torch.Tensor) -> torch.Tensor:
         """A grouped weight as the GEMM takes it: its gradient goes to ``main_grad`` in the backward
@@ -164,6 +169,23 @@ def _scale_rows(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 def _gelu(h: torch.Tensor, approximate: str) -> torch.Tensor:
     return get_ops().bias_gelu(h, None, approximate)
+
+
+class _AddOnFirstRank(torch.autograd.Function):
+    """``y + b`` on the first ETP rank, ``y`` on the others; ``b``'s gradient on every rank.
+
+    With expert tensor parallelism each ETP rank's ``y`` is a partial sum that the combine adds up
+    over ETP, so fc2's bias joins one of them; its gradient (the combined output's, the same on every
+    ETP rank) reaches the bias on every rank, which all hold it whole. (The other ranks pass their
+    bias rows scaled by detached probs: the probs' gradient, summed over ETP, counts the term once.)"""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias_rows: torch.Tensor, first: bool) -> torch.Tensor:
+        return y + bias_rows if first else y.clone()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return dy, dy, None
 
 
 class _WeightedActivation(torch.autograd.Function):

@@ -83,6 +83,7 @@ class MoELayer(torch.nn.Module):
             moe,
             ep_size=self.groups.ep_size,
             etp_size=self.groups.etp_size,
+            etp_rank=self.groups.etp_rank,
             add_bias=config.add_bias_linear,
             activation=_activation(config),
             recompute_activation="moe_act" in config.selective_recompute_modules,
