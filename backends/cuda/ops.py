@@ -192,9 +192,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         and x.shape[-1] % 2 == 0
         and on_kernel_device(x)
     ):
-        from .triton_kernels import activations
+        from .triton_kernels import swiglu as kernels
 
-        return activations.swiglu(x)
+        return kernels.swiglu(x)
     return reference.swiglu(x)
 
 
@@ -211,9 +211,9 @@ def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         and weights.shape == (x.shape[0],)
         and on_kernel_device(x, weights)
     ):
-        from .triton_kernels import activations
+        from .triton_kernels import swiglu as kernels
 
-        return activations.weighted_swiglu(x, weights)
+        return kernels.weighted_swiglu(x, weights)
     return reference.weighted_swiglu(x, weights)
 
 

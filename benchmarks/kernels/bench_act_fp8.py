@@ -81,6 +81,7 @@ def _same(a, b) -> bool:
 def _bench_kind(kind, m, width, has_bias, sweep, record, identity=None) -> None:
     from mcore.backends.cuda.triton_kernels import act_fp8, activations
     from mcore.backends.cuda.triton_kernels import fp8_cast as cast_kernels
+    from mcore.backends.cuda.triton_kernels import swiglu as swiglu_kernels
 
     dev = torch.device("cuda")
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -100,7 +101,7 @@ def _bench_kind(kind, m, width, has_bias, sweep, record, identity=None) -> None:
 
     def act_fwd():
         if swiglu:
-            return activations.swiglu_fwd(h if bias is None else h + bias)
+            return swiglu_kernels.swiglu_fwd(h if bias is None else h + bias)
         return activations.bias_gelu_fwd(h, bias, tanh)
 
     def unfused_fwd():
@@ -111,7 +112,7 @@ def _bench_kind(kind, m, width, has_bias, sweep, record, identity=None) -> None:
 
     def act_bwd():
         if swiglu:
-            return activations.swiglu_bwd(dy, h), None
+            return swiglu_kernels.swiglu_bwd(dy, h), None
         return activations.bias_gelu_bwd(dy, h, bias, tanh)
 
     def unfused_bwd():

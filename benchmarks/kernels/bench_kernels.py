@@ -312,6 +312,7 @@ def sweep(kernels: set[str] | None = None) -> list[dict]:
     the benchmark shapes; print the best."""
     import triton
     from mcore.backends.cuda.triton_kernels import activations, cross_entropy, norms, rotary
+    from mcore.backends.cuda.triton_kernels import swiglu as swiglu_kernels
 
     m, h = TOKENS, HIDDEN
     out = []
@@ -401,8 +402,8 @@ def sweep(kernels: set[str] | None = None) -> list[dict]:
         for nw in (4, 8)
         if 2048 <= bn * bm <= 16384
     ]
-    run("swiglu_fwd", 3 * m * FFN * 2, lambda c: activations.swiglu_fwd(xs, c), tile_cfgs)
-    run("swiglu_bwd", 5 * m * FFN * 2, lambda c: activations.swiglu_bwd(dys, xs, c), tile_cfgs)
+    run("swiglu_fwd", 3 * m * FFN * 2, lambda c: swiglu_kernels.swiglu_fwd(xs, c), tile_cfgs)
+    run("swiglu_bwd", 5 * m * FFN * 2, lambda c: swiglu_kernels.swiglu_bwd(dys, xs, c), tile_cfgs)
 
     lg = _randn(m, VOCAB, scale=2.0)
     labels = torch.randint(0, VOCAB, (m,), device="cuda")

@@ -73,6 +73,7 @@ def _checks(device) -> int:
     from mcore.backends.cuda.triton_kernels import act_fp8 as kernels
     from mcore.backends.cuda.triton_kernels import activations
     from mcore.backends.cuda.triton_kernels import fp8_cast as cast_kernels
+    from mcore.backends.cuda.triton_kernels import swiglu as swiglu_kernels
 
     from mcore.ops import reference
     from mcore.testing import conformance
@@ -156,7 +157,7 @@ def _checks(device) -> int:
                     slot, slot_unfused = (torch.full((3,), start, device=device) for _ in range(2))
                     got = dispatch.act_fp8_forward(h, b, kind, fp8, scale, slot[1:2], rowwise, columnwise)
                     if kind == "swiglu":
-                        y = activations.swiglu_fwd(x_unfused)
+                        y = swiglu_kernels.swiglu_fwd(x_unfused)
                     else:
                         y = activations.bias_gelu_fwd(h, b, tanh)
                     want = cast_kernels.cast(
@@ -184,7 +185,7 @@ def _checks(device) -> int:
                 slot, slot_unfused = torch.zeros(1, device=device), torch.zeros(1, device=device)
                 got = dispatch.act_fp8_backward(dy, h, b, kind, fp8, scale, slot, rowwise, columnwise)
                 if kind == "swiglu":
-                    dh = activations.swiglu_bwd(dy, x_unfused)
+                    dh = swiglu_kernels.swiglu_bwd(dy, x_unfused)
                     db_unfused = dh.float().sum(0).to(dtype) if has_bias else None
                 else:
                     dh, db_unfused = activations.bias_gelu_bwd(dy, h, b, tanh, config=unfused_bwd_cfg)
@@ -233,7 +234,7 @@ def _checks(device) -> int:
 
     # every forward tile autotuning may pick, and the autotuned launch, against the unfused path
     def unfused_forward(h, kind, fp8, scale, slot):
-        y = activations.swiglu_fwd(h) if kind == "swiglu" else activations.bias_gelu_fwd(h, None, False)
+        y = swiglu_kernels.swiglu_fwd(h) if kind == "swiglu" else activations.bias_gelu_fwd(h, None, False)
         return cast_kernels.cast(y, fp8, scale=scale, columnwise=True, amax_record=slot)
 
     _check_forward_tiles(device, originals["act_fp8_forward"], unfused_forward, same, failures, gen)

@@ -67,6 +67,7 @@ def _flat_adam_case(n: int, runs, mode: str, skip: bool, master_std: float):
 def _main() -> int:
     import torch
     from mcore.backends.cuda.triton_kernels import activations, norms
+    from mcore.backends.cuda.triton_kernels import swiglu as swiglu_kernels
 
     from mcore.ops import reference
 
@@ -240,11 +241,11 @@ def _main() -> int:
     for (m, f), dt in [((7, 37), torch.float32), ((5, 20), torch.bfloat16)]:
         x, w, dy = (torch.randn(m, 2 * f) * 2).to(dt), torch.rand(m), torch.randn(m, f).to(dt)
         w[0] = 0.0
-        fwd, bwd = activations.weighted_swiglu_fwd, activations.weighted_swiglu_bwd
+        fwd, bwd = swiglu_kernels.weighted_swiglu_fwd, swiglu_kernels.weighted_swiglu_bwd
         small = {"BLOCK_M": 4, "BLOCK_N": 16, "num_warps": 1}
         y = fwd(x, w, small)
         dx, dw = bwd(dy, x, w, small)
-        out, got = grads(activations.weighted_swiglu, [x, w], dy)
+        out, got = grads(swiglu_kernels.weighted_swiglu, [x, w], dy)
         ref, gold = grads(reference.weighted_swiglu, [x.double(), w.double()], dy.double())
         assert dx.dtype == dt and dw.dtype == torch.float32 and got[1].dtype == torch.float32
         errors = [_rel(y, ref), _rel(dx, gold[0]), _rel(dw, gold[1]), _rel(out, ref)]

@@ -1,5 +1,6 @@
 """The MLP's activations and the residual add: bias-GeLU (exact and tanh), SwiGLU, SwiGLU weighted
-per row (the MoE experts'), bias-dropout-add (kernels: ``backends/cuda/triton_kernels/activations.py``)."""
+per row (the MoE experts'), bias-dropout-add (kernels: ``backends/cuda/triton_kernels/activations.py``
+and ``swiglu.py``)."""
 
 from __future__ import annotations
 
