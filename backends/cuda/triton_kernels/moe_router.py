@@ -77,16 +77,24 @@ def _weights(logits, s, chosen, K: tl.constexpr, KIND: tl.constexpr):
 
 
 @triton.jit
-def _router_fwd_kernel(
-    LOGITS, BIAS, PROBS, MAP, T, E, scale,
-    K: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+def _load_logits(LOGITS, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's ``BLOCK_T`` rows of logits, fp32, padding at -inf; with the column index, the
+    column and element masks and the element offsets."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     cmask = (cols < E)[None, :]
     mask = (rows < T)[:, None] & cmask
     offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
     logits = tl.load(LOGITS + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    return cols, cmask, mask, offs, logits
+
+
+@triton.jit
+def _router_fwd_kernel(
+    LOGITS, BIAS, PROBS, MAP, T, E, scale,
+    K: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    cols, cmask, mask, offs, logits = _load_logits(LOGITS, T, E, BLOCK_T, BLOCK_E)
     s, c = _scores(logits, cmask, KIND)
     if HAS_BIAS:
         c = c + tl.load(BIAS + cols, mask=cols < E, other=0.0).to(tl.float32)[None, :]
@@ -102,12 +110,7 @@ def _router_bwd_kernel(
     LOGITS, MAP, DPROBS, DLOGITS, T, E, scale,
     K: tl.constexpr, KIND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    cmask = (cols < E)[None, :]
-    mask = (rows < T)[:, None] & cmask
-    offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
-    logits = tl.load(LOGITS + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    cols, cmask, mask, offs, logits = _load_logits(LOGITS, T, E, BLOCK_T, BLOCK_E)
     chosen = (tl.load(MAP + offs, mask=mask, other=0) != 0) & mask
     g = tl.where(chosen, tl.load(DPROBS + offs, mask=mask, other=0.0).to(tl.float32) * scale, 0.0)
     s, _ = _scores(logits, cmask, KIND)
