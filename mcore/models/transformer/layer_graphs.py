@@ -22,11 +22,18 @@ no-pipelining schedule (forward, backward, next micro-batch).
 
 Weight gradients fused into ``main_grad`` (gradient-accumulation fusion) are accumulated by the
 backward graph itself (``main_grad`` is a view of the persistent DDP buffer, so its address is fixed);
-autograd then receives a fresh placeholder, as in eager mode, which the DDP hook discards. The other
-parameter gradients (biases, norms) leave the graph as static tensors that autograd accumulates and
-the DDP hook adds to ``main_grad``. The hooks, and the bucketed reductions they start, run eagerly.
+autograd then receives a fresh placeholder, as in eager mode, which the DDP hook discards (the
+placeholders the capture produced are not kept). The other parameter gradients (biases, norms) leave
+the graph as static tensors that autograd accumulates and the DDP hook adds to ``main_grad``. The
+hooks, and the bucketed reductions they start, run eagerly.
 
-The FP8 linears write the step's first weight gradient over ``main_grad`` and add the later ones
+MoE layers replay when dropless with every expert on the rank (:func:`check_layer_graphs`): the
+experts' grouped weights write their gradients into ``main_grad`` in the backward like the FP8
+linears below, the routers add their log sums in place, the aux losses read a backward scale the
+schedule updates in place, and modules with ``snapshot_step_state``/``restore_step_state`` (the
+routers) get back the counts the capture's warm-up passes added.
+
+The FP8 linears (and the MoE experts' grouped weights) write the step's first weight gradient over ``main_grad`` and add the later ones
 (:mod:`mcore.tensor_parallel.first_grad`), a choice their backward makes in Python from the weight's
 ``main_grad_unwritten`` flag, which a replay does not run. So a layer with such weights gets one
 backward graph per form it needs: the writing form ``B_i^w`` (captured with the flags set) and, when
