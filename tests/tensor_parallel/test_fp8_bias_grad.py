@@ -45,7 +45,8 @@ from mcore.plugins.manager import plugin_manager, register_plugin
 from mcore.tensor_parallel.layers import RowParallelLinear
 from mcore.testing.conformance import training_rank
 from mcore.testing.ddp_steps import sgd_steps_on_main_grad
-from mcore.testing.distributed import run_distributed, test_backend_name
+from mcore.testing.distributed import run_distributed
+from mcore.testing.distributed import test_backend_name as backend_under_test
 from mcore.testing.op_trace import OpCallRecorder
 
 VOCAB, SEQ, BATCH, HIDDEN = 100, 16, 2, 32
@@ -257,7 +258,7 @@ PRETRAIN_ARGV = [
     "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "7", "--bf16",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
     "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1000",
-    "--fp8-format", "hybrid", "--device-backend", test_backend_name(),
+    "--fp8-format", "hybrid", "--device-backend", backend_under_test(),
 ]  # fmt: skip
 """GPT-2 style (biases, LayerNorm, GeLU, hidden dropout 0.1), 2 steps of 2 micro-batches, FP8."""
 
