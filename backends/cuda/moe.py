@@ -41,8 +41,6 @@ GROUPED_MM_ON_CPU = False
 """Let :func:`grouped_gemm` call ``torch._grouped_mm`` on CPU tensors (tests only: torch's CPU
 implementation runs the same autograd.Function without a GPU)."""
 
-_ROUTER_MAX_EXPERTS = 512  # the routing kernel keeps a row of experts in registers
-
 _ALIGN = 16  # bytes: the kernel's stride and base-address alignment
 
 
@@ -280,13 +278,14 @@ def moe_topk_routing(
         and logits.dim() == 2
         and logits.is_contiguous()
         and num_groups is None
-        and logits.shape[1] <= _ROUTER_MAX_EXPERTS
     )
+    if fits:  # Triton is there (on_kernel_device): the kernel module imports
+        from .triton_kernels import moe_router
+
+        fits = logits.shape[1] <= moe_router.MAX_EXPERTS
     if not fits:
         return reference.moe_topk_routing(logits, topk, **kwargs)
     check_routing_args(logits, topk, score_function, num_groups, group_topk, expert_bias)
-    from .triton_kernels import moe_router
-
     return moe_router.topk_routing(logits, topk, score_function, pre_softmax, scaling_factor, expert_bias)
 
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_EXPERTS = 512
+MAX_EXPERTS = 512  # a row of experts is kept in registers
 BLOCK_T = 16
 
 SOFTMAX, PRE_SOFTMAX, SIGMOID = 0, 1, 2

@@ -181,7 +181,7 @@ class _AddOnFirstRank(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias_rows: torch.Tensor, first: bool) -> torch.Tensor:
-        return y + bias_rows if first else y.clone()
+        return y + bias_rows if first else y.view_as(y)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
